@@ -1,0 +1,1 @@
+"""prhs-hf: Pre-hoc Sparsity (PrHS) KV selection for Hugging Face Transformers."""
