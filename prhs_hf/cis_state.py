@@ -1,0 +1,69 @@
+"""Per-layer state of Clustered Index Sharing: the anchors of the current block (SPEC §4).
+
+Fixed-shape device buffers updated without host synchronisation, so a decode step that uses
+them can be captured in a CUDA graph. Anchors hold real indices (left padding excluded), which
+stay valid while a sequence grows and follow their sequence under beam reordering.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["CISLayerState"]
+
+
+class CISLayerState:
+    """The block's anchors for every (sequence, query head) of one layer.
+
+    Attributes:
+        anchor_q: ``[B, Hq, s, D]`` fp32 unit query vectors.
+        anchor_idx: ``[B, Hq, s, k]`` int32 top-k middle indices of each anchor, best first, -1 padded.
+        anchor_count: ``[B, Hq]`` int32 number of valid anchors in the current block.
+        step: ``[]`` int64 decode steps taken since the last prefill.
+    """
+
+    def __init__(self, batch: int, heads: int, head_dim: int, block_size: int, topk: int, device: torch.device):
+        self.block_size = block_size
+        self.anchor_q = torch.zeros(batch, heads, block_size, head_dim, dtype=torch.float32, device=device)
+        self.anchor_idx = torch.full((batch, heads, block_size, topk), -1, dtype=torch.int32, device=device)
+        self.anchor_count = torch.zeros(batch, heads, dtype=torch.int32, device=device)
+        self.step = torch.zeros((), dtype=torch.int64, device=device)
+
+    def matches(self, batch: int, heads: int, head_dim: int, device: torch.device) -> bool:
+        """Whether the buffers fit a decode step of this shape."""
+        b, h, _, d = self.anchor_q.shape
+        return (b, h, d) == (batch, heads, head_dim) and self.anchor_q.device == device
+
+    def begin_step(self) -> None:
+        """Clear the anchors at the first step of every block of ``s`` decode steps."""
+        block_start = torch.remainder(self.step, self.block_size) == 0
+        self.anchor_count.masked_fill_(block_start, 0)
+
+    def shared_indices(self, best: torch.Tensor) -> torch.Tensor:
+        """``[B, Hq, k]``: the ordered indices of anchor ``best`` (clamped to 0 where ``best < 0``)."""
+        b, h, _, k = self.anchor_idx.shape
+        slot = best.clamp(min=0).long()[:, :, None, None].expand(b, h, 1, k)
+        return self.anchor_idx.gather(2, slot).squeeze(2)
+
+    def record(self, q: torch.Tensor, indices: torch.Tensor, retrieved: torch.Tensor) -> None:
+        """Store ``(q / ||q||, indices)`` as a new anchor of each row that retrieved; advance the step."""
+        b, h, s, d = self.anchor_q.shape
+        k = self.anchor_idx.shape[-1]
+        slot = self.anchor_count.clamp(max=s - 1).long()
+        qn = torch.nn.functional.normalize(q.float(), dim=-1)
+        keep = retrieved[:, :, None]
+        q_slot = slot[:, :, None, None].expand(b, h, 1, d)
+        old_q = self.anchor_q.gather(2, q_slot).squeeze(2)
+        self.anchor_q.scatter_(2, q_slot, torch.where(keep, qn, old_q).unsqueeze(2))
+        i_slot = slot[:, :, None, None].expand(b, h, 1, k)
+        old_i = self.anchor_idx.gather(2, i_slot).squeeze(2)
+        self.anchor_idx.scatter_(2, i_slot, torch.where(keep, indices, old_i).unsqueeze(2))
+        self.anchor_count += retrieved.to(torch.int32)
+        self.step += 1
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Follow a beam reordering: row ``i`` becomes old row ``index[i]``."""
+        index = index.to(self.anchor_q.device)
+        self.anchor_q = self.anchor_q.index_select(0, index)
+        self.anchor_idx = self.anchor_idx.index_select(0, index)
+        self.anchor_count = self.anchor_count.index_select(0, index)

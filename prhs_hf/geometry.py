@@ -1,0 +1,89 @@
+"""Where each sequence's real tokens sit in the cache, read off the attention mask.
+
+transformers 5.x gives an attention function the whole layer cache (``[B, Hkv, Lk, D]``) and the
+mask built by the registered mask function (``sdpa_mask``: a bool ``[B, 1, Lq, Lk]`` tensor, or
+``None`` for a plain causal batch without padding), but no ``cache_position``. With left padding
+or a StaticCache, ``Lk`` is not the sequence length: the mask row of the last query says which
+slots are real. Real tokens of a sequence are contiguous: real index ``j`` sits in slot
+``pad + j``. Everything here is tensor arithmetic without host synchronisation, except the
+optional contiguity check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SequenceGeometry", "geometry_from_mask"]
+
+
+@dataclass
+class SequenceGeometry:
+    """Per-sequence positions of one forward call.
+
+    Attributes:
+        pad: ``[B]`` int32, the first real cache slot of each sequence.
+        t_last: ``[B]`` int32, how many real tokens the last query row sees (its own included).
+        q_start: ``[B]`` int32, the real index of query row 0 (negative for left-padding rows).
+        q_len: number of query rows ``Lq``.
+    """
+
+    pad: torch.Tensor
+    t_last: torch.Tensor
+    q_start: torch.Tensor
+    q_len: int
+
+    def query_real_index(self) -> torch.Tensor:
+        """``[B, Lq]`` int32 real index of each query row."""
+        rows = torch.arange(self.q_len, device=self.pad.device, dtype=torch.int32)
+        return self.q_start[:, None] + rows[None, :]
+
+    def index_select(self, index: torch.Tensor) -> "SequenceGeometry":
+        """The geometry of the sequences ``index`` (beam reordering, sub-batches)."""
+        return SequenceGeometry(self.pad[index], self.t_last[index], self.q_start[index], self.q_len)
+
+
+def _valid_keys(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, Lk]`` bool: the keys the last query row may attend to."""
+    row = mask[:, 0, -1, :]
+    if row.dtype == torch.bool:
+        return row
+    return row == 0  # additive float mask: 0 where visible, a large negative value elsewhere
+
+
+def geometry_from_mask(
+    mask: torch.Tensor | None,
+    batch_size: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+    check: bool = False,
+) -> SequenceGeometry:
+    """Per-sequence pad offset, visible length and query start from the attention mask.
+
+    ``mask`` is ``None`` (no padding, the queries are the last ``q_len`` of ``kv_len`` keys) or a
+    4D ``[B, 1, Lq, Lk]`` bool/additive mask. With ``check=True`` (eager only: it synchronises)
+    a batch whose real keys are not one contiguous run raises ``ValueError``.
+    """
+    if mask is None:
+        zeros = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        t_last = torch.full((batch_size,), kv_len, dtype=torch.int32, device=device)
+        return SequenceGeometry(zeros, t_last, t_last - q_len, q_len)
+    if mask.dim() != 4:
+        raise ValueError(f"PrHS expects a 4D attention mask [B, 1, Lq, Lk] or None, got shape {tuple(mask.shape)}")
+    valid = _valid_keys(mask)
+    if valid.shape[0] == 1 and batch_size > 1:
+        valid = valid.expand(batch_size, -1)
+    t_last = valid.sum(-1, dtype=torch.int32)
+    pad = valid.to(torch.int8).argmax(-1).to(torch.int32)
+    if check:
+        last = valid.shape[-1] - 1 - valid.flip(-1).to(torch.int8).argmax(-1).to(torch.int32)
+        broken = (t_last > 0) & (last - pad + 1 != t_last)
+        if bool(broken.any()):
+            raise ValueError(
+                "PrHS needs each sequence's real tokens to be one contiguous run of cache slots "
+                "(left padding, as generate() does); this batch has padding inside a sequence "
+                "(right padding or a custom mask). Use tokenizer.padding_side = 'left'."
+            )
+    return SequenceGeometry(pad, t_last, t_last - q_len, q_len)

@@ -1,0 +1,194 @@
+"""What PrHS does at one decoder layer: the prefill plan (PSAW/ETF) and the attention call.
+
+A :class:`PrHSLayer` is attached to each attention module as ``module._prhs_layer`` by
+:func:`prhs_hf.patch`. The registered attention function hands every call to it; it routes
+prefill to the dense SDPA path (untouched layers) or to the sparse prefill backend, and decode
+to dense SDPA, the PSAW window, or a CIS step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .cis_state import CISLayerState
+from .decode import DecodeParams, cis_decode_step, window_decode_step
+from .geometry import SequenceGeometry, geometry_from_mask
+from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
+
+if TYPE_CHECKING:
+    from .runtime import PrHSRuntime
+
+__all__ = ["PrHSLayer", "PrefillPlan"]
+
+
+@dataclass
+class PrefillPlan:
+    """PSAW/ETF work of one layer for one multi-token forward."""
+
+    geom: SequenceGeometry
+    win_lo: torch.Tensor  # [B, Lq] int32, PSAW window start of each query row
+    frozen_lo: torch.Tensor  # [B] int32
+    frozen_hi: torch.Tensor  # [B] int32
+    active_rows: torch.Tensor | None  # flat indices of rows that are computed; None: all rows
+
+
+def _sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+class PrHSLayer:
+    """PrHS at decoder layer ``index`` of a patched model."""
+
+    def __init__(self, runtime: "PrHSRuntime", index: int):
+        r = runtime.resolved
+        c = r.config
+        self.runtime = runtime
+        self.index = index
+        n = r.num_layers
+        self.psaw_fraction = (
+            psaw_window_fraction(index, n, r.psaw_start, c.psaw.phi, c.psaw.alpha) if index >= r.psaw_start else None
+        )
+        self.psaw_prefill = r.psaw_prefill and self.psaw_fraction is not None
+        self.etf = c.etf.enabled and index >= r.etf_start
+        self.cis = c.cis.enabled
+        self.window_decode = r.psaw_decode and self.psaw_fraction is not None
+        self.decode_params = DecodeParams(
+            sink=c.budget.sink,
+            local=c.budget.local,
+            topk=c.budget.topk,
+            tau=c.cis.tau,
+            dilation_topm=r.dilation_topm,
+            dilation_radius=c.cis.dilation_radius,
+            capacity=r.index_capacity,
+            window_fraction=self.psaw_fraction if self.window_decode else None,
+        )
+        self.state: CISLayerState | None = None
+        self.plan: PrefillPlan | None = None
+
+    # ------------------------------------------------------------------ prefill
+
+    def plan_prefill(self, hidden_states: torch.Tensor, kwargs: dict) -> None:
+        """Decoder-layer pre-hook: decide this layer's PSAW window and ETF frozen rows for this forward."""
+        self.plan = None
+        batch, q_len = hidden_states.shape[:2]
+        if q_len == 1:
+            return
+        self.state = None  # a new prompt: CIS starts over at the first decode step
+        if not (self.psaw_prefill or self.etf):
+            return
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            kv_len = mask.shape[-1]
+        else:
+            cache = kwargs.get("past_key_values")
+            kv_len = q_len + (cache.get_seq_length(self.index) if cache is not None else 0)
+        geom = geometry_from_mask(mask, batch, q_len, kv_len, hidden_states.device)
+        sink = self.runtime.resolved.config.budget.sink
+        real = geom.query_real_index()
+        if self.psaw_prefill:
+            win_lo = psaw_window_start_tensor(real + 1, self.psaw_fraction, sink)
+        else:
+            win_lo = torch.full_like(real, sink)
+        frozen_lo = torch.full_like(geom.pad, sink)
+        frozen_hi = frozen_lo
+        active_rows = None
+        # ETF freezes prompt rows of a whole-prompt prefill only (row 0 is real index <= 0)
+        if self.etf and bool((geom.q_start <= 0).all()):
+            etf = self.runtime.resolved.config.etf
+            r = self.runtime.resolved
+            frozen_hi = torch.maximum(
+                etf_frozen_count_tensor(geom.t_last, self.index, r.num_layers, r.etf_start, etf.psi, etf.gamma), frozen_lo
+            )
+            frozen = (real >= frozen_lo[:, None]) & (real < frozen_hi[:, None])
+            active_rows = (~frozen).reshape(-1).nonzero().squeeze(1)
+            if self.runtime.telemetry is not None:
+                self.runtime.telemetry.record_prefill(
+                    self.index, (geom.t_last).sum(), frozen.sum()
+                )
+            if active_rows.numel() == frozen.numel():
+                active_rows = None
+        self.plan = PrefillPlan(geom, win_lo, frozen_lo, frozen_hi, active_rows)
+
+    def active_rows(self) -> torch.Tensor | None:
+        """Rows that ETF leaves active in the current forward (None: all of them)."""
+        return None if self.plan is None else self.plan.active_rows
+
+    def _prefill(self, query, key, value, scaling):
+        p = self.plan
+        fn = self.runtime.prefill_function(query.device)
+        sink = self.runtime.resolved.config.budget.sink
+        out = fn(query, key, value, p.geom.pad, p.geom.q_start, p.win_lo, sink, p.frozen_lo, p.frozen_hi, scaling)
+        return out, None
+
+    # ------------------------------------------------------------------ decode
+
+    def _cis_state(self, query: torch.Tensor) -> CISLayerState:
+        batch, heads, _, dim = query.shape
+        if self.state is None or not self.state.matches(batch, heads, dim, query.device):
+            c = self.runtime.resolved.config
+            self.state = CISLayerState(batch, heads, dim, c.cis.block_size, c.budget.topk, query.device)
+        return self.state
+
+    def _decode(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
+        batch = query.shape[0]
+        geom = geometry_from_mask(attention_mask, batch, 1, key.shape[-2], query.device)
+        telemetry = self.runtime.telemetry
+        q = query[:, :, 0, :]
+        if self.cis:
+            ops = self.runtime.decode_ops(query.device)
+            out, sel = cis_decode_step(q, key, value, geom, self._cis_state(query), self.decode_params, scaling, ops)
+            if telemetry is not None:
+                telemetry.record_decode(self.index, geom.t_last, sel.count, sel.retrieved, sel.active)
+                if telemetry.oracle:
+                    self._record_oracle(q, key, geom, sel, scaling)
+            return out[:, None].contiguous(), None
+        if self.window_decode:
+            out, processed = window_decode_step(q, key, value, geom, self.decode_params, scaling)
+            if telemetry is not None:
+                heads = query.shape[1]
+                telemetry.record_decode(
+                    self.index, geom.t_last, processed[:, None].expand(-1, heads), None, torch.zeros_like(geom.pad, dtype=torch.bool)
+                )
+            return out[:, None].contiguous(), None
+        if telemetry is not None:
+            t = geom.t_last
+            telemetry.record_decode(
+                self.index, t, t[:, None].expand(-1, query.shape[1]), None, torch.zeros_like(t, dtype=torch.bool)
+            )
+        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+    def _record_oracle(self, q, key, geom: SequenceGeometry, sel, scaling) -> None:
+        """Full attention of the same queries, compared with the selected sets (telemetry.oracle)."""
+        batch, heads, dim = q.shape
+        slots = key.shape[-2]
+        k = key.repeat_interleave(heads // key.shape[1], dim=1)
+        scores = torch.einsum("bhd,bhsd->bhs", q.float(), k.float()) * scaling
+        real = torch.arange(slots, device=q.device)[None, :] - geom.pad[:, None]
+        visible = (real >= 0) & (real < geom.t_last[:, None])
+        probs = torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+        selected = torch.zeros(batch, heads, slots + 1, dtype=torch.bool, device=q.device)
+        slot_idx = torch.where(sel.idx >= 0, sel.idx + geom.pad[:, None, None], slots).long()
+        selected.scatter_(-1, slot_idx, True)
+        rows = sel.active[:, None].expand(batch, heads).reshape(-1)
+        t = geom.t_last[:, None].expand(batch, heads).reshape(-1)
+        self.runtime.telemetry.record_oracle(
+            probs.reshape(batch * heads, slots)[rows], selected[..., :slots].reshape(batch * heads, slots)[rows], t[rows]
+        )
+
+    # ------------------------------------------------------------------ entry point
+
+    def attend(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
+        """The attention call of this layer: ``query [B, Hq, Lq, D]`` → ``([B, Lq, Hq, D], None)``."""
+        if kwargs.get("sliding_window") is not None:
+            raise ValueError("PrHS does not support sliding-window attention layers")
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        if query.shape[2] == 1 and key.shape[-2] > 1:
+            return self._decode(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+        if self.plan is not None:
+            return self._prefill(query, key, value, scaling)
+        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)

@@ -1,0 +1,52 @@
+"""The PrHS state of one patched model: resolved config, layers, backends, telemetry."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .backends import decode_ops, prefill_function
+from .config import ResolvedConfig
+from .layer import PrHSLayer
+from .stats import Telemetry
+
+__all__ = ["PrHSRuntime"]
+
+
+class PrHSRuntime:
+    """Everything :func:`prhs_hf.patch` attaches to a model (``model._prhs_runtime``)."""
+
+    def __init__(self, resolved: ResolvedConfig, num_heads: int):
+        self.resolved = resolved
+        c = resolved.config
+        self.telemetry = Telemetry(resolved.num_layers, num_heads, c.telemetry.oracle) if c.telemetry.enabled else None
+        self.layers = [PrHSLayer(self, i) for i in range(resolved.num_layers)]
+        self._ops: dict[torch.device, object] = {}
+        self._prefill: dict[torch.device, Callable] = {}
+
+    def decode_ops(self, device: torch.device):
+        """The decode ops table for ``device`` (chosen once per device)."""
+        if device not in self._ops:
+            self._ops[device] = decode_ops(self.resolved.config.backend.decode, device)
+        return self._ops[device]
+
+    def prefill_function(self, device: torch.device) -> Callable:
+        """The sparse prefill attention for ``device`` (chosen once per device)."""
+        if device not in self._prefill:
+            self._prefill[device] = prefill_function(self.resolved.config.backend.prefill, device)
+        return self._prefill[device]
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Follow beam search: reorder every layer's CIS state with the cache."""
+        for layer in self.layers:
+            if layer.state is not None:
+                layer.state.reorder(beam_idx)
+
+    def reset(self) -> None:
+        """Forget CIS anchors and telemetry (a new, unrelated generation follows)."""
+        for layer in self.layers:
+            layer.state = None
+            layer.plan = None
+        if self.telemetry is not None:
+            self.telemetry.reset()

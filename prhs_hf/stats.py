@@ -1,0 +1,185 @@
+"""What PrHS did, measured (SPEC §5): processed KV, retrieval ratio, oracle comparison, ETF rows.
+
+Off by default and free when off (no recorder exists). When on, counters accumulate on the
+device and are read once by :meth:`Telemetry.report`, so recording does not synchronise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["Telemetry", "TelemetryReport", "OracleReport", "oracle_statistics", "routing_certificate"]
+
+
+@dataclass
+class OracleReport:
+    """Selected sets against the budget-matched top-k oracle of full attention (means over sparse rows)."""
+
+    rows: int
+    retained_mass: float
+    dropped_mass: float
+    beta_emp: float
+    overlap: float
+    overlap_top50: float
+    mean_context: float
+    certificate: float
+
+
+@dataclass
+class TelemetryReport:
+    """A plain summary of a run; :meth:`as_dict` gives JSON-ready data."""
+
+    decode_steps: int
+    sparse_steps: int
+    retrieval_ratio: float | None
+    processed_kv_per_step: float
+    dense_kv_per_step: float
+    per_layer_retrieval_ratio: list[float | None] = field(default_factory=list)
+    per_layer_processed_kv: list[float] = field(default_factory=list)
+    per_head_retrievals: list[list[int]] = field(default_factory=list)
+    prefill_rows: list[int] = field(default_factory=list)
+    prefill_rows_frozen: list[int] = field(default_factory=list)
+    oracle: OracleReport | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def routing_certificate(dropped_mass: float, context: float) -> float:
+    """``g(δ) = 2 [h_b(δ) + δ ln L]`` with the binary entropy ``h_b`` in nats."""
+    d = min(max(dropped_mass, 0.0), 1.0)
+    hb = 0.0 if d in (0.0, 1.0) else -(d * math.log(d) + (1 - d) * math.log(1 - d))
+    return 2.0 * (hb + d * math.log(max(context, 1.0)))
+
+
+def oracle_statistics(probs: torch.Tensor, selected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-row oracle comparison of a selected key set.
+
+    Args:
+        probs: ``[R, S]`` full-attention probabilities of each row (zero on invisible keys).
+        selected: ``[R, S]`` bool, the keys the sparse step attended to.
+    Returns ``[R]`` tensors: retained mass ``τ_S``, oracle mass ``τ*_N`` (``N = |S|``), overlap with
+    the oracle set and with the smallest set holding half of the mass.
+    """
+    probs = probs.float()
+    n = selected.sum(-1)
+    retained = (probs * selected).sum(-1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    cum = sorted_p.cumsum(-1)
+    oracle_mass = cum.gather(-1, (n - 1).clamp(min=0)[:, None]).squeeze(-1) * (n > 0)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    in_oracle = rank < n[:, None]
+    overlap = (in_oracle & selected).sum(-1) / n.clamp(min=1)
+    # smallest prefix of the sorted keys whose mass reaches one half: keys before the crossing, plus it
+    half = (cum - sorted_p) < 0.5
+    in_half = torch.zeros_like(selected)
+    in_half.scatter_(-1, order, half)
+    overlap_half = (in_half & selected).sum(-1) / in_half.sum(-1).clamp(min=1)
+    return {"retained": retained, "oracle": oracle_mass, "overlap": overlap, "overlap_half": overlap_half}
+
+
+class Telemetry:
+    """Device-side counters for every patched layer of one model."""
+
+    def __init__(self, num_layers: int, num_heads: int, oracle: bool):
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.oracle = oracle
+        self._t: dict[str, torch.Tensor] = {}
+        self.decode_steps = 0
+
+    def _acc(self, name: str, value: torch.Tensor, layer: int | None = None, shape: tuple = ()) -> None:
+        if name not in self._t:
+            full = (self.num_layers, *shape) if layer is not None else shape
+            self._t[name] = torch.zeros(full, dtype=torch.float64, device=value.device)
+        if layer is None:
+            self._t[name] += value
+        else:
+            self._t[name][layer] += value
+
+    def record_decode(
+        self, layer: int, t: torch.Tensor, processed: torch.Tensor, retrieved: torch.Tensor | None, active: torch.Tensor
+    ) -> None:
+        """One decode step of one layer.
+
+        ``t [B]`` visible tokens, ``processed [B, Hq]`` keys attended, ``retrieved [B, Hq]`` bool
+        (None without CIS), ``active [B]`` bool, sequences that ran a sparse step.
+        """
+        if layer == 0:
+            self.decode_steps += 1
+        heads = processed.shape[1]
+        self._acc("processed", processed.sum().double(), layer)
+        self._acc("dense", (t.double() * heads).sum(), layer)
+        self._acc("rows", torch.tensor(float(t.numel() * heads), device=t.device), layer)
+        self._acc("sparse_rows", active.sum().double() * heads, layer)
+        if retrieved is not None:
+            self._acc("retrievals", (retrieved & active[:, None]).sum(0).double(), layer, (heads,))
+
+    def record_oracle(self, probs: torch.Tensor, selected: torch.Tensor, t: torch.Tensor) -> None:
+        """Oracle comparison for the rows of a sparse step: ``[R, S]`` probabilities and selections, ``[R]`` contexts."""
+        stats = oracle_statistics(probs, selected)
+        self._acc("o_rows", torch.tensor(float(probs.shape[0]), device=probs.device))
+        self._acc("o_retained", stats["retained"].double().sum())
+        self._acc("o_beta", (stats["oracle"] - stats["retained"]).double().sum())
+        self._acc("o_overlap", stats["overlap"].double().sum())
+        self._acc("o_overlap_half", stats["overlap_half"].double().sum())
+        self._acc("o_context", t.double().sum())
+
+    def record_prefill(self, layer: int, rows: torch.Tensor, frozen: torch.Tensor) -> None:
+        """ETF at one layer: real prompt rows seen and frozen."""
+        self._acc("prefill_rows", rows.double(), layer)
+        self._acc("prefill_frozen", frozen.double(), layer)
+
+    def reset(self) -> None:
+        self._t.clear()
+        self.decode_steps = 0
+
+    def report(self) -> TelemetryReport:
+        """Read the counters (one synchronisation) into a :class:`TelemetryReport`."""
+        v = {k: x.cpu() for k, x in self._t.items()}
+        zeros = torch.zeros(self.num_layers, dtype=torch.float64)
+        rows, processed, dense = v.get("rows", zeros), v.get("processed", zeros), v.get("dense", zeros)
+        sparse_rows = v.get("sparse_rows", zeros)
+        retrievals = v.get("retrievals")
+        cis_layers = [] if retrievals is None else [i for i in range(self.num_layers) if sparse_rows[i] > 0]
+        ratio = None
+        per_layer_ratio: list[float | None] = [None] * self.num_layers
+        if retrievals is not None and cis_layers:
+            total = float(sum(sparse_rows[i] for i in cis_layers))
+            ratio = float(retrievals[cis_layers].sum()) / total
+            for i in cis_layers:
+                per_layer_ratio[i] = float(retrievals[i].sum() / sparse_rows[i])
+        n_rows = float(rows.sum())
+        heads = self.num_heads
+        oracle = None
+        if "o_rows" in v and float(v["o_rows"]) > 0:
+            n = float(v["o_rows"])
+            retained = float(v["o_retained"]) / n
+            context = float(v["o_context"]) / n
+            oracle = OracleReport(
+                rows=int(n),
+                retained_mass=retained,
+                dropped_mass=1.0 - retained,
+                beta_emp=float(v["o_beta"]) / n,
+                overlap=float(v["o_overlap"]) / n,
+                overlap_top50=float(v["o_overlap_half"]) / n,
+                mean_context=context,
+                certificate=routing_certificate(1.0 - retained, context),
+            )
+        return TelemetryReport(
+            decode_steps=self.decode_steps,
+            sparse_steps=int(round(float(sparse_rows.max()) / heads)) if n_rows else 0,
+            retrieval_ratio=ratio,
+            processed_kv_per_step=float(processed.sum()) / n_rows if n_rows else 0.0,
+            dense_kv_per_step=float(dense.sum()) / n_rows if n_rows else 0.0,
+            per_layer_retrieval_ratio=per_layer_ratio,
+            per_layer_processed_kv=[float(processed[i] / rows[i]) if rows[i] else 0.0 for i in range(self.num_layers)],
+            per_head_retrievals=[] if retrievals is None else retrievals.long().tolist(),
+            prefill_rows=v.get("prefill_rows", zeros).long().tolist(),
+            prefill_rows_frozen=v.get("prefill_frozen", zeros).long().tolist(),
+            oracle=oracle,
+        )
