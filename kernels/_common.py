@@ -63,6 +63,7 @@ __all__ = [
     "gqa_group",
     "require_triton",
     "NORM_EPS",
+    "num_sms",
 ]
 
 #: Floor of a vector norm in the cosine of `cis_match` (a zero vector has cosine 0).
@@ -93,3 +94,16 @@ def require_triton(*tensors: torch.Tensor) -> None:
                 f"Triton kernels need CUDA tensors (got {x.device}); "
                 "set TRITON_INTERPRET=1 to run them on the CPU"
             )
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached; 132 = H100/H200 off CUDA)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]

@@ -16,9 +16,78 @@ from __future__ import annotations
 
 import torch
 
-from ._common import NORM_EPS
+from ._common import NORM_EPS, next_pow2, require_triton, tl, triton
 
-__all__ = ["cis_match_reference"]
+__all__ = ["cis_match", "cis_match_reference"]
+
+
+@triton.jit
+def _cis_match_kernel(
+    Q, A, CNT, ACT, OUT,
+    stride_qb, stride_qh,
+    stride_ab, stride_ah, stride_as,
+    stride_cb, stride_ch,
+    tau, eps,
+    H: tl.constexpr, S_ANCH: tl.constexpr, D: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (batch, query head) row: cosine against the valid anchors, argmax."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_a = tl.arange(0, BLOCK_A)
+    dmask = offs_d < D
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    qn = q / tl.maximum(tl.sqrt(tl.sum(q * q, axis=0)), eps)
+    a_ptrs = A + b * stride_ab + h * stride_ah + offs_a[:, None] * stride_as + offs_d[None, :]
+    a = tl.load(a_ptrs, mask=(offs_a[:, None] < S_ANCH) & dmask[None, :], other=0.0).to(tl.float32)
+    an = a / tl.maximum(tl.sqrt(tl.sum(a * a, axis=1)), eps)[:, None]
+    sim = tl.sum(an * qn[None, :], axis=1)
+    cnt = tl.load(CNT + b * stride_cb + h * stride_ch)
+    valid = offs_a < cnt
+    sim = tl.where(valid, sim, float("-inf"))
+    best_sim = tl.max(sim, axis=0)
+    # lowest anchor among the maxima
+    best = tl.min(tl.where(valid & (sim == best_sim), offs_a, BLOCK_A), axis=0)
+    best = tl.where((cnt > 0) & (best_sim >= tau), best, -1)
+    act = tl.load(ACT + b).to(tl.int32)
+    best = tl.where(act != 0, best, -2)
+    tl.store(OUT + pid, best.to(tl.int32))
+
+
+def cis_match(
+    q: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_count: torch.Tensor,
+    active: torch.Tensor,
+    tau: float,
+) -> torch.Tensor:
+    """Triton CIS matching: one launch, one program per (batch, query head) row, no sync.
+
+    Args and result as :func:`cis_match_reference`.
+    """
+    require_triton(q, anchor_q)
+    B, H, D = q.shape
+    s = anchor_q.shape[2]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if anchor_q.stride(-1) != 1:
+        anchor_q = anchor_q.contiguous()
+    out = torch.empty((B, H), dtype=torch.int32, device=q.device)
+    if B * H == 0:
+        return out
+    _cis_match_kernel[(B * H,)](
+        q, anchor_q, anchor_count, active, out,
+        q.stride(0), q.stride(1),
+        anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
+        anchor_count.stride(0), anchor_count.stride(1),
+        float(tau), NORM_EPS,
+        H=H, S_ANCH=s, D=D,
+        BLOCK_A=next_pow2(s, 2), BLOCK_D=next_pow2(D, 16),
+        num_warps=4 if D * s >= 2048 else 2,
+    )
+    return out
 
 
 def cis_match_reference(

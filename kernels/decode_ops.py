@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .cis_match import cis_match_reference
-from .compose_indices import compose_indices_reference
-from .sparse_decode_attention import sparse_decode_attention_reference
-from .topk_retrieval import topk_retrieval_reference
+from ._common import HAS_TRITON
+from .cis_match import cis_match, cis_match_reference
+from .compose_indices import compose_indices, compose_indices_reference
+from .sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
+from .topk_retrieval import topk_retrieval, topk_retrieval_reference
 
-__all__ = ["DecodeOps", "REFERENCE_OPS", "get_decode_ops"]
+__all__ = ["DecodeOps", "REFERENCE_OPS", "TRITON_OPS", "HAS_TRITON", "get_decode_ops"]
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,21 @@ REFERENCE_OPS = DecodeOps(
     sparse_decode_attention=sparse_decode_attention_reference,
 )
 
+#: The Triton launchers (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``). Importable
+#: without Triton; calling them then raises (check ``HAS_TRITON``).
+TRITON_OPS = DecodeOps(
+    name="triton",
+    cis_match=cis_match,
+    topk_retrieval=topk_retrieval,
+    compose_indices=compose_indices,
+    sparse_decode_attention=sparse_decode_attention,
+)
+
 
 def get_decode_ops(name: str) -> DecodeOps:
     """Backend by name: ``"torch"`` / ``"reference"`` or ``"triton"``."""
     if name in ("torch", "reference"):
         return REFERENCE_OPS
+    if name == "triton":
+        return TRITON_OPS
     raise ValueError(f"unknown decode backend {name!r} (expected 'torch' or 'triton')")

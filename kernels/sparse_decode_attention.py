@@ -11,11 +11,188 @@ launcher :func:`sparse_decode_attention`, and the PyTorch reference
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
-from ._common import gqa_group
+from ._common import gqa_group, next_pow2, num_sms, require_triton, tl, triton
 
-__all__ = ["sparse_decode_attention_reference"]
+__all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "attention_schedule"]
+
+# Kernel design: grid (B*Hq rows, splits of the index list) in one launch (flash-decoding).
+# A program walks its slice of the row's index list in tiles of BLOCK_N entries: it gathers the
+# BLOCK_N K rows (slot pad + idx, the KV head of the query head), computes q.k on CUDA cores in
+# fp32 (one query per row: no tensor-core tile to fill), runs the online softmax in base 2, and
+# accumulates p.v; nothing longer than a tile is ever held. With one split the program writes
+# the output; otherwise it writes (max, sum, unnormalised acc) and `_combine_kernel` merges the
+# splits. Query heads of one KV group share no index list in general (each head has its own
+# set), so rows are independent programs; rows of a group reading common keys (sink, window)
+# meet in L2.
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    Q, K, V, PAD, IDX, CNT, OUT, M_PART, L_PART, O_PART,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ib, stride_ih, stride_cb, stride_ch, stride_ob, stride_oh,
+    qk_scale, cap,
+    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+    NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Attention of one query row over one slice of its index list (online softmax, base 2)."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = pid // H
+    h = pid % H
+    kvh = h // GROUP
+    cnt = tl.minimum(tl.load(CNT + b * stride_cb + h * stride_ch), cap)
+    start = sp * CHUNK
+    end = tl.minimum(cnt, start + CHUNK)
+    pad = tl.load(PAD + b)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0)
+    q = q.to(tl.float32) * qk_scale
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    i_base = IDX + b * stride_ib + h * stride_ih
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < end
+        slot = pad + tl.load(i_base + n, mask=nm, other=0)
+        lmask = nm[:, None] & dmask[None, :]
+        kt = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=lmask, other=0.0)
+        s = tl.sum(kt.to(tl.float32) * q[None, :], axis=1)
+        s = tl.where(nm, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        vt = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=lmask, other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * vt.to(tl.float32), axis=0)
+        m_i = m_new
+    if NSPLIT == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)  # count 0: acc = 0
+        tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, o.to(OUT.dtype.element_ty), mask=dmask)
+    else:
+        part = pid * NSPLIT + sp
+        tl.store(M_PART + part, m_i)
+        tl.store(L_PART + part, l_i)
+        tl.store(O_PART + part * BLOCK_D + offs_d, acc)
+
+
+@triton.jit
+def _combine_kernel(
+    OUT, M_PART, L_PART, O_PART, stride_ob, stride_oh,
+    H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merge the splits of one row: rescale by exp2(m_split - m) and normalise."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    offs_s = tl.arange(0, SPLIT_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NSPLIT
+    m = tl.load(M_PART + pid * NSPLIT + offs_s, mask=smask, other=float("-inf"))
+    l = tl.load(L_PART + pid * NSPLIT + offs_s, mask=smask, other=0.0)
+    o = tl.load(
+        O_PART + (pid * NSPLIT + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+        mask=smask[:, None], other=0.0,
+    )
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # empty splits: exp2(-inf) = 0
+    l_tot = tl.sum(l * w, axis=0)
+    acc = tl.sum(o * w[:, None], axis=0)
+    res = acc / tl.where(l_tot > 0, l_tot, 1.0)  # nothing attended: acc = 0
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, res.to(OUT.dtype.element_ty), mask=offs_d < D)
+
+
+def attention_schedule(
+    rows: int, cap: int, head_dim: int, device: torch.device, num_splits: Optional[int] = None
+) -> tuple[int, int, int]:
+    """``(block_n, chunk, num_splits)`` of :func:`sparse_decode_attention` for a shape.
+
+    Splits the index list until there are about 4 programs per SM, each of at least 4 tiles.
+    """
+    block_n = max(16, min(64, 8192 // next_pow2(head_dim, 16)))
+    if num_splits is None:
+        want = triton.cdiv(4 * num_sms(device), max(rows, 1))
+        num_splits = max(1, min(want, triton.cdiv(cap, 4 * block_n)))
+    num_splits = max(1, int(num_splits))
+    chunk = triton.cdiv(triton.cdiv(max(cap, 1), num_splits), block_n) * block_n
+    return block_n, chunk, triton.cdiv(max(cap, 1), chunk)
+
+
+def sparse_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pad: torch.Tensor,
+    idx: torch.Tensor,
+    count: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """Triton fused gather + online-softmax attention over each row's index list, no sync.
+
+    One launch for all (batch, head) rows (plus a small combine launch when the index list is
+    split for occupancy; ``num_splits`` overrides the heuristic of :func:`attention_schedule`).
+    Args and result as :func:`sparse_decode_attention_reference`.
+    """
+    require_triton(q, k_cache, v_cache)
+    B, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    group = gqa_group(H, Hkv)
+    cap = idx.shape[-1]
+    out = torch.empty_like(q)
+    if B * H == 0:
+        return out
+    if cap == 0:
+        return out.zero_()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1:
+        k_cache = k_cache.contiguous()
+    if v_cache.stride(-1) != 1:
+        v_cache = v_cache.contiguous()
+    if idx.stride(-1) != 1:
+        idx = idx.contiguous()
+    rows = B * H
+    block_d = next_pow2(D, 16)
+    block_n, chunk, nsplit = attention_schedule(rows, cap, D, q.device, num_splits)
+    if nsplit > 1:
+        m_part = torch.empty((rows, nsplit), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((rows, nsplit), dtype=torch.float32, device=q.device)
+        o_part = torch.empty((rows, nsplit, block_d), dtype=torch.float32, device=q.device)
+    else:
+        m_part = l_part = o_part = out  # unused
+    _sparse_attn_kernel[(rows, nsplit)](
+        q, k_cache, v_cache, pad, idx, count, out, m_part, l_part, o_part,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        idx.stride(0), idx.stride(1), count.stride(0), count.stride(1),
+        out.stride(0), out.stride(1),
+        float(scale) * _LOG2E, cap,
+        H=H, GROUP=group, D=D, CHUNK=chunk, NSPLIT=nsplit, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4, num_stages=2,
+    )
+    if nsplit > 1:
+        _combine_kernel[(rows,)](
+            out, m_part, l_part, o_part, out.stride(0), out.stride(1),
+            H=H, D=D, NSPLIT=nsplit, SPLIT_PAD=next_pow2(nsplit, 2), BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
 
 
 def sparse_decode_attention_reference(

@@ -13,9 +13,224 @@ from __future__ import annotations
 
 import torch
 
-from ._common import gqa_group
+from ._common import gqa_group, next_pow2, num_sms, require_triton, tl, triton
 
-__all__ = ["topk_retrieval_reference"]
+__all__ = ["topk_retrieval", "topk_retrieval_reference", "compact_rows"]
+
+# Design (H200: the cost is reading the K rows of the middle region, bandwidth bound):
+#   1. `_compact_rows_kernel`: the retrieving rows' ids, packed to the front, and their count,
+#      on the device (one program, a cumsum-scatter).
+#   2. `_score_kernel`, grid (rows, splits of the sequence): a program whose compact row id is
+#      at or past the count exits at once; the others stream their chunk of K once and write an
+#      order-preserving int32 key of each fp32 score into a scratch row (4 bytes per 2*D read).
+#   3. `_select_kernel`, one program per compact row: exact radix select of the k-th largest key
+#      (4 passes of 8 bits over the scratch row, which sits in L2), a collect pass that takes the
+#      keys above it and, among the keys equal to it, the lowest indices, then a sort of the
+#      <= k candidates packed as (key << 32 | ~index) in registers: descending score, ties by
+#      ascending index, exactly the reference's order. Works for any k (k <= 4096 tested).
+# Everything is fixed-shape (grids depend on B, Hq, S, k only), with no host synchronisation.
+
+@triton.jit
+def _compact_rows_kernel(FLAG, ORDER, COUNT, R, BLOCK: tl.constexpr):
+    """Write the ids of the rows with FLAG set to ORDER[:count] (ascending) and count to COUNT."""
+    offs = tl.arange(0, BLOCK)
+    total = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
+    for r0 in range(0, R, BLOCK):
+        rows = r0 + offs
+        f = tl.load(FLAG + rows, mask=rows < R, other=0).to(tl.int32)
+        f = tl.where(f != 0, 1, 0)
+        pos = total + tl.cumsum(f, axis=0) - f
+        tl.store(ORDER + pos, rows, mask=f != 0)
+        total += tl.sum(f, axis=0)
+    tl.store(COUNT, total)
+
+
+@triton.jit
+def _orderable_key(x):
+    """fp32 -> int32 whose signed order is the float order (-0.0 is mapped to +0.0)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 2147483647)
+
+
+@triton.jit
+def _score_kernel(
+    Q, K, PAD, LO, HI, ORDER, COUNT, KEYS,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys,
+    scale, S,
+    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Scores of one chunk of one retrieving row's middle region, as order-preserving keys."""
+    c = tl.program_id(0)
+    sp = tl.program_id(1)
+    live = c < tl.load(COUNT)
+    row = tl.load(ORDER + c, mask=live, other=0)
+    b = row // H
+    h = row % H
+    pad = tl.load(PAD + b)
+    lo = tl.maximum(tl.load(LO + b), 0)
+    hi = tl.minimum(tl.load(HI + b), S - pad)
+    start = lo + sp * CHUNK
+    end = tl.minimum(hi, start + CHUNK)
+    end = tl.where(live, end, start)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    k_base = K + b * stride_kb + (h // GROUP) * stride_kh
+    key_base = KEYS + c * stride_keys
+    for n0 in range(start, end, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        m = j < end
+        kt = tl.load(
+            k_base + (pad + j)[:, None] * stride_ks + offs_d[None, :],
+            mask=m[:, None] & dmask[None, :], other=0.0,
+        ).to(tl.float32)
+        s = tl.sum(kt * q[None, :], axis=1) * scale
+        tl.store(key_base + j, _orderable_key(s), mask=m)
+
+
+@triton.jit
+def _select_kernel(
+    KEYS, CAND, OUT, PAD, LO, HI, ORDER, COUNT,
+    stride_keys, S,
+    H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Exact top-K of one retrieving row's keys: radix select, collect, sort."""
+    c = tl.program_id(0)
+    live = c < tl.load(COUNT)
+    if live:
+        row = tl.load(ORDER + c)
+        b = row // H
+        pad = tl.load(PAD + b)
+        lo = tl.maximum(tl.load(LO + b), 0)
+        hi = tl.maximum(tl.minimum(tl.load(HI + b), S - pad), lo)
+        krem = tl.minimum(hi - lo, K)
+        key_base = KEYS + c * stride_keys
+        offs = tl.arange(0, BLOCK)
+        bins = tl.arange(0, 512)
+        # Radix select of the krem-th largest key, 8 bits a pass, on u = key + 2^31 in
+        # [0, 2^32) (int64): bins 0..255 hold the digits of the keys matching the prefix found
+        # so far, bin 256 collects the others.
+        prefix = (krem * 0).to(tl.int64)
+        for p in tl.static_range(4):
+            shift: tl.constexpr = 24 - 8 * p
+            hist = tl.zeros([512], dtype=tl.int32)
+            for n0 in range(lo, hi, BLOCK):
+                j = n0 + offs
+                m = j < hi
+                u = tl.load(key_base + j, mask=m, other=0).to(tl.int64) + 2147483648
+                match = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+                digit = ((u >> shift) & 255).to(tl.int32)
+                hist += tl.histogram(tl.where(match, digit, 256), 512)
+            hv = tl.where(bins < 256, hist, 0)
+            gt = tl.sum(hv, axis=0) - tl.cumsum(hv, axis=0)  # matching keys with a larger digit
+            ge = gt + hv
+            d = tl.max(tl.where((bins < 256) & (gt < krem) & (ge >= krem), bins, -1), axis=0)
+            krem = krem - tl.sum(tl.where(bins == d, gt, 0), axis=0)
+            prefix = prefix | (tl.maximum(d, 0).to(tl.int64) << shift)
+        thr = prefix - 2147483648  # the k-th largest key; take krem of the keys equal to it
+        # Collect, in index order: keys above thr, and the first krem keys equal to it.
+        taken = krem * 0
+        eq_seen = krem * 0
+        cand_base = CAND + c * K_PAD
+        for n0 in range(lo, hi, BLOCK):
+            j = n0 + offs
+            m = j < hi
+            key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
+            eq = (m & (key == thr)).to(tl.int32)
+            eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
+            sel = ((m & (key > thr)) | ((eq != 0) & (eq_rank < krem))).to(tl.int32)
+            pos = taken + tl.cumsum(sel, axis=0) - sel
+            packed = (key << 32) | (2147483647 - j).to(tl.int64)
+            tl.store(cand_base + pos, packed, mask=sel != 0)
+            taken += tl.sum(sel, axis=0)
+            eq_seen += tl.sum(eq, axis=0)
+        tl.debug_barrier()
+        offs_k = tl.arange(0, K_PAD)
+        x = tl.load(cand_base + offs_k, mask=offs_k < taken, other=-9223372036854775808)
+        x = tl.sort(x, descending=True)
+        idx = (2147483647 - (x & 4294967295)).to(tl.int32)
+        idx = tl.where(offs_k < taken, idx, -1)
+        tl.store(OUT + row * K + offs_k, idx, mask=offs_k < K)
+
+
+def compact_rows(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with ``flags`` set, packed to the front, on the device (no host sync).
+
+    Args:
+        flags: ``[R]`` bool.
+
+    Returns:
+        ``(order [R] int32, count [1] int32)``: ``order[:count]`` are the flagged row ids in
+        ascending order; ``order[count:]`` is unspecified.
+    """
+    flags = flags.reshape(-1).contiguous()
+    R = flags.numel()
+    order = torch.empty(R, dtype=torch.int32, device=flags.device)
+    count = torch.empty(1, dtype=torch.int32, device=flags.device)
+    _compact_rows_kernel[(1,)](flags, order, count, R, BLOCK=min(next_pow2(R, 16), 1024))
+    return order, count
+
+
+def _score_chunk(S: int, R: int, device: torch.device) -> int:
+    """Keys per score program: enough programs for the GPU when about R/16 rows retrieve."""
+    target_splits = triton.cdiv(4 * num_sms(device), max(1, R // 16))
+    return max(256, min(4096, next_pow2(triton.cdiv(S, target_splits))))
+
+
+def topk_retrieval(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    pad: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    retrieve: torch.Tensor,
+    k: int,
+    scale: float,
+) -> torch.Tensor:
+    """Triton top-k retrieval: work only for retrieving rows, exact order, no host sync.
+
+    Launches: row compaction (1 program), scoring (grid rows x sequence chunks; programs past
+    the device-side count exit at once), selection (one program per row, same early exit).
+    Scratch: ``[B*Hq, S]`` int32 keys and ``[B*Hq, next_pow2(k)]`` int64 candidates.
+
+    Args and result as :func:`topk_retrieval_reference`.
+    """
+    require_triton(q, k_cache)
+    B, H, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    group = gqa_group(H, Hkv)
+    k = int(k)
+    out = torch.full((B, H, k), -1, dtype=torch.int32, device=q.device)
+    R = B * H
+    if R == 0 or k == 0 or S == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1:
+        k_cache = k_cache.contiguous()
+    order, count = compact_rows(retrieve)
+    keys = torch.empty((R, S), dtype=torch.int32, device=q.device)
+    block_d = next_pow2(D, 16)
+    block_n = max(16, min(128, 8192 // block_d))
+    chunk = max(_score_chunk(S, R, q.device), block_n)
+    _score_kernel[(R, triton.cdiv(S, chunk))](
+        q, k_cache, pad, lo, hi, order, count, keys,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        keys.stride(0), float(scale), S,
+        H=H, GROUP=group, D=D, CHUNK=chunk, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    k_pad = next_pow2(k, 16)
+    cand = torch.empty((R, k_pad), dtype=torch.int64, device=q.device)
+    _select_kernel[(R,)](
+        keys, cand, out, pad, lo, hi, order, count,
+        keys.stride(0), S,
+        H=H, K=k, K_PAD=k_pad, BLOCK=min(1024, next_pow2(S, 16)),
+        num_warps=8 if k_pad >= 1024 else 4,
+    )
+    return out
 
 
 def topk_retrieval_reference(
