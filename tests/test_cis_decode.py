@@ -1,0 +1,174 @@
+"""CIS decode (SPEC §4): exact top-k when never sharing, anchor reuse with dilation, ρ̂ accounting."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import prhs_hf
+from prhs_hf.cis_state import CISLayerState
+from prhs_hf.decode import DecodeParams, cis_decode_step
+from prhs_hf.geometry import SequenceGeometry
+from prhs_hf.kernels.decode_ops import REFERENCE_OPS
+from tiny_models import tiny_model
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+SMALL = {"budget": {"sink": 4, "local": 8, "topk": 16}}
+
+
+def _attend(q, k, v, keys, scale):
+    """Exact softmax attention of one query over the given key positions."""
+    s = (k[keys].double() @ q.double()) * scale
+    return torch.softmax(s, 0) @ v[keys].double()
+
+
+def _expected_exact(q, k_cache, v_cache, pad, t, sink, local, topk, scale):
+    """sink ∪ exact top-k of the middle ∪ local, computed per row without the library."""
+    B, Hq, D = q.shape
+    g = Hq // k_cache.shape[1]
+    out = torch.empty(B, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        tb, pb = int(t[b]), int(pad[b])
+        for h in range(Hq):
+            k = k_cache[b, h // g, pb : pb + tb]
+            v = v_cache[b, h // g, pb : pb + tb]
+            if tb <= sink + local + topk:
+                keys = torch.arange(tb)
+            else:
+                middle = torch.arange(sink, tb - local)
+                scores = (k[middle].double() @ q[b, h].double()) * scale
+                chosen = middle[scores.topk(min(topk, middle.numel())).indices]
+                keys = torch.cat([torch.arange(sink), chosen, torch.arange(tb - local, tb)]).unique()
+            out[b, h] = _attend(q[b, h], k, v, keys, scale)
+    return out
+
+
+class RecordingOps:
+    """REFERENCE_OPS that keep the inputs and output of every sparse attention call."""
+
+    def __init__(self):
+        self.calls = []
+        self.name = "recording"
+        self.cis_match = REFERENCE_OPS.cis_match
+        self.topk_retrieval = REFERENCE_OPS.topk_retrieval
+        self.compose_indices = REFERENCE_OPS.compose_indices
+
+    def sparse_decode_attention(self, q, k, v, pad, idx, count, scale):
+        out = REFERENCE_OPS.sparse_decode_attention(q, k, v, pad, idx, count, scale)
+        self.calls.append((q.clone(), k.clone(), v.clone(), pad.clone(), scale, out.clone()))
+        return out
+
+
+def test_tau_above_one_is_exact_topk_attention_in_a_model():
+    model = tiny_model("llama", heads=4, kv_heads=2)
+    ids = torch.randint(1, 128, (2, 60))
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0  # left padding: different t per sequence
+    prhs_hf.patch(model, {**SMALL, "cis": {"tau": 1.5, "block_size": 4}, "psaw": {"enabled": False}, "etf": {"enabled": False}})
+    rec = RecordingOps()
+    model._prhs_runtime._ops[torch.device("cpu")] = rec
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    prhs_hf.unpatch(model)
+    assert len(rec.calls) == 5 * 4  # 5 decode forwards x 4 layers
+    for q, k, v, pad, scale, out in rec.calls:
+        t = k.shape[-2] - pad
+        expected = _expected_exact(q, k, v, pad, t, 4, 8, 16, scale)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def _params(tau, block=4, topm=2, radius=1, window=None):
+    return DecodeParams(sink=2, local=3, topk=5, tau=tau, dilation_topm=topm, dilation_radius=radius,
+                        capacity=2 + 3 + 5 + 2 * radius * topm, window_fraction=window)
+
+
+def test_identical_queries_share_the_anchor_with_dilation():
+    torch.manual_seed(1)
+    B, H, D, L0, steps = 1, 2, 8, 40, 6
+    p = _params(tau=0.9)
+    k_all = torch.randn(B, H, L0 + steps, D)
+    v_all = torch.randn(B, H, L0 + steps, D)
+    q = torch.randn(B, H, D)
+    state = CISLayerState(B, H, D, 4, p.topk, torch.device("cpu"))
+    anchor_top = None
+    for step in range(steps):
+        t = L0 + step + 1
+        geom = SequenceGeometry(torch.zeros(B, dtype=torch.int32), torch.tensor([t], dtype=torch.int32),
+                                torch.tensor([t - 1], dtype=torch.int32), 1)
+        k, v = k_all[:, :, :t], v_all[:, :, :t]
+        out, sel = cis_decode_step(q, k, v, geom, state, p, 0.5, REFERENCE_OPS)
+        middle = torch.arange(p.sink, t - p.local)
+        for h in range(H):
+            got = sel.idx[0, h, : sel.count[0, h]].tolist()
+            if step % 4 == 0:  # block start: retrieve the exact top-k
+                assert bool(sel.retrieved[0, h])
+                scores = (k[0, h, middle] @ q[0, h]) * 0.5
+                top = middle[scores.topk(p.topk).indices]
+                if h == 0:
+                    anchor_top = top
+                expected = set(range(p.sink)) | set(top.tolist()) | set(range(t - p.local, t))
+            else:  # same query: share anchor 0 of this head, dilate the best m by ±r, clip to M(t)
+                assert not bool(sel.retrieved[0, h])
+                scores = (k[0, h, torch.arange(p.sink, L0 + 4 * (step // 4) + 1 - p.local)] @ q[0, h]) * 0.5
+                base = torch.arange(p.sink, L0 + 4 * (step // 4) + 1 - p.local)
+                top = base[scores.topk(p.topk).indices].tolist()
+                dil = {x + j for x in top[: p.dilation_topm] for j in (-1, 0, 1)}
+                mid = {x for x in set(top) | dil if p.sink <= x < t - p.local}
+                expected = set(range(p.sink)) | mid | set(range(t - p.local, t))
+            assert got == sorted(expected)
+            exp_out = _attend(q[0, h], k[0, h], v[0, h], torch.tensor(sorted(expected)), 0.5)
+            torch.testing.assert_close(out[0, h].double(), exp_out, rtol=1e-5, atol=1e-5)
+    assert anchor_top is not None
+
+
+def test_dilation_is_clipped_to_the_middle_region():
+    # an anchor index at the middle's edge: its neighbours outside [lo, hi) are dropped
+    B, H, D = 1, 1, 4
+    p = _params(tau=-1.0, topm=5, radius=2)
+    state = CISLayerState(B, H, D, 4, p.topk, torch.device("cpu"))
+    state.anchor_count.fill_(1)
+    state.step.fill_(1)  # not a block start
+    state.anchor_q[0, 0, 0] = torch.tensor([1.0, 0, 0, 0])
+    state.anchor_idx[0, 0, 0] = torch.tensor([2, 30, 16, -1, -1], dtype=torch.int32)
+    t = 36  # middle = [2, 33)
+    geom = SequenceGeometry(torch.zeros(1, dtype=torch.int32), torch.tensor([t], dtype=torch.int32),
+                            torch.tensor([t - 1], dtype=torch.int32), 1)
+    k = torch.randn(1, 1, t, D)
+    _, sel = cis_decode_step(torch.tensor([[[1.0, 0, 0, 0]]]), k, k, geom, state, p, 1.0, REFERENCE_OPS)
+    got = sel.idx[0, 0, : sel.count[0, 0]].tolist()
+    assert got == [0, 1, 2, 3, 4, 14, 15, 16, 17, 18, 28, 29, 30, 31, 32, 33, 34, 35]
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_retrieval_ratio_counts_block_starts(block):
+    # tau = -1 shares whenever the block has an anchor: only each block's first step retrieves
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (2, 50))
+    prhs_hf.patch(model, {**SMALL, "cis": {"tau": -1.0, "block_size": block}, "psaw": {"enabled": False},
+                          "etf": {"enabled": False}, "telemetry": {"enabled": True}})
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    report = prhs_hf.telemetry(model)
+    prhs_hf.unpatch(model)
+    steps = 19  # decode forwards after the prefill
+    blocks = -(-steps // block)
+    assert report.decode_steps == steps and report.sparse_steps == 2 * steps
+    assert report.retrieval_ratio == pytest.approx(blocks / steps)
+    assert report.per_head_retrievals == [[2 * blocks] * 4] * 4
+    assert report.processed_kv_per_step < report.dense_kv_per_step
+
+
+def test_oracle_telemetry_is_consistent():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 80))
+    prhs_hf.patch(model, {**SMALL, "cis": {"tau": 1.5}, "psaw": {"enabled": False}, "etf": {"enabled": False},
+                          "telemetry": {"enabled": True, "oracle": True}})
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    o = prhs_hf.telemetry(model).oracle
+    prhs_hf.unpatch(model)
+    assert o.rows == 4 * 4 * 4
+    assert 0 < o.retained_mass <= 1 and o.dropped_mass == pytest.approx(1 - o.retained_mass)
+    assert -1e-6 <= o.beta_emp <= 0.2  # exact top-k of the middle is close to the oracle
+    assert 0 < o.overlap <= 1 and 0 < o.overlap_top50 <= 1
+    assert o.certificate > 0

@@ -1,0 +1,130 @@
+"""PrHS under model.generate(): budgets, left padding, GQA/MHA, caches, beams, sampling."""
+
+import pytest
+import torch
+
+import prhs_hf
+from prhs_hf.cis_state import CISLayerState
+from tiny_models import tiny_model
+
+SMALL_CPE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}, "backend": {"prefill": "torch", "decode": "torch"}}
+
+
+def _padded_batch(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.zeros(len(lengths), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, L - n :] = torch.randint(1, 128, (n,), generator=g)
+        mask[i, L - n :] = 1
+    return ids, mask
+
+
+def _generate(model, ids, mask, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, do_sample=False, **kw)
+
+
+def test_budget_covering_the_context_equals_dense():
+    model = tiny_model("llama")
+    ids, mask = _padded_batch([90, 70])
+    dense = _generate(model, ids, mask, max_new_tokens=12)
+    prhs_hf.patch(model, {"budget": {"sink": 8, "local": 32, "topk": 200}, "psaw": {"enabled": False},
+                          "etf": {"enabled": False}, "telemetry": {"enabled": True}})
+    sparse = _generate(model, ids, mask, max_new_tokens=12)
+    report = prhs_hf.telemetry(model)
+    prhs_hf.unpatch(model)
+    assert torch.equal(sparse, dense)
+    assert report.sparse_steps == 0 and report.processed_kv_per_step == report.dense_kv_per_step
+
+
+@pytest.mark.parametrize("config", ["cis", "cpe"])
+def test_left_padded_batch_equals_each_sequence_alone(config):
+    cfg = SMALL_CPE if config == "cpe" else {**SMALL_CPE, "psaw": {"enabled": False}, "etf": {"enabled": False}}
+    model = tiny_model("llama")
+    lengths = [70, 45, 58]
+    ids, mask = _padded_batch(lengths)
+    prhs_hf.patch(model, cfg)
+    batch = _generate(model, ids, mask, max_new_tokens=10)
+    for i, n in enumerate(lengths):
+        alone = _generate(model, ids[i : i + 1, -n:], mask[i : i + 1, -n:], max_new_tokens=10)
+        assert torch.equal(batch[i, -10:], alone[0, -10:]), f"sequence {i}"
+    prhs_hf.unpatch(model)
+
+
+def test_pads_are_never_selected_and_sinks_are_the_first_real_tokens():
+    model = tiny_model("llama")
+    ids, mask = _padded_batch([60, 40])
+    seen = []
+    prhs_hf.patch(model, {**SMALL_CPE, "psaw": {"enabled": False}, "etf": {"enabled": False}})
+    runtime = model._prhs_runtime
+    ops = runtime.decode_ops(torch.device("cpu"))
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def sparse_decode_attention(self, q, k, v, pad, idx, count, scale):
+            seen.append((pad.clone(), idx.clone(), count.clone(), k.shape[-2]))
+            return ops.sparse_decode_attention(q, k, v, pad, idx, count, scale)
+
+    runtime._ops[torch.device("cpu")] = Spy()
+    _generate(model, ids, mask, max_new_tokens=5)
+    prhs_hf.unpatch(model)
+    assert seen
+    for pad, idx, count, slots in seen:
+        assert pad.tolist() == [0, 20]
+        for b in range(2):
+            t = slots - int(pad[b])
+            for h in range(idx.shape[1]):
+                chosen = idx[b, h, : count[b, h]]
+                assert chosen.min() >= 0 and chosen.max() < t  # real indices: pads excluded
+                assert chosen[:4].tolist() == [0, 1, 2, 3]  # the sinks are the first real tokens
+                assert (idx[b, h, count[b, h] :] == -1).all()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
+def test_gqa_and_mha_dynamic_and_static_cache_agree(heads, kv_heads):
+    model = tiny_model("qwen3", heads=heads, kv_heads=kv_heads)
+    ids, mask = _padded_batch([64, 50])
+    prhs_hf.patch(model, SMALL_CPE)
+    dynamic = _generate(model, ids, mask, max_new_tokens=8)
+    static = _generate(model, ids, mask, max_new_tokens=8, cache_implementation="static")
+    prhs_hf.unpatch(model)
+    assert torch.equal(dynamic, static)
+
+
+def test_beam_search_reorders_the_cis_state(monkeypatch):
+    model = tiny_model("llama")
+    ids, mask = _padded_batch([60, 52])
+    prhs_hf.patch(model, SMALL_CPE)
+    runtime = model._prhs_runtime
+    calls = []
+    original = CISLayerState.reorder
+
+    def spy(self, index):
+        before = (self.anchor_q.clone(), self.anchor_idx.clone(), self.anchor_count.clone())
+        original(self, index)
+        calls.append(index.clone())
+        assert torch.equal(self.anchor_q, before[0][index])
+        assert torch.equal(self.anchor_idx, before[1][index])
+        assert torch.equal(self.anchor_count, before[2][index])
+
+    monkeypatch.setattr(CISLayerState, "reorder", spy)
+    out = _generate(model, ids, mask, max_new_tokens=6, num_beams=3)
+    prhs_hf.unpatch(model)
+    assert out.shape == (2, 66)
+    assert calls and all(c.shape == (6,) for c in calls)
+    assert runtime.layers[0].state.anchor_q.shape[0] == 6  # batch x beams
+
+
+def test_sampling_runs():
+    model = tiny_model("glm4")
+    ids, mask = _padded_batch([60, 48])
+    prhs_hf.patch(model, SMALL_CPE)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=20, temperature=0.9)
+    prhs_hf.unpatch(model)
+    assert out.shape == (2, 68) and int(out.max()) < 128

@@ -1,0 +1,139 @@
+"""Patching: dense equivalence for every family, unpatch, patch twice, clear errors."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import prhs_hf
+from prhs_hf.families import SUPPORTED_FAMILIES, UnsupportedModelError
+from tiny_models import FAMILIES, tiny_model
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _batch(seed=0, length=40):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 128, (2, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding on the second sequence
+    ids[1, :7] = 0
+    return ids, mask
+
+
+def test_every_supported_family_has_a_tiny_model():
+    assert set(FAMILIES) == set(SUPPORTED_FAMILIES)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dense_config_gives_the_unpatched_logits(family):
+    model = tiny_model(family)
+    ids, mask = _batch()
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        prhs_hf.patch(model, CONFIGS / "dense.yaml")
+        assert model.config._attn_implementation == "prhs"
+        patched = model(ids, attention_mask=mask).logits
+        prhs_hf.unpatch(model)
+        assert model.config._attn_implementation == "sdpa"
+        after = model(ids, attention_mask=mask).logits
+    assert torch.equal(patched, ref)
+    assert torch.equal(after, ref)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cpe_runs_and_unpatch_restores(family):
+    model = tiny_model(family)
+    ids, mask = _batch(length=180)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        with prhs_hf.patch(model, CONFIGS / "cpe.yaml", overrides={"backend": {"prefill": "torch", "decode": "torch"}}):
+            sparse = model(ids, attention_mask=mask).logits
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        assert not prhs_hf.is_patched(model)
+        after = model(ids, attention_mask=mask).logits
+    assert not torch.equal(sparse, ref)  # PSAW/ETF changed deep layers
+    assert torch.isfinite(sparse).all() and out.shape == (2, 184)
+    assert torch.equal(after, ref)
+    for layer in model.model.layers:
+        assert "forward" not in layer.mlp.__dict__ and "_prhs_layer" not in layer.self_attn.__dict__
+        assert not layer._forward_pre_hooks
+
+
+def test_patching_twice_is_harmless():
+    model = tiny_model("llama")
+    ids, mask = _batch()
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        prhs_hf.patch(model, CONFIGS / "cpe.yaml")
+        prhs_hf.patch(model, CONFIGS / "dense.yaml")
+        assert len(model.model.layers[0]._forward_pre_hooks) == 1
+        assert torch.equal(model(ids, attention_mask=mask).logits, ref)
+        prhs_hf.unpatch(model)
+        prhs_hf.unpatch(model)  # a second unpatch is a no-op
+        assert torch.equal(model(ids, attention_mask=mask).logits, ref)
+
+
+def test_config_object_and_dict_are_accepted():
+    model = tiny_model("llama")
+    cfg = prhs_hf.load_config(CONFIGS / "cis.yaml")
+    handle = prhs_hf.patch(model, cfg)
+    assert handle.config == cfg
+    prhs_hf.patch(model, cfg.to_dict())
+    prhs_hf.unpatch(model)
+
+
+def test_unsupported_family_lists_the_supported_ones():
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = transformers.MistralForCausalLM(config)
+    with pytest.raises(UnsupportedModelError, match="supported: llama, qwen2, qwen3, glm, glm4"):
+        prhs_hf.patch(model, CONFIGS / "cis.yaml")
+
+
+def test_sliding_window_layers_are_refused():
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        prhs_hf.patch(model, CONFIGS / "cis.yaml")
+
+
+def test_unsupported_dtype_is_refused():
+    model = tiny_model("llama").to(torch.float64)
+    with pytest.raises(UnsupportedModelError, match="float16, bfloat16, float32"):
+        prhs_hf.patch(model, CONFIGS / "cis.yaml")
+
+
+def test_unsupported_cache_is_refused():
+    model = tiny_model("llama")
+    ids, mask = _batch()
+    # a generic Cache (e.g. what a quantized or custom cache derives from) is not one PrHS knows
+    cache = transformers.cache_utils.Cache(layer_class_to_replicate=transformers.cache_utils.DynamicLayer)
+    prhs_hf.patch(model, CONFIGS / "cis.yaml")
+    with pytest.raises(TypeError, match="DynamicCache, StaticCache"):
+        model(ids, attention_mask=mask, past_key_values=cache)
+    prhs_hf.unpatch(model)
+
+
+def test_triton_backend_without_triton_device_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the triton backend is valid here")
+    model = tiny_model("llama")
+    ids, mask = _batch(length=200)
+    prhs_hf.patch(model, CONFIGS / "cis.yaml", overrides={"backend": {"decode": "triton"}})
+    with pytest.raises(RuntimeError, match="backend.decode: triton"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    prhs_hf.unpatch(model)
+
+
+def test_telemetry_off_by_default_and_clear_error():
+    model = tiny_model("llama")
+    prhs_hf.patch(model, CONFIGS / "cis.yaml")
+    assert model._prhs_runtime.telemetry is None
+    with pytest.raises(ValueError, match="telemetry is off"):
+        prhs_hf.telemetry(model)
+    prhs_hf.unpatch(model)
+    with pytest.raises(ValueError, match="not patched"):
+        prhs_hf.telemetry(model)

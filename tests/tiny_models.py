@@ -1,0 +1,60 @@
+"""Tiny random models of every supported family, for CPU tests."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+# family -> (config class, extra kwargs)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "glm": ("GlmConfig", {"head_dim": 16, "partial_rotary_factor": 0.5}),
+    "glm4": ("Glm4Config", {"head_dim": 16, "partial_rotary_factor": 0.5}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    ),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "partial_rotary_factor": 0.5},
+    ),
+}
+
+
+def tiny_config(family: str, layers: int = 4, heads: int = 4, kv_heads: int = 2, **overrides):
+    cls_name, extra = FAMILIES[family]
+    cls = getattr(transformers, cls_name)
+    kwargs = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=16384,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    config = cls(**kwargs)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def tiny_model(family: str = "llama", dtype=torch.float32, seed: int = 0, **kwargs):
+    """A random ``*ForCausalLM`` of ``family`` in eval mode, SDPA attention."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), attn_implementation="sdpa")
+    # random init of this size gives near-uniform attention; sharper weights make selection matter
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+    return model.eval().to(dtype)
