@@ -1,0 +1,560 @@
+"""The four CIS decode steps (docs/DECODE_PIPELINE.md) on small shapes, CPU-friendly.
+
+* each ``*_reference`` against a naive per-row Python loop written here (float64, sets, sorted
+  lists): that is how the references are known to be right; these run everywhere;
+* each Triton launcher against its reference (``TRITON_INTERPRET=1`` on the CPU, or CUDA):
+  GQA, ragged lengths (per-sequence ``t`` and ``pad``), ``k`` larger than the middle region,
+  empty middle, exact ties, duplicates from dilation, dilation clipped at region edges, rows
+  with ``count = 0``, fp16/bf16/fp32, head sizes 16/80/256, split and unsplit attention;
+* hypothesis properties of ``compose_indices`` (sorted, unique, in range, holds sink and
+  window, size bound, ``-1`` tail), on the reference and on the kernel;
+* one whole decode step, ``TRITON_OPS`` against ``REFERENCE_OPS``.
+
+Run on a CPU: ``TRITON_INTERPRET=1 pytest tests/test_kernels_decode.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import triton_available
+from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
+from prhs_hf.kernels.compose_indices import compose_indices, compose_indices_reference
+from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, get_decode_ops
+from prhs_hf.kernels.sparse_decode_attention import (
+    sparse_decode_attention,
+    sparse_decode_attention_reference,
+)
+from prhs_hf.kernels.topk_retrieval import compact_rows, topk_retrieval, topk_retrieval_reference
+
+needs_triton = pytest.mark.skipif(
+    not triton_available(),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 "
+    "(run: TRITON_INTERPRET=1 pytest tests/test_kernels_decode.py)",
+)
+
+# Kernels run on the GPU when there is one (and the interpreter is off), else on the CPU.
+DEV = torch.device(
+    "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+)
+I32 = torch.int32
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def i32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=I32)
+
+
+# ----------------------------------------------------------------------------- naive loops
+
+
+def naive_cis_match(q, anchor_q, anchor_count, active, tau):
+    B, H, _ = q.shape
+    out = torch.full((B, H), -2, dtype=I32)
+    for b in range(B):
+        if not bool(active[b]):
+            continue
+        for h in range(H):
+            qv = q[b, h].double()
+            best, best_sim = -1, -math.inf
+            for a in range(int(anchor_count[b, h])):
+                av = anchor_q[b, h, a].double()
+                sim = float(qv @ av) / (max(qv.norm().item(), 1e-12) * max(av.norm().item(), 1e-12))
+                if sim > best_sim:  # strict: the lowest anchor wins a tie
+                    best, best_sim = a, sim
+            out[b, h] = best if best >= 0 and best_sim >= tau else -1
+    return out
+
+
+def naive_topk(q, k_cache, pad, lo, hi, retrieve, k, scale):
+    B, H, _ = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    out = torch.full((B, H, k), -1, dtype=I32)
+    for b in range(B):
+        for h in range(H):
+            if not bool(retrieve[b, h]):
+                continue
+            kvh = h // (H // Hkv)
+            scored = []
+            for j in range(max(int(lo[b]), 0), int(hi[b])):
+                slot = int(pad[b]) + j
+                if slot >= S:
+                    break
+                s = scale * float(q[b, h].double() @ k_cache[b, kvh, slot].double())
+                scored.append((-s, j))
+            for i, (_, j) in enumerate(sorted(scored)[:k]):
+                out[b, h, i] = j
+    return out
+
+
+def naive_index_set(t, lo, hi, win_start, p, dilate, sink, dil_m, dil_r):
+    """The index set of one row, straight from the formula of DECODE_PIPELINE §3."""
+    middle = {x for x in p if x >= 0}
+    if dilate:
+        middle |= {x + j for x in p[:dil_m] if x >= 0 for j in range(-dil_r, dil_r + 1)}
+    middle = {x for x in middle if lo <= x < hi}
+    return set(range(min(sink, t))) | middle | set(range(max(win_start, 0), t))
+
+
+def naive_compose(t, lo, hi, win_start, sel_idx, dilate, sink, dil_m, dil_r, cap):
+    B, H, _ = sel_idx.shape
+    idx = torch.full((B, H, cap), -1, dtype=I32)
+    cnt = torch.zeros((B, H), dtype=I32)
+    for b in range(B):
+        for h in range(H):
+            d = bool(dilate) if not isinstance(dilate, torch.Tensor) else bool(dilate[b, h])
+            s = sorted(
+                naive_index_set(
+                    int(t[b]), int(lo[b]), int(hi[b]), int(win_start[b]),
+                    sel_idx[b, h].tolist(), d, sink, dil_m, dil_r,
+                )
+            )
+            assert len(s) <= cap
+            idx[b, h, : len(s)] = torch.tensor(s, dtype=I32)
+            cnt[b, h] = len(s)
+    return idx, cnt
+
+
+def naive_attention(q, k_cache, v_cache, pad, idx, count, scale):
+    B, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    out = torch.zeros((B, H, D), dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            n = int(count[b, h])
+            if n == 0:
+                continue
+            kvh = h // (H // Hkv)
+            slots = [int(pad[b]) + int(j) for j in idx[b, h, :n]]
+            kk = k_cache[b, kvh, slots].double()
+            vv = v_cache[b, kvh, slots].double()
+            w = torch.softmax(scale * (kk @ q[b, h].double()), dim=0)
+            out[b, h] = w @ vv
+    return out
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def geometry(S, pads, ends, sink, local):
+    """Per-sequence left padding and visible tokens; middle = [sink, t - local) clipped."""
+    pad = i32(pads)
+    t = i32([S - p - e for p, e in zip(pads, ends)])
+    lo = torch.minimum(torch.full_like(t, sink), t)
+    hi = torch.maximum(lo, t - local)
+    return pad, t, lo, hi
+
+
+def unit_anchors(B, H, s, D, g):
+    a = torch.randn(B, H, s, D, generator=g)
+    return a / a.norm(dim=-1, keepdim=True)
+
+
+def assert_out_close(out, ref, dtype):
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def test_reference_cis_match_against_naive():
+    g = torch.Generator().manual_seed(1)
+    B, H, s, D = 3, 4, 5, 12
+    q = torch.randn(B, H, D, generator=g)
+    q[0, 1] = 0.0  # zero query: cosine 0
+    anchors = unit_anchors(B, H, s, D, g)
+    anchors[1, 0, 3] = anchors[1, 0, 1]  # exact tie: anchor 1 must win
+    anchors[1, 0, 1] = q[1, 0] / q[1, 0].norm()
+    anchors[1, 0, 3] = anchors[1, 0, 1]
+    count = i32([[0, 1, 5, 3], [5, 2, 4, 5], [5, 5, 5, 5]])
+    active = torch.tensor([True, True, False])
+    for tau in (-1.0, 0.0, 0.2, 0.8):
+        ref = cis_match_reference(q, anchors, count, active, tau)
+        assert torch.equal(ref, naive_cis_match(q, anchors, count, active, tau))
+    ref = cis_match_reference(q, anchors, count, active, 0.8)
+    assert ref[1, 0] == 1 and ref[0, 0] == -1 and (ref[2] == -2).all()
+    assert ref[0, 1] == -1  # zero query against tau > 0
+
+
+@pytest.mark.parametrize("Hkv", [1, 2, 4])
+def test_reference_topk_against_naive(Hkv):
+    g = torch.Generator().manual_seed(2)
+    B, H, D, S = 3, 4, 8, 40
+    q = torch.randn(B, H, D, generator=g)
+    kc = torch.randn(B, Hkv, S, D, generator=g)
+    pad, t, lo, hi = geometry(S, [0, 5, 9], [0, 2, 0], sink=3, local=4)
+    lo[2], hi[2] = 7, 7  # empty middle
+    retrieve = torch.rand(B, H, generator=g) > 0.3
+    for k in (1, 6, 40):  # 40 > every middle region: -1 tail
+        ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 0.3)
+        assert torch.equal(ref, naive_topk(q, kc, pad, lo, hi, retrieve, k, 0.3))
+    assert (ref[2] == -1).all() and (ref[~retrieve] == -1).all()
+
+
+def test_reference_topk_ties_lower_index_first():
+    # Integer data: exact dot products, many equal scores.
+    g = torch.Generator().manual_seed(3)
+    B, H, D, S = 2, 2, 4, 30
+    q = torch.randint(-1, 2, (B, H, D), generator=g).float()
+    kc = torch.randint(-1, 2, (B, 1, S, D), generator=g).float()
+    pad, t, lo, hi = geometry(S, [0, 3], [0, 0], sink=2, local=2)
+    retrieve = torch.ones(B, H, dtype=torch.bool)
+    ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 12, 1.0)
+    assert torch.equal(ref, naive_topk(q, kc, pad, lo, hi, retrieve, 12, 1.0))
+
+
+@pytest.mark.parametrize("dilate", ["all", "none", "per_row"])
+def test_reference_compose_against_naive(dilate):
+    g = torch.Generator().manual_seed(4)
+    B, H, k, S = 3, 4, 6, 60
+    t = i32([60, 33, 9])
+    lo = i32([4, 4, 4])
+    hi = i32([50, 20, 4])  # the last middle is empty
+    ws = i32([50, 14, 2])  # window overlapping the middle (row 1) and the sink (row 2)
+    sel = torch.randint(-1, 55, (B, H, k), generator=g, dtype=I32)
+    sel[0, 0] = i32([4, 49, 5, 48, -1, 30])  # neighbours clipped at both edges, duplicates
+    sel[0, 1] = i32([10, 11, 12, 10, -1, -1])
+    sel[1, 2] = -1
+    d = {"all": True, "none": False, "per_row": torch.rand(B, H, generator=g) > 0.5}[dilate]
+    cap = 4 + 10 + k + 2 * 2 * 3 + 60
+    ref = compose_indices_reference(t, lo, hi, ws, sel, d, 4, 3, 2, cap)
+    nv = naive_compose(t, lo, hi, ws, sel, d, 4, 3, 2, cap)
+    assert torch.equal(ref[0], nv[0]) and torch.equal(ref[1], nv[1])
+
+
+def test_reference_attention_against_naive():
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, D, S, cap = 2, 4, 2, 16, 30, 12
+    q = torch.randn(B, H, D, generator=g)
+    kc = torch.randn(B, Hkv, S, D, generator=g)
+    vc = torch.randn(B, Hkv, S, D, generator=g)
+    pad = i32([0, 4])
+    idx = torch.stack(
+        [torch.stack([torch.randperm(S - 4, generator=g)[:cap].sort().values for _ in range(H)]) for _ in range(B)]
+    ).to(I32)
+    count = i32([[12, 0, 5, 1], [3, 12, 7, 0]])
+    idx[torch.arange(cap) >= count[..., None].long()] = -1
+    ref = sparse_decode_attention_reference(q, kc, vc, pad, idx, count, 0.25)
+    torch.testing.assert_close(ref.double(), naive_attention(q, kc, vc, pad, idx, count, 0.25), atol=1e-5, rtol=1e-5)
+    assert (ref[0, 1] == 0).all() and (ref[1, 3] == 0).all()
+
+
+def test_decode_ops_tables():
+    for ops in (REFERENCE_OPS, TRITON_OPS):
+        for name in ("cis_match", "topk_retrieval", "compose_indices", "sparse_decode_attention"):
+            assert callable(getattr(ops, name))
+    assert get_decode_ops("torch") is REFERENCE_OPS and get_decode_ops("triton") is TRITON_OPS
+    assert REFERENCE_OPS.topk_retrieval is topk_retrieval_reference
+    assert TRITON_OPS.topk_retrieval is topk_retrieval
+    with pytest.raises(ValueError):
+        get_decode_ops("cuda")
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s,D", [(4, 16), (8, 80), (16, 128)])
+def test_cis_match_kernel(dtype, s, D):
+    g = torch.Generator().manual_seed(10 + s)
+    B, H = 3, 4
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    q[0, 1] = 0
+    anchors = unit_anchors(B, H, s, D, g)
+    anchors[1, 2, 1] = q[1, 2].float() / q[1, 2].float().norm()  # similarity 1 ...
+    anchors[1, 2, s - 1] = anchors[1, 2, 1]  # ... twice: the lower anchor wins
+    anchors[2, 3, 0] = -anchors[2, 3, 0]
+    count = torch.randint(0, s + 1, (B, H), generator=g, dtype=I32)
+    count[1, 2] = s
+    count[0, 0] = 0
+    active = torch.tensor([True, True, False])
+    for tau in (-1.0, 0.05, 0.97):
+        out = cis_match(q.to(DEV), anchors.to(DEV), count.to(DEV), active.to(DEV), tau).cpu()
+        ref = cis_match_reference(q, anchors, count, active, tau)
+        assert out.dtype == I32 and torch.equal(out, ref)
+    assert out[1, 2] == 1 and (out[2] == -2).all() and out[0, 0] == -1
+
+
+@needs_triton
+def test_compact_rows():
+    flags = torch.tensor([0, 1, 1, 0, 0, 1, 0, 1] * 300, dtype=torch.bool)  # > one tile
+    order, count = compact_rows(flags.to(DEV))
+    n = int(count.item())
+    assert n == int(flags.sum())
+    assert torch.equal(order[:n].cpu().long(), flags.nonzero().flatten())
+
+
+def _topk_case(B, H, Hkv, D, S, pads, ends, sink, local, dtype, seed, integer=False):
+    g = torch.Generator().manual_seed(seed)
+    if integer:  # exact scores in every precision: ties are real ties
+        q = torch.randint(-1, 2, (B, H, D), generator=g).to(dtype)
+        kc = torch.randint(-1, 2, (B, Hkv, S, D), generator=g).to(dtype)
+    else:
+        q = torch.randn(B, H, D, generator=g).to(dtype)
+        kc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    pad, t, lo, hi = geometry(S, pads, ends, sink, local)
+    retrieve = torch.rand(B, H, generator=g) > 0.35
+    return q, kc, pad, lo, hi, retrieve
+
+
+def _check_topk(q, kc, pad, lo, hi, retrieve, k, scale):
+    out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), k, scale).cpu()
+    ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, scale)
+    assert out.shape == ref.shape and out.dtype == I32
+    assert torch.equal(out, ref), (out, ref)
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hkv", [1, 2, 4])
+def test_topk_kernel_ragged_gqa(dtype, Hkv):
+    B, H, D, S = 3, 4, 32, 96
+    q, kc, pad, lo, hi, retrieve = _topk_case(B, H, Hkv, D, S, [0, 7, 30], [0, 3, 0], 4, 8, dtype, 20 + Hkv)
+    for k in (5, 16):
+        _check_topk(q, kc, pad, lo, hi, retrieve, k, 1 / math.sqrt(D))
+
+
+@needs_triton
+def test_topk_kernel_k_larger_than_middle_and_empty_middle():
+    B, H, D, S = 3, 2, 16, 64
+    q, kc, pad, lo, hi, retrieve = _topk_case(B, H, 2, D, S, [0, 10, 40], [0, 0, 0], 4, 8, torch.float32, 30)
+    retrieve[:] = True
+    lo[0], hi[0] = 10, 10  # empty middle
+    out = _check_topk(q, kc, pad, lo, hi, retrieve, 40, 0.5)  # middles: 0, 42 and 12 keys
+    assert (out[0] == -1).all()
+    n2 = int(hi[2] - lo[2])
+    assert n2 < 40 and (out[2, :, :n2] >= 0).all() and (out[2, :, n2:] == -1).all()
+
+
+@needs_triton
+def test_topk_kernel_exact_ties():
+    q, kc, pad, lo, hi, retrieve = _topk_case(2, 4, 2, 8, 80, [0, 5], [0, 0], 2, 4, torch.float16, 31, integer=True)
+    out = _check_topk(q, kc, pad, lo, hi, retrieve, 24, 1.0)
+    assert (out[retrieve] >= 0).all()
+
+
+@needs_triton
+def test_topk_kernel_no_row_retrieves():
+    q, kc, pad, lo, hi, retrieve = _topk_case(2, 2, 1, 16, 40, [0, 3], [0, 0], 2, 4, torch.bfloat16, 32)
+    retrieve[:] = False
+    assert (_check_topk(q, kc, pad, lo, hi, retrieve, 8, 1.0) == -1).all()
+
+
+@needs_triton
+def test_topk_kernel_large_k():
+    # k = 300 (candidate sort of 512 packed keys), middle regions of 300-1100 keys
+    # (several radix-select tiles and several score chunks).
+    q, kc, pad, lo, hi, retrieve = _topk_case(2, 2, 1, 16, 1200, [0, 900], [0, 0], 4, 16, torch.float32, 33)
+    retrieve[:] = True
+    out = _check_topk(q, kc, pad, lo, hi, retrieve, 300, 0.25)
+    assert (out[1, :, 280:] == -1).all() and (out[0] >= 0).all()
+
+
+def _compose_case(seed, B, H, k, T, sink, local, neg_frac=0.2):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(T // 2, T + 1, (B,), generator=g, dtype=I32)
+    lo = torch.minimum(torch.full_like(t, sink), t)
+    hi = torch.maximum(lo, t - local)
+    sel = torch.randint(0, T, (B, H, k), generator=g, dtype=I32)
+    sel[torch.rand(B, H, k, generator=g) < neg_frac] = -1
+    return t, lo, hi, hi.clone(), sel, g
+
+
+def _check_compose(t, lo, hi, ws, sel, dilate, sink, m, r, cap):
+    dd = dilate.to(DEV) if isinstance(dilate, torch.Tensor) else dilate
+    idx, cnt = compose_indices(*(x.to(DEV) for x in (t, lo, hi, ws, sel)), dd, sink, m, r, cap)
+    ref = compose_indices_reference(t, lo, hi, ws, sel, dilate, sink, m, r, cap)
+    assert idx.dtype == I32 and cnt.dtype == I32
+    assert torch.equal(idx.cpu(), ref[0]) and torch.equal(cnt.cpu(), ref[1])
+    return idx.cpu(), cnt.cpu()
+
+
+@needs_triton
+@pytest.mark.parametrize("m,r", [(0, 1), (3, 1), (8, 2), (4, 0)])
+def test_compose_kernel_dilation(m, r):
+    B, H, k, sink, local = 2, 3, 8, 4, 6
+    t, lo, hi, ws, sel, g = _compose_case(40 + m + r, B, H, k, 64, sink, local)
+    sel[0, 0] = torch.tensor([int(lo[0]), int(hi[0]) - 1, int(lo[0]) + 1, -1, 20, 21, 22, 20], dtype=I32)
+    dilate = torch.rand(B, H, generator=g) > 0.3
+    dilate[0, 0] = True
+    cap = sink + local + k + 2 * r * m
+    idx, cnt = _check_compose(t, lo, hi, ws, sel, dilate, sink, m, r, cap)
+    _check_compose(t, lo, hi, ws, sel, True, sink, m, r, cap)
+    _check_compose(t, lo, hi, ws, sel, False, sink, m, r, cap)
+    row = idx[0, 0, : cnt[0, 0]].tolist()
+    assert len(set(row)) == len(row)  # the duplicates from dilation are gone
+    lo0, hi0, ws0, t0 = int(lo[0]), int(hi[0]), int(ws[0]), int(t[0])
+    middle = [x for x in row if not (x < min(sink, t0) or ws0 <= x < t0)]
+    assert all(lo0 <= x < hi0 for x in middle)  # neighbours of the edge indices are clipped
+    if r > 0 and m >= 3:
+        assert lo0 + 1 + r in middle or lo0 + 1 + r >= hi0  # the neighbour of the 3rd index
+
+
+@needs_triton
+def test_compose_kernel_edge_geometries():
+    # window overlapping middle and sink, empty middle, tiny t, out-of-region selections.
+    t = i32([30, 12, 3, 0])
+    lo = i32([4, 4, 3, 0])
+    hi = i32([25, 4, 3, 0])
+    ws = i32([20, 2, -5, 0])
+    sel = torch.randint(-1, 40, (4, 2, 5), generator=torch.Generator().manual_seed(50), dtype=I32)
+    idx, cnt = _check_compose(t, lo, hi, ws, sel, True, 4, 5, 1, 40)
+    assert cnt[3].tolist() == [0, 0] and (idx[3] == -1).all()  # t = 0: empty set
+    assert cnt[2].tolist() == [3, 3]
+
+
+@needs_triton
+def test_compose_kernel_many_candidates():
+    # k = 100 and 2*r*m = 120 neighbours: a 256-wide register sort; window of 40.
+    t, lo, hi, ws, sel, g = _compose_case(51, 2, 2, 100, 600, 8, 40, neg_frac=0.05)
+    _check_compose(t, lo, hi, ws, sel, True, 8, 30, 2, 8 + 40 + 100 + 120)
+
+
+@st.composite
+def compose_inputs(draw):
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    k = draw(st.integers(1, 12))
+    sink, local = draw(st.integers(0, 6)), draw(st.integers(0, 8))
+    m, r = draw(st.integers(0, k)), draw(st.integers(0, 3))
+    t = [draw(st.integers(0, 80)) for _ in range(B)]
+    lo = [min(sink + draw(st.integers(0, 4)), tt) for tt in t]
+    hi = [max(l, tt - local) for l, tt in zip(lo, t)]
+    ws = [h - draw(st.integers(0, 3)) for h in hi]
+    sel = [[[draw(st.integers(-1, 90)) for _ in range(k)] for _ in range(H)] for _ in range(B)]
+    dil = [[draw(st.booleans()) for _ in range(H)] for _ in range(B)]
+    cap = sink + (local + 3 + 4) + k + 2 * r * m
+    return (i32(t), i32(lo), i32(hi), i32(ws), i32(sel), torch.tensor(dil), sink, m, r, cap)
+
+
+def _compose_properties(args, idx, cnt):
+    t, lo, hi, ws, sel, dil, sink, m, r, cap = args
+    B, H, k = sel.shape
+    for b in range(B):
+        for h in range(H):
+            n = int(cnt[b, h])
+            row = idx[b, h].tolist()
+            got = row[:n]
+            assert all(x == -1 for x in row[n:])
+            assert got == sorted(set(got))  # sorted, unique
+            assert all(0 <= x < int(t[b]) for x in got)  # in range
+            s = set(got)
+            assert set(range(min(sink, int(t[b])))) <= s  # sink
+            assert set(range(max(int(ws[b]), 0), int(t[b]))) <= s  # window
+            budget = min(sink, int(t[b])) + max(int(t[b]) - max(int(ws[b]), 0), 0) + k
+            assert n <= budget + (2 * r * m if bool(dil[b, h]) else 0)
+            assert s == naive_index_set(
+                int(t[b]), int(lo[b]), int(hi[b]), int(ws[b]), sel[b, h].tolist(),
+                bool(dil[b, h]), sink, m, r,
+            )
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(compose_inputs())
+def test_compose_reference_properties(args):
+    t, lo, hi, ws, sel, dil, sink, m, r, cap = args
+    idx, cnt = compose_indices_reference(t, lo, hi, ws, sel, dil, sink, m, r, cap)
+    _compose_properties(args, idx, cnt)
+
+
+@needs_triton
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(compose_inputs())
+def test_compose_kernel_properties(args):
+    t, lo, hi, ws, sel, dil, sink, m, r, cap = args
+    idx, cnt = _check_compose(t, lo, hi, ws, sel, dil, sink, m, r, cap)
+    _compose_properties(args, idx, cnt)
+
+
+def _attention_case(B, H, Hkv, D, S, cap, dtype, seed, pads):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    kc = (2 * torch.randn(B, Hkv, S, D, generator=g)).to(dtype)
+    vc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    pad = i32(pads)
+    rows = []
+    for b in range(B):
+        rows.append(torch.stack([torch.randperm(S - pads[b], generator=g)[:cap].sort().values for _ in range(H)]))
+    idx = torch.stack(rows).to(I32)
+    count = torch.randint(0, cap + 1, (B, H), generator=g, dtype=I32)
+    count[0, 0] = 0
+    count[-1, -1] = cap
+    idx[torch.arange(cap) >= count[..., None].long()] = -1
+    return q, kc, vc, pad, idx, count
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hkv,D,splits", [(4, 16, 1), (2, 80, 3), (1, 64, None), (2, 256, 2)])
+def test_attention_kernel(dtype, Hkv, D, splits):
+    B, H, S, cap = 2, 4, 90, 70
+    q, kc, vc, pad, idx, count = _attention_case(B, H, Hkv, D, S, cap, dtype, 60 + D, [0, 13])
+    scale = 1 / math.sqrt(D)
+    out = sparse_decode_attention(
+        *(x.to(DEV) for x in (q, kc, vc, pad, idx, count)), scale, num_splits=splits
+    )
+    ref = sparse_decode_attention_reference(q, kc, vc, pad, idx, count, scale)
+    assert_out_close(out, ref, dtype)
+    assert (out[0, 0] == 0).all()  # count 0
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double().cpu(), naive_attention(q, kc, vc, pad, idx, count, scale), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_attention_kernel_hf_strides():
+    # Caches as HF slices of a [B, S, Hkv, D] buffer (non-contiguous head/seq strides).
+    B, H, Hkv, D, S, cap = 2, 4, 2, 32, 50, 24
+    q, kc, vc, pad, idx, count = _attention_case(B, H, Hkv, D, S, cap, torch.float16, 70, [0, 5])
+    kc_s = kc.transpose(1, 2).contiguous().transpose(1, 2)
+    vc_s = vc.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not kc_s.is_contiguous()
+    out = sparse_decode_attention(*(x.to(DEV) for x in (q, kc_s, vc_s, pad, idx, count)), 0.2, num_splits=2)
+    assert_out_close(out, sparse_decode_attention_reference(q, kc, vc, pad, idx, count, 0.2), torch.float16)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_decode_step_triton_equals_reference(dtype):
+    """match -> retrieve -> compose -> attend, as prhs_hf/decode.py chains them."""
+    g = torch.Generator().manual_seed(80)
+    B, H, Hkv, D, S, s = 3, 4, 2, 32, 120, 4
+    sink, local, k, m, r = 4, 8, 12, 4, 1
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    kc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    vc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    pad, t, lo, hi = geometry(S, [0, 9, 100], [0, 0, 0], sink, local)
+    active = t > sink + local + k
+    ws = torch.where(active, hi, lo)
+    anchors = unit_anchors(B, H, s, D, g)
+    anchors[:, :2, 0] = q[:, :2].float() / q[:, :2].float().norm(dim=-1, keepdim=True)
+    anchor_count = torch.randint(0, s + 1, (B, H), generator=g, dtype=I32)
+    anchor_count[:, :2] = s
+    anchor_idx = torch.randint(-1, S, (B, H, s, k), generator=g, dtype=I32)
+    cap = sink + local + k + 2 * r * m + S  # inactive rows attend to all t tokens
+    results = []
+    for ops, dev in ((REFERENCE_OPS, torch.device("cpu")), (TRITON_OPS, DEV)):
+        a = [x.to(dev) for x in (q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count, anchor_idx, active)]
+        q_, kc_, vc_, pad_, t_, lo_, hi_, ws_, an_, ac_, ai_, act_ = a
+        best = ops.cis_match(q_, an_, ac_, act_, 0.9)
+        retrieve = best == -1
+        new = ops.topk_retrieval(q_, kc_, pad_, lo_, hi_, retrieve, k, D**-0.5)
+        shared = best >= 0
+        shared_idx = torch.gather(ai_, 2, best.clamp_min(0).long()[..., None, None].expand(B, H, 1, k))[:, :, 0]
+        sel = torch.where(retrieve[..., None], new, torch.where(shared[..., None], shared_idx, -1))
+        idx, cnt = ops.compose_indices(t_, lo_, hi_, ws_, sel, shared, sink, m, r, cap)
+        out = ops.sparse_decode_attention(q_, kc_, vc_, pad_, idx, cnt, D**-0.5)
+        results.append([x.cpu() for x in (best, new, idx, cnt, out)])
+    (b0, n0, i0, c0, o0), (b1, n1, i1, c1, o1) = results
+    assert (b0[:, :2] == 0).logical_or(b0[:, :2] == -2).all()  # the planted anchors are shared
+    assert (b0 == -1).any()  # and some rows retrieve
+    assert torch.equal(b0, b1) and torch.equal(n0, n1) and torch.equal(i0, i1) and torch.equal(c0, c1)
+    assert_out_close(o1, o0, dtype)
