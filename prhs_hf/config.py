@@ -24,6 +24,8 @@ __all__ = [
     "ETFConfig",
     "BackendConfig",
     "TelemetryConfig",
+    "BaselineConfig",
+    "BASELINES",
     "PrHSConfig",
     "ResolvedConfig",
     "load_config",
@@ -95,6 +97,24 @@ class TelemetryConfig:
     oracle: bool = False
 
 
+BASELINES = ("oracle", "streaming", "h2o", "quest", "hshare", "direct_reuse", "random_expansion")
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    """A comparison selector (SPEC §6) that replaces CIS in decode, with the same budget.
+
+    ``name: null`` (the default) means no baseline: CIS (or dense) decides. ``page_size`` is
+    Quest's page; ``share_ratio`` HShare's fraction of steps that reuse indices; ``seed`` seeds
+    RandomExpansion.
+    """
+
+    name: str | None = None
+    page_size: int = 16
+    share_ratio: float = 0.875
+    seed: int = 0
+
+
 @dataclass(frozen=True)
 class PrHSConfig:
     """A whole PrHS configuration, as read from YAML (``null`` values still unresolved)."""
@@ -105,6 +125,7 @@ class PrHSConfig:
     etf: ETFConfig = field(default_factory=ETFConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data (YAML-serialisable)."""
@@ -164,6 +185,7 @@ _SECTIONS: dict[str, type] = {
     "etf": ETFConfig,
     "backend": BackendConfig,
     "telemetry": TelemetryConfig,
+    "baseline": BaselineConfig,
 }
 
 # key -> (kind, lower, upper, lower_open, nullable); kind in {"int", "float", "bool", "choice", "phases"}
@@ -189,6 +211,10 @@ _RULES: dict[str, tuple] = {
     "backend.decode": ("choice", DECODE_BACKENDS),
     "telemetry.enabled": ("bool",),
     "telemetry.oracle": ("bool",),
+    "baseline.name": ("choice", (None, *BASELINES)),
+    "baseline.page_size": ("int", 1, None, False, False),
+    "baseline.share_ratio": ("float", 0.0, 1.0, False, False),
+    "baseline.seed": ("int", 0, None, False, False),
 }
 
 
@@ -207,7 +233,7 @@ def _check_value(key: str, value: Any) -> Any:
         return value
     if kind == "choice":
         if value not in rule[1]:
-            raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {', '.join(rule[1])}")
+            raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {', '.join(map(str, rule[1]))}")
         return value
     if kind == "phases":
         if isinstance(value, str):

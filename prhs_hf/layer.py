@@ -138,9 +138,15 @@ class PrHSLayer:
         geom = geometry_from_mask(attention_mask, batch, 1, key.shape[-2], query.device)
         telemetry = self.runtime.telemetry
         q = query[:, :, 0, :]
-        if self.cis:
+        selector = self.runtime.selector
+        if selector is not None or self.cis:
             ops = self.runtime.decode_ops(query.device)
-            out, sel = cis_decode_step(q, key, value, geom, self._cis_state(query), self.decode_params, scaling, ops)
+            if selector is not None:
+                sel = selector.select(self.index, q, key, value, geom, self.decode_params, scaling)
+                out = ops.sparse_decode_attention(q, key, value, geom.pad, sel.idx, sel.count, scaling)
+            else:
+                state = self._cis_state(query)
+                out, sel = cis_decode_step(q, key, value, geom, state, self.decode_params, scaling, ops)
             if telemetry is not None:
                 telemetry.record_decode(self.index, geom.t_last, sel.count, sel.retrieved, sel.active)
                 if telemetry.oracle:
@@ -189,6 +195,11 @@ class PrHSLayer:
             scaling = query.shape[-1] ** -0.5
         if query.shape[2] == 1 and key.shape[-2] > 1:
             return self._decode(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+        if self.runtime.selector is not None:
+            geom = self.plan.geom if self.plan is not None else geometry_from_mask(
+                attention_mask, query.shape[0], query.shape[2], key.shape[-2], query.device
+            )
+            self.runtime.selector.observe_prefill(self.index, query, key, geom, scaling)
         if self.plan is not None:
             return self._prefill(query, key, value, scaling)
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)

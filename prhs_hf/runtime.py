@@ -9,6 +9,7 @@ import torch
 from .backends import decode_ops, prefill_function
 from .config import ResolvedConfig
 from .layer import PrHSLayer
+from .selectors import make_selector
 from .stats import Telemetry
 
 __all__ = ["PrHSRuntime"]
@@ -22,6 +23,7 @@ class PrHSRuntime:
         c = resolved.config
         self.telemetry = Telemetry(resolved.num_layers, num_heads, c.telemetry.oracle) if c.telemetry.enabled else None
         self.layers = [PrHSLayer(self, i) for i in range(resolved.num_layers)]
+        self.selector = make_selector(resolved, num_heads) if c.baseline.name is not None else None
         self._ops: dict[torch.device, object] = {}
         self._prefill: dict[torch.device, Callable] = {}
 
@@ -42,11 +44,15 @@ class PrHSRuntime:
         for layer in self.layers:
             if layer.state is not None:
                 layer.state.reorder(beam_idx)
+        if self.selector is not None:
+            self.selector.reorder(beam_idx)
 
     def reset(self) -> None:
         """Forget CIS anchors and telemetry (a new, unrelated generation follows)."""
         for layer in self.layers:
             layer.state = None
             layer.plan = None
+        if self.selector is not None:
+            self.selector.reset()
         if self.telemetry is not None:
             self.telemetry.reset()
