@@ -196,9 +196,9 @@ def compose_indices_reference(
     parts.append(torch.where(sink_r < t_, sink_r, big))
     m = min(int(dil_m), K)
     if m > 0 and dil_r > 0:
-        offs = torch.tensor(
-            [j for j in range(-int(dil_r), int(dil_r) + 1) if j != 0], device=dev
-        )
+        r = int(dil_r)
+        offs = torch.arange(-r, r, device=dev)
+        offs = offs + (offs >= 0).long()  # -r..-1, 1..r (no host-to-device copy)
         p = sel[..., :m]
         nb = p.unsqueeze(-1) + offs  # [B, Hq, m, 2r]
         ok = (p >= 0).unsqueeze(-1) & dilate_mask(dilate, B, Hq, dev).view(B, Hq, 1, 1)

@@ -56,8 +56,9 @@ def _sparse_attn_kernel(
     dmask = offs_d < D
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0)
     q = q.to(tl.float32) * qk_scale
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
+    b64 = b.to(tl.int64)  # caches can exceed 2^31 elements
+    k_base = K + b64 * stride_kb + kvh * stride_kh
+    v_base = V + b64 * stride_vb + kvh * stride_vh
     i_base = IDX + b * stride_ib + h * stride_ih
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
@@ -65,7 +66,7 @@ def _sparse_attn_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < end
-        slot = pad + tl.load(i_base + n, mask=nm, other=0)
+        slot = (pad + tl.load(i_base + n, mask=nm, other=0)).to(tl.int64)
         lmask = nm[:, None] & dmask[None, :]
         kt = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=lmask, other=0.0)
         s = tl.sum(kt.to(tl.float32) * q[None, :], axis=1)

@@ -23,10 +23,10 @@ __all__ = ["topk_retrieval", "topk_retrieval_reference", "compact_rows"]
 #   2. `_score_kernel`, grid (rows, splits of the sequence): a program whose compact row id is
 #      at or past the count exits at once; the others stream their chunk of K once and write an
 #      order-preserving int32 key of each fp32 score into a scratch row (4 bytes per 2*D read).
-#   3. `_select_kernel`, one program per compact row: exact radix select of the k-th largest key
-#      (4 passes of 8 bits over the scratch row, which sits in L2), a collect pass that takes the
-#      keys above it and, among the keys equal to it, the lowest indices, then a sort of the
-#      <= k candidates packed as (key << 32 | ~index) in registers: descending score, ties by
+#   3. `_select_kernel`, one program per compact row: radix refinement of the k-th largest key
+#      (8-bit histogram passes over the scratch row, which sits in L2, only while the candidates
+#      overflow a buffer of ~1.125 k: typically 1-2 passes), a collect pass, then a register
+#      sort of the candidates packed as (key << 32 | ~index): descending score, ties by
 #      ascending index, exactly the reference's order. Works for any k (k <= 4096 tested).
 # Everything is fixed-shape (grids depend on B, Hq, S, k only), with no host synchronisation.
 
@@ -77,13 +77,13 @@ def _score_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    k_base = K + b * stride_kb + (h // GROUP) * stride_kh
-    key_base = KEYS + c * stride_keys
+    k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP) * stride_kh  # > 2^31 elements ok
+    key_base = KEYS + c.to(tl.int64) * stride_keys
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         m = j < end
         kt = tl.load(
-            k_base + (pad + j)[:, None] * stride_ks + offs_d[None, :],
+            k_base + (pad + j).to(tl.int64)[:, None] * stride_ks + offs_d[None, :],
             mask=m[:, None] & dmask[None, :], other=0.0,
         ).to(tl.float32)
         s = tl.sum(kt * q[None, :], axis=1) * scale
@@ -96,7 +96,15 @@ def _select_kernel(
     stride_keys, S,
     H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Exact top-K of one retrieving row's keys: radix select, collect, sort."""
+    """Exact top-K of one retrieving row's keys: radix refinement, collect, sort.
+
+    Keys are viewed as u = key + 2^31 in [0, 2^32) (int64). After ``depth`` radix passes of 8
+    bits, the keys whose top ``8*depth`` bits exceed ``prefix`` are all in the top-K, and of the
+    ``n_eq`` keys whose top bits equal ``prefix``, ``krem`` more are needed. Passes run only
+    while the candidates (above + equal) overflow the K_PAD buffer; at full depth the equal keys
+    are exact ties, of which the ``krem`` lowest indices are taken. The candidates are then
+    collected in index order and sorted by (key desc, index asc) in registers.
+    """
     c = tl.program_id(0)
     live = c < tl.load(COUNT)
     if live:
@@ -105,45 +113,52 @@ def _select_kernel(
         pad = tl.load(PAD + b)
         lo = tl.maximum(tl.load(LO + b), 0)
         hi = tl.maximum(tl.minimum(tl.load(HI + b), S - pad), lo)
-        krem = tl.minimum(hi - lo, K)
-        key_base = KEYS + c * stride_keys
+        n = hi - lo
+        kk = tl.minimum(n, K)
+        key_base = KEYS + c.to(tl.int64) * stride_keys
         offs = tl.arange(0, BLOCK)
-        bins = tl.arange(0, 512)
-        # Radix select of the krem-th largest key, 8 bits a pass, on u = key + 2^31 in
-        # [0, 2^32) (int64): bins 0..255 hold the digits of the keys matching the prefix found
-        # so far, bin 256 collects the others.
-        prefix = (krem * 0).to(tl.int64)
-        for p in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * p
-            hist = tl.zeros([512], dtype=tl.int32)
-            for n0 in range(lo, hi, BLOCK):
-                j = n0 + offs
-                m = j < hi
-                u = tl.load(key_base + j, mask=m, other=0).to(tl.int64) + 2147483648
-                match = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-                digit = ((u >> shift) & 255).to(tl.int32)
-                hist += tl.histogram(tl.where(match, digit, 256), 512)
-            hv = tl.where(bins < 256, hist, 0)
-            gt = tl.sum(hv, axis=0) - tl.cumsum(hv, axis=0)  # matching keys with a larger digit
-            ge = gt + hv
-            d = tl.max(tl.where((bins < 256) & (gt < krem) & (ge >= krem), bins, -1), axis=0)
-            krem = krem - tl.sum(tl.where(bins == d, gt, 0), axis=0)
-            prefix = prefix | (tl.maximum(d, 0).to(tl.int64) << shift)
-        thr = prefix - 2147483648  # the k-th largest key; take krem of the keys equal to it
-        # Collect, in index order: keys above thr, and the first krem keys equal to it.
-        taken = krem * 0
-        eq_seen = krem * 0
+        bins = tl.arange(0, 256)
+        krem = kk
+        n_eq = n
+        prefix = (kk * 0).to(tl.int64)
+        depth = kk * 0
+        for p in tl.static_range(4):  # pass p resolves bits [24 - 8p, 32 - 8p)
+            if kk - krem + n_eq > K_PAD:
+                hist = tl.zeros([256], dtype=tl.int32)
+                for n0 in range(lo, hi, BLOCK):
+                    j = n0 + offs
+                    m = j < hi
+                    u = tl.load(key_base + j, mask=m, other=0).to(tl.int64) + 2147483648
+                    match = m & ((u >> (32 - 8 * p)) == prefix)
+                    digit = tl.where(match, (u >> (24 - 8 * p)) & 255, 0).to(tl.int32)
+                    hist += tl.histogram(digit, 256)
+                    # the non-matching lanes went to bin 0: take them out again
+                    miss = BLOCK - tl.sum(match.to(tl.int32), axis=0)
+                    hist -= tl.where(bins == 0, miss, 0)
+                gt = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # matching, larger digit
+                ge = gt + hist
+                d = tl.max(tl.where((gt < krem) & (ge >= krem), bins, -1), axis=0)
+                krem = krem - tl.sum(tl.where(bins == d, gt, 0), axis=0)
+                n_eq = tl.sum(tl.where(bins == d, hist, 0), axis=0)
+                prefix = prefix * 256 + d.to(tl.int64)
+                depth = depth * 0 + (p + 1)
+        shift = (32 - 8 * depth).to(tl.int64)
+        take_eq = tl.where(depth == 4, krem, n_eq)
+        # Collect, in index order: keys above the prefix, and take_eq of the keys equal to it.
+        taken = kk * 0
+        eq_seen = kk * 0
         cand_base = CAND + c * K_PAD
         for n0 in range(lo, hi, BLOCK):
             j = n0 + offs
             m = j < hi
             key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
-            eq = (m & (key == thr)).to(tl.int32)
+            top = (key + 2147483648) >> shift
+            eq = (m & (top == prefix)).to(tl.int32)
             eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
-            sel = ((m & (key > thr)) | ((eq != 0) & (eq_rank < krem))).to(tl.int32)
+            sel = ((m & (top > prefix)) | ((eq != 0) & (eq_rank < take_eq))).to(tl.int32)
             pos = taken + tl.cumsum(sel, axis=0) - sel
             packed = (key << 32) | (2147483647 - j).to(tl.int64)
-            tl.store(cand_base + pos, packed, mask=sel != 0)
+            tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < K_PAD))
             taken += tl.sum(sel, axis=0)
             eq_seen += tl.sum(eq, axis=0)
         tl.debug_barrier()
@@ -151,7 +166,7 @@ def _select_kernel(
         x = tl.load(cand_base + offs_k, mask=offs_k < taken, other=-9223372036854775808)
         x = tl.sort(x, descending=True)
         idx = (2147483647 - (x & 4294967295)).to(tl.int32)
-        idx = tl.where(offs_k < taken, idx, -1)
+        idx = tl.where(offs_k < kk, idx, -1)
         tl.store(OUT + row * K + offs_k, idx, mask=offs_k < K)
 
 
@@ -177,6 +192,12 @@ def _score_chunk(S: int, R: int, device: torch.device) -> int:
     """Keys per score program: enough programs for the GPU when about R/16 rows retrieve."""
     target_splits = triton.cdiv(4 * num_sms(device), max(1, R // 16))
     return max(256, min(4096, next_pow2(triton.cdiv(S, target_splits))))
+
+
+def _candidate_capacity(k: int) -> int:
+    """Candidate buffer of the select kernel: room above k so that 1-2 radix passes suffice."""
+    roomy = next_pow2(k + k // 8 + 16)
+    return roomy if roomy <= 4096 else next_pow2(k)
 
 
 def topk_retrieval(
@@ -222,7 +243,7 @@ def topk_retrieval(
         H=H, GROUP=group, D=D, CHUNK=chunk, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4,
     )
-    k_pad = next_pow2(k, 16)
+    k_pad = _candidate_capacity(k)
     cand = torch.empty((R, k_pad), dtype=torch.int64, device=q.device)
     _select_kernel[(R,)](
         keys, cand, out, pad, lo, hi, order, count,

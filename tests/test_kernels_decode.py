@@ -344,6 +344,22 @@ def test_topk_kernel_exact_ties():
 
 
 @needs_triton
+def test_topk_kernel_all_scores_equal():
+    # 200 equal scores, k = 20: the radix passes go to full depth, then the 20 lowest indices.
+    B, H, D, S = 1, 2, 8, 220
+    q = torch.ones(B, H, D)
+    kc = torch.ones(B, 1, S, D)
+    pad, t, lo, hi = geometry(S, [3], [0], 10, 7)
+    retrieve = torch.ones(B, H, dtype=torch.bool)
+    out = _check_topk(q, kc, pad, lo, hi, retrieve, 20, 1.0)
+    assert out[0, 0].tolist() == list(range(10, 30))
+    # Larger keys after many ties: the 10 larger ones first, then the 10 lowest tied indices.
+    kc[0, 0, pad[0] + 200 : pad[0] + 210] = 2.0
+    out = _check_topk(q, kc, pad, lo, hi, retrieve, 20, 1.0)
+    assert out[0, 1].tolist() == list(range(200, 210)) + list(range(10, 20))
+
+
+@needs_triton
 def test_topk_kernel_no_row_retrieves():
     q, kc, pad, lo, hi, retrieve = _topk_case(2, 2, 1, 16, 40, [0, 3], [0, 0], 2, 4, torch.bfloat16, 32)
     retrieve[:] = False
