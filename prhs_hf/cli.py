@@ -10,7 +10,6 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import textwrap
@@ -23,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 from prhs_hf import fetch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["DEFAULT_PROMPT", "DEFAULT_CONFIG", "build_parser", "main"]
