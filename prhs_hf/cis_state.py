@@ -28,6 +28,9 @@ class CISLayerState:
         self.anchor_idx = torch.full((batch, heads, block_size, topk), -1, dtype=torch.int32, device=device)
         self.anchor_count = torch.zeros(batch, heads, dtype=torch.int32, device=device)
         self.step = torch.zeros((), dtype=torch.int64, device=device)
+        for buffer in (self.anchor_q, self.anchor_idx, self.anchor_count, self.step):
+            # fixed addresses: a compiled, CUDA-graph-captured decode step mutates them in place
+            torch._dynamo.mark_static_address(buffer)
 
     def matches(self, batch: int, heads: int, head_dim: int, device: torch.device) -> bool:
         """Whether the buffers fit a decode step of this shape."""
@@ -64,6 +67,5 @@ class CISLayerState:
     def reorder(self, index: torch.Tensor) -> None:
         """Follow a beam reordering: row ``i`` becomes old row ``index[i]``."""
         index = index.to(self.anchor_q.device)
-        self.anchor_q = self.anchor_q.index_select(0, index)
-        self.anchor_idx = self.anchor_idx.index_select(0, index)
-        self.anchor_count = self.anchor_count.index_select(0, index)
+        for buffer in (self.anchor_q, self.anchor_idx, self.anchor_count):
+            buffer.copy_(buffer.index_select(0, index))  # in place: addresses stay fixed

@@ -77,7 +77,11 @@ class PrHSLayer:
         batch, q_len = hidden_states.shape[:2]
         if q_len == 1:
             return
-        self.state = None  # a new prompt: CIS starts over at the first decode step
+        # a new prompt: CIS starts over at the first decode step, in buffers allocated now, outside
+        # any compiled decode step, so that the step only mutates them in place
+        self.state = None
+        if self.cis and self.runtime.selector is None:
+            self._cis_state(batch, hidden_states.device)
         if not (self.psaw_prefill or self.etf):
             return
         mask = kwargs.get("attention_mask")
@@ -126,12 +130,18 @@ class PrHSLayer:
 
     # ------------------------------------------------------------------ decode
 
-    def _cis_state(self, query: torch.Tensor) -> CISLayerState:
-        batch, heads, _, dim = query.shape
-        if self.state is None or not self.state.matches(batch, heads, dim, query.device):
-            c = self.runtime.resolved.config
-            self.state = CISLayerState(batch, heads, dim, c.cis.block_size, c.budget.topk, query.device)
+    def _cis_state(self, batch: int, device: torch.device) -> CISLayerState:
+        if self.state is None or not self.state.matches(batch, self.runtime.num_heads, self.runtime.head_dim, device):
+            self._allocate_cis_state(batch, device)
         return self.state
+
+    @torch.compiler.disable
+    def _allocate_cis_state(self, batch: int, device: torch.device) -> None:
+        # eager even inside a compiled forward: the buffers must live outside any CUDA graph pool
+        c = self.runtime.resolved.config
+        self.state = CISLayerState(
+            batch, self.runtime.num_heads, self.runtime.head_dim, c.cis.block_size, c.budget.topk, device
+        )
 
     def _decode(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
         batch = query.shape[0]
@@ -145,7 +155,7 @@ class PrHSLayer:
                 sel = selector.select(self.index, q, key, value, geom, self.decode_params, scaling)
                 out = ops.sparse_decode_attention(q, key, value, geom.pad, sel.idx, sel.count, scaling)
             else:
-                state = self._cis_state(query)
+                state = self._cis_state(query.shape[0], query.device)
                 out, sel = cis_decode_step(q, key, value, geom, state, self.decode_params, scaling, ops)
             if telemetry is not None:
                 telemetry.record_decode(self.index, geom.t_last, sel.count, sel.retrieved, sel.active)

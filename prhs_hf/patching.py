@@ -89,7 +89,7 @@ def patch(
     layers = decoder_layers(model)
     resolved = cfg.resolve(len(layers))
     attention.register()
-    runtime = PrHSRuntime(resolved, model.config.num_attention_heads)
+    runtime = PrHSRuntime(resolved, model.config.num_attention_heads, layers[0].self_attn.head_dim)
     runtime.original_attn_implementation = model.config._attn_implementation
     runtime.hooks = []
     runtime.wrapped = []

@@ -18,8 +18,10 @@ __all__ = ["PrHSRuntime"]
 class PrHSRuntime:
     """Everything :func:`prhs_hf.patch` attaches to a model (``model._prhs_runtime``)."""
 
-    def __init__(self, resolved: ResolvedConfig, num_heads: int):
+    def __init__(self, resolved: ResolvedConfig, num_heads: int, head_dim: int):
         self.resolved = resolved
+        self.num_heads = num_heads
+        self.head_dim = head_dim
         c = resolved.config
         self.telemetry = Telemetry(resolved.num_layers, num_heads, c.telemetry.oracle) if c.telemetry.enabled else None
         self.layers = [PrHSLayer(self, i) for i in range(resolved.num_layers)]
