@@ -109,9 +109,9 @@ class Case:
     Hq: int = 2
     Hkv: int = 1
     Lq: int = 37
-    prefix: int = 0  # cached real tokens before the first query row (chunked prefill)
+    prefix: int = 0  # cached slots before the first query row (chunked prefill)
     D: int = 16
-    pads: tuple[int, ...] = (0,)
+    pads: tuple[int, ...] = (0,)  # left padding; rows of a plain prefill (prefix 0) below it are padding rows
     sink: int = 4
     w: float = 1.0  # PSAW window fraction (1.0: no PSAW)
     frozen: tuple[tuple[int, int], ...] = field(default_factory=tuple)  # per sequence; empty: none
@@ -119,7 +119,7 @@ class Case:
 
     def tensors(self, dtype: torch.dtype = torch.float32, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
-        Lk = max(self.pads) + self.prefix + self.Lq
+        Lk = self.prefix + self.Lq  # the queries are the last Lq slots
         q = torch.randn(self.B, self.Hq, self.Lq, self.D, generator=g).to(dtype)
         k = torch.randn(self.B, self.Hkv, Lk, self.D, generator=g).to(dtype)
         v = torch.randn(self.B, self.Hkv, Lk, self.D, generator=g).to(dtype)
