@@ -46,8 +46,8 @@ def _last_two(last_a, prev_a, last_b, prev_b):
 def _compose_kernel(
     T, LO, HI, WS, SEL, DIL, IDX, CNT,
     stride_sb, stride_sh, stride_db, stride_dh,
-    H: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
-    CAP: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
+    K, SINK, M, R, CAP,
+    H: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per (batch, query head) row: its sorted, deduplicated index set."""
     pid = tl.program_id(0)
@@ -83,7 +83,7 @@ def _compose_kernel(
     tl.store(out + pos, v, mask=(keep != 0) & (pos < CAP))
 
     offs = tl.arange(0, BLOCK)
-    for j0 in tl.static_range(0, SINK, BLOCK):
+    for j0 in range(0, s_end, BLOCK):
         j = j0 + offs
         tl.store(out + j, j, mask=(j < s_end) & (j < CAP))
     base = s_end + n_below
@@ -133,7 +133,8 @@ def compose_indices(
     _compose_kernel[(B * H,)](
         t, lo, hi, win_start, sel_idx, dil, idx, cnt,
         sel_idx.stride(0), sel_idx.stride(1), dil.stride(0), dil.stride(1),
-        H=H, K=K, SINK=int(sink), M=m, R=max(r, 1), CAP=cap, NC=nc,
+        K, int(sink), m, max(r, 1), cap,
+        H=H, NC=nc,
         BLOCK=min(1024, next_pow2(cap, 16)),
         num_warps=4 if nc <= 1024 else (8 if nc <= 4096 else 16),
     )

@@ -2,13 +2,16 @@
 
 Each is a :class:`DecodeOps` with ``cis_match``, ``topk_retrieval``, ``compose_indices`` and
 ``sparse_decode_attention`` of the signatures in docs/DECODE_PIPELINE.md;
-:func:`get_decode_ops` picks one by name (``"torch"``/``"reference"`` or ``"triton"``).
+:func:`get_decode_ops` picks one by name (``"torch"``/``"reference"`` or ``"triton"``);
+:func:`cis_decode_step` chains the four (tests, benchmark).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
+
+import torch
 
 from ._common import HAS_TRITON
 from .cis_match import cis_match, cis_match_reference
@@ -16,7 +19,15 @@ from .compose_indices import compose_indices, compose_indices_reference
 from .sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
 from .topk_retrieval import topk_retrieval, topk_retrieval_reference
 
-__all__ = ["DecodeOps", "REFERENCE_OPS", "TRITON_OPS", "HAS_TRITON", "get_decode_ops"]
+__all__ = [
+    "DecodeOps",
+    "REFERENCE_OPS",
+    "TRITON_OPS",
+    "HAS_TRITON",
+    "get_decode_ops",
+    "cis_decode_step",
+    "DecodeStepResult",
+]
 
 
 @dataclass(frozen=True)
@@ -56,3 +67,55 @@ def get_decode_ops(name: str) -> DecodeOps:
     if name == "triton":
         return TRITON_OPS
     raise ValueError(f"unknown decode backend {name!r} (expected 'torch' or 'triton')")
+
+
+class DecodeStepResult(NamedTuple):
+    """Outputs of :func:`cis_decode_step`."""
+
+    best: torch.Tensor  # [B, Hq] int32 matched anchor, -1 retrieve, -2 inactive
+    new_idx: torch.Tensor  # [B, Hq, k] int32 fresh top-k of the retrieving rows
+    idx: torch.Tensor  # [B, Hq, cap] int32 composed index lists
+    count: torch.Tensor  # [B, Hq] int32
+    out: torch.Tensor  # [B, Hq, D] attention output
+
+
+def cis_decode_step(
+    ops: DecodeOps,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pad: torch.Tensor,
+    t: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    win_start: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_count: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    active: torch.Tensor,
+    *,
+    tau: float,
+    sink: int,
+    k: int,
+    dil_m: int,
+    dil_r: int,
+    cap: int,
+    scale: float,
+) -> DecodeStepResult:
+    """The four steps chained as in SPEC §4 (stateless: the anchors are given, not updated).
+
+    Sharing rows take their anchor's indices (``anchor_idx [B, Hq, s, k]``) with dilation,
+    retrieving rows their fresh top-k without. Used by the kernel tests and the benchmark; the
+    model integration (``prhs_hf.decode``) chains the same ops around its CIS state.
+    """
+    B, H, s, kk = anchor_idx.shape
+    best = ops.cis_match(q, anchor_q, anchor_count, active, tau)
+    retrieve = best == -1
+    new_idx = ops.topk_retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
+    shared = best >= 0
+    pick = best.clamp_min(0).long().view(B, H, 1, 1).expand(B, H, 1, kk)
+    shared_idx = torch.gather(anchor_idx, 2, pick).view(B, H, kk)
+    sel = torch.where(retrieve[..., None], new_idx, torch.where(shared[..., None], shared_idx, -1))
+    idx, count = ops.compose_indices(t, lo, hi, win_start, sel, shared, sink, dil_m, dil_r, cap)
+    out = ops.sparse_decode_attention(q, k_cache, v_cache, pad, idx, count, scale)
+    return DecodeStepResult(best, new_idx, idx, count, out)

@@ -38,8 +38,8 @@ def _sparse_attn_kernel(
     Q, K, V, PAD, IDX, CNT, OUT, M_PART, L_PART, O_PART,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ib, stride_ih, stride_cb, stride_ch, stride_ob, stride_oh,
-    qk_scale, cap,
-    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+    qk_scale, cap, CHUNK,
+    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Attention of one query row over one slice of its index list (online softmax, base 2)."""
@@ -183,8 +183,8 @@ def sparse_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         idx.stride(0), idx.stride(1), count.stride(0), count.stride(1),
         out.stride(0), out.stride(1),
-        float(scale) * _LOG2E, cap,
-        H=H, GROUP=group, D=D, CHUNK=chunk, NSPLIT=nsplit, BLOCK_N=block_n, BLOCK_D=block_d,
+        float(scale) * _LOG2E, cap, chunk,
+        H=H, GROUP=group, D=D, NSPLIT=nsplit, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4, num_stages=2,
     )
     if nsplit > 1:

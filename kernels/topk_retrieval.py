@@ -57,8 +57,8 @@ def _orderable_key(x):
 def _score_kernel(
     Q, K, PAD, LO, HI, ORDER, COUNT, KEYS,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys,
-    scale, S,
-    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+    scale, S, CHUNK,
+    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Scores of one chunk of one retrieving row's middle region, as order-preserving keys."""
@@ -93,8 +93,8 @@ def _score_kernel(
 @triton.jit
 def _select_kernel(
     KEYS, CAND, OUT, PAD, LO, HI, ORDER, COUNT,
-    stride_keys, S,
-    H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    stride_keys, S, K,
+    H: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Exact top-K of one retrieving row's keys: radix refinement, collect, sort.
 
@@ -239,16 +239,16 @@ def topk_retrieval(
     _score_kernel[(R, triton.cdiv(S, chunk))](
         q, k_cache, pad, lo, hi, order, count, keys,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        keys.stride(0), float(scale), S,
-        H=H, GROUP=group, D=D, CHUNK=chunk, BLOCK_N=block_n, BLOCK_D=block_d,
+        keys.stride(0), float(scale), S, chunk,
+        H=H, GROUP=group, D=D, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4,
     )
     k_pad = _candidate_capacity(k)
     cand = torch.empty((R, k_pad), dtype=torch.int64, device=q.device)
     _select_kernel[(R,)](
         keys, cand, out, pad, lo, hi, order, count,
-        keys.stride(0), S,
-        H=H, K=k, K_PAD=k_pad, BLOCK=min(1024, next_pow2(S, 16)),
+        keys.stride(0), S, k,
+        H=H, K_PAD=k_pad, BLOCK=min(1024, next_pow2(S, 16)),
         num_warps=8 if k_pad >= 1024 else 4,
     )
     return out

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from conftest import triton_available
 from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
 from prhs_hf.kernels.compose_indices import compose_indices, compose_indices_reference
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, get_decode_ops
+from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step, get_decode_ops
 from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_reference,
@@ -540,7 +540,7 @@ def test_attention_kernel_hf_strides():
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_full_decode_step_triton_equals_reference(dtype):
-    """match -> retrieve -> compose -> attend, as prhs_hf/decode.py chains them."""
+    """match -> retrieve -> compose -> attend (decode_ops.cis_decode_step), both backends."""
     g = torch.Generator().manual_seed(80)
     B, H, Hkv, D, S, s = 3, 4, 2, 32, 120, 4
     sink, local, k, m, r = 4, 8, 12, 4, 1
@@ -559,16 +559,10 @@ def test_full_decode_step_triton_equals_reference(dtype):
     results = []
     for ops, dev in ((REFERENCE_OPS, torch.device("cpu")), (TRITON_OPS, DEV)):
         a = [x.to(dev) for x in (q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count, anchor_idx, active)]
-        q_, kc_, vc_, pad_, t_, lo_, hi_, ws_, an_, ac_, ai_, act_ = a
-        best = ops.cis_match(q_, an_, ac_, act_, 0.9)
-        retrieve = best == -1
-        new = ops.topk_retrieval(q_, kc_, pad_, lo_, hi_, retrieve, k, D**-0.5)
-        shared = best >= 0
-        shared_idx = torch.gather(ai_, 2, best.clamp_min(0).long()[..., None, None].expand(B, H, 1, k))[:, :, 0]
-        sel = torch.where(retrieve[..., None], new, torch.where(shared[..., None], shared_idx, -1))
-        idx, cnt = ops.compose_indices(t_, lo_, hi_, ws_, sel, shared, sink, m, r, cap)
-        out = ops.sparse_decode_attention(q_, kc_, vc_, pad_, idx, cnt, D**-0.5)
-        results.append([x.cpu() for x in (best, new, idx, cnt, out)])
+        res = cis_decode_step(
+            ops, *a, tau=0.9, sink=sink, k=k, dil_m=m, dil_r=r, cap=cap, scale=D**-0.5
+        )
+        results.append([x.cpu() for x in (res.best, res.new_idx, res.idx, res.count, res.out)])
     (b0, n0, i0, c0, o0), (b1, n1, i1, c1, o1) = results
     assert (b0[:, :2] == 0).logical_or(b0[:, :2] == -2).all()  # the planted anchors are shared
     assert (b0 == -1).any()  # and some rows retrieve
