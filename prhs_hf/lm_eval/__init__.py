@@ -1,0 +1,41 @@
+"""prhs-hf's lm-eval integration: the ``prhs`` model, the local task YAMLs and the shared scoring.
+
+Importing this package does not import lm-eval (the scoring in :mod:`.metrics` and :mod:`.prompts`
+also serves ``scripts/run_accuracy.py`` where lm-eval is absent). :func:`register` imports
+:mod:`.plugin`, which registers the ``prhs`` model; :func:`task_manager` returns lm-eval's
+``TaskManager`` with the repository's ``tasks/`` folder included. ``python -m prhs_hf.lm_eval``
+runs lm-eval's own command line with both done.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from lm_eval.tasks import TaskManager
+
+    from .plugin import PrHSLM
+
+__all__ = ["TASKS_DIR", "LOCAL_TASKS", "register", "task_manager"]
+
+TASKS_DIR = Path(__file__).resolve().parents[2] / "tasks"
+"""The repository's ``tasks/`` folder (an editable install or a checkout on ``PYTHONPATH``)."""
+
+LOCAL_TASKS = ("gsm8k_local", "gsm8k_cot_local", "gsm8k_chat_local", "coqa_local")
+"""The task names defined in :data:`TASKS_DIR`."""
+
+
+def register() -> "type[PrHSLM]":
+    """Register the ``prhs`` model with lm-eval (idempotent) and return its class."""
+    from .plugin import PrHSLM
+
+    return PrHSLM
+
+
+def task_manager(include_path: "str | Path | list[str | Path] | None" = None, **kwargs: Any) -> "TaskManager":
+    """lm-eval's ``TaskManager`` over its own tasks, :data:`TASKS_DIR` and ``include_path``."""
+    from lm_eval.tasks import TaskManager
+
+    extra = [] if include_path is None else include_path if isinstance(include_path, list) else [include_path]
+    return TaskManager(include_path=[str(TASKS_DIR), *map(str, extra)], **kwargs)

@@ -1,0 +1,146 @@
+"""The ``prhs`` model of lm-eval: Hugging Face ``HFLM`` with the model patched by :func:`prhs_hf.patch`.
+
+Importing this module registers the model (lm-eval finds models by registry, not entry points)::
+
+    import lm_eval, prhs_hf.lm_eval.plugin  # noqa: F401  (registers "prhs")
+    lm_eval.simple_evaluate(model="prhs", tasks=["gsm8k_local"], task_manager=prhs_hf.lm_eval.task_manager(),
+                            model_args="pretrained=DIR,gguf_file=NAME,prhs_config=configs/cis.yaml")
+
+Model arguments besides HFLM's own (which all pass through, so ``pretrained=DIR,gguf_file=NAME``
+loads a GGUF offline, and ``pretrained`` may be a model object):
+
+- ``prhs_config``: a PrHS YAML (as given, else under the package's or the repository's
+  ``configs/``); default ``configs/cis.yaml``.
+- ``prhs_overrides``: a nested dict in the config schema (JSON ``--model_args`` or the Python API),
+  or the same as a YAML/JSON string.
+- ``prhs.SECTION.KEY=VALUE``: one override each, for the comma form of ``--model_args``
+  (``prhs.budget.topk=72,prhs.cis.block_size=8``); these win over ``prhs_overrides``.
+
+Telemetry is always on. It is reset before each task's requests and read after them, and
+:meth:`PrHSLM.get_model_info` hands it to lm-eval, which writes it into ``results["config"]["prhs"]``
+(the dict that ``simple_evaluate`` returns and the file that ``--output_path`` writes).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+import yaml
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+import prhs_hf
+from prhs_hf.cli import DEFAULT_CONFIG, _resolve_config
+
+__all__ = ["MODEL_NAME", "PrHSLM", "parse_overrides"]
+
+MODEL_NAME = "prhs"
+_DOTTED_PREFIX = "prhs."
+_TELEMETRY_ON = {"telemetry": {"enabled": True}}
+
+T = TypeVar("T")
+
+
+def _merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+    return out
+
+
+def parse_overrides(overrides: "Mapping[str, Any] | str | None", dotted: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One nested override dict from ``prhs_overrides`` (dict, or YAML/JSON text) and ``prhs.A.B=V`` keys.
+
+    >>> parse_overrides('{budget: {topk: 72}}', {"prhs.cis.block_size": 8})
+    {'budget': {'topk': 72}, 'cis': {'block_size': 8}}
+    """
+    if isinstance(overrides, str):
+        overrides = yaml.safe_load(overrides) if overrides.strip() else None
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ValueError(f"prhs_overrides must be a mapping in the PrHS config schema, got {overrides!r}")
+    out: dict[str, Any] = copy.deepcopy(dict(overrides or {}))
+    for key, value in (dotted or {}).items():
+        path = key.removeprefix(_DOTTED_PREFIX).split(".")
+        if len(path) != 2 or not all(path):
+            raise ValueError(f"{key}: a PrHS override argument is prhs.SECTION.KEY=VALUE")
+        out = _merge(out, {path[0]: {path[1]: value}})
+    return out
+
+
+@register_model(MODEL_NAME)
+class PrHSLM(HFLM):
+    """``HFLM`` whose model decodes with PrHS (see the module docstring for the arguments)."""
+
+    def __init__(
+        self,
+        pretrained: Any,
+        prhs_config: "str | Path | Mapping[str, Any] | prhs_hf.PrHSConfig | None" = None,
+        prhs_overrides: "Mapping[str, Any] | str | None" = None,
+        **kwargs: Any,
+    ) -> None:
+        dotted = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(_DOTTED_PREFIX)}
+        super().__init__(pretrained=pretrained, **kwargs)
+        self.prhs_telemetry: dict[str, dict[str, Any]] = {}
+        self.configure(prhs_config, parse_overrides(prhs_overrides, dotted))
+
+    # ------------------------------------------------------------------------------ configuration
+
+    def configure(self, config: "str | Path | Mapping[str, Any] | prhs_hf.PrHSConfig | None" = None,
+                  overrides: Mapping[str, Any] | None = None) -> prhs_hf.PrHSConfig:
+        """(Re-)patch the model with ``config`` plus ``overrides`` (telemetry forced on) and forget
+        the telemetry gathered so far. Returns the config in force."""
+        source = DEFAULT_CONFIG if config is None else config
+        if isinstance(source, (str, Path)):
+            source = _resolve_config(str(source))
+        self.prhs_config_source = str(Path(source).resolve()) if isinstance(source, (str, Path)) else "<object>"
+        self.prhs_overrides = dict(overrides or {})
+        cfg = prhs_hf.load_config(source, _merge(self.prhs_overrides, _TELEMETRY_ON))
+        prhs_hf.patch(self.model, cfg)
+        self.prhs_config = cfg
+        self.prhs_telemetry = {}
+        return cfg
+
+    # ------------------------------------------------------------------------------ requests
+
+    def _per_task(self, request_type: str, run: Callable[[list[Instance]], list[T]], requests: Sequence[Instance]) -> list[T]:
+        """Run ``requests`` one task at a time, so each task gets its own telemetry."""
+        groups: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            groups.setdefault(str(request.task_name), []).append(i)
+        out: list[Any] = [None] * len(requests)
+        for task, indices in groups.items():
+            prhs_hf.reset(self.model)
+            for i, result in zip(indices, run([requests[i] for i in indices]), strict=True):
+                out[i] = result
+            self.prhs_telemetry.setdefault(task, {})[request_type] = prhs_hf.telemetry(self.model).as_dict()
+        return out
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        return self._per_task("generate_until", lambda r: super(PrHSLM, self).generate_until(r, disable_tqdm), requests)
+
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return self._per_task("loglikelihood", lambda r: super(PrHSLM, self).loglikelihood(r, disable_tqdm), requests)
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        return self._per_task("loglikelihood_rolling",
+                              lambda r: super(PrHSLM, self).loglikelihood_rolling(r, disable_tqdm), requests)
+
+    # ------------------------------------------------------------------------------ results
+
+    def prhs_info(self) -> dict[str, Any]:
+        """The PrHS part of the results: config source, overrides, the config in force and, per task
+        and request type, the telemetry report (``retrieval_ratio`` is ρ̂)."""
+        return {
+            "config_source": self.prhs_config_source,
+            "overrides": json.loads(json.dumps(self.prhs_overrides, default=str)),
+            "config": self.prhs_config.to_dict(),
+            "telemetry": copy.deepcopy(self.prhs_telemetry),
+        }
+
+    def get_model_info(self) -> dict[str, Any]:
+        """HFLM's model info plus ``"prhs"`` (:meth:`prhs_info`); lm-eval puts it in ``results["config"]``."""
+        return {**super().get_model_info(), "prhs": self.prhs_info()}
