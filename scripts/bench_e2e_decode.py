@@ -1,0 +1,194 @@
+"""End-to-end decode throughput with generate(): dense vs PrHS, eager vs static cache + compile.
+
+Random-weight models in bf16 (LLaMA-2-7B shape, MHA; one GQA shape), a random prompt, then
+``--new-tokens`` greedy tokens through ``model.generate``. Decode tokens/s is measured between
+the first and the last decode step by a logits processor that synchronises and reads the clock
+(so prefill is excluded and reported apart). Static + compiled runs use
+``cache_implementation="static"`` (transformers 5.17 then compiles the decode forward by itself);
+a warm-up generate() call of the same shape runs first so compilation is not timed.
+
+    python scripts/bench_e2e_decode.py                   # the full table (H200: several minutes)
+    python scripts/bench_e2e_decode.py --quick           # a tiny model on whatever device is here
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+import prhs_hf
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SHAPES = {
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+}
+
+# (shape, batch, prompt length)
+CASES = [("llama2-7b", 8, 16384), ("llama2-7b", 16, 4096), ("llama2-7b", 16, 8192), ("llama3-8b", 16, 16384)]
+QUICK_CASES = [("tiny", 2, 512)]
+
+CONFIGS = {
+    "dense": None,
+    "cis-s8": {"cis": {"block_size": 8}, "psaw": {"enabled": False}, "etf": {"enabled": False}},
+    "cis-s16": {"cis": {"block_size": 16}, "psaw": {"enabled": False}, "etf": {"enabled": False}},
+    "cpe-s16": {"cis": {"block_size": 16}},
+    # Random weights give unrelated consecutive queries, so tau = 0.8 almost never shares
+    # (rho-hat near 100 %). tau = -1 shares whenever the block has an anchor: rho-hat = 1/s,
+    # the regime of real models (paper: 6-17 % at s = 16). Reported apart, and labelled.
+    "cpe-s16-share": {"cis": {"block_size": 16, "tau": -1.0}},
+}
+BASE = ROOT / "configs" / "cpe.yaml"
+
+
+class StepClock(transformers.LogitsProcessor):
+    """Records a synchronised timestamp at every generation step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def build_model(shape: str, device: torch.device, dtype: torch.dtype):
+    config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=32768, eos_token_id=None,
+                                      bos_token_id=None, pad_token_id=0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def run_generate(model, ids, new_tokens: int, static: bool):
+    clock = StepClock(ids.device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  logits_processor=transformers.LogitsProcessorList([clock]), attention_mask=torch.ones_like(ids))
+    if static:
+        kwargs["cache_implementation"] = "static"
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, **kwargs)
+    end = time.perf_counter()
+    stamps = clock.stamps
+    steps = len(stamps) - 1  # decode forwards between the first and the last logits
+    decode_s = stamps[-1] - stamps[0]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if ids.device.type == "cuda" else float("nan")
+    return {
+        "tokens": int(out.shape[1] - ids.shape[1]),
+        "prefill_s": stamps[0] - start,
+        "decode_s": decode_s,
+        "decode_tok_s": ids.shape[0] * steps / decode_s,
+        "ms_per_step": 1000 * decode_s / steps,
+        "total_s": end - start,
+        "peak_gib": peak,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model, a few tokens")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--cases", default=None, help="comma list of shape:batch:prompt, e.g. llama2-7b:8:16384")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list from {list(CONFIGS)}")
+    parser.add_argument("--modes", default="eager,static", help="eager (DynamicCache) and/or static (StaticCache + compile)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cases = QUICK_CASES if args.quick else CASES
+    if args.cases:
+        cases = [(s, int(b), int(l)) for s, b, l in (c.split(":") for c in args.cases.split(","))]
+    new_tokens = 8 if args.quick and args.new_tokens == 256 else args.new_tokens
+    configs = args.configs.split(",")
+    modes = args.modes.split(",")
+    rows = []
+    plan = [(c, m, cfg) for c in cases for m in modes for cfg in configs]
+    bar = tqdm(plan, desc="e2e decode", file=sys.stdout)
+    model_key, model = None, None
+    for (shape, batch, length), mode, name in bar:
+        bar.set_postfix_str(f"{shape} B{batch} L{length} {mode} {name}")
+        if model_key != shape:
+            model = None
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            model, model_key = build_model(shape, device, dtype), shape
+        prhs_hf.unpatch(model)
+        if CONFIGS[name] is not None:
+            prhs_hf.patch(model, BASE, overrides={**CONFIGS[name], "telemetry": {"enabled": True}})
+        ids = torch.randint(1, SHAPES[shape]["vocab_size"], (batch, length), device=device)
+        static = mode == "static"
+        row = {"shape": shape, "batch": batch, "prompt": length, "mode": mode, "config": name}
+        try:
+            run_generate(model, ids, min(new_tokens, 16), static)  # warm-up: compile, autotune, allocator
+            if prhs_hf.is_patched(model):
+                prhs_hf.reset(model)
+            row.update(run_generate(model, ids, new_tokens, static))
+            if prhs_hf.is_patched(model):
+                report = prhs_hf.telemetry(model)
+                row["rho_hat"] = report.retrieval_ratio
+                row["processed_kv"] = report.processed_kv_per_step
+                row["dense_kv"] = report.dense_kv_per_step
+        except Exception as exc:  # a failing cell is reported, the table goes on
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+        del ids
+    prhs_hf.unpatch(model)
+
+    for row in rows:
+        ref = next((r for r in rows if r["config"] == "dense" and r["mode"] == row["mode"] and r["shape"] == row["shape"]
+                    and r["batch"] == row["batch"] and r["prompt"] == row["prompt"] and "decode_tok_s" in r), None)
+        if ref and "decode_tok_s" in row:
+            row["speedup_vs_dense_same_mode"] = row["decode_tok_s"] / ref["decode_tok_s"]
+            row["peak_vs_dense"] = row["peak_gib"] / ref["peak_gib"] if ref["peak_gib"] == ref["peak_gib"] else None
+
+    header = "| shape | B | prompt | mode | config | decode tok/s | ms/step | speedup vs dense (same mode) | prefill s | peak GiB | ρ̂ | processed KV / dense KV |"
+    lines = [header, "|" + "---|" * 12]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | error: {r['error'][:80]} |||||||")
+            continue
+        rho = f"{100 * r['rho_hat']:.1f}%" if r.get("rho_hat") is not None else "–"
+        kv = f"{r['processed_kv']:.0f} / {r['dense_kv']:.0f}" if "processed_kv" in r else "–"
+        sp = f"{r['speedup_vs_dense_same_mode']:.2f}×" if "speedup_vs_dense_same_mode" in r else "–"
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | {r['decode_tok_s']:.1f} | "
+                     f"{r['ms_per_step']:.2f} | {sp} | {r['prefill_s']:.2f} | {r['peak_gib']:.1f} | {rho} | {kv} |")
+    table = "\n".join(lines)
+    print(table)
+    meta = {
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "new_tokens": new_tokens,
+        "compiled": "static mode: transformers' generate() compiles the decode forward itself (StaticCache)",
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_e2e_decode.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    (out / "bench_e2e_decode.md").write_text(f"`{meta['command']}` on {meta['device']}, {meta['date']}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
