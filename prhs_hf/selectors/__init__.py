@@ -2,13 +2,48 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ..config import ResolvedConfig
 from .base import Selector
+from .direct_reuse import DirectReuseSelector
+from .h2o import H2OSelector
+from .hshare import HShareSelector
+from .oracle import OracleSelector
+from .quest import QuestSelector
+from .random_expansion import RandomExpansionSelector
+from .streaming import StreamingSelector
 
-__all__ = ["Selector", "make_selector"]
+__all__ = [
+    "Selector",
+    "make_selector",
+    "SELECTORS",
+    "OracleSelector",
+    "StreamingSelector",
+    "H2OSelector",
+    "QuestSelector",
+    "HShareSelector",
+    "DirectReuseSelector",
+    "RandomExpansionSelector",
+]
+
+#: ``baseline.name`` -> factory ``(resolved config, number of query heads) -> selector``.
+SELECTORS: dict[str, Callable[[ResolvedConfig, int], Selector]] = {
+    "oracle": lambda r, h: OracleSelector(),
+    "streaming": lambda r, h: StreamingSelector(),
+    "h2o": lambda r, h: H2OSelector(),
+    "quest": lambda r, h: QuestSelector(r.config.baseline.page_size),
+    "hshare": lambda r, h: HShareSelector(r.num_layers, h, query_share=r.config.baseline.share_ratio),
+    "direct_reuse": lambda r, h: DirectReuseSelector(r.config.cis.block_size),
+    "random_expansion": lambda r, h: RandomExpansionSelector(r.config.cis.block_size, r.config.baseline.seed),
+}
 
 
 def make_selector(resolved: ResolvedConfig, num_heads: int) -> Selector:
-    """The selector that ``baseline.name`` names."""
+    """The selector that ``baseline.name`` names (see :data:`SELECTORS`)."""
     name = resolved.config.baseline.name
-    raise NotImplementedError(f"baseline selector {name!r} is not implemented yet")
+    try:
+        factory = SELECTORS[name]
+    except KeyError:
+        raise ValueError(f"unknown baseline selector {name!r}; known: {', '.join(SELECTORS)}") from None
+    return factory(resolved, num_heads)

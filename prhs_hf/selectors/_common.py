@@ -1,0 +1,185 @@
+"""What every comparison selector shares: the step frame, top-k of a score, composition, set attention.
+
+The budget accounting is CIS's (SPEC §4, steps 1-2 and 5) for every selector: a sequence with
+``t <= sink + local + topk`` attends to every visible token and is not *active*; an active one
+attends to ``[0, sink) ∪ middle selection ∪ [t - local, t)`` where the middle selection holds at
+most ``topk`` tokens of ``M(t) = [lo, hi)`` (``lo = max(sink, W_l(t))`` with PSAW on for decode).
+All indices are *real* indices (left padding excluded), as in docs/DECODE_PIPELINE.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..decode import DecodeParams, DecodeSelection, _middle_start
+from ..geometry import SequenceGeometry
+from ..kernels._common import gqa_group
+from ..kernels.compose_indices import compose_indices_reference
+from ..kernels.topk_retrieval import topk_retrieval_reference
+
+__all__ = [
+    "StepFrame",
+    "step_frame",
+    "compose",
+    "topk_of_scores",
+    "retrieve_topk",
+    "set_probabilities",
+    "to_real",
+    "grow_last",
+    "LayerStates",
+]
+
+
+@dataclass
+class StepFrame:
+    """The regions of one decode step, per sequence (``[B]`` int32 unless noted).
+
+    Attributes:
+        t: visible real tokens (the current one included).
+        lo, hi: the middle region ``[lo, hi)``.
+        win_start: start of the always-kept tail: ``hi`` (the local window) for an active
+            sequence, ``lo`` for an inactive one, which so attends to everything visible.
+        active: ``[B]`` bool, the sequence runs a sparse step (``t > sink + local + topk``).
+    """
+
+    t: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    win_start: torch.Tensor
+    active: torch.Tensor
+
+    def rows(self, heads: int) -> torch.Tensor:
+        """``[B, heads]`` bool: ``active`` broadcast over the query heads."""
+        return self.active[:, None].expand(-1, heads)
+
+
+def step_frame(geom: SequenceGeometry, p: DecodeParams) -> StepFrame:
+    """The frame of a decode step, exactly as :func:`prhs_hf.decode.cis_decode_step` builds it."""
+    t = geom.t_last
+    lo = _middle_start(t, p)
+    hi = t - p.local
+    active = t > p.sink + p.local + p.topk
+    return StepFrame(t, lo, hi, torch.where(active, hi, lo), active)
+
+
+def compose(
+    frame: StepFrame, middle: torch.Tensor, p: DecodeParams, heads: int, retrieved: torch.Tensor | None = None,
+    win_start: torch.Tensor | None = None,
+) -> DecodeSelection:
+    """``sink ∪ clip(middle) ∪ [win_start, t)`` as a :class:`DecodeSelection` (no dilation).
+
+    Args:
+        frame: the step's regions.
+        middle: ``[B, Hq, n]`` int32 middle indices (any order, ``-1`` = none); clipped to
+            ``[lo, hi)`` and deduplicated by :func:`compose_indices_reference`.
+        p: the layer's decode parameters (``p.capacity`` is the output width).
+        heads: ``Hq``.
+        retrieved: ``[B, Hq]`` bool, rows that did a full retrieval (default: none).
+        win_start: override of ``frame.win_start`` (StreamingLLM widens the window).
+    """
+    ws = frame.win_start if win_start is None else win_start
+    idx, count = compose_indices_reference(frame.t, frame.lo, frame.hi, ws, middle, False, p.sink, 0, 0, p.capacity)
+    if retrieved is None:
+        retrieved = torch.zeros(idx.shape[:2], dtype=torch.bool, device=idx.device)
+    return DecodeSelection(idx, count, retrieved & frame.active[:, None], frame.active)
+
+
+def retrieve_topk(
+    q: torch.Tensor, k_cache: torch.Tensor, geom: SequenceGeometry, frame: StepFrame, rows: torch.Tensor, k: int,
+    scale: float,
+) -> torch.Tensor:
+    """Exact top-``k`` of the middle for ``rows [B, Hq]`` (best first, ``-1`` padded): the CIS retrieval."""
+    return topk_retrieval_reference(q, k_cache, geom.pad, frame.lo, frame.hi, rows, k, scale)
+
+
+def topk_of_scores(score: torch.Tensor, frame: StepFrame, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-``k`` real indices of a per-token score in ``[lo, hi)``, best first, ties to the lower index.
+
+    ``score`` is ``[B, Hq, R]`` indexed by *real* position (``R`` at least every ``t``). This is
+    :func:`topk_retrieval_reference` with the score as a one-dimensional key per query head and a
+    unit query, so the ordering contract is the retrieval's. Rows not in ``rows`` get ``-1``.
+    """
+    B, H, R = score.shape
+    ones = torch.ones(B, H, 1, dtype=torch.float32, device=score.device)
+    zeros = torch.zeros(B, dtype=torch.int32, device=score.device)
+    return topk_retrieval_reference(ones, score.float().unsqueeze(-1), zeros, frame.lo, frame.hi, rows, k, 1.0)
+
+
+def to_real(x: torch.Tensor, pad: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """Re-index the last (slot) axis of ``x [B, ..., S]`` to real positions: ``out[..., j] = x[..., pad + j]``.
+
+    Positions past the last slot get ``fill``.
+    """
+    S = x.shape[-1]
+    j = torch.arange(S, device=x.device)
+    slots = pad.long().view(-1, *([1] * (x.dim() - 1))) + j
+    inside = slots < S
+    out = x.gather(-1, slots.clamp(max=S - 1).expand_as(x))
+    return torch.where(inside, out, torch.full_like(out, fill))
+
+
+def set_probabilities(
+    q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, sel: DecodeSelection, scale: float
+) -> torch.Tensor:
+    """``[B, Hq, cap]`` fp32 softmax of ``q`` over its selected keys (the sparse attention's weights; 0 after ``count``)."""
+    B, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    g = gqa_group(Hq, Hkv)
+    slots = (pad.long().view(B, 1, 1) + sel.idx.long().clamp_min(0)).clamp(0, S - 1)
+    b_ix = torch.arange(B, device=q.device).view(B, 1, 1)
+    h_ix = (torch.arange(Hq, device=q.device) // g).view(1, Hq, 1)
+    keys = k_cache[b_ix, h_ix, slots].float()  # [B, Hq, cap, D]
+    scores = (keys * q.float().unsqueeze(2)).sum(-1) * scale
+    valid = torch.arange(sel.idx.shape[-1], device=q.device) < sel.count.long().unsqueeze(-1)
+    probs = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+    return torch.where(valid, probs, torch.zeros_like(probs))
+
+
+def grow_last(x: torch.Tensor, size: int, fill: float = 0.0) -> torch.Tensor:
+    """``x`` padded with ``fill`` along the last axis to at least ``size`` entries."""
+    extra = size - x.shape[-1]
+    if extra <= 0:
+        return x
+    return torch.cat([x, x.new_full((*x.shape[:-1], extra), fill)], dim=-1)
+
+
+class LayerStates:
+    """Per-layer selector state: named ``[B, ...]`` tensors and a decode-step counter per layer.
+
+    ``reorder`` follows beam search on every tensor's batch axis; ``reset`` forgets everything.
+    Selectors that keep state subclass it (``self.state[layer]`` is a dict of tensors).
+    """
+
+    def __init__(self) -> None:
+        self.state: dict[int, dict[str, torch.Tensor]] = {}
+        self.steps: dict[int, int] = {}
+
+    def begin_prompt(self, layer: int) -> None:
+        """A prefill of ``layer``: its state starts over and the next decode step is step 0."""
+        self.state.pop(layer, None)
+        self.steps[layer] = 0
+
+    def layer_state(self, layer: int, batch: int, make) -> dict[str, torch.Tensor]:
+        """``layer``'s state, rebuilt by ``make()`` when missing or of another batch size."""
+        st = self.state.get(layer)
+        if st is None or next(iter(st.values())).shape[0] != batch:
+            st = self.state[layer] = make()
+        return st
+
+    def advance(self, layer: int) -> int:
+        """The step number of this decode step of ``layer`` (from 0 after a prefill), then count it."""
+        step = self.steps.get(layer, 0)
+        self.steps[layer] = step + 1
+        return step
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Follow beam search: batch row ``i`` becomes old row ``index[i]`` in every layer's state."""
+        for layer, st in self.state.items():
+            self.state[layer] = {name: x.index_select(0, index.to(x.device)) for name, x in st.items()}
+
+    def reset(self) -> None:
+        """Forget every layer's state and step counter."""
+        self.state.clear()
+        self.steps.clear()
