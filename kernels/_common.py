@@ -64,6 +64,7 @@ __all__ = [
     "require_triton",
     "NORM_EPS",
     "num_sms",
+    "interpreting",
 ]
 
 #: Floor of a vector norm in the cosine of `cis_match` (a zero vector has cosine 0).
@@ -83,11 +84,16 @@ def gqa_group(num_q_heads: int, num_kv_heads: int) -> int:
     return num_q_heads // num_kv_heads
 
 
+def interpreting() -> bool:
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def require_triton(*tensors: torch.Tensor) -> None:
     """Raise unless Triton can run on ``tensors`` (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use the *_reference functions")
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     for x in tensors:
         if x.device.type != "cuda" and not interpret:
             raise RuntimeError(

@@ -8,7 +8,8 @@
 * Real indices exclude left padding: real key ``j`` of sequence ``b`` is slot ``pad[b] + j`` of
   ``k``/``v``; query row ``r`` has real index ``i = q_start[b] + r`` (rows with ``i < 0`` are
   padding). ``pad``, ``q_start``, ``frozen_lo``, ``frozen_hi``: int32 ``[B]``; ``win_lo``: int32
-  ``[B, Lq]``, the PSAW window start ``W(i + 1)`` of each row (``sink`` everywhere: no PSAW).
+  ``[B, Lq]``, the PSAW window start ``W(i + 1)`` of each row (``sink`` everywhere: no PSAW);
+  non-decreasing in ``r`` in practice, though no path relies on it.
 * Key ``j`` is visible to row ``i`` iff ``0 <= j <= i`` and (``j < sink`` or ``j >= win_lo``) and
   the row is active: ``i >= 0`` and not ``frozen_lo <= i < frozen_hi`` (ETF).
 * Returns ``[B, Lq, Hq, D]`` contiguous in q's dtype (what HF attention functions return).
@@ -283,13 +284,13 @@ def _prefill_fwd_kernel(
     GROUP: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
     WITH_STATS: tl.constexpr,
 ):
     """One (query tile, query head) of the sparse prefill; see the module docstring."""
-    BIG: tl.constexpr = 1 << 30
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
     n_tiles = tl.cdiv(Lq, BLOCK_M)
@@ -307,7 +308,6 @@ def _prefill_fwd_kernel(
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    EVEN_D: tl.constexpr = BLOCK_D == D
     d_ok = offs_d[None, :] < D
 
     row_i = qs + offs_m  # real index of each row
@@ -315,12 +315,13 @@ def _prefill_fwd_kernel(
     active = row_ok & (row_i >= 0) & ((row_i < f_lo) | (row_i >= f_hi))
     win_row = tl.load(WinLo + b64 * stride_wb + offs_m * stride_wm, mask=row_ok, other=0)
 
-    # Visible KV range of the tile's active rows (empty when none is active).
-    a_lo = tl.min(tl.where(active, row_i, BIG), 0)
+    # Visible KV range of the tile's active rows (empty when none is active). Reductions over the
+    # rows, so that nothing depends on win_lo being monotone. (1 << 29 stands for "none".)
+    a_lo = tl.min(tl.where(active, row_i, 1 << 29), 0)
     a_hi = tl.max(tl.where(active, row_i, -1), 0)
-    w_lo = tl.min(tl.where(active, win_row, BIG), 0)
-    w_hi = tl.max(tl.where(active, win_row, -BIG), 0)
-    kv_hi = tl.minimum(a_hi + 1, Lk - pad)  # exclusive end of the tail (and of every load)
+    w_lo = tl.min(tl.where(active, win_row, 1 << 29), 0)
+    w_hi = tl.max(tl.where(active, win_row, -(1 << 29)), 0)
+    kv_hi = tl.minimum(a_hi + 1, Lk - pad)  # exclusive end of the tail and of every load
     s_end = tl.maximum(tl.minimum(sink, kv_hi), 0)  # sink prefix [0, s_end)
     sink_stop = tl.cdiv(s_end, BLOCK_N) * BLOCK_N
     t_start = tl.maximum(tl.maximum(w_lo, s_end), sink_stop)  # tail [t_start, kv_hi)
@@ -382,31 +383,42 @@ def _prefill_fwd_kernel(
 
 # ----------------------------------------------------------------------------- launcher
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on GPUs (Hopper-oriented).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on GPUs (Hopper-oriented);
+# _prune_configs keeps those that fit the head size. Checked by compiling for sm_90 (ptxas -v):
+# with D = 128 the kept ones neither spill nor exceed shared memory.
 _GPU_CONFIGS = (
-    (128, 64, 4, 3),
     (128, 64, 8, 3),
     (128, 128, 8, 3),
     (128, 128, 8, 2),
-    (128, 32, 4, 3),
+    (128, 64, 4, 3),
     (64, 64, 4, 3),
     (64, 128, 4, 3),
     (64, 32, 4, 2),
+    (64, 64, 8, 2),
 )
-_SMEM_LIMIT = 220 * 1024  # bytes; H100/H200 allow 227 KB per block
+#: One config for fp32 inputs (exact fp32 dots; correctness path, not tuned).
+_FP32_CONFIG = (64, 32, 4, 2)
+_SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100/H200
+_ACC_ELEMS_PER_THREAD = 64  # BLOCK_M * BLOCK_D / threads above this spills registers (ptxas, sm_90)
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop configs whose staged Q/K/V tiles cannot fit in shared memory (large head sizes)."""
+    """Keep configs whose staged tiles fit in shared memory and whose accumulator fits in registers.
+
+    Shared memory: ``elt * BLOCK_D * (BLOCK_M + 2 * BLOCK_N * num_stages)`` (Q once, K and V per
+    stage; matches what Triton 3.8 allocates for sm_90). Registers: at most
+    ``_ACC_ELEMS_PER_THREAD`` fp32 accumulator elements per thread.
+    """
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 128))
     elt = 4 if kwargs.get("DOT_F32", named_args.get("DOT_F32", False)) else 2
     kept = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         smem = elt * bd * (bm + 2 * bn * max(1, c.num_stages))
-        if smem <= _SMEM_LIMIT:
+        regs = bm * bd // (32 * c.num_warps)
+        if smem <= _SMEM_LIMIT and regs <= _ACC_ELEMS_PER_THREAD:
             kept.append(c)
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], -c.num_warps))]
 
 
 _tuned_kernel = None
@@ -473,10 +485,16 @@ def prefill_attention(
         return out
     G = Hq // Hkv
     block_d = next_pow2(D, 16)
+    # fp32 inputs: exact (ieee) fp32 dots. The Triton interpreter multiplies the raw bits of bf16
+    # dot operands (triton-lang/triton#11584), so there bf16 tiles are upcast before each dot.
+    dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting())
     forced = block_m is not None or block_n is not None or tile_stats is not None or _interpreting()
     if forced:
         bm = block_m or INTERPRET_BLOCKS[0]
         bn = block_n or INTERPRET_BLOCKS[1]
+    elif q.dtype == torch.float32:
+        forced = True
+        bm, bn, num_warps, num_stages = _FP32_CONFIG
     with_stats = tile_stats is not None
     if with_stats:
         n_tiles = triton.cdiv(Lq, bm)
@@ -492,10 +510,7 @@ def prefill_attention(
         win_lo.stride(0), win_lo.stride(1),
         Hkv, Lq, Lk, int(sink), float(scale) * _LOG2E, next_pow2(Lq),
     )
-    # fp32 inputs: exact (ieee) fp32 dots. The Triton interpreter multiplies the raw bits of bf16
-    # dot operands (triton-lang/triton#11584), so there bf16 tiles are upcast before each dot.
-    dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting())
-    meta = dict(GROUP=G, D=D, BLOCK_D=block_d, DOT_F32=dot_f32, WITH_STATS=with_stats)
+    meta = dict(GROUP=G, D=D, BLOCK_D=block_d, EVEN_D=block_d == D, DOT_F32=dot_f32, WITH_STATS=with_stats)
     if forced:
         grid = (triton.cdiv(Lq, bm) * G, B * Hkv)
         _prefill_fwd_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps, num_stages=num_stages)

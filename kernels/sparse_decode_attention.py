@@ -16,15 +16,16 @@ from typing import Optional
 
 import torch
 
-from ._common import gqa_group, next_pow2, num_sms, require_triton, tl, triton
+from ._common import gqa_group, interpreting, next_pow2, num_sms, require_triton, tl, triton
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "attention_schedule"]
 
 # Kernel design: grid (B*Hq rows, splits of the index list) in one launch (flash-decoding).
 # A program walks its slice of the row's index list in tiles of BLOCK_N entries: it gathers the
-# BLOCK_N K rows (slot pad + idx, the KV head of the query head), computes q.k on CUDA cores in
-# fp32 (one query per row: no tensor-core tile to fill), runs the online softmax in base 2, and
-# accumulates p.v; nothing longer than a tile is ever held. With one split the program writes
+# BLOCK_N K and V rows (slot pad + idx, the KV head of the query head) with software-pipelined
+# loads, computes q.K^T as a tensor-core dot (the query replicated over 16 rows; fp32
+# accumulation), runs the online softmax in base 2 in fp32, and accumulates p.V (p in the
+# input dtype, as FlashAttention does); nothing longer than a tile is ever held. With one split the program writes
 # the output; otherwise it writes (max, sum, unnormalised acc) and `_combine_kernel` merges the
 # splits. Query heads of one KV group share no index list in general (each head has its own
 # set), so rows are independent programs; rows of a group reading common keys (sink, window)
@@ -40,9 +41,16 @@ def _sparse_attn_kernel(
     stride_ib, stride_ih, stride_cb, stride_ch, stride_ob, stride_oh,
     qk_scale, cap, CHUNK,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-    NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Attention of one query row over one slice of its index list (online softmax, base 2)."""
+    """Attention of one query row over one slice of its index list (online softmax, base 2).
+
+    The query is replicated over the 16 rows of a tensor-core tile (only row 0 is stored):
+    q.K^T and p.V run as `tl.dot` (fp32 accumulation; exact IEEE fp32 for fp32 inputs), which
+    keeps the K/V tiles out of registers and lets the compiler pipeline the gathers (cp.async,
+    3 stages). ``IEEE``: fp32 operands, exact fp32 dots (fp32 inputs; also bf16 under the
+    Triton 3.8 interpreter, whose bf16 ``tl.dot`` is wrong).
+    """
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     b = pid // H
@@ -52,40 +60,51 @@ def _sparse_attn_kernel(
     start = sp * CHUNK
     end = tl.minimum(cnt, start + CHUNK)
     pad = tl.load(PAD + b)
+    offs_m = tl.arange(0, 16)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0)
-    q = q.to(tl.float32) * qk_scale
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d[None, :] + 0 * offs_m[:, None],
+                mask=dmask[None, :], other=0.0)  # [16, BLOCK_D], identical rows
     b64 = b.to(tl.int64)  # caches can exceed 2^31 elements
     k_base = K + b64 * stride_kb + kvh * stride_kh
     v_base = V + b64 * stride_vb + kvh * stride_vh
     i_base = IDX + b * stride_ib + h * stride_ih
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.full([], 0.0, tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([16], float("-inf"), tl.float32)
+    l_i = tl.zeros([16], dtype=tl.float32)
+    acc = tl.zeros([16, BLOCK_D], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < end
         slot = (pad + tl.load(i_base + n, mask=nm, other=0)).to(tl.int64)
-        lmask = nm[:, None] & dmask[None, :]
-        kt = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=lmask, other=0.0)
-        s = tl.sum(kt.to(tl.float32) * q[None, :], axis=1)
-        s = tl.where(nm, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        kt = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None],
+                     mask=nm[None, :] & dmask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        vt = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :],
+                     mask=nm[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = tl.where(nm[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        vt = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=lmask, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * vt.to(tl.float32), axis=0)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
+    row0 = offs_m == 0
     if NSPLIT == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)  # count 0: acc = 0
-        tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, o.to(OUT.dtype.element_ty), mask=dmask)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # count 0: acc = 0
+        o_ptrs = OUT + b * stride_ob + h * stride_oh + offs_d[None, :] + 0 * offs_m[:, None]
+        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row0[:, None] & dmask[None, :])
     else:
         part = pid * NSPLIT + sp
-        tl.store(M_PART + part, m_i)
-        tl.store(L_PART + part, l_i)
-        tl.store(O_PART + part * BLOCK_D + offs_d, acc)
+        tl.store(M_PART + part + 0 * offs_m, m_i, mask=row0)
+        tl.store(L_PART + part + 0 * offs_m, l_i, mask=row0)
+        tl.store(O_PART + part * BLOCK_D + offs_d[None, :] + 0 * offs_m[:, None], acc, mask=row0[:, None])
 
 
 @triton.jit
@@ -117,13 +136,19 @@ def _combine_kernel(
 
 
 def attention_schedule(
-    rows: int, cap: int, head_dim: int, device: torch.device, num_splits: Optional[int] = None
+    rows: int,
+    cap: int,
+    head_dim: int,
+    device: torch.device,
+    num_splits: Optional[int] = None,
+    elem_bytes: int = 2,
 ) -> tuple[int, int, int]:
     """``(block_n, chunk, num_splits)`` of :func:`sparse_decode_attention` for a shape.
 
-    Splits the index list until there are about 4 programs per SM, each of at least 4 tiles.
+    Tiles of ~16 KiB of K (64 keys at D = 128 in 16-bit; no spills on sm_90 at 3 stages);
+    splits the index list until there are about 4 programs per SM, each of at least 4 tiles.
     """
-    block_n = max(16, min(64, 8192 // next_pow2(head_dim, 16)))
+    block_n = max(16, min(64, 16384 // (next_pow2(head_dim, 16) * elem_bytes)))
     if num_splits is None:
         want = triton.cdiv(4 * num_sms(device), max(rows, 1))
         num_splits = max(1, min(want, triton.cdiv(cap, 4 * block_n)))
@@ -169,7 +194,7 @@ def sparse_decode_attention(
         idx = idx.contiguous()
     rows = B * H
     block_d = next_pow2(D, 16)
-    block_n, chunk, nsplit = attention_schedule(rows, cap, D, q.device, num_splits)
+    block_n, chunk, nsplit = attention_schedule(rows, cap, D, q.device, num_splits, q.element_size())
     if nsplit > 1:
         m_part = torch.empty((rows, nsplit), dtype=torch.float32, device=q.device)
         l_part = torch.empty((rows, nsplit), dtype=torch.float32, device=q.device)
@@ -185,7 +210,8 @@ def sparse_decode_attention(
         out.stride(0), out.stride(1),
         float(scale) * _LOG2E, cap, chunk,
         H=H, GROUP=group, D=D, NSPLIT=nsplit, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
+        num_warps=4, num_stages=3,
     )
     if nsplit > 1:
         _combine_kernel[(rows,)](
