@@ -128,7 +128,10 @@ class Case:
         q_start = (Lk - self.Lq - pad).to(torch.int32)
         win = [[sched.psaw_window_start(int(q_start[b]) + r + 1, self.w, self.sink) for r in range(self.Lq)] for b in range(self.B)]
         win_lo = torch.tensor(win, dtype=torch.int32)
-        if self.win_override == "beyond_row":  # some active rows see nothing at all
+        if self.win_override == "beyond_row":  # the second half of the rows sees nothing at all
+            r = torch.arange(self.Lq)[None, :]
+            win_lo = torch.where(r >= self.Lq // 2, q_start[:, None] + r + 5, win_lo).to(torch.int32)
+        elif self.win_override == "non_monotone":  # every third row sees nothing at all
             i = q_start[:, None] + torch.arange(self.Lq)[None, :]
             win_lo = torch.where(i % 3 == 0, i + 5, win_lo).to(torch.int32)
         fr = self.frozen or ((0, 0),) * self.B
@@ -153,6 +156,7 @@ CASES = [
     Case("head_dim_24", D=24, Lq=30, w=0.6, frozen=((4, 10),)),
     Case("rows_seeing_nothing", sink=0, Lq=30, win_override="beyond_row"),
     Case("single_row", Lq=1, prefix=12, w=0.5),
+    Case("non_monotone_windows", Lq=40, w=0.5, win_override="non_monotone"),
 ]
 CASE_IDS = [c.name for c in CASES]
 
