@@ -315,8 +315,10 @@ def _check_topk(q, kc, pad, lo, hi, retrieve, k, scale):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("Hkv", [1, 2, 4])
+@pytest.mark.parametrize(
+    "dtype,Hkv",
+    [(torch.float32, 1), (torch.float16, 2), (torch.bfloat16, 4), (torch.bfloat16, 2)],
+)
 def test_topk_kernel_ragged_gqa(dtype, Hkv):
     B, H, D, S = 3, 4, 32, 96
     q, kc, pad, lo, hi, retrieve = _topk_case(B, H, Hkv, D, S, [0, 7, 30], [0, 3, 0], 4, 8, dtype, 20 + Hkv)
@@ -483,7 +485,7 @@ def test_compose_reference_properties(args):
 
 
 @needs_triton
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(compose_inputs())
 def test_compose_kernel_properties(args):
     t, lo, hi, ws, sel, dil, sink, m, r, cap = args
