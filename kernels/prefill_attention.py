@@ -402,7 +402,7 @@ _SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100/H20
 _ACC_ELEMS_PER_THREAD = 64  # BLOCK_M * BLOCK_D / threads above this spills registers (ptxas, sm_90)
 
 
-def _prune_configs(configs, named_args, **kwargs):
+def _prune_configs(configs: list, named_args: dict, **kwargs) -> list:
     """Keep configs whose staged tiles fit in shared memory and whose accumulator fits in registers.
 
     Shared memory: ``elt * BLOCK_D * (BLOCK_M + 2 * BLOCK_N * num_stages)`` (Q once, K and V per
@@ -424,7 +424,7 @@ def _prune_configs(configs, named_args, **kwargs):
 _tuned_kernel = None
 
 
-def _autotuned():
+def _autotuned():  # -> triton Autotuner
     """The autotuned kernel (built on first use, so that importing this module stays cheap)."""
     global _tuned_kernel
     if _tuned_kernel is None:
@@ -433,7 +433,7 @@ def _autotuned():
         ]
         _tuned_kernel = triton.autotune(
             configs=configs,
-            key=["LQ_BUCKET", "GROUP", "BLOCK_D", "DOT_F32"],
+            key=["LQ_BUCKET", "GROUP", "D", "DOT_F32"],
             prune_configs_by={"early_config_prune": _prune_configs},
         )(_prefill_fwd_kernel)
     return _tuned_kernel
