@@ -145,13 +145,15 @@ def attention_schedule(
 ) -> tuple[int, int, int]:
     """``(block_n, chunk, num_splits)`` of :func:`sparse_decode_attention` for a shape.
 
-    Tiles of ~16 KiB of K (64 keys at D = 128 in 16-bit; no spills on sm_90 at 3 stages);
-    splits the index list until there are about 4 programs per SM, each of at least 4 tiles.
+    Tiles of ~16 KiB of K (64 keys at D = 128 in 16-bit; no spills on sm_90 at 3 stages).
+    The index list is split into chunks of at most 8 tiles (short programs balance the uneven
+    counts of the rows), and further until there are about 4 programs per SM, keeping at
+    least 2 tiles per chunk.
     """
     block_n = max(16, min(64, 16384 // (next_pow2(head_dim, 16) * elem_bytes)))
     if num_splits is None:
-        want = triton.cdiv(4 * num_sms(device), max(rows, 1))
-        num_splits = max(1, min(want, triton.cdiv(cap, 4 * block_n)))
+        want = max(triton.cdiv(4 * num_sms(device), max(rows, 1)), triton.cdiv(cap, 8 * block_n))
+        num_splits = max(1, min(want, triton.cdiv(cap, 2 * block_n)))
     num_splits = max(1, int(num_splits))
     chunk = triton.cdiv(triton.cdiv(max(cap, 1), num_splits), block_n) * block_n
     return block_n, chunk, triton.cdiv(max(cap, 1), chunk)
