@@ -261,9 +261,13 @@ def run_shape(sh: Shape, cuda: bool, dev: torch.device, dtype: torch.dtype, flex
     if cuda:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        # GQA: the G query heads of a KV head are G queries of one attention (same maths as
+        # enable_gqa, and the flash backend takes it without GQA support)
+        q_dense = q.view(sh.B, sh.Hkv, sh.Hq // sh.Hkv, sh.D) if gqa else q4
+
         def dense():
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=gqa)
+                return torch.nn.functional.scaled_dot_product_attention(q_dense, kc, vc, scale=scale)
 
         try:
             row["dense_ms"], row["dense_timing"] = timed(dense, cuda)
