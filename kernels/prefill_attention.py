@@ -35,11 +35,9 @@ with the FlexAttention backend (``flex_prefill.py``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ._common import next_pow2, require_triton, tl, triton
+from ._common import interpreting, next_pow2, require_triton, tl, triton
 
 __all__ = [
     "prefill_attention",
@@ -439,10 +437,6 @@ def _autotuned():  # -> triton Autotuner
     return _tuned_kernel
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -487,8 +481,8 @@ def prefill_attention(
     block_d = next_pow2(D, 16)
     # fp32 inputs: exact (ieee) fp32 dots. The Triton interpreter multiplies the raw bits of bf16
     # dot operands (triton-lang/triton#11584), so there bf16 tiles are upcast before each dot.
-    dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting())
-    forced = block_m is not None or block_n is not None or tile_stats is not None or _interpreting()
+    dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
+    forced = block_m is not None or block_n is not None or tile_stats is not None or interpreting()
     if forced:
         bm = block_m or INTERPRET_BLOCKS[0]
         bn = block_n or INTERPRET_BLOCKS[1]
