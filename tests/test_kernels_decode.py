@@ -378,6 +378,19 @@ def test_topk_kernel_large_k():
     assert (out[1, :, 280:] == -1).all() and (out[0] >= 0).all()
 
 
+@needs_triton
+@pytest.mark.slow
+def test_topk_kernel_k_4096():
+    # The largest k: a 4096-slot candidate buffer with no spare room, so the radix passes run
+    # until the k-th key is pinned down; 4642-key middle region (about 18 s in the interpreter).
+    g = torch.Generator().manual_seed(34)
+    q = torch.randn(1, 2, 16, generator=g)
+    kc = torch.randn(1, 1, 4700, 16, generator=g)
+    retrieve = torch.tensor([[True, False]])
+    out = _check_topk(q, kc, i32([0]), i32([8]), i32([4650]), retrieve, 4096, 0.25)
+    assert (out[0, 0] >= 0).all() and (out[0, 1] == -1).all()
+
+
 def _compose_case(seed, B, H, k, T, sink, local, neg_frac=0.2):
     g = torch.Generator().manual_seed(seed)
     t = torch.randint(T // 2, T + 1, (B,), generator=g, dtype=I32)
