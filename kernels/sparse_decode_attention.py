@@ -11,7 +11,6 @@ launcher :func:`sparse_decode_attention`, and the PyTorch reference
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch

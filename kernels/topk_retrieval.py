@@ -30,6 +30,7 @@ __all__ = ["topk_retrieval", "topk_retrieval_reference", "compact_rows"]
 #      ascending index, exactly the reference's order. Works for any k (k <= 4096 tested).
 # Everything is fixed-shape (grids depend on B, Hq, S, k only), with no host synchronisation.
 
+
 @triton.jit
 def _compact_rows_kernel(FLAG, ORDER, COUNT, R, BLOCK: tl.constexpr):
     """Write the ids of the rows with FLAG set to ORDER[:count] (ascending) and count to COUNT."""
@@ -214,7 +215,7 @@ def topk_retrieval(
 
     Launches: row compaction (1 program), scoring (grid rows x sequence chunks; programs past
     the device-side count exit at once), selection (one program per row, same early exit).
-    Scratch: ``[B*Hq, S]`` int32 keys and ``[B*Hq, next_pow2(k)]`` int64 candidates.
+    Scratch: ``[B*Hq, S]`` int32 keys and ``[B*Hq, ~1.125 k]`` int64 candidates.
 
     Args and result as :func:`topk_retrieval_reference`.
     """
