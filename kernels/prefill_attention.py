@@ -221,11 +221,11 @@ def _attend_kv_run(
         if MASKED:
             c = cols[None, :]
             vis = (c <= row_i[:, None]) & ((c < sink) | (c >= win_row[:, None])) & col_ok[None, :]
-            qk = tl.where(vis, qk * qk_scale, float("-inf"))
+            qk = tl.where(vis, (qk * qk_scale).to(tl.float32), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         else:
-            qk = qk * qk_scale
+            qk = (qk * qk_scale).to(tl.float32)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = m_new
         p = tl.math.exp2(qk - m_use[:, None])

@@ -83,7 +83,7 @@ def _sparse_attn_kernel(
             s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, kt)
-        s = tl.where(nm[None, :], s * qk_scale, float("-inf"))
+        s = tl.where(nm[None, :], (s * qk_scale).to(tl.float32), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])

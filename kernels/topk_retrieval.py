@@ -87,7 +87,7 @@ def _score_kernel(
             k_base + (pad + j).to(tl.int64)[:, None] * stride_ks + offs_d[None, :],
             mask=m[:, None] & dmask[None, :], other=0.0,
         ).to(tl.float32)
-        s = tl.sum(kt * q[None, :], axis=1) * scale
+        s = (tl.sum(kt * q[None, :], axis=1) * scale).to(tl.float32)  # fp32 even if a compiler passes scale as fp64
         tl.store(key_base + j, _orderable_key(s), mask=m)
 
 

@@ -42,12 +42,6 @@ class CISLayerState:
         block_start = torch.remainder(self.step, self.block_size) == 0
         self.anchor_count.masked_fill_(block_start, 0)
 
-    def shared_indices(self, best: torch.Tensor) -> torch.Tensor:
-        """``[B, Hq, k]``: the ordered indices of anchor ``best`` (clamped to 0 where ``best < 0``)."""
-        b, h, _, k = self.anchor_idx.shape
-        slot = best.clamp(min=0).long()[:, :, None, None].expand(b, h, 1, k)
-        return self.anchor_idx.gather(2, slot).squeeze(2)
-
     def record(self, q: torch.Tensor, indices: torch.Tensor, retrieved: torch.Tensor) -> None:
         """Store ``(q / ||q||, indices)`` as a new anchor of each row that retrieved; advance the step."""
         b, h, s, d = self.anchor_q.shape

@@ -1,8 +1,9 @@
 """One decode step of one layer: CIS selection + sparse attention, or the PSAW window alone (SPEC §4).
 
-The four steps (match, retrieval, composition, sparse attention) come from an ops table:
-``prhs_hf.kernels.decode_ops.REFERENCE_OPS`` (PyTorch) or ``TRITON_OPS``; this module only
-orchestrates them, with no host synchronisation, so the Triton path can be graph-captured.
+The four steps (match, retrieval, composition, sparse attention) come from an ops table,
+``prhs_hf.kernels.decode_ops.REFERENCE_OPS`` (PyTorch) or ``TRITON_OPS``, chained by
+``decode_ops.cis_decode_step``; this module adds the per-sequence regions and the CIS state,
+with no host synchronisation, so the Triton path can be graph-captured.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from .cis_state import CISLayerState
 from .geometry import SequenceGeometry
+from .kernels.decode_ops import cis_decode_step as chain_cis_step
 from .schedules import psaw_window_start_tensor
 
 __all__ = ["DecodeParams", "DecodeSelection", "cis_decode_step", "window_decode_step"]
@@ -71,17 +73,14 @@ def cis_decode_step(
     win_start = torch.where(active, hi, lo)
 
     state.begin_step()
-    best = ops.cis_match(q, state.anchor_q, state.anchor_count, active, p.tau)
-    retrieved = best == -1
-    new_idx = ops.topk_retrieval(q, k_cache, geom.pad, lo, hi, retrieved, p.topk, scale)
-    shared = best >= 0
-    selected = torch.where(retrieved[..., None], new_idx, torch.where(shared[..., None], state.shared_indices(best), -1))
-    idx, count = ops.compose_indices(
-        t, lo, hi, win_start, selected, shared, p.sink, p.dilation_topm, p.dilation_radius, p.capacity
+    step = chain_cis_step(
+        ops, q, k_cache, v_cache, geom.pad, t, lo, hi, win_start,
+        state.anchor_q, state.anchor_count, state.anchor_idx, active,
+        tau=p.tau, sink=p.sink, k=p.topk, dil_m=p.dilation_topm, dil_r=p.dilation_radius, cap=p.capacity, scale=scale,
     )
-    state.record(q, new_idx, retrieved)
-    out = ops.sparse_decode_attention(q, k_cache, v_cache, geom.pad, idx, count, scale)
-    return out, DecodeSelection(idx, count, retrieved, active)
+    retrieved = step.best == -1
+    state.record(q, step.new_idx, retrieved)
+    return step.out, DecodeSelection(step.idx, step.count, retrieved, active)
 
 
 def window_decode_step(

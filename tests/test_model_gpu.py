@@ -48,22 +48,31 @@ def test_triton_decode_equals_reference_token_for_token_fp32(head_dim):
     assert r_ref.retrieval_ratio == r_tri.retrieval_ratio and r_ref.sparse_steps == r_tri.sparse_steps > 0
 
 
+def _teacher_forced_logits(model, ids, mask, tokens, backend):
+    """Prefill, then decode ``tokens`` one by one (the same tokens for every backend); all logits."""
+    prhs_hf.patch(model, CPE, overrides={"backend": backend})
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = [model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1].float()]
+        for i in range(tokens.shape[1]):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out.append(model(tokens[:, i : i + 1], attention_mask=mask, past_key_values=cache).logits[:, -1].float())
+    prhs_hf.unpatch(model)
+    return torch.stack(out, 1)
+
+
 def test_triton_decode_and_prefill_close_to_reference_bf16():
+    # bf16 greedy runs of a random model diverge after the first near-tie, so compare
+    # teacher-forced logits: prefill (PSAW + ETF kernel) and 24 CIS decode steps
     model = _model(torch.bfloat16, head_dim=128)
     ids, mask = _batch([1500, 1100])
-    with torch.no_grad():
-        prhs_hf.patch(model, CPE, overrides={"backend": {"decode": "torch", "prefill": "torch"}})
-        ref = model(ids, attention_mask=mask).logits.float()
-        prhs_hf.patch(model, CPE, overrides={"backend": {"decode": "triton", "prefill": "triton"}})
-        tri = model(ids, attention_mask=mask).logits.float()
-        prhs_hf.unpatch(model)
-    real = mask.bool()
-    err = (tri[real] - ref[real]).norm() / ref[real].norm()
-    assert err < 2e-2, f"prefill logits relative error {err:.3g}"
-    ref_out, _ = _generate(model, ids, mask, {"decode": "torch", "prefill": "torch"}, CPE)
-    tri_out, _ = _generate(model, ids, mask, {"decode": "triton", "prefill": "triton"}, CPE)
-    agree = (ref_out[:, -32:] == tri_out[:, -32:]).float().mean().item()
-    assert agree >= 0.75, f"only {agree:.0%} of greedy tokens agree in bf16"
+    tokens = torch.randint(1, 128, (2, 24), device="cuda")
+    ref = _teacher_forced_logits(model, ids, mask, tokens, {"decode": "torch", "prefill": "torch"})
+    tri = _teacher_forced_logits(model, ids, mask, tokens, {"decode": "triton", "prefill": "triton"})
+    err = (tri - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert err.max() < 3e-2, f"relative logit error per step: {err.tolist()}"
 
 
 def test_static_cache_compiled_decode_equals_eager():
