@@ -22,7 +22,17 @@ import torch
 
 from ._common import next_pow2, require_triton, tl, triton
 
-__all__ = ["compose_indices", "compose_indices_reference", "dilate_mask"]
+__all__ = [
+    "compose_indices",
+    "compose_indices_reference",
+    "dilate_mask",
+    "dilated_set",
+    "dilated_set_reference",
+    "dilated_set_size",
+    "compose_from_sets",
+    "compose_from_sets_reference",
+    "SET_NONE",
+]
 
 # Kernel design: the sink range [0, s_end) and the window [w0, t) (w0 = max(win_start, s_end))
 # are contiguous and disjoint, so only the middle candidates (the selected indices and their
@@ -141,6 +151,284 @@ def compose_indices(
     return idx, cnt
 
 DilateArg = Union[bool, torch.Tensor]
+
+# ----------------------------------------------------------------------------- anchor sets
+#
+# The fast path of a CIS step (docs/DECODE_PIPELINE.md §3b): a sharing row re-uses its
+# anchor's indices for every step of a block, so the sorted, deduplicated, dilated middle set
+# of an anchor is built once, when the anchor is retrieved (`dilated_set`, one register sort
+# per *retrieving* row), and stored instead of the top-k list. Each step then composes every
+# row from its set with a filter + prefix sum (`compose_from_sets`: no sort), and the gather /
+# where glue that picked each row's selection is done inside the kernel.
+#
+# Set encoding (int32): ``(v << 1) | nb`` for each middle index ``v`` of
+# ``{p_i >= 0} ∪ {p_i + j : i < m, p_i >= 0, 0 < |j| <= r}`` (unclipped: the region is applied
+# at use), ``nb = 1`` when ``v`` is only a dilation neighbour (not a selected index itself);
+# ascending, one entry per ``v``, :data:`SET_NONE` after the last. A retrieving row's own step
+# uses the entries with ``nb = 0`` (its fresh top-k, undilated); a sharing row uses all.
+
+#: Padding of a dilated set (larger than every entry).
+SET_NONE = 2147483647
+
+
+def dilated_set_size(k: int, dil_m: int, dil_r: int) -> int:
+    """Entries of a dilated set: ``k + 2 * r * min(m, k)`` (``r = 0``: ``k``)."""
+    r = max(int(dil_r), 0)
+    return int(k) + (2 * r * min(int(dil_m), int(k)) if r > 0 else 0)
+
+
+@triton.jit
+def _dilated_set_kernel(
+    SEL, FLAG, OUT,
+    stride_sb, stride_sh, stride_fb, stride_fh,
+    K, M, R, NSET,
+    H: tl.constexpr, NC: tl.constexpr,
+):
+    """One program per row; rows without FLAG only write the padding (no sort)."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    i = tl.arange(0, NC)
+    out = OUT + pid.to(tl.int64) * NSET
+    flag = tl.load(FLAG + b * stride_fb + h * stride_fh).to(tl.int32)
+    if flag != 0:
+        is_sel = i < K
+        nb = i - K
+        src = tl.where(is_sel, i, nb // (2 * R))
+        o = nb % (2 * R)
+        off = tl.where(is_sel, 0, tl.where(o < R, o - R, o - R + 1))
+        in_set = is_sel | (nb < 2 * R * M)
+        p = tl.load(SEL + b * stride_sb + h * stride_sh + src, mask=in_set, other=-1)
+        ok = in_set & (p >= 0)
+        x = tl.where(ok, ((p + off) << 1) | tl.where(is_sel, 0, 1), 2147483647)
+        x = tl.sort(x)
+        _, prev = tl.associative_scan((x, tl.full([NC], -2147483648, tl.int32)), 0, _last_two)
+        keep = ((x != 2147483647) & ((x >> 1) != (prev >> 1))).to(tl.int32)
+        pos = tl.cumsum(keep, axis=0) - keep
+        n = tl.sum(keep, axis=0)
+        tl.store(out + pos, x, mask=(keep != 0) & (pos < NSET))
+        tl.store(out + i, tl.full([NC], 2147483647, tl.int32), mask=(i >= n) & (i < NSET))
+    else:
+        tl.store(out + i, tl.full([NC], 2147483647, tl.int32), mask=i < NSET)
+
+
+def dilated_set(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int) -> torch.Tensor:
+    """Triton dilated sets of the selected rows: one launch, a register sort per selected row.
+
+    Args and result as :func:`dilated_set_reference`.
+    """
+    require_triton(sel_idx)
+    B, H, K = sel_idx.shape
+    dev = sel_idx.device
+    r = max(int(dil_r), 0)
+    m = min(int(dil_m), K) if r > 0 else 0
+    nset = dilated_set_size(K, m, r)
+    out = torch.empty((B, H, nset), dtype=torch.int32, device=dev)
+    if B * H == 0 or nset == 0:
+        return out
+    if sel_idx.stride(-1) != 1:
+        sel_idx = sel_idx.contiguous()
+    flag = dilate_mask(rows, B, H, dev)
+    nc = next_pow2(nset, 16)
+    _dilated_set_kernel[(B * H,)](
+        sel_idx, flag, out,
+        sel_idx.stride(0), sel_idx.stride(1), flag.stride(0), flag.stride(1),
+        K, m, max(r, 1), nset,
+        H=H, NC=nc,
+        num_warps=4 if nc <= 1024 else (8 if nc <= 4096 else 16),
+    )
+    return out
+
+
+def dilated_set_reference(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int) -> torch.Tensor:
+    """PyTorch reference of :func:`dilated_set` (vectorised, sync-free).
+
+    Args:
+        sel_idx: ``[B, Hq, k]`` int32 selected middle indices, best first, ``-1`` = none.
+        rows: bool or ``[B, Hq]`` bool, the rows whose set is built (the others: all padding).
+        dil_m, dil_r: dilation top-m and radius.
+
+    Returns:
+        ``[B, Hq, k + 2*r*min(m, k)]`` int32: ``(v << 1) | only_neighbour`` ascending, one
+        entry per index ``v``, :data:`SET_NONE` padded (see the module comment).
+    """
+    B, Hq, K = sel_idx.shape
+    dev = sel_idx.device
+    r = max(int(dil_r), 0)
+    m = min(int(dil_m), K) if r > 0 else 0
+    none = torch.iinfo(torch.int64).max
+    sel = sel_idx.long()
+    parts = [torch.where(sel >= 0, sel * 2, none)]
+    if m > 0:
+        offs = torch.arange(-r, r, device=dev)
+        offs = offs + (offs >= 0).long()  # -r..-1, 1..r
+        p = sel[..., :m]
+        nb = p.unsqueeze(-1) + offs  # [B, Hq, m, 2r]
+        parts.append(torch.where((p >= 0).unsqueeze(-1), nb * 2 + 1, none).reshape(B, Hq, -1))
+    cand = torch.sort(torch.cat(parts, dim=-1), dim=-1).values
+    dup = torch.zeros_like(cand, dtype=torch.bool)
+    dup[..., 1:] = torch.div(cand[..., 1:], 2, rounding_mode="floor") == torch.div(
+        cand[..., :-1], 2, rounding_mode="floor"
+    )
+    cand = torch.sort(torch.where(dup, none, cand), dim=-1).values
+    keep = (cand != none) & dilate_mask(rows, B, Hq, dev).unsqueeze(-1)
+    return torch.where(keep, cand, SET_NONE).to(torch.int32)
+
+
+@triton.jit
+def _compose_sets_kernel(
+    T, LO, HI, WS, BEST, ASET, NSETP, IDX, CNT,
+    stride_bb, stride_bh, stride_ab, stride_ah, stride_as, stride_nb, stride_nh,
+    NSET, SINK, CAP,
+    H: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per row: filter its (sorted, unique) set, prefix-sum the output slots."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    t = tl.load(T + b)
+    lo = tl.load(LO + b)
+    hi = tl.load(HI + b)
+    s_end = tl.maximum(tl.minimum(t, SINK), 0)
+    w0 = tl.maximum(tl.load(WS + b), s_end)
+    wlen = tl.maximum(t - w0, 0)
+    best = tl.load(BEST + b * stride_bb + h * stride_bh)
+    shared = best >= 0
+    i = tl.arange(0, NC)
+    im = i < NSET
+    xa = tl.load(ASET + b.to(tl.int64) * stride_ab + h * stride_ah + tl.maximum(best, 0) * stride_as + i,
+                 mask=im & shared, other=2147483647)
+    xn = tl.load(NSETP + b.to(tl.int64) * stride_nb + h * stride_nh + i,
+                 mask=im & (best == -1), other=2147483647)
+    x = tl.where(shared, xa, xn)
+    v = x >> 1
+    ok = (x != 2147483647) & (shared | ((x & 1) == 0))
+    ok = ok & (v >= lo) & (v < hi) & (v >= s_end) & ((v < w0) | (v >= t))
+    keep = ok.to(tl.int32)
+    rank = tl.cumsum(keep, axis=0) - keep
+    n_mid = tl.sum(keep, axis=0)
+    n_below = tl.sum(tl.where(v < w0, keep, 0), axis=0)
+    out = IDX + pid.to(tl.int64) * CAP
+    pos = s_end + rank + tl.where(v >= w0, wlen, 0)
+    tl.store(out + pos, v, mask=ok & (pos < CAP))
+
+    offs = tl.arange(0, BLOCK)
+    for j0 in range(0, s_end, BLOCK):
+        j = j0 + offs
+        tl.store(out + j, j, mask=(j < s_end) & (j < CAP))
+    base = s_end + n_below
+    for j0 in range(0, wlen, BLOCK):
+        j = j0 + offs
+        tl.store(out + base + j, w0 + j, mask=(j < wlen) & (base + j < CAP))
+    count = tl.minimum(s_end + n_mid + wlen, CAP)
+    for j0 in range(count, CAP, BLOCK):
+        j = j0 + offs
+        tl.store(out + j, tl.full([BLOCK], -1, tl.int32), mask=j < CAP)
+    tl.store(CNT + pid, count)
+
+
+def compose_from_sets(
+    t: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    win_start: torch.Tensor,
+    best: torch.Tensor,
+    anchor_sets: torch.Tensor,
+    new_set: torch.Tensor,
+    sink: int,
+    cap: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton composition from dilated sets: one launch, no sort, no glue.
+
+    Args and result as :func:`compose_from_sets_reference`.
+    """
+    require_triton(best, anchor_sets, new_set)
+    B, H, s, nset = anchor_sets.shape
+    dev = best.device
+    cap = int(cap)
+    idx = torch.empty((B, H, cap), dtype=torch.int32, device=dev)
+    cnt = torch.empty((B, H), dtype=torch.int32, device=dev)
+    if B * H == 0:
+        return idx, cnt
+    if cap == 0:
+        return idx, cnt.zero_()
+    if anchor_sets.stride(-1) != 1:
+        anchor_sets = anchor_sets.contiguous()
+    if new_set.stride(-1) != 1:
+        new_set = new_set.contiguous()
+    nc = next_pow2(max(nset, 1), 16)
+    _compose_sets_kernel[(B * H,)](
+        t, lo, hi, win_start, best, anchor_sets, new_set, idx, cnt,
+        best.stride(0), best.stride(1),
+        anchor_sets.stride(0), anchor_sets.stride(1), anchor_sets.stride(2),
+        new_set.stride(0), new_set.stride(1),
+        nset, int(sink), cap,
+        H=H, NC=nc, BLOCK=min(1024, next_pow2(cap, 16)),
+        num_warps=4 if nc <= 2048 else 8,
+    )
+    return idx, cnt
+
+
+def compose_from_sets_reference(
+    t: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    win_start: torch.Tensor,
+    best: torch.Tensor,
+    anchor_sets: torch.Tensor,
+    new_set: torch.Tensor,
+    sink: int,
+    cap: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`compose_from_sets` (vectorised, sync-free).
+
+    The §3 composition where a row's middle candidates come from a dilated set (see
+    :func:`dilated_set_reference`): ``best >= 0`` (sharing) every index of
+    ``anchor_sets[b, h, best]``; ``best == -1`` (retrieving) the indices of ``new_set[b, h]``
+    that are not only neighbours; ``best == -2`` (inactive) none. Then, as in
+    :func:`compose_indices_reference`: ``[0, min(sink, t)) ∪ clip_[lo,hi)(middle) ∪
+    [win_start, t)`` ascending, unique, ``-1`` after ``count``.
+
+    Args:
+        t, lo, hi, win_start: ``[B]`` int32.
+        best: ``[B, Hq]`` int32 from ``cis_match``.
+        anchor_sets: ``[B, Hq, s, n]`` int32 the anchors' dilated sets.
+        new_set: ``[B, Hq, n]`` int32 the retrieving rows' dilated sets.
+        sink: number of sink tokens.
+        cap: capacity of the output.
+
+    Returns:
+        ``(idx [B, Hq, cap] int32, count [B, Hq] int32)``.
+    """
+    B, Hq, s, n = anchor_sets.shape
+    dev = best.device
+    big = torch.iinfo(torch.int64).max
+    t_ = t.long().view(B, 1, 1)
+    lo_ = lo.long().view(B, 1, 1)
+    hi_ = hi.long().view(B, 1, 1)
+    ws = win_start.long().clamp_min(0).view(B, 1, 1)
+    pick = best.clamp_min(0).long().view(B, Hq, 1, 1).expand(B, Hq, 1, n)
+    shared_set = torch.gather(anchor_sets, 2, pick).view(B, Hq, n).long()
+    fresh = new_set.long()
+    x = torch.where((best >= 0).unsqueeze(-1), shared_set, fresh)
+    use = (x != SET_NONE) & (((best >= 0).unsqueeze(-1)) | ((best == -1).unsqueeze(-1) & (x % 2 == 0)))
+    v = torch.div(x, 2, rounding_mode="floor")
+    parts = [torch.where(use & (v >= lo_) & (v < hi_), v, big)]
+    sink_r = torch.arange(int(sink), device=dev).view(1, 1, -1).expand(B, Hq, -1)
+    parts.append(torch.where(sink_r < t_, sink_r, big))
+    win = ws + torch.arange(int(cap), device=dev).view(1, 1, -1)
+    parts.append(torch.where(win < t_, win, big).expand(B, Hq, -1))
+    cand = torch.sort(torch.cat(parts, dim=-1), dim=-1).values
+    dup = torch.zeros_like(cand, dtype=torch.bool)
+    dup[..., 1:] = cand[..., 1:] == cand[..., :-1]
+    cand = torch.sort(torch.where(dup, big, cand), dim=-1).values
+    m = cand.shape[-1]
+    if m < cap:
+        cand = torch.cat([cand, cand.new_full((B, Hq, int(cap) - m), big)], dim=-1)
+    cand = cand[..., : int(cap)]
+    keep = cand != big
+    idx = torch.where(keep, cand, -1).to(torch.int32)
+    return idx, keep.sum(dim=-1).to(torch.int32)
 
 
 def dilate_mask(dilate: DilateArg, B: int, Hq: int, device: torch.device) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The four decode steps by backend name: ``REFERENCE_OPS`` (PyTorch) and ``TRITON_OPS``.
 
 Each is a :class:`DecodeOps` with ``cis_match``, ``topk_retrieval``, ``compose_indices`` and
-``sparse_decode_attention`` of the signatures in docs/DECODE_PIPELINE.md;
+``sparse_decode_attention`` of the signatures in docs/DECODE_PIPELINE.md (plus ``dilated_set``
+and ``compose_from_sets``, the anchor-set fast path of §3b);
 :func:`get_decode_ops` picks one by name (``"torch"``/``"reference"`` or ``"triton"``);
 :func:`cis_decode_step` chains the four (tests, benchmark).
 """
@@ -9,13 +10,21 @@ Each is a :class:`DecodeOps` with ``cis_match``, ``topk_retrieval``, ``compose_i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from ._common import HAS_TRITON
 from .cis_match import cis_match, cis_match_reference
-from .compose_indices import compose_indices, compose_indices_reference
+from .compose_indices import (
+    compose_from_sets,
+    compose_from_sets_reference,
+    compose_indices,
+    compose_indices_reference,
+    dilated_set,
+    dilated_set_reference,
+    dilated_set_size,
+)
 from .sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
 from .topk_retrieval import topk_retrieval, topk_retrieval_reference
 
@@ -27,6 +36,7 @@ __all__ = [
     "get_decode_ops",
     "cis_decode_step",
     "DecodeStepResult",
+    "dilated_set_size",
 ]
 
 
@@ -39,6 +49,8 @@ class DecodeOps:
     topk_retrieval: Callable
     compose_indices: Callable
     sparse_decode_attention: Callable
+    dilated_set: Callable
+    compose_from_sets: Callable
 
 
 REFERENCE_OPS = DecodeOps(
@@ -47,6 +59,8 @@ REFERENCE_OPS = DecodeOps(
     topk_retrieval=topk_retrieval_reference,
     compose_indices=compose_indices_reference,
     sparse_decode_attention=sparse_decode_attention_reference,
+    dilated_set=dilated_set_reference,
+    compose_from_sets=compose_from_sets_reference,
 )
 
 #: The Triton launchers (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``). Importable
@@ -57,6 +71,8 @@ TRITON_OPS = DecodeOps(
     topk_retrieval=topk_retrieval,
     compose_indices=compose_indices,
     sparse_decode_attention=sparse_decode_attention,
+    dilated_set=dilated_set,
+    compose_from_sets=compose_from_sets,
 )
 
 
@@ -77,6 +93,9 @@ class DecodeStepResult(NamedTuple):
     idx: torch.Tensor  # [B, Hq, cap] int32 composed index lists
     count: torch.Tensor  # [B, Hq] int32
     out: torch.Tensor  # [B, Hq, D] attention output
+    # [B, Hq, k + 2*r*min(m, k)] int32 dilated sets of the retrieving rows (what to store as
+    # their anchors), only with ``anchor_sets=True``; else None
+    new_set: Optional[torch.Tensor] = None
 
 
 def cis_decode_step(
@@ -101,17 +120,31 @@ def cis_decode_step(
     dil_r: int,
     cap: int,
     scale: float,
+    anchor_sets: bool = False,
 ) -> DecodeStepResult:
     """The four steps chained as in SPEC §4 (stateless: the anchors are given, not updated).
 
-    Sharing rows take their anchor's indices (``anchor_idx [B, Hq, s, k]``) with dilation,
-    retrieving rows their fresh top-k without. Used by the kernel tests and the benchmark; the
-    model integration (``prhs_hf.decode``) chains the same ops around its CIS state.
+    Sharing rows take their anchor's indices with dilation, retrieving rows their fresh top-k
+    without. Used by the kernel tests and the benchmark; the model integration
+    (``prhs_hf.decode``) chains the same ops around its CIS state.
+
+    ``anchor_sets=False``: ``anchor_idx [B, Hq, s, k]`` holds each anchor's top-k (best first)
+    and every row's dilated set is sorted in ``compose_indices`` at every step.
+    ``anchor_sets=True`` (fast path, docs/DECODE_PIPELINE.md §3b): ``anchor_idx
+    [B, Hq, s, dilated_set_size(k, dil_m, dil_r)]`` holds each anchor's dilated set (as made by
+    ``ops.dilated_set``); the retrieving rows' sets are built once (``result.new_set``, to be
+    stored as their anchors) and every row is composed from a set without sorting. Both give
+    the same ``best``, ``new_idx``, ``idx``, ``count`` and ``out``.
     """
-    B, H, s, kk = anchor_idx.shape
     best = ops.cis_match(q, anchor_q, anchor_count, active, tau)
     retrieve = best == -1
     new_idx = ops.topk_retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
+    if anchor_sets:
+        new_set = ops.dilated_set(new_idx, retrieve, dil_m, dil_r)
+        idx, count = ops.compose_from_sets(t, lo, hi, win_start, best, anchor_idx, new_set, sink, cap)
+        out = ops.sparse_decode_attention(q, k_cache, v_cache, pad, idx, count, scale)
+        return DecodeStepResult(best, new_idx, idx, count, out, new_set)
+    B, H, s, kk = anchor_idx.shape
     shared = best >= 0
     pick = best.clamp_min(0).long().view(B, H, 1, 1).expand(B, H, 1, kk)
     shared_idx = torch.gather(anchor_idx, 2, pick).view(B, H, kk)

@@ -23,7 +23,8 @@ __all__ = ["topk_retrieval", "topk_retrieval_reference", "compact_rows"]
 #   2. `_score_kernel`, grid (rows, splits of the sequence): a program whose compact row id is
 #      at or past the count exits at once; the others stream their chunk of K once and write an
 #      order-preserving int32 key of each fp32 score into a scratch row (4 bytes per 2*D read).
-#   3. `_select_kernel`, one program per compact row: radix refinement of the k-th largest key
+#   3. `_select_kernel`, one program per compact row (a row that does not retrieve writes its
+#      -1 row, so the output needs no separate fill): radix refinement of the k-th largest key
 #      (8-bit histogram passes over the scratch row, which sits in L2, only while the candidates
 #      overflow a buffer of ~1.125 k: typically 1-2 passes), a collect pass, then a register
 #      sort of the candidates packed as (key << 32 | ~index): descending score, ties by
@@ -33,15 +34,20 @@ __all__ = ["topk_retrieval", "topk_retrieval_reference", "compact_rows"]
 
 @triton.jit
 def _compact_rows_kernel(FLAG, ORDER, COUNT, R, BLOCK: tl.constexpr):
-    """Write the ids of the rows with FLAG set to ORDER[:count] (ascending) and count to COUNT."""
+    """Write the ids of the rows with FLAG set to ORDER[:count] (ascending), the other rows to
+    ORDER[count:] (descending), and count to COUNT."""
     offs = tl.arange(0, BLOCK)
     total = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
     for r0 in range(0, R, BLOCK):
         rows = r0 + offs
-        f = tl.load(FLAG + rows, mask=rows < R, other=0).to(tl.int32)
+        inb = rows < R
+        f = tl.load(FLAG + rows, mask=inb, other=0).to(tl.int32)
         f = tl.where(f != 0, 1, 0)
         pos = total + tl.cumsum(f, axis=0) - f
         tl.store(ORDER + pos, rows, mask=f != 0)
+        # unflagged row number u (0-based, ascending) goes to R - 1 - u
+        u = (r0 - total) + (offs - (pos - total))
+        tl.store(ORDER + (R - 1 - u), rows, mask=inb & (f == 0))
         total += tl.sum(f, axis=0)
     tl.store(COUNT, total)
 
@@ -108,8 +114,11 @@ def _select_kernel(
     """
     c = tl.program_id(0)
     live = c < tl.load(COUNT)
-    if live:
-        row = tl.load(ORDER + c)
+    row = tl.load(ORDER + c)
+    if not live:  # a row that does not retrieve: all -1 (no separate fill of the output)
+        offs_f = tl.arange(0, K_PAD)
+        tl.store(OUT + row * K + offs_f, tl.full([K_PAD], -1, tl.int32), mask=offs_f < K)
+    else:
         b = row // H
         pad = tl.load(PAD + b)
         lo = tl.maximum(tl.load(LO + b), 0)
@@ -179,7 +188,7 @@ def compact_rows(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         ``(order [R] int32, count [1] int32)``: ``order[:count]`` are the flagged row ids in
-        ascending order; ``order[count:]`` is unspecified.
+        ascending order, ``order[count:]`` the other rows in descending order.
     """
     flags = flags.reshape(-1).contiguous()
     R = flags.numel()
@@ -224,10 +233,10 @@ def topk_retrieval(
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = gqa_group(H, Hkv)
     k = int(k)
-    out = torch.full((B, H, k), -1, dtype=torch.int32, device=q.device)
     R = B * H
     if R == 0 or k == 0 or S == 0:
-        return out
+        return torch.full((B, H, k), -1, dtype=torch.int32, device=q.device)
+    out = torch.empty((B, H, k), dtype=torch.int32, device=q.device)  # every row is written
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1:

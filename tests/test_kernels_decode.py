@@ -25,7 +25,16 @@ from hypothesis import strategies as st
 
 from conftest import triton_available
 from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
-from prhs_hf.kernels.compose_indices import compose_indices, compose_indices_reference
+from prhs_hf.kernels.compose_indices import (
+    SET_NONE,
+    compose_from_sets,
+    compose_from_sets_reference,
+    compose_indices,
+    compose_indices_reference,
+    dilated_set,
+    dilated_set_reference,
+    dilated_set_size,
+)
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step, get_decode_ops
 from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention,
@@ -291,6 +300,7 @@ def test_compact_rows():
     n = int(count.item())
     assert n == int(flags.sum())
     assert torch.equal(order[:n].cpu().long(), flags.nonzero().flatten())
+    assert torch.equal(order[n:].cpu().long(), (~flags).nonzero().flatten().flip(0))
 
 
 def _topk_case(B, H, Hkv, D, S, pads, ends, sink, local, dtype, seed, integer=False):
@@ -583,3 +593,126 @@ def test_full_decode_step_triton_equals_reference(dtype):
     assert (b0 == -1).any()  # and some rows retrieve
     assert torch.equal(b0, b1) and torch.equal(n0, n1) and torch.equal(i0, i1) and torch.equal(c0, c1)
     assert_out_close(o1, o0, dtype)
+
+
+# ----------------------------------------------------------------------------- anchor sets (§3b)
+
+
+def naive_dilated_set(p, dil_m, dil_r):
+    """Encoded set of one row: (v << 1) | only-neighbour, ascending."""
+    sel = {x for x in p if x >= 0}
+    nbs = {x + j for x in p[:dil_m] if x >= 0 for j in range(-dil_r, dil_r + 1) if j != 0}
+    return sorted([2 * v for v in sel] + [2 * v + 1 for v in nbs - sel])
+
+
+def _set_case(seed, B, H, k, T, neg_frac=0.2):
+    g = torch.Generator().manual_seed(seed)
+    sel = torch.randint(0, T, (B, H, k), generator=g, dtype=I32)
+    sel[torch.rand(B, H, k, generator=g) < neg_frac] = -1
+    sel[0, 0, :3] = i32([0, 1, 1])[: min(3, k)]  # negative neighbours and duplicates
+    rows = torch.rand(B, H, generator=g) > 0.3
+    rows[0, 0] = True
+    return sel, rows, g
+
+
+@pytest.mark.parametrize("m,r", [(0, 1), (3, 1), (8, 2), (4, 0), (100, 3)])
+def test_reference_dilated_set_against_naive(m, r):
+    sel, rows, _ = _set_case(90 + m + r, 2, 3, 8, 40)
+    ref = dilated_set_reference(sel, rows, m, r)
+    assert ref.shape[-1] == dilated_set_size(8, m, r) and ref.dtype == I32
+    for b in range(2):
+        for h in range(3):
+            want = naive_dilated_set(sel[b, h].tolist(), min(m, 8) if r > 0 else 0, r) if rows[b, h] else []
+            got = ref[b, h].tolist()
+            assert got[: len(want)] == want and all(x == SET_NONE for x in got[len(want):])
+
+
+@needs_triton
+@pytest.mark.parametrize("k,m,r", [(8, 0, 1), (8, 3, 1), (8, 8, 2), (8, 4, 0), (100, 30, 2), (5, 9, 3)])
+def test_dilated_set_kernel(k, m, r):
+    sel, rows, _ = _set_case(110 + k + m + r, 2, 3, k, 300)
+    for rr in (rows, True, False):
+        got = dilated_set(sel.to(DEV), rr.to(DEV) if isinstance(rr, torch.Tensor) else rr, m, r).cpu()
+        assert torch.equal(got, dilated_set_reference(sel, rr, m, r))
+
+
+def _sets_case(seed, B, H, s, k, m, r, T, sink, local):
+    """best in {-2, -1, 0..s-1}, anchors' sets from random top-k lists, a fresh top-k."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(T // 2, T + 1, (B,), generator=g, dtype=I32)
+    lo = torch.minimum(torch.full_like(t, sink), t)
+    hi = torch.maximum(lo, t - local)
+    ws = hi - torch.randint(0, 3, (B,), generator=g, dtype=I32)
+    anchor_idx = torch.randint(-1, T, (B, H, s, k), generator=g, dtype=I32)
+    new_idx = torch.randint(-1, T, (B, H, k), generator=g, dtype=I32)
+    best = torch.randint(-1, s, (B, H), generator=g, dtype=I32)
+    best[-1] = -2  # an inactive sequence
+    new_idx[best != -1] = -1
+    sets = dilated_set_reference(anchor_idx.view(B, H * s, k), True, m, r).view(B, H, s, -1)
+    new_set = dilated_set_reference(new_idx, best == -1, m, r)
+    cap = sink + local + 3 + k + 2 * r * m
+    return t, lo, hi, ws, best, anchor_idx, new_idx, sets, new_set, cap
+
+
+@pytest.mark.parametrize("m,r", [(0, 1), (3, 1), (8, 2), (4, 0)])
+def test_reference_compose_from_sets_is_compose_indices(m, r):
+    """§3b = §3: composing from the dilated sets gives the index lists of the top-k lists."""
+    B, H, s, k, sink, local = 3, 4, 3, 8, 4, 6
+    t, lo, hi, ws, best, anchor_idx, new_idx, sets, new_set, cap = _sets_case(
+        130 + m + r, B, H, s, k, m, r, 60, sink, local
+    )
+    got = compose_from_sets_reference(t, lo, hi, ws, best, sets, new_set, sink, cap)
+    pick = best.clamp_min(0).long().view(B, H, 1, 1).expand(B, H, 1, k)
+    shared_idx = torch.gather(anchor_idx, 2, pick).view(B, H, k)
+    sel = torch.where((best == -1)[..., None], new_idx, torch.where((best >= 0)[..., None], shared_idx, -1))
+    want = compose_indices_reference(t, lo, hi, ws, sel, best >= 0, sink, m, r, cap)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(want[0], naive_compose(t, lo, hi, ws, sel, best >= 0, sink, m, r, cap)[0])
+
+
+@needs_triton
+@pytest.mark.parametrize("m,r", [(0, 1), (3, 1), (8, 2), (4, 0)])
+def test_compose_from_sets_kernel(m, r):
+    B, H, s, k, sink, local = 3, 4, 3, 8, 4, 6
+    t, lo, hi, ws, best, _, _, sets, new_set, cap = _sets_case(150 + m + r, B, H, s, k, m, r, 60, sink, local)
+    for c in (cap, cap - 5):  # also a capacity that truncates
+        got = compose_from_sets(*(x.to(DEV) for x in (t, lo, hi, ws, best, sets, new_set)), sink, c)
+        want = compose_from_sets_reference(t, lo, hi, ws, best, sets, new_set, sink, c)
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_decode_step_anchor_sets(dtype):
+    """The §3b fast path (anchor sets) gives the same step as the top-k path, both backends."""
+    g = torch.Generator().manual_seed(81)
+    B, H, Hkv, D, S, s = 3, 4, 2, 32, 120, 4
+    sink, local, k, m, r = 4, 8, 12, 4, 1
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    kc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    vc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    pad, t, lo, hi = geometry(S, [0, 9, 100], [0, 0, 0], sink, local)
+    active = t > sink + local + k
+    ws = torch.where(active, hi, lo)
+    anchors = unit_anchors(B, H, s, D, g)
+    anchors[:, :2, 0] = q[:, :2].float() / q[:, :2].float().norm(dim=-1, keepdim=True)
+    anchor_count = torch.randint(0, s + 1, (B, H), generator=g, dtype=I32)
+    anchor_count[:, :2] = s
+    anchor_idx = torch.randint(-1, S, (B, H, s, k), generator=g, dtype=I32)
+    cap = sink + local + k + 2 * r * m + S
+    kw = dict(tau=0.9, sink=sink, k=k, dil_m=m, dil_r=r, cap=cap, scale=D**-0.5)
+    base = [x.cpu() for x in cis_decode_step(
+        REFERENCE_OPS, q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count, anchor_idx, active, **kw
+    )[:5]]
+    for ops, dev in ((REFERENCE_OPS, torch.device("cpu")), (TRITON_OPS, DEV)):
+        a = [x.to(dev) for x in (q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count, anchor_idx, active)]
+        sets = ops.dilated_set(a[10].view(B, H * s, k), True, m, r).view(B, H, s, -1)
+        a[10] = sets
+        res = cis_decode_step(ops, *a, **kw, anchor_sets=True)
+        got = [x.cpu() for x in res[:5]]
+        for x, y in zip(got[:4], base[:4]):
+            assert torch.equal(x, y)
+        assert_out_close(got[4], base[4], dtype)
+        want_set = dilated_set_reference(base[1], base[0] == -1, m, r)
+        assert torch.equal(res.new_set.cpu(), want_set)
+        assert (base[0] == -1).any() and (base[0] >= 0).any()
