@@ -1,0 +1,615 @@
+#!/usr/bin/env python
+"""Selection quality of CIS and the comparison selectors at a matched budget (paper Table VI, Fig. 6/7).
+
+For every selector (CIS at several block sizes s and thresholds τ, DirectReuse, RandomExpansion,
+HShare, Quest, H2O, StreamingLLM, the top-k oracle), on real GSM8K / CoQA text, this runs
+*teacher-forced decode*: the prompt is prefilled, then the reference continuation (or the dense
+model's greedy continuation, ``--continuation greedy``) is fed one token per forward, so every
+position is a real decode step and sparse and dense runs see the same tokens. Measured, with
+``telemetry: {enabled: true, oracle: true}`` (SPEC §5):
+
+- β_emp, dropped mass δ̄, oracle overlap (all and top-50 %-mass indices), ρ̂, processed KV per step;
+- output relative error against dense: ``‖x_sparse - x_dense‖ / ‖x_dense‖`` of the final hidden
+  state and of the logits at each decoded position (mean over positions), and top-1 agreement;
+- the certificate ``g(δ̄) = 2[h_b(δ̄) + δ̄ ln L]`` against a measured routing-MI perturbation.
+
+Routing-MI proxy (paper §VI-B, Fig. 7; App. VIII): for one (prompt, layer, head) cell, X is
+uniform over the cell's M sparse decode steps and T | X=m ~ A_m (full attention over real
+positions), T_S | X=m ~ Ã_m = A_m 1_S / τ_S (the renormalised sparse routing). The plug-in
+``I(X;T) = H(mean_m A_m) − mean_m H(A_m)`` (nats) and ``I(X;T_S)`` likewise give
+``ΔI_emp = |I(X;T) − I(X;T_S)|``, and ``B_MI = g(δ̄_cell)`` with the cell's mean dropped mass and
+mean context length. Both are averaged over cells (layers × heads × prompts), as the paper's
+``(ΔI_emp, B_MI)`` pair; the theory says ``ΔI_emp ≤ B_MI``.
+
+Matching (paper §VI-A): CIS-main's measured ρ̂ sets the block size of DirectReuse and
+RandomExpansion (``round(1/ρ̂)``) and HShare's three sharing ratios (the combination whose
+``(n_h/H)(n_l/N)/P`` is nearest, preferring per-level keep fractions near 1/2); a second
+DirectReuse row raises ``topk`` to match CIS's processed KV (the paper's "+~1/6").
+
+Writes ``docs/results/selection_quality.{json,md}`` and PNG plots there. Example::
+
+    python scripts/selection_quality.py --prompts 4 --max-new-tokens 64            # CPU, smollm2-135m
+    python scripts/selection_quality.py --model qwen2.5-coder-1.5b --device cuda --dtype bfloat16 --prompts 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+import prhs_hf
+from prhs_hf import fetch
+from prhs_hf.selectors import HShareSelector
+from prhs_hf.stats import Telemetry, routing_certificate
+
+ROOT = Path(__file__).resolve().parent.parent
+GSM8K_SHOTS = 4
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    """One teacher-forced sample: prompt token ids and the continuation to force."""
+
+    name: str
+    prompt: torch.Tensor  # [1, Lp]
+    continuation: torch.Tensor  # [1, T]
+
+
+def _read_jsonl(path: Path, limit: int) -> list[dict]:
+    rows = []
+    with path.open(encoding="utf-8") as fh:
+        for line in fh:
+            rows.append(json.loads(line))
+            if len(rows) >= limit:
+                break
+    return rows
+
+
+def gsm8k_texts(n: int) -> list[tuple[str, str, str]]:
+    """``(name, prompt, continuation)``: a 4-shot GSM8K prompt (exemplars: the first test rows) and the worked answer."""
+    rows = _read_jsonl(fetch.fetch_dataset("gsm8k"), GSM8K_SHOTS + n)
+    shots = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[:GSM8K_SHOTS])
+    out = []
+    for i, r in enumerate(rows[GSM8K_SHOTS:]):
+        out.append((f"gsm8k/{GSM8K_SHOTS + i}", f"{shots}Question: {r['question']}\nAnswer:", " " + r["answer"]))
+    return out
+
+
+def coqa_texts(n: int) -> list[tuple[str, str, str]]:
+    """``(name, prompt, continuation)``: the story and its first question; the reference turns that follow."""
+    from prhs_hf.lm_eval.prompts import coqa_prompt
+
+    out = []
+    for row in _read_jsonl(fetch.fetch_dataset("coqa"), n):
+        qs, ans = row["questions"]["input_text"], row["answers"]["input_text"]
+        first = {**row, "questions": {"input_text": qs[:1]}, "answers": {"input_text": ans[:1]}}
+        cont = f" {ans[0]}\n\n" + "".join(f"Q: {q}\n\nA: {a}\n\n" for q, a in zip(qs[1:], ans[1:]))
+        out.append((f"coqa/{row['id']}", coqa_prompt(first), cont))
+    return out
+
+
+def build_prompts(tokenizer, n: int, datasets: list[str], max_new: int) -> list[Prompt]:
+    """``n`` prompts split over ``datasets`` (GSM8K first), each with ``max_new`` forced tokens."""
+    per = [n // len(datasets) + (i < n % len(datasets)) for i in range(len(datasets))]
+    texts = []
+    for name, count in zip(datasets, per):
+        texts += (gsm8k_texts if name == "gsm8k" else coqa_texts)(count)
+    prompts = []
+    for name, prompt, cont in texts:
+        p = tokenizer(prompt, return_tensors="pt").input_ids
+        c = tokenizer(cont, add_special_tokens=False, return_tensors="pt").input_ids[:, :max_new]
+        prompts.append(Prompt(name, p, c))
+    return prompts
+
+
+# --------------------------------------------------------------------------------------------
+# Teacher-forced decode
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def teacher_forced(model, prompt: Prompt, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill the prompt, then one forward per continuation token: ``(hidden [T, H], logits [T, V])`` fp32.
+
+    Position ``i`` is the output of the decode step that consumed continuation token ``i``.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = model(prompt.prompt.to(device), past_key_values=cache, use_cache=True)
+    hidden, logits = [], []
+    for i in range(prompt.continuation.shape[1]):
+        out = model(prompt.continuation[:, i : i + 1].to(device), past_key_values=out.past_key_values,
+                    use_cache=True, output_hidden_states=True)
+        hidden.append(out.hidden_states[-1][0, -1].float().cpu())
+        logits.append(out.logits[0, -1].float().cpu())
+    return torch.stack(hidden), torch.stack(logits)
+
+
+@torch.no_grad()
+def greedy_continuation(model, prompt: Prompt, max_new: int, device: str) -> Prompt:
+    """The dense model's greedy continuation of the prompt, as the tokens to force."""
+    ids = prompt.prompt.to(device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
+    return Prompt(prompt.name, prompt.prompt, out[:, ids.shape[1]:].cpu())
+
+
+# --------------------------------------------------------------------------------------------
+# Routing-MI proxy
+# --------------------------------------------------------------------------------------------
+
+
+def _entropy(p: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of the rows of ``p`` (0 log 0 = 0)."""
+    return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
+
+
+class RoutingTelemetry(Telemetry):
+    """:class:`Telemetry` that also accumulates, per (layer, head), what the routing-MI proxy needs.
+
+    It relies on the layer calling ``record_decode(layer, ...)`` just before ``record_oracle`` and
+    on a batch of one sequence (the oracle rows are then the query heads in order).
+    """
+
+    def __init__(self, base: Telemetry):
+        super().__init__(base.num_layers, base.num_heads, True)
+        self._layer = 0
+        self.cells: list[tuple[float, float]] = []  # (ΔI_emp, B_MI) of finished cells
+        self._clear()
+
+    def _clear(self) -> None:
+        self._acc_mi: dict[int, dict[str, Any]] = {}
+
+    def record_decode(self, layer, t, processed, retrieved, active) -> None:
+        self._layer = layer
+        super().record_decode(layer, t, processed, retrieved, active)
+
+    def record_oracle(self, probs, selected, t) -> None:
+        super().record_oracle(probs, selected, t)
+        if probs.shape[0] == 0:
+            return
+        if probs.shape[0] != self.num_heads:
+            raise RuntimeError("RoutingTelemetry needs a batch of one sequence")
+        a = probs.double()
+        tau = (a * selected).sum(-1, keepdim=True)
+        at = torch.where(selected, a, torch.zeros_like(a)) / tau.clamp_min(1e-300)
+        c = self._acc_mi.setdefault(self._layer, {"m": 0, "pa": None, "pt": None, "ha": 0.0, "ht": 0.0,
+                                                   "delta": 0.0, "ctx": 0.0})
+        for key, x in (("pa", a), ("pt", at)):
+            old = c[key]
+            if old is None:
+                c[key] = x.clone()
+            else:
+                width = max(old.shape[-1], x.shape[-1])
+                c[key] = torch.nn.functional.pad(old, (0, width - old.shape[-1])) + \
+                    torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+        c["m"] += 1
+        c["ha"] = c["ha"] + _entropy(a)
+        c["ht"] = c["ht"] + _entropy(at)
+        c["delta"] = c["delta"] + (1 - tau.squeeze(-1))
+        c["ctx"] = c["ctx"] + t.double()
+
+    def finish_prompt(self) -> None:
+        """Turn the accumulated prompt's cells into ``(ΔI_emp, B_MI)`` pairs and start over."""
+        for c in self._acc_mi.values():
+            m = c["m"]
+            i_full = _entropy(c["pa"] / m) - c["ha"] / m
+            i_sparse = _entropy(c["pt"] / m) - c["ht"] / m
+            delta_i = (i_full - i_sparse).abs()
+            for h in range(delta_i.shape[0]):
+                bound = routing_certificate(float(c["delta"][h] / m), float(c["ctx"][h] / m))
+                self.cells.append((float(delta_i[h]), bound))
+        self._clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Variants
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Variant:
+    """One selector at one setting: a row of the table."""
+
+    label: str
+    family: str  # cis, oracle, hshare, ... (for plots)
+    config: dict[str, Any]
+    hshare: tuple[float, float, float] | None = None  # (query, head, layer) share ratios
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def base_config(budget: dict[str, int]) -> dict[str, Any]:
+    """What every variant shares: the budget, decode selection only (no PSAW/ETF), oracle telemetry."""
+    return {"budget": dict(budget), "psaw": {"enabled": False}, "etf": {"enabled": False},
+            "telemetry": {"enabled": True, "oracle": True}}
+
+
+def cis_variant(budget, s: int, tau: float, label: str | None = None) -> Variant:
+    """CIS alone at block size ``s`` and threshold ``tau``."""
+    cfg = base_config(budget)
+    cfg["cis"] = {"enabled": True, "block_size": s, "tau": tau}
+    return Variant(label or f"CIS s={s} τ={tau}", "cis", cfg, extra={"block_size": s, "tau": tau})
+
+
+def baseline_variant(budget, name: str, label: str, family: str | None = None, note: str = "", **baseline) -> Variant:
+    """A ``baseline.name`` selector; ``baseline`` holds page_size / share_ratio / seed / block_size."""
+    cfg = base_config(budget)
+    cfg["baseline"] = {"name": name, **{k: v for k, v in baseline.items() if k in ("page_size", "share_ratio", "seed")}}
+    if "block_size" in baseline:
+        cfg["cis"] = {"block_size": baseline["block_size"]}
+    return Variant(label, family or name, cfg, note=note, extra=dict(baseline))
+
+
+def match_hshare(target: float, layers: int, heads: int) -> tuple[float, float, float]:
+    """HShare ``(query, head, layer)`` share ratios whose ρ̂ ``(n_h/H)(n_l/N)/P`` is nearest ``target``.
+
+    Among near-ties (within 2 % of the target), the most balanced levels win (keep fractions
+    closest to HShare's usual 1/2 per level).
+    """
+    best = None
+    for period in range(1, 9):
+        for n_h in range(1, heads + 1):
+            for n_l in range(1, layers + 1):
+                rho = n_h / heads * n_l / layers / period
+                err = abs(rho - target) / target
+                balance = sum(abs(math.log2(x)) for x in (n_h / heads / 0.5, n_l / layers / 0.5, 1 / period / 0.5))
+                key = (round(err / 0.02), balance, err)
+                if best is None or key < best[0]:
+                    best = (key, period, n_h, n_l)
+    _, period, n_h, n_l = best
+    return 1 - 1 / period, 1 - n_h / heads, 1 - n_l / layers
+
+
+# --------------------------------------------------------------------------------------------
+# Running a variant
+# --------------------------------------------------------------------------------------------
+
+
+def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, device: str) -> dict[str, Any]:
+    """Patch, run every prompt teacher-forced, unpatch; the row of measurements."""
+    prhs_hf.patch(model, variant.config)
+    rt = model._prhs_runtime
+    if variant.hshare is not None:
+        q, h, l = variant.hshare
+        rt.selector = HShareSelector(rt.resolved.num_layers, model.config.num_attention_heads, q, h, l)
+    rt.telemetry = RoutingTelemetry(rt.telemetry)
+    h_err, l_err, top1 = [], [], []
+    start = time.perf_counter()
+    try:
+        for prompt, (h_dense, l_dense) in zip(prompts, dense):
+            h_sp, l_sp = teacher_forced(model, prompt, device)
+            rt.telemetry.finish_prompt()
+            h_err.append(((h_sp - h_dense).norm(dim=-1) / h_dense.norm(dim=-1)).mean().item())
+            l_err.append(((l_sp - l_dense).norm(dim=-1) / l_dense.norm(dim=-1)).mean().item())
+            top1.append((l_sp.argmax(-1) == l_dense.argmax(-1)).float().mean().item())
+        report = rt.telemetry.report()
+        cells = rt.telemetry.cells
+    finally:
+        prhs_hf.unpatch(model)
+    o = report.oracle
+    n = len(prompts)
+    row = {
+        "variant": variant.label,
+        "family": variant.family,
+        "settings": variant.extra,
+        "note": variant.note,
+        "rho_hat": report.retrieval_ratio,
+        "processed_kv": report.processed_kv_per_step,
+        "dense_kv": report.dense_kv_per_step,
+        "beta_emp": o.beta_emp,
+        "dropped_mass": o.dropped_mass,
+        "overlap": o.overlap,
+        "overlap_top50": o.overlap_top50,
+        "certificate_g": o.certificate,
+        "mean_context": o.mean_context,
+        "delta_i_emp": sum(c[0] for c in cells) / len(cells),
+        "b_mi": sum(c[1] for c in cells) / len(cells),
+        "hidden_rel_err": sum(h_err) / n,
+        "logit_rel_err": sum(l_err) / n,
+        "top1_agree": sum(top1) / n,
+        "oracle_rows": o.rows,
+        "seconds": time.perf_counter() - start,
+    }
+    if variant.hshare is not None:
+        row["settings"] = {**row["settings"], "query_share": variant.hshare[0], "head_share": variant.hshare[1],
+                           "layer_share": variant.hshare[2]}
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+COLUMNS = [
+    ("variant", "selector", "{}"),
+    ("rho_hat", "ρ̂", "{:.3f}"),
+    ("processed_kv", "KV/step", "{:.1f}"),
+    ("beta_emp", "β_emp", "{:.4f}"),
+    ("dropped_mass", "δ̄", "{:.4f}"),
+    ("overlap", "overlap", "{:.3f}"),
+    ("overlap_top50", "top-50% overlap", "{:.3f}"),
+    ("hidden_rel_err", "hidden rel err", "{:.4f}"),
+    ("logit_rel_err", "logit rel err", "{:.4f}"),
+    ("top1_agree", "top-1 agree", "{:.3f}"),
+    ("certificate_g", "g(δ̄)", "{:.3f}"),
+    ("b_mi", "B_MI (cells)", "{:.3f}"),
+    ("delta_i_emp", "ΔI_emp", "{:.4f}"),
+]
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else spec.format(value)
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The project's selection-quality targets, checked on the measured rows (no fudging)."""
+    by = {r["variant"]: r for r in rows}
+    cis = by.get("CIS-main")
+    hs = next((r for r in rows if r["family"] == "hshare" and "matched" in r["variant"]), None)
+    lines = []
+    if cis:
+        lines.append(f"- CIS-main β_emp = {cis['beta_emp']:.4f} (target ≤ 0.02): "
+                     f"{'met' if cis['beta_emp'] <= 0.02 else 'NOT met'}")
+        lines.append(f"- CIS-main top-50%-mass oracle overlap = {cis['overlap_top50']:.3f} (target ≥ 0.90): "
+                     f"{'met' if cis['overlap_top50'] >= 0.9 else 'NOT met'}")
+        if hs:
+            ratio = hs["beta_emp"] / max(cis["beta_emp"], 1e-12)
+            lines.append(f"- HShare-matched β_emp / CIS-main β_emp = {ratio:.2f} at ρ̂ {hs['rho_hat']:.3f} vs "
+                         f"{cis['rho_hat']:.3f} (target ≥ 3): {'met' if ratio >= 3 else 'NOT met'}")
+    return lines
+
+
+def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
+    lines = [
+        "# Selection quality at a matched budget",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Model: {meta['model']} ({meta['dtype']}) on {meta['device']}; {meta['prompts']} prompts "
+        f"({', '.join(meta['datasets'])}), {meta['continuation']} continuation, ≤ {meta['max_new_tokens']} "
+        f"teacher-forced decode steps each; budget sink/local/topk = "
+        f"{meta['budget']['sink']}/{meta['budget']['local']}/{meta['budget']['topk']}; "
+        f"mean context {meta['mean_context']:.0f} tokens.  ",
+        f"Date {meta['date']}; torch {meta['versions']['torch']}, transformers {meta['versions']['transformers']}, "
+        f"prhs_hf {meta['versions']['prhs_hf']} (git {meta['versions']['git']}).",
+        "",
+        "| " + " | ".join(c[1] for c in COLUMNS) + " |",
+        "|" + "|".join("---" for _ in COLUMNS) + "|",
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r[k], spec) for k, _, spec in COLUMNS) + " |")
+    lines += ["", "Settings per row:", ""]
+    for r in rows:
+        settings = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["settings"].items())
+        lines.append(f"- **{r['variant']}**: {settings or '—'}{'; ' + r['note'] if r['note'] else ''}")
+    lines += ["", "Targets:", "", *targets(rows), "",
+              "Definitions: ρ̂ retrievals per (head, layer, sparse step); KV/step keys attended per head and "
+              "layer; β_emp = τ*_N − τ_S against the budget-matched top-N oracle of full attention (N = |S|); "
+              "overlap with the oracle set and with the smallest set holding half the mass; relative errors "
+              "‖x_sparse − x_dense‖/‖x_dense‖ of the last hidden state and the logits at the decoded positions; "
+              "g(δ̄) the certificate of the global mean dropped mass and context; B_MI and ΔI_emp the per-cell "
+              "certificate and the plug-in routing-MI perturbation (see the script's docstring).", ""]
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def write_plots(out_dir: Path, rows: list[dict]) -> list[str]:
+    """β_emp vs ρ̂, ΔI_emp vs B_MI (Fig. 7 left) and top-50 % overlap bars; the files written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        return []
+    colors = {"cis": "tab:blue", "hshare": "tab:red", "direct_reuse": "tab:orange", "random_expansion": "tab:brown",
+              "quest": "tab:purple", "h2o": "tab:green", "streaming": "tab:gray", "oracle": "black"}
+    written = []
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for r in rows:
+        if r["rho_hat"] is None:
+            continue
+        ax.scatter(r["rho_hat"], r["beta_emp"], color=colors.get(r["family"], "k"), s=30)
+        ax.annotate(r["variant"], (r["rho_hat"], r["beta_emp"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    ax.set_xlabel("retrieval ratio ρ̂")
+    ax.set_ylabel("β_emp (oracle mass − retained mass)")
+    ax.set_xscale("symlog", linthresh=0.01)
+    ax.set_title("Selection gap vs retrieval ratio")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "selection_quality_beta_rho.png", dpi=150)
+    written.append("selection_quality_beta_rho.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.2, 4.8))
+    top = max(max(r["b_mi"] for r in rows), 1e-3)
+    ax.plot([0, top], [0, top], "k--", lw=1, label="y = x")
+    for r in rows:
+        ax.scatter(r["b_mi"], r["delta_i_emp"], color=colors.get(r["family"], "k"), s=30)
+        ax.annotate(r["variant"], (r["b_mi"], r["delta_i_emp"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    ax.set_xlabel("certificate B_MI = g(δ̄) per cell, averaged (nats)")
+    ax.set_ylabel("routing-MI perturbation ΔI_emp (nats)")
+    ax.set_title("Certificate vs measured routing-MI perturbation")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "selection_quality_certificate.png", dpi=150)
+    written.append("selection_quality_certificate.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["overlap"] for r in rows], width=0.4, label="oracle overlap")
+    ax.bar([i + 0.2 for i in x], [r["overlap_top50"] for r in rows], width=0.4, label="top-50 %-mass overlap")
+    ax.axhline(0.9, color="k", ls=":", lw=1)
+    ax.set_xticks(list(x), [r["variant"] for r in rows], rotation=60, ha="right", fontsize=7)
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    ax.set_title("Overlap with the budget-matched top-k oracle")
+    fig.tight_layout()
+    fig.savefig(out_dir / "selection_quality_overlap.png", dpi=150)
+    written.append("selection_quality_overlap.png")
+    plt.close(fig)
+    return written
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _command() -> str:
+    """The command line of this run, with the script path relative to the repository."""
+    script = Path(sys.argv[0]).resolve()
+    name = str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else sys.argv[0]
+    return " ".join(["python", name, *sys.argv[1:]])
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def run_schedule(run, budget: dict[str, int], args: argparse.Namespace, layers: int, heads: int) -> None:
+    """Every variant, in order: CIS-main first, whose ρ̂ and processed KV set the matched controls."""
+    main_cis = run(cis_variant(budget, 16, 0.8, "CIS-main"))
+    cis_grid = [(8, 0.8), (32, 0.8), (16, 0.6), (16, 0.7), (16, 0.9)] if not args.quick else [(8, 0.8)]
+    for s, tau in cis_grid:
+        run(cis_variant(budget, s, tau))
+
+    rho = main_cis["rho_hat"]
+    block = max(1, round(1 / rho))
+    extra_kv = max(0, round(main_cis["processed_kv"] - sum(budget.values())))
+    run(baseline_variant(budget, "direct_reuse", f"DirectReuse s={block}", block_size=block,
+                         note="block size matched to CIS-main's ρ̂"))
+    if not args.quick:
+        kv_budget = {**budget, "topk": budget["topk"] + extra_kv}
+        run(baseline_variant(kv_budget, "direct_reuse", f"DirectReuse s={block} k={kv_budget['topk']}",
+                             block_size=block, note="topk raised to CIS-main's processed KV (paper: +~1/6)"))
+    run(baseline_variant(budget, "random_expansion", f"RandomExpansion s={block}", block_size=block, seed=args.seed,
+                         note="block size matched to CIS-main's ρ̂"))
+    shares = match_hshare(rho, layers, heads)
+    hs = baseline_variant(budget, "hshare", "HShare-matched", family="hshare",
+                          note="share ratios chosen to match CIS-main's ρ̂")
+    hs.hshare = shares
+    run(hs)
+    if not args.quick:
+        hs2 = baseline_variant(budget, "hshare", "HShare-2 (½,½,½)", family="hshare", note="the paper's HShare-2")
+        hs2.hshare = (0.5, 0.5, 0.5)
+        run(hs2)
+    run(baseline_variant(budget, "quest", "Quest", page_size=args.page_size))
+    run(baseline_variant(budget, "h2o", "H2O"))
+    run(baseline_variant(budget, "streaming", "StreamingLLM"))
+    run(baseline_variant(budget, "oracle", "Oracle top-k"))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=fetch.DEFAULT_MODEL, help="registry name, .gguf, checkpoint folder or hub id")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    ap.add_argument("--prompts", type=int, default=4, help="number of prompts, split over the datasets")
+    ap.add_argument("--datasets", default="gsm8k,coqa")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="teacher-forced decode steps per prompt (at most)")
+    ap.add_argument("--continuation", choices=("reference", "greedy"), default="reference",
+                    help="force the dataset's reference text, or the dense model's greedy continuation")
+    ap.add_argument("--sink", type=int, default=8)
+    ap.add_argument("--local", type=int, default=32)
+    ap.add_argument("--topk", type=int, default=88)
+    ap.add_argument("--page-size", type=int, default=16, help="Quest page size")
+    ap.add_argument("--seed", type=int, default=0, help="RandomExpansion seed")
+    ap.add_argument("--quick", action="store_true", help="2 prompts, 24 steps, fewer CIS settings (a smoke run)")
+    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_new_tokens = min(args.prompts, 2), min(args.max_new_tokens, 24)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    budget = {"sink": args.sink, "local": args.local, "topk": args.topk}
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+
+    model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=args.device)
+    prompts = build_prompts(tokenizer, args.prompts, datasets, args.max_new_tokens)
+    if args.continuation == "greedy":
+        prompts = [greedy_continuation(model, p, args.max_new_tokens, args.device) for p in prompts]
+    lengths = [p.prompt.shape[1] for p in prompts]
+    print(f"{len(prompts)} prompts, {min(lengths)}-{max(lengths)} tokens, "
+          f"{sum(p.continuation.shape[1] for p in prompts)} decode steps in all", file=sys.stderr)
+    dense = [teacher_forced(model, p, args.device) for p in prompts]
+
+    rows: list[dict] = []
+    meta = {
+        "command": _command(),
+        "model": args.model,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "device": _device_name(args.device),
+        "prompts": len(prompts),
+        "prompt_names": [p.name for p in prompts],
+        "prompt_tokens": lengths,
+        "datasets": datasets,
+        "continuation": args.continuation,
+        "max_new_tokens": args.max_new_tokens,
+        "budget": budget,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "prhs_hf": prhs_hf.__version__, "python": platform.python_version(), "git": _git_commit()},
+    }
+
+    def save() -> None:
+        meta["mean_context"] = rows[0]["mean_context"]
+        (out_dir / "selection_quality.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2),
+                                                         encoding="utf-8")
+        write_markdown(out_dir / "selection_quality.md", meta, rows)
+
+    def run(variant: Variant) -> dict:
+        row = run_variant(model, variant, prompts, dense, args.device)
+        rows.append(row)
+        save()  # after every row, so a long run that stops keeps what it measured
+        rho = "n/a" if row["rho_hat"] is None else f"{row['rho_hat']:.3f}"
+        print(f"{variant.label:34s} ρ̂={rho} KV={row['processed_kv']:.1f} β={row['beta_emp']:.4f} "
+              f"top50={row['overlap_top50']:.3f} err={row['hidden_rel_err']:.4f} ({row['seconds']:.0f}s)",
+              file=sys.stderr)
+        return row
+
+    run_schedule(run, budget, args, model.config.num_hidden_layers, model.config.num_attention_heads)
+
+    meta["plots"] = write_plots(out_dir, rows)
+    save()
+    print("\n".join(targets(rows)), file=sys.stderr)
+    print(f"wrote {out_dir / 'selection_quality.json'}, .md and {len(meta['plots'])} plots", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
