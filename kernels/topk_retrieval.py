@@ -219,6 +219,8 @@ def topk_retrieval(
     retrieve: torch.Tensor,
     k: int,
     scale: float,
+    *,
+    _stop_after: str = "select",
 ) -> torch.Tensor:
     """Triton top-k retrieval: work only for retrieving rows, exact order, no host sync.
 
@@ -226,7 +228,8 @@ def topk_retrieval(
     the device-side count exit at once), selection (one program per row, same early exit).
     Scratch: ``[B*Hq, S]`` int32 keys and ``[B*Hq, ~1.125 k]`` int64 candidates.
 
-    Args and result as :func:`topk_retrieval_reference`.
+    Args and result as :func:`topk_retrieval_reference`. ``_stop_after`` (``"compact"``,
+    ``"score"``; benchmark stage timing only) returns the unfinished output after that launch.
     """
     require_triton(q, k_cache)
     B, H, D = q.shape
@@ -242,6 +245,8 @@ def topk_retrieval(
     if k_cache.stride(-1) != 1:
         k_cache = k_cache.contiguous()
     order, count = compact_rows(retrieve)
+    if _stop_after == "compact":
+        return out
     keys = torch.empty((R, S), dtype=torch.int32, device=q.device)
     block_d = next_pow2(D, 16)
     block_n = max(16, min(128, 8192 // block_d))
@@ -253,6 +258,8 @@ def topk_retrieval(
         H=H, GROUP=group, D=D, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4,
     )
+    if _stop_after == "score":
+        return out
     k_pad = _candidate_capacity(k)
     cand = torch.empty((R, k_pad), dtype=torch.int64, device=q.device)
     _select_kernel[(R,)](

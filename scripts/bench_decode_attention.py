@@ -18,6 +18,19 @@ replayed, which removes the Python launch overhead the same way for every column
   head per block; the other rows share an anchor) + index composition + attention;
 * ``ref16``: the same step with the PyTorch reference ops (s = 16).
 
+The CIS steps run the anchor-set fast path (``cis_decode_step(..., anchor_sets=True)``,
+docs/DECODE_PIPELINE.md §3b: anchors store their dilated sets); ``cis16_topk_ms`` is the same
+step with top-k anchors (every row's set sorted at every step), for comparison.
+
+Stage breakdown of the CIS-16 step (each stage captured and replayed alone, on the step's own
+inputs): ``match``; ``retrieval`` for the real number of retrieving rows, split into
+``compact`` (row compaction), ``score`` (K pass) and ``select`` (top-k); ``dilated set`` (the
+retrieving rows' anchor sets); ``compose``; ``attention`` (= ``sparse``); ``glue`` (the torch
+ops between the kernels); ``gap`` = full step - sum of the stages (launch gaps). For the top-k
+anchor path also its ``compose_indices`` and its gather/where glue. Each row states the
+target (CIS-16 >= 4.5x dense for MHA, not slower than dense for GQA) and, when it is missed,
+the largest stage.
+
 Keys are Gaussian with "hot spans" (runs of 64 tokens aligned with a per-head direction that
 the queries share), so that top-k sets are clustered as in real attention and a 128-token
 BlockMask skips part of the cache; the fraction of KV blocks FlexAttention visits is reported.
@@ -50,12 +63,17 @@ if not torch.cuda.is_available():  # CPU smoke test: kernels through the Triton 
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+from prhs_hf.kernels.cis_match import cis_match  # noqa: E402
+from prhs_hf.kernels.compose_indices import compose_from_sets, compose_indices, dilated_set  # noqa: E402
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step  # noqa: E402
 from prhs_hf.kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
 from prhs_hf.kernels.topk_retrieval import topk_retrieval  # noqa: E402
 
 TAU = 0.8
 SPAN = 64  # hot-span length (tokens)
+TARGET_MHA = 4.5  # CIS-16 step at least this many times faster than dense (MHA shapes)
+TARGET_GQA = 1.0  # ... and at least as fast as dense for GQA
+STAGES = ("match", "retrieval", "dilated_set", "compose", "attention", "glue")
 
 
 @dataclass
@@ -239,16 +257,24 @@ def run_shape(sh: Shape, cuda: bool, dev: torch.device, dtype: torch.dtype, flex
     steps = {}
     for s in (8, 16):
         aq, ac, ai, n_ret = make_anchors(x, sh, bud, s, g)
+        # the anchors' dilated sets (what the integration stores with anchor_sets=True)
+        sets = dilated_set(ai.view(sh.B, sh.Hq * s, -1), True, bud.dil_m, bud.dil_r).view(sh.B, sh.Hq, s, -1)
 
-        def step(ops=TRITON_OPS, aq=aq, ac=ac, ai=ai):
+        def step(ops=TRITON_OPS, aq=aq, ac=ac, sets=sets):
+            return cis_decode_step(ops, q, kc, vc, *geo, aq, ac, sets, x["active"], **common, anchor_sets=True)
+
+        def step_topk(ops=TRITON_OPS, aq=aq, ac=ac, ai=ai):
             return cis_decode_step(ops, q, kc, vc, *geo, aq, ac, ai, x["active"], **common)
 
         res = step()
+        res_topk = step_topk()
+        if not (torch.equal(res.idx, res_topk.idx) and torch.equal(res.count, res_topk.count)):
+            print(f"    WARNING: s={s}: anchor-set and top-k paths compose different index lists", flush=True)
         got_ret = int((res.best == -1).sum())
         if got_ret != n_ret:
             print(f"    note: s={s}: {got_ret} rows retrieve (planned {n_ret})", flush=True)
-        steps[s] = (step, res, got_ret)
-    step16, res16, _ = steps[16]
+        steps[s] = (step, res, got_ret, step_topk, aq, ac, ai, sets)
+    step16, res16 = steps[16][0], steps[16][1]
     idx, count = res16.idx, res16.count
     total_keys = int(count.sum())
     row["avg_kv_per_head"] = total_keys / (sh.B * sh.Hq)
@@ -314,7 +340,9 @@ def run_shape(sh: Shape, cuda: bool, dev: torch.device, dtype: torch.dtype, flex
         }
     row["cis8_ms"], row["cis8_timing"] = timed(steps[8][0], cuda)
     row["cis16_ms"], row["cis16_timing"] = timed(step16, cuda)
+    row["cis16_topk_ms"], _ = timed(steps[16][3], cuda)
     row["ref16_ms"], row["ref16_timing"] = timed(lambda: step16(REFERENCE_OPS), cuda)
+    row.update(stage_breakdown(x, bud, steps[16], row["sparse_ms"], cuda))
 
     elem = kc.element_size()
     gathered = total_keys * sh.D * elem * 2 + 2 * sh.B * sh.Hq * sh.D * elem
@@ -326,7 +354,58 @@ def run_shape(sh: Shape, cuda: bool, dev: torch.device, dtype: torch.dtype, flex
         row[f"{col}_speedup_vs_dense"] = (dense / v) if (dense and v) else None
     if row["flex_ms"]:
         row["cis16_speedup_vs_flex"] = row["flex_ms"] / row["cis16_ms"]
+    want = TARGET_GQA if sh.Hq != sh.Hkv else TARGET_MHA
+    row["cis16_target_speedup"] = want
+    row["cis16_target_ms"] = dense / want if dense else None
+    row["cis16_target_met"] = (row["cis16_ms"] <= row["cis16_target_ms"]) if dense else None
+    big = max(STAGES, key=lambda st: row[f"stage16_{st}_ms"])
+    row["cis16_largest_stage"] = big
+    if row["cis16_target_met"] is False:
+        row["cis16_limited_by"] = (
+            f"{big} {row[f'stage16_{big}_ms']:.3f} ms of {row['cis16_ms']:.3f} "
+            f"(target {row['cis16_target_ms']:.3f}; non-attention {row['cis16_ms'] - row['stage16_attention_ms']:.3f})"
+        )
     return row
+
+
+def stage_breakdown(x: dict, bud: Budget, st16: tuple, attention_ms: float, cuda: bool) -> dict:
+    """Each stage of the CIS-16 step alone (graph replay) on the step's own inputs."""
+    _, res, n_ret, _, aq, ac, ai, sets = st16
+    q, kc, pad, lo, hi, t, scale = x["q"], x["k_cache"], x["pad"], x["lo"], x["hi"], x["t"], x["scale"]
+    best = res.best
+    retrieve = best == -1
+    B, H, s, kk = ai.shape
+    new_idx, new_set = res.new_idx, res.new_set
+
+    def retrieval(stop="select"):
+        return topk_retrieval(q, kc, pad, lo, hi, retrieve, bud.k, scale, _stop_after=stop)
+
+    def topk_glue():  # the gather / where of the top-k anchor path (decode_ops)
+        shared = best >= 0
+        pick = best.clamp_min(0).long().view(B, H, 1, 1).expand(B, H, 1, kk)
+        shared_idx = torch.gather(ai, 2, pick).view(B, H, kk)
+        return torch.where(retrieve[..., None], new_idx, torch.where(shared[..., None], shared_idx, -1)), shared
+
+    sel, shared = topk_glue()
+    out = {"stage16_retrieving_rows": n_ret}
+    fns = {
+        "match": lambda: cis_match(q, aq, ac, x["active"], TAU),
+        "retrieval": retrieval,
+        "retrieval_compact": lambda: retrieval("compact"),
+        "retrieval_score": lambda: retrieval("score"),  # compact + score
+        "dilated_set": lambda: dilated_set(new_idx, retrieve, bud.dil_m, bud.dil_r),
+        "compose": lambda: compose_from_sets(t, lo, hi, hi, best, sets, new_set, bud.sink, bud.cap),
+        "glue": lambda: best == -1,
+        "topk_compose": lambda: compose_indices(t, lo, hi, hi, sel, shared, bud.sink, bud.dil_m, bud.dil_r, bud.cap),
+        "topk_glue": topk_glue,
+    }
+    for name, fn in fns.items():
+        out[f"stage16_{name}_ms"] = timed(fn, cuda)[0]
+    out["stage16_attention_ms"] = attention_ms
+    out["stage16_retrieval_select_ms"] = out["stage16_retrieval_ms"] - out["stage16_retrieval_score_ms"]
+    out["stage16_retrieval_score_ms"] -= out["stage16_retrieval_compact_ms"]
+    out["stage16_sum_ms"] = sum(out[f"stage16_{st}_ms"] for st in STAGES)
+    return out
 
 
 # ----------------------------------------------------------------------------- report
@@ -359,6 +438,32 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {fmt(r['sparse_ms'])} | {fmt(r['cis8_ms'])} | {fmt(r['cis16_ms'])} | {fmt(r['ref16_ms'])} "
             f"| {fmt(r['cis16_speedup_vs_dense'], '.2f')} | {fmt(r.get('cis16_speedup_vs_flex'), '.2f')} "
             f"| {r['sparse_GBps']:.0f} ({fmt(bw_pct, '.0f')}%) |"
+        )
+    head2 = (
+        "| B | ctx | Hq/Hkv | retrieving rows | match | retrieval (compact/score/select) | dilated set "
+        "| compose | attention | glue | sum | CIS-16 step | gap | top-k-anchor step (its compose, glue) "
+        "| target | largest stage |"
+    )
+    lines += [
+        "",
+        "Stage breakdown of the CIS-16 step (median ms, each stage replayed alone; gap = step - sum).",
+        "",
+        head2,
+        "|" + "|".join(["---"] * (head2.count("|") - 1)) + "|",
+    ]
+    for r in rows:
+        tgt = "n/a" if r.get("cis16_target_met") is None else (
+            f"{'met' if r['cis16_target_met'] else 'MISSED'} (<= {r['cis16_target_ms']:.3f})"
+        )
+        lines.append(
+            f"| {r['B']} | {r['ctx']} | {r['Hq']}/{r['Hkv']} | {r['stage16_retrieving_rows']} "
+            f"| {fmt(r['stage16_match_ms'])} | {fmt(r['stage16_retrieval_ms'])} "
+            f"({fmt(r['stage16_retrieval_compact_ms'])}/{fmt(r['stage16_retrieval_score_ms'])}/{fmt(r['stage16_retrieval_select_ms'])}) "
+            f"| {fmt(r['stage16_dilated_set_ms'])} | {fmt(r['stage16_compose_ms'])} | {fmt(r['stage16_attention_ms'])} "
+            f"| {fmt(r['stage16_glue_ms'])} | {fmt(r['stage16_sum_ms'])} | {fmt(r['cis16_ms'])} "
+            f"| {fmt(r['cis16_ms'] - r['stage16_sum_ms'])} | {fmt(r['cis16_topk_ms'])} "
+            f"({fmt(r['stage16_topk_compose_ms'])}, {fmt(r['stage16_topk_glue_ms'])}) | {tgt} "
+            f"| {r['cis16_largest_stage']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -416,6 +521,15 @@ def main() -> int:
             f"sparse {r['sparse_GBps']:.0f} GB/s",
             flush=True,
         )
+        print(
+            "    CIS-16 stages: " + "  ".join(f"{st} {fmt(r[f'stage16_{st}_ms'])}" for st in STAGES)
+            + f"  (sum {fmt(r['stage16_sum_ms'])}; retrieval compact/score/select "
+            f"{fmt(r['stage16_retrieval_compact_ms'])}/{fmt(r['stage16_retrieval_score_ms'])}/"
+            f"{fmt(r['stage16_retrieval_select_ms'])}; top-k-anchor step {fmt(r['cis16_topk_ms'])})",
+            flush=True,
+        )
+        if r.get("cis16_limited_by"):
+            print(f"    target missed, limited by: {r['cis16_limited_by']}", flush=True)
         (out_dir / "bench_decode_attention.json").write_text(json.dumps(dict(meta, rows=rows), indent=2))
         if cuda:
             torch.cuda.empty_cache()
