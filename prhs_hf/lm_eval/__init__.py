@@ -33,9 +33,15 @@ def register() -> "type[PrHSLM]":
     return PrHSLM
 
 
-def task_manager(include_path: "str | Path | list[str | Path] | None" = None, **kwargs: Any) -> "TaskManager":
-    """lm-eval's ``TaskManager`` over its own tasks, :data:`TASKS_DIR` and ``include_path``."""
+def task_manager(include_path: "str | Path | list[str | Path] | None" = None, include_defaults: bool = True,
+                 **kwargs: Any) -> "TaskManager":
+    """lm-eval's ``TaskManager`` over :data:`TASKS_DIR`, ``include_path`` and, if ``include_defaults``,
+    lm-eval's own tasks (indexing those takes about 10 s on a small CPU; the local tasks alone, none).
+
+    Other arguments go to ``TaskManager``; ``metadata={"data_dir": DIR}`` points the local tasks at
+    a data folder (``simple_evaluate`` ignores its own ``metadata`` when given a task manager).
+    """
     from lm_eval.tasks import TaskManager
 
     extra = [] if include_path is None else include_path if isinstance(include_path, list) else [include_path]
-    return TaskManager(include_path=[str(TASKS_DIR), *map(str, extra)], **kwargs)
+    return TaskManager(include_path=[str(TASKS_DIR), *map(str, extra)], include_defaults=include_defaults, **kwargs)

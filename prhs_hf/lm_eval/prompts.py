@@ -19,6 +19,7 @@ __all__ = [
     "coqa_prompt",
     "coqa_golds",
     "coqa_prediction",
+    "coqa_answer_done",
 ]
 
 GSM8K_CHAT_INSTRUCTION = "Solve step by step. End with 'The answer is N'."
@@ -60,5 +61,12 @@ def coqa_golds(doc: Mapping[str, Any]) -> list[str]:
 
 
 def coqa_prediction(generation: str) -> str:
-    """The answer in a CoQA generation: its first line, stripped (lm-eval's ``process_results``)."""
-    return generation.strip().split("\n")[0]
+    """The answer in a CoQA generation: the text before :data:`COQA_STOP` (lm-eval's ``until``; a no-op
+    on lm-eval's already cut generations), stripped, then its first line (lm-eval's ``process_results``)."""
+    return generation.split(COQA_STOP)[0].strip().split("\n")[0]
+
+
+def coqa_answer_done(generation: str) -> bool:
+    """Whether more text can no longer change :func:`coqa_prediction`: the stop string has appeared,
+    or a line break follows some non-blank text. Lets a generator stop early with the same answer."""
+    return COQA_STOP in generation or "\n" in generation.lstrip()
