@@ -1,0 +1,261 @@
+"""The lm-eval integration: scoring (against hand-computed values and lm-eval's own filters and
+metric), the ``prhs`` model through the Python API and the ``python -m prhs_hf.lm_eval`` shim, end to
+end on a tiny random llama and a handful of local GSM8K / CoQA rows (no network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, SMALL_BUDGET, save_tiny_checkpoint, write_local_data
+from prhs_hf.lm_eval import LOCAL_TASKS, TASKS_DIR, direct, metrics, prompts
+from prhs_hf.lm_eval.shim import lm_eval_argv
+
+# Offline, and a data folder that does not exist as the fallback: data must come from data_dir.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PRHS_HF_DATA_DIR": "/nonexistent/prhs-hf-data",
+           "OMP_NUM_THREADS": "1"}  # for the subprocess: a tiny model gains nothing from threads
+MAX_NEW = 10
+
+
+# ----------------------------------------------------------------------------------- CoQA metric
+
+
+def test_squad_normalisation() -> None:
+    assert metrics.normalize_answer("The Cat, sat  on A mat!") == "cat sat on mat"
+    assert metrics.normalize_answer("  An apple.  ") == "apple"
+    assert metrics.normalize_answer("theatre") == "theatre"  # articles only as whole words
+
+
+@pytest.mark.parametrize(("gold", "pred", "em", "f1"), [
+    ("An Apple", "apple", 1, 1.0),
+    ("the cat sat on the mat", "a cat on a mat", 0, 2 * 1.0 * 0.75 / 1.75),  # P 3/3, R 3/4
+    ("in a barn", "the barn", 0, 2 * 1.0 * 0.5 / 1.5),                       # P 1/1, R 1/2
+    ("barn barn hay", "barn", 0, 2 * 1.0 * (1 / 3) / (4 / 3)),               # P 1/1, R 1/3
+    ("dog", "cat", 0, 0.0),
+    ("", "", 1, 1.0),
+    ("", "cat", 0, 0.0),
+    ("...", "the", 1, 1.0),  # both normalise to nothing
+])
+def test_squad_exact_and_f1(gold, pred, em, f1) -> None:
+    assert metrics.squad_exact(gold, pred) == em
+    assert metrics.squad_f1(gold, pred) == pytest.approx(f1)
+
+
+def test_coqa_scores_leave_one_out() -> None:
+    # one gold: plain scores
+    assert metrics.coqa_scores(["no"], "No.") == {"em": 1.0, "f1": 1.0}
+    # two golds: each scored against the other alone, then averaged
+    scores = metrics.coqa_scores(["in a barn", "barn near a farm"], "the barn")
+    assert scores["em"] == 0.0
+    assert scores["f1"] == pytest.approx((2 / 4 + 2 / 3) / 2)  # vs "barn near farm": P 1, R 1/3; vs "in barn": 2/3
+    # three golds, the prediction equal to one of them: two of the three subsets contain it
+    scores = metrics.coqa_scores(["white", "white kitten", "black"], "White")
+    assert scores["em"] == pytest.approx(2 / 3)
+    assert scores["f1"] == pytest.approx((2 / 3 + 1 + 1) / 3)  # subset {white kitten, black}: F1 2/3
+
+
+def test_coqa_prompt_golds_and_prediction() -> None:
+    doc = COQA_ROWS[0]
+    assert prompts.coqa_prompt(doc) == (f"{doc['story']}\n\nQ: What color was Cotton?\n\nA: white\n\n"
+                                        "Q: Where did she live?\n\nA:")
+    assert prompts.coqa_golds(doc) == ["in a barn", "a barn", "barn"]  # duplicates dropped, case-insensitively
+    assert prompts.coqa_golds(COQA_ROWS[2]) == ["tomatoes", "tomato plants"]
+    assert prompts.coqa_prediction("  in the barn\nQ: next") == "in the barn"
+    assert prompts.coqa_prediction("\n\nQ: next\nA: x") == ""
+    assert prompts.coqa_prediction("\n barn \n more") == "barn "  # lm-eval strips before splitting only
+    assert not prompts.coqa_answer_done("\n  barn")
+    assert prompts.coqa_answer_done("\n  barn\n") and prompts.coqa_answer_done("\nQ:")
+
+
+# ----------------------------------------------------------------------------------- GSM8K metric
+
+
+def test_gsm8k_extraction_and_exact_match() -> None:
+    gold = GSM8K_ROWS[2]["answer"]  # ends "#### 1,000"
+    assert prompts.gsm8k_gold(GSM8K_ROWS[2]) == "1,000"
+    assert metrics.gsm8k_scores("She has 1000 left.\n#### 1,000", gold) == {"strict-match": 1.0, "flexible-extract": 1.0}
+    assert metrics.gsm8k_scores("She has $1,000.", gold) == {"strict-match": 0.0, "flexible-extract": 1.0}
+    assert metrics.gsm8k_scores("So 1000 then 999", gold) == {"strict-match": 0.0, "flexible-extract": 0.0}
+    cot = metrics.GSM8K_COT_FILTERS
+    assert metrics.gsm8k_scores("1 + 2 = 3. The answer is 1,000.", gold, cot) == {"strict-match": 1.0,
+                                                                                  "flexible-extract": 1.0}
+    assert metrics.extract_answer("nothing", metrics.GSM8K_STRICT) == metrics.FALLBACK
+    assert metrics.extract_answer("5 and -7", metrics.GSM8K_FLEXIBLE) == "-7"
+
+
+GENERATIONS = [
+    "The answer is 18.", "#### 1,234", "so she pays $18.00.", "no number here", "-5 and then 7",
+    "#### -3\nThe answer is 4.", "The answer is 1,000. Done", "12.5 then 13", "$5", "answer: 42.", "",
+    "It costs $7.\n#### 7", "The answer is 60", "Total 120 miles. The answer is 120.",
+]
+REFERENCES = [r["answer"] for r in GSM8K_ROWS] + ["#### 18", "#### 1,234", "#### 42", "18", "-3"]
+
+
+@pytest.mark.parametrize("upstream", ["gsm8k.yaml", "gsm8k-cot.yaml"])
+def test_gsm8k_scoring_matches_lm_eval(upstream) -> None:
+    """Our patterns are lm-eval's, and extraction + exact match agree with lm-eval's regex filter and
+    exact_match metric on every generation × reference."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters.extraction import RegexFilter
+
+    spec = yaml.safe_load((Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / upstream).read_text())
+    ours = metrics.GSM8K_FILTERS if upstream == "gsm8k.yaml" else metrics.GSM8K_COT_FILTERS
+    (metric,) = spec["metric_list"]
+    assert tuple(metric["regexes_to_ignore"]) == metrics.GSM8K_IGNORE
+    assert (metric["ignore_case"], metric["ignore_punctuation"]) == (True, False)
+    for entry in spec["filter_list"]:
+        regex_step = entry["filter"][0]
+        pattern = ours[entry["name"]]
+        assert (regex_step["regex_pattern"], regex_step.get("group_select", 0)) == (pattern.regex, pattern.group_select)
+        upstream_filter = RegexFilter(regex_step["regex_pattern"], regex_step.get("group_select", 0))
+        extracted = [x[0] for x in upstream_filter.apply([[g] for g in GENERATIONS], [{}] * len(GENERATIONS))]
+        assert extracted == [metrics.extract_answer(g, pattern) for g in GENERATIONS]
+        for answer in extracted:
+            for ref in REFERENCES:
+                theirs = exact_match_hf_evaluate([answer], [ref], regexes_to_ignore=metric["regexes_to_ignore"],
+                                                 ignore_case=True, ignore_punctuation=False)["exact_match"]
+                assert metrics.exact_match(answer, ref) == theirs, (answer, ref)
+
+
+# ----------------------------------------------------------------------------------- plumbing
+
+
+def test_task_files_and_shim_arguments() -> None:
+    assert sorted(p.stem for p in TASKS_DIR.glob("*.yaml")) == sorted(LOCAL_TASKS)
+    include = ["--include_path", str(TASKS_DIR)]
+    assert lm_eval_argv(["--tasks", "gsm8k_local"]) == ["--tasks", "gsm8k_local", *include, "--model", "prhs"]
+    assert lm_eval_argv(["run", "--model", "hf", "--include_path", "x"]) == ["run", "--model", "hf", "--include_path", "x"]
+    assert lm_eval_argv(["ls", "tasks"]) == ["ls", "tasks", *include]
+    assert lm_eval_argv(["--help"]) == ["--help"]
+
+
+def test_prhs_overrides_from_dicts_strings_and_dotted_keys() -> None:
+    pytest.importorskip("lm_eval")
+    from prhs_hf.lm_eval.plugin import parse_overrides
+
+    assert parse_overrides(None) == {}
+    assert parse_overrides({"budget": {"topk": 72}}, {"prhs.budget.sink": 4, "prhs.cis.block_size": 8}) == {
+        "budget": {"topk": 72, "sink": 4}, "cis": {"block_size": 8}}
+    assert parse_overrides('{"cis": {"tau": 0.5}}') == {"cis": {"tau": 0.5}}
+    with pytest.raises(ValueError):
+        parse_overrides(None, {"prhs.topk": 3})
+    with pytest.raises(ValueError):
+        parse_overrides("[1, 2]")
+
+
+# ----------------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return write_local_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def local_tasks(data_dir):
+    """lm-eval's task manager over the local tasks only, reading ``data_dir``."""
+    pytest.importorskip("lm_eval")
+    import prhs_hf.lm_eval as ple
+
+    return ple.task_manager(include_defaults=False, metadata={"data_dir": str(data_dir)})
+
+
+@pytest.fixture()
+def offline(monkeypatch) -> None:
+    for key, value in OFFLINE.items():
+        monkeypatch.setenv(key, value)
+
+
+def _check_telemetry(prhs: dict, tasks: list[str]) -> None:
+    assert prhs["config"]["telemetry"]["enabled"] is True
+    assert prhs["config"]["budget"] == {"sink": 4, "local": 8, "topk": 16}
+    for task in tasks:
+        report = prhs["telemetry"][task]["generate_until"]
+        assert report["decode_steps"] > 0 and report["sparse_steps"] > 0
+        assert 0.0 < report["retrieval_ratio"] <= 1.0
+        assert 0 < report["processed_kv_per_step"] < report["dense_kv_per_step"]
+
+
+def test_python_api_both_tasks(checkpoint, local_tasks, offline) -> None:
+    lm_eval = pytest.importorskip("lm_eval")
+    import prhs_hf.lm_eval as ple
+
+    ple.register()
+    results = lm_eval.simple_evaluate(
+        model="prhs", tasks=["gsm8k_local", "coqa_local"], limit=10, batch_size=4,
+        task_manager=local_tasks,
+        model_args={"pretrained": str(checkpoint), "prhs_config": "configs/cis.yaml", "prhs_overrides": SMALL_BUDGET,
+                    "device": "cpu", "dtype": "float32"},
+        gen_kwargs={"max_gen_toks": MAX_NEW}, bootstrap_iters=0)
+    gsm8k, coqa = results["results"]["gsm8k_local"], results["results"]["coqa_local"]
+    assert {"exact_match,strict-match", "exact_match,flexible-extract"} <= set(gsm8k)
+    assert {"em,none", "f1,none"} <= set(coqa)
+    # all of the local rows and no more: the data came from data_dir
+    assert results["n-samples"]["gsm8k_local"]["effective"] == len(GSM8K_ROWS)
+    assert results["n-samples"]["coqa_local"]["effective"] == len(COQA_ROWS)
+    _check_telemetry(results["config"]["prhs"], ["gsm8k_local", "coqa_local"])
+    assert results["config"]["prhs"]["config_source"].endswith("configs/cis.yaml")
+
+
+def test_cli_shim_writes_results_with_telemetry(checkpoint, data_dir, tmp_path) -> None:
+    pytest.importorskip("lm_eval")
+    out = tmp_path / "out"
+    args = ["--model_args", f"pretrained={checkpoint},prhs_config=configs/cis.yaml,prhs.budget.sink=4,"
+                            "prhs.budget.local=8,prhs.budget.topk=16,dtype=float32",
+            "--device", "cpu", "--tasks", "gsm8k_local,coqa_local", "--limit", "10", "--batch_size", "4",
+            "--gen_kwargs", f"max_gen_toks={MAX_NEW}", "--metadata", json.dumps({"data_dir": str(data_dir)}),
+            "--output_path", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "prhs_hf.lm_eval", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **OFFLINE})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = out.rglob("results_*.json")
+    results = json.loads(path.read_text())
+    assert "exact_match,flexible-extract" in results["results"]["gsm8k_local"]
+    assert "f1,none" in results["results"]["coqa_local"]
+    assert results["n-samples"]["gsm8k_local"]["effective"] == len(GSM8K_ROWS)
+    _check_telemetry(results["config"]["prhs"], ["gsm8k_local", "coqa_local"])
+    assert "gsm8k_local" in proc.stdout  # lm-eval's table
+
+
+def test_model_instance_matches_the_direct_engine(checkpoint, local_tasks, offline) -> None:
+    """A ``PrHSLM`` around a loaded model gives the same generations and scores as
+    ``prhs_hf.lm_eval.direct`` on the chat GSM8K and CoQA tasks (same prompts, same scoring)."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import prhs_hf
+    import prhs_hf.lm_eval as ple
+    from prhs_hf.fetch import load_model
+
+    model, tokenizer = load_model(checkpoint, dtype="float32")
+    lm = ple.register()(pretrained=model, tokenizer=tokenizer, batch_size=1, prhs_config="configs/cis.yaml",
+                        prhs_overrides=SMALL_BUDGET)
+    for task in direct.DIRECT_TASKS.values():
+        res = lm_eval.simple_evaluate(model=lm, tasks=[task.lm_eval_task], limit=2, apply_chat_template=task.chat,
+                                      task_manager=local_tasks,
+                                      gen_kwargs={"max_gen_toks": MAX_NEW}, log_samples=True, bootstrap_iters=0)
+        logged = {s["doc_id"]: s for s in res["samples"][task.lm_eval_task]}  # one entry per doc and filter
+        theirs = [logged[i]["resps"][0][0] for i in sorted(logged)]
+        docs = (GSM8K_ROWS if task.dataset == "gsm8k" else COQA_ROWS)[:2]
+        prhs_hf.reset(model)
+        ours = direct.evaluate(model, tokenizer, task, docs, batch_size=1, max_new_tokens=MAX_NEW)
+        if task.name == "gsm8k":
+            assert [s["generation"] for s in ours.samples] == theirs
+        else:  # the direct engine stops once the first line is complete
+            assert [prompts.coqa_prediction(s["generation"]) for s in ours.samples] == [
+                prompts.coqa_prediction(t) for t in theirs]
+        lm_metrics = res["results"][task.lm_eval_task]
+        for name, value in ours.metrics.items():
+            key = f"exact_match,{name}" if task.name == "gsm8k" else f"{name},none"
+            assert lm_metrics[key] == pytest.approx(value)
