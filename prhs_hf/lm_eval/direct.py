@@ -1,0 +1,178 @@
+"""GSM8K and CoQA accuracy without lm-eval: prompts, batched greedy generation and scoring.
+
+For machines without lm-eval or ``datasets`` (the GPU machine). The prompts come from
+:mod:`.prompts` and the scores from :mod:`.metrics`, the same code the lm-eval tasks
+``gsm8k_chat_local`` and ``coqa_local`` run, and the generation follows lm-eval's ``HFLM``: left
+padding, no special tokens added to the prompt (the chat template brings its own), greedy, new
+tokens decoded without special tokens.
+
+- ``gsm8k``: the zero-shot chat prompt (:func:`.prompts.gsm8k_chat_prompt` in the tokenizer's chat
+  template), 384 new tokens, scored ``strict-match`` (``The answer is N.``) and ``flexible-extract``
+  (the last number).
+- ``coqa``: lm-eval's completion prompt (no chat template), scored ``em``/``f1`` on the first line.
+  Generation stops once that line is complete (:func:`.prompts.coqa_answer_done`), which cannot
+  change the answer lm-eval would score from its up to 256 tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from . import metrics, prompts
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["DirectTask", "DIRECT_TASKS", "DirectResult", "build_prompt", "generate", "evaluate"]
+
+Doc = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class DirectTask:
+    """How one data set is prompted, generated and scored.
+
+    ``lm_eval_task`` names the task in ``tasks/`` that does the same through lm-eval (with
+    ``--apply_chat_template`` when ``chat``).
+    """
+
+    name: str
+    dataset: str
+    chat: bool
+    max_new_tokens: int
+    prompt: Callable[[Doc], str]
+    score: Callable[[Doc, str], dict[str, float]]
+    lm_eval_task: str
+    done: Callable[[str], bool] | None = None
+
+
+def _score_gsm8k(doc: Doc, generation: str) -> dict[str, float]:
+    return metrics.gsm8k_scores(generation, str(doc["answer"]), metrics.GSM8K_COT_FILTERS)
+
+
+def _score_coqa(doc: Doc, generation: str) -> dict[str, float]:
+    return metrics.coqa_scores(prompts.coqa_golds(doc), prompts.coqa_prediction(generation))
+
+
+DIRECT_TASKS: dict[str, DirectTask] = {
+    "gsm8k": DirectTask("gsm8k", "gsm8k", chat=True, max_new_tokens=384, prompt=prompts.gsm8k_chat_prompt,
+                        score=_score_gsm8k, lm_eval_task="gsm8k_chat_local"),
+    "coqa": DirectTask("coqa", "coqa", chat=False, max_new_tokens=256, prompt=prompts.coqa_prompt,
+                       score=_score_coqa, lm_eval_task="coqa_local", done=prompts.coqa_answer_done),
+}
+
+
+@dataclass
+class DirectResult:
+    """One task on one model: mean scores, examples, generation time and the per-example records."""
+
+    metrics: dict[str, float]
+    n: int
+    seconds: float
+    new_tokens: int
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+
+def build_prompt(tokenizer: "PreTrainedTokenizerBase", task: DirectTask, doc: Doc) -> str:
+    """The text fed to the model: the task's prompt, in the chat template when the task is a chat task
+    and the tokenizer has one."""
+    text = task.prompt(doc)
+    if task.chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return text
+
+
+def _stop_ids(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase") -> list[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def _text_stop(tokenizer: "PreTrainedTokenizerBase", start: int, done: Callable[[str], bool]):
+    from transformers import StoppingCriteria
+    import torch
+
+    class TextDone(StoppingCriteria):
+        """Per row: stop when ``done`` holds for the text generated so far."""
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            texts = tokenizer.batch_decode(input_ids[:, start:], skip_special_tokens=True)
+            return torch.tensor([done(t) for t in texts], dtype=torch.bool, device=input_ids.device)
+
+    return TextDone()
+
+
+def generate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", texts: Sequence[str],
+             max_new_tokens: int, done: Callable[[str], bool] | None = None) -> tuple[list[str], int]:
+    """Greedy continuations of ``texts`` as one left-padded batch: ``(decoded new text per row, new tokens)``.
+
+    A tokenizer without a pad token gets its EOS as pad token (as lm-eval's ``HFLM`` does).
+    """
+    import torch
+    from transformers import StoppingCriteriaList
+
+    if tokenizer.pad_token_id is None:  # as lm-eval's HFLM does: pad with EOS (left padding is masked anyway)
+        tokenizer.pad_token = tokenizer.eos_token
+    pad = tokenizer.pad_token_id
+    saved_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = saved_side
+    enc = enc.to(model.device)
+    start = enc["input_ids"].shape[1]
+    stopping = StoppingCriteriaList([_text_stop(tokenizer, start, done)]) if done else None
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
+                             top_k=None, pad_token_id=pad, eos_token_id=_stop_ids(model, tokenizer) or None,
+                             stopping_criteria=stopping)
+    new = out[:, start:]
+    n_new = int((new != pad).sum())
+    return tokenizer.batch_decode(new, skip_special_tokens=True), n_new
+
+
+def evaluate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", task: DirectTask, docs: Sequence[Doc],
+             batch_size: int, max_new_tokens: int | None = None,
+             on_batch: Callable[[int], None] | None = None) -> DirectResult:
+    """Generate for every doc (longest prompts first, ``batch_size`` at a time) and score them.
+
+    ``on_batch(n)`` is called after each batch with the number of docs done in it (a progress bar).
+    The result's ``metrics`` are the means of the per-doc scores, ``samples`` the per-doc records in
+    doc order.
+    """
+    texts = [build_prompt(tokenizer, task, doc) for doc in docs]
+    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    order = sorted(range(len(docs)), key=lambda i: -lengths[i])
+    generations: list[str] = [""] * len(docs)
+    new_tokens = 0
+    limit = task.max_new_tokens if max_new_tokens is None else max_new_tokens
+    start = time.perf_counter()
+    for b in range(0, len(order), max(1, batch_size)):
+        batch = order[b:b + max(1, batch_size)]
+        outs, n_new = generate(model, tokenizer, [texts[i] for i in batch], limit, task.done)
+        new_tokens += n_new
+        for i, text in zip(batch, outs):
+            generations[i] = text
+        if on_batch is not None:
+            on_batch(len(batch))
+    _synchronize(model)
+    seconds = time.perf_counter() - start
+    samples = [{"index": i, "prompt_tokens": lengths[i], "generation": generations[i],
+                "scores": task.score(doc, generations[i])} for i, doc in enumerate(docs)]
+    names = list(samples[0]["scores"]) if samples else []
+    means = {k: sum(s["scores"][k] for s in samples) / len(samples) for k in names}
+    return DirectResult(means, len(docs), seconds, new_tokens, samples)
+
+
+def _synchronize(model: "PreTrainedModel") -> None:
+    import torch
+
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
