@@ -1,0 +1,61 @@
+"""The named PrHS configurations of the accuracy table (paper Table II) and how to load them.
+
+Each is a YAML of ``configs/`` plus overrides in the config schema. ``cis-s{8,16,20}`` sweep the CIS
+block size s; ``cis*`` is CIS with a smaller top-k (72, so a lower ρ̂); the baselines replace CIS in
+decode with the same 8/32/88 budget through ``baseline.name`` (their selectors may not exist yet:
+patching then raises ``NotImplementedError``). Anything else given as a name is a YAML path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import prhs_hf
+from prhs_hf.cli import _resolve_config
+
+__all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "named_config", "load_named_config"]
+
+
+@dataclass(frozen=True)
+class NamedConfig:
+    """A row label of the table: a base YAML and overrides (telemetry is always switched on)."""
+
+    name: str
+    base: str
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+
+ACCURACY_CONFIGS: dict[str, NamedConfig] = {
+    c.name: c
+    for c in (
+        NamedConfig("dense", "configs/dense.yaml"),
+        NamedConfig("cis-s8", "configs/cis.yaml", {"cis": {"block_size": 8}}),
+        NamedConfig("cis-s16", "configs/cis.yaml", {"cis": {"block_size": 16}}),
+        NamedConfig("cis-s20", "configs/cis.yaml", {"cis": {"block_size": 20}}),
+        NamedConfig("cis*", "configs/cis.yaml", {"budget": {"topk": 72}}),
+        NamedConfig("cpe", "configs/cpe.yaml"),
+        NamedConfig("hshare", "configs/cis.yaml", {"baseline": {"name": "hshare"}}),
+        NamedConfig("quest", "configs/cis.yaml", {"baseline": {"name": "quest"}}),
+        NamedConfig("h2o", "configs/cis.yaml", {"baseline": {"name": "h2o"}}),
+    )
+}
+
+DEFAULT_CONFIGS = tuple(ACCURACY_CONFIGS)
+
+
+def named_config(name: str) -> NamedConfig:
+    """The registered config ``name``, or a YAML path taken as a config of its own (named by its stem)."""
+    if name in ACCURACY_CONFIGS:
+        return ACCURACY_CONFIGS[name]
+    if name.endswith((".yaml", ".yml")):
+        return NamedConfig(Path(name).stem, name)
+    raise ValueError(f"unknown config {name!r}; known: {', '.join(ACCURACY_CONFIGS)}, or a .yaml path")
+
+
+def load_named_config(config: NamedConfig) -> prhs_hf.PrHSConfig:
+    """The validated config of ``config`` with telemetry on."""
+    overrides = dict(config.overrides)
+    overrides["telemetry"] = {**overrides.get("telemetry", {}), "enabled": True}
+    return prhs_hf.load_config(_resolve_config(config.base), overrides)
