@@ -1,0 +1,127 @@
+"""scripts/run_accuracy.py on a tiny random llama and local rows: the table, telemetry per row,
+not-implemented selectors, --resume and --max-seconds, and the lm-eval engine; the GPU bundle plan."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, save_tiny_checkpoint, write_local_data
+from prhs_hf.lm_eval import accuracy_configs
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+run_accuracy = _load_script("run_accuracy")
+pack_for_gpu = _load_script("pack_for_gpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return write_local_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture()
+def small_budget(monkeypatch) -> str:
+    """A registered config with a budget small enough for the short test prompts."""
+    config = accuracy_configs.NamedConfig("cis-tiny", "configs/cis.yaml",
+                                          {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}})
+    monkeypatch.setitem(accuracy_configs.ACCURACY_CONFIGS, config.name, config)
+    return config.name
+
+
+def _args(checkpoint: Path, data_dir: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model", str(checkpoint), "--data-dir", str(data_dir), "--out", str(out), "--device", "cpu",
+            "--batch-size", "2", "--max-new-tokens", "6", *extra]
+
+
+def test_direct_engine_table(checkpoint, data_dir, tmp_path, small_budget, monkeypatch) -> None:
+    import prhs_hf.runtime
+
+    def not_yet(resolved, num_heads):
+        raise NotImplementedError(f"baseline selector {resolved.config.baseline.name!r} is not implemented yet")
+
+    monkeypatch.setattr(prhs_hf.runtime, "make_selector", not_yet)
+    out = tmp_path / "acc.json"
+    assert run_accuracy.main(_args(checkpoint, data_dir, out, "--configs", f"dense,{small_budget},quest",
+                                   "--save-samples")) == 0
+    report = json.loads(out.read_text())
+    rows = {(r["config"], r["task"]): r for r in report["rows"]}
+    assert set(rows) == {(c, t) for c in ("dense", small_budget, "quest") for t in ("gsm8k", "coqa")}
+    for task, n, names in (("gsm8k", len(GSM8K_ROWS), {"strict-match", "flexible-extract"}),
+                           ("coqa", len(COQA_ROWS), {"em", "f1"})):
+        dense, sparse = rows[("dense", task)], rows[(small_budget, task)]
+        assert dense["status"] == sparse["status"] == "ok" and dense["n"] == sparse["n"] == n
+        assert set(dense["metrics"]) == set(sparse["metrics"]) == names
+        assert dense["rho_hat"] is None and dense["processed_kv_per_step"] == dense["dense_kv_per_step"]
+        assert 0 < sparse["rho_hat"] <= 1 and sparse["processed_kv_per_step"] < sparse["dense_kv_per_step"]
+        assert sparse["prhs_config"]["budget"]["topk"] == 16 and sparse["telemetry"]["sparse_steps"] > 0
+        assert rows[("quest", task)]["status"] == "not implemented"
+    assert report["meta"]["environment"]["versions"]["transformers"]
+    table = out.with_suffix(".md").read_text()
+    assert "| quest | gsm8k |" in table and "not implemented" in table and "ρ̂" in table and "--configs" in table
+    samples = [json.loads(line) for line in out.with_suffix(".samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * (len(GSM8K_ROWS) + len(COQA_ROWS))
+
+    # --resume keeps the finished rows and reruns only the rest (here: quest, still not implemented)
+    before = {k: r["seconds"] for k, r in rows.items() if r["status"] == "ok"}
+    assert run_accuracy.main(_args(checkpoint, data_dir, out, "--configs", f"dense,{small_budget},quest",
+                                   "--resume")) == 0
+    again = {(r["config"], r["task"]): r for r in json.loads(out.read_text())["rows"]}
+    assert {k: again[k]["seconds"] for k in before} == before
+    assert again[("quest", "gsm8k")]["status"] == "not implemented"
+
+
+def test_max_seconds_leaves_rows_for_resume(checkpoint, data_dir, tmp_path) -> None:
+    out = tmp_path / "acc.json"
+    assert run_accuracy.main(_args(checkpoint, data_dir, out, "--configs", "dense", "--tasks", "coqa",
+                                   "--max-seconds", "0")) == 0
+    report = json.loads(out.read_text())
+    assert report["rows"] == [] and report["meta"]["remaining"] == ["dense/coqa"]
+
+
+def test_lm_eval_engine_row(checkpoint, data_dir, tmp_path, small_budget) -> None:
+    pytest.importorskip("lm_eval")
+    out = tmp_path / "acc.json"
+    assert run_accuracy.main(_args(checkpoint, data_dir, out, "--engine", "lm-eval", "--configs", small_budget,
+                                   "--tasks", "gsm8k", "--limit", "2")) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok" and row["n"] == 2 and set(row["metrics"]) == {"strict-match", "flexible-extract"}
+    assert 0 < row["rho_hat"] <= 1
+
+
+def test_unknown_config_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown config"):
+        accuracy_configs.named_config("cis-s99")
+    assert accuracy_configs.named_config("my/own.yaml").name == "own"
+    for name in accuracy_configs.DEFAULT_CONFIGS:  # every registered config is valid
+        assert accuracy_configs.load_named_config(accuracy_configs.named_config(name)).telemetry.enabled
+
+
+def test_gpu_plan_carries_one_piece_per_call(tmp_path) -> None:
+    repo = pack_for_gpu.REPO
+    pieces = [repo / ".xfer" / "models" / "m" / f"m.gguf.{i:03d}" for i in range(3)]
+    small = [repo / ".xfer" / "data", repo / ".xfer" / "whl"]
+    calls = pack_for_gpu.plan_calls("m", repo / ".xfer/models/m/MANIFEST.json", pieces, small, ["--limit", "5"])
+    assert [c.carry for c in calls] == [[".xfer/data", ".xfer/whl", ".xfer/models/m/m.gguf.000"],
+                                        [".xfer/models/m/m.gguf.001"], [".xfer/models/m/m.gguf.002"], []]
+    assert calls[-1].command == "bash scripts/gpu_join_and_eval.sh m --limit 5"
+    assert "piece 2/3 ok" in calls[1].command
+    assert "gpu_join_and_eval.sh m --limit 5" in pack_for_gpu.render_plan("m", calls)
