@@ -154,7 +154,7 @@ DilateArg = Union[bool, torch.Tensor]
 
 # ----------------------------------------------------------------------------- anchor sets
 #
-# The fast path of a CIS step (docs/DECODE_PIPELINE.md §3b): a sharing row re-uses its
+# The fast path of a CIS step (anchor sets; see docs/notes/decode_tuning.md): a sharing row re-uses its
 # anchor's indices for every step of a block, so the sorted, deduplicated, dilated middle set
 # of an anchor is built once, when the anchor is retrieved (`dilated_set`, one register sort
 # per *retrieving* row), and stored instead of the top-k list. Each step then composes every
@@ -364,7 +364,7 @@ def compose_from_sets(
         new_set.stride(0), new_set.stride(1),
         nset, int(sink), cap,
         H=H, NC=nc, BLOCK=min(1024, next_pow2(cap, 16)),
-        num_warps=4 if nc <= 2048 else 8,
+        num_warps=4 if nc <= 1024 else 8,
     )
     return idx, cnt
 

@@ -2,7 +2,7 @@
 
 Each is a :class:`DecodeOps` with ``cis_match``, ``topk_retrieval``, ``compose_indices`` and
 ``sparse_decode_attention`` of the signatures in docs/DECODE_PIPELINE.md (plus ``dilated_set``
-and ``compose_from_sets``, the anchor-set fast path of §3b);
+and ``compose_from_sets``, the anchor-set fast path, see compose_indices.py);
 :func:`get_decode_ops` picks one by name (``"torch"``/``"reference"`` or ``"triton"``);
 :func:`cis_decode_step` chains the four (tests, benchmark).
 """
@@ -130,7 +130,7 @@ def cis_decode_step(
 
     ``anchor_sets=False``: ``anchor_idx [B, Hq, s, k]`` holds each anchor's top-k (best first)
     and every row's dilated set is sorted in ``compose_indices`` at every step.
-    ``anchor_sets=True`` (fast path, docs/DECODE_PIPELINE.md §3b): ``anchor_idx
+    ``anchor_sets=True`` (fast path, the anchor sets of compose_indices.py): ``anchor_idx
     [B, Hq, s, dilated_set_size(k, dil_m, dil_r)]`` holds each anchor's dilated set (as made by
     ``ops.dilated_set``); the retrieving rows' sets are built once (``result.new_set``, to be
     stored as their anchors) and every row is composed from a set without sorting. Both give

@@ -19,7 +19,7 @@ replayed, which removes the Python launch overhead the same way for every column
 * ``ref16``: the same step with the PyTorch reference ops (s = 16).
 
 The CIS steps run the anchor-set fast path (``cis_decode_step(..., anchor_sets=True)``,
-docs/DECODE_PIPELINE.md §3b: anchors store their dilated sets); ``cis16_topk_ms`` is the same
+anchors store their dilated sets, kernels/compose_indices.py); ``cis16_topk_ms`` is the same
 step with top-k anchors (every row's set sorted at every step), for comparison.
 
 Stage breakdown of the CIS-16 step (each stage captured and replayed alone, on the step's own

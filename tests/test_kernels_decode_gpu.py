@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
-from prhs_hf.kernels.compose_indices import compose_indices, compose_indices_reference
+from prhs_hf.kernels.compose_indices import (
+    compose_from_sets_reference,
+    compose_indices,
+    compose_indices_reference,
+)
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step
 from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention,
@@ -171,44 +175,54 @@ def _step_inputs(B=8, Hq=32, Hkv=8, D=128, S=4096, s=16, sink=64, local=256, k=2
                 cap=sink + local + k + 2 * r * m, scale=D**-0.5)
 
 
-def _step(ops, x):
+def _step(ops, x, anchor_sets=False):
     return cis_decode_step(
         ops, x["q"], x["kc"], x["vc"], x["pad"], x["t"], x["lo"], x["hi"], x["hi"],
-        x["anchors"], x["count"], x["anchor_idx"], x["active"],
+        x["anchors"], x["count"], x["anchor_sets"] if anchor_sets else x["anchor_idx"], x["active"],
         tau=0.8, sink=x["sink"], k=x["k"], dil_m=x["m"], dil_r=x["r"], cap=x["cap"], scale=x["scale"],
+        anchor_sets=anchor_sets,
     )
 
 
+def _with_sets(ops, x):
+    B, Hq, s, k = x["anchor_idx"].shape
+    sets = ops.dilated_set(x["anchor_idx"].view(B, Hq * s, k), True, x["m"], x["r"])
+    return dict(x, anchor_sets=sets.view(B, Hq, s, -1))
+
+
+@pytest.mark.parametrize("anchor_sets", [False, True], ids=["topk-anchors", "anchor-sets"])
 @pytest.mark.parametrize("ops", [TRITON_OPS, REFERENCE_OPS], ids=["triton", "torch"])
-def test_gpu_step_is_sync_free_and_graph_capturable(ops):
-    x = _step_inputs()
-    eager = _step(ops, x)  # compiles / warms up
+def test_gpu_step_is_sync_free_and_graph_capturable(ops, anchor_sets):
+    x = _with_sets(ops, _step_inputs())
+    eager = _step(ops, x, anchor_sets)  # compiles / warms up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _step(ops, x)
+        _step(ops, x, anchor_sets)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     static = {key: (v.clone() if isinstance(v, torch.Tensor) else v) for key, v in x.items()}
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        _step(ops, static)
+        _step(ops, static, anchor_sets)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = _step(ops, static)
+        captured = _step(ops, static, anchor_sets)
     # new query, replay: equals an eager step on the same inputs
     static["q"].copy_(torch.randn_like(static["q"]))
     graph.replay()
     torch.cuda.synchronize()
-    expect = _step(ops, static)
+    expect = _step(ops, static, anchor_sets)
     for a, b in zip(captured, expect):
-        if a.is_floating_point():
+        if a is None:  # new_set off the anchor-set path
+            assert b is None
+        elif a.is_floating_point():
             torch.testing.assert_close(a.float(), b.float(), atol=1.6e-2, rtol=1.6e-2)
         else:
             assert torch.equal(a, b)
-    assert not torch.equal(captured[-1], eager[-1])
+    assert not torch.equal(captured.out, eager.out)
 
 
 def test_gpu_triton_step_equals_reference_step():
@@ -223,3 +237,20 @@ def test_gpu_triton_step_equals_reference_step():
         torch.testing.assert_close(got[4].float(), ref[4].float(), atol=1.6e-2, rtol=1.6e-2)
     else:  # rare near-ties: at least 99 % of the indices agree
         assert ((got[1] == ref[1]).float().mean() > 0.99)
+
+
+def test_gpu_anchor_set_step_equals_topk_step():
+    """The §3b fast path composes the same index lists as the top-k-anchor path (k = 1036)."""
+    x = _step_inputs(B=16, Hq=32, Hkv=32, S=8192, k=1036, m=345)
+    fast = _step(TRITON_OPS, _with_sets(TRITON_OPS, x), anchor_sets=True)
+    slow = _step(TRITON_OPS, x)
+    for i in range(4):
+        assert torch.equal(fast[i], slow[i])
+    torch.testing.assert_close(fast.out.float(), slow.out.float(), atol=0, rtol=0)
+    ref_sets = REFERENCE_OPS.dilated_set(fast.new_idx, fast.best == -1, x["m"], x["r"])
+    assert torch.equal(fast.new_set, ref_sets)
+    ref = compose_from_sets_reference(
+        x["t"], x["lo"], x["hi"], x["hi"], fast.best, _with_sets(REFERENCE_OPS, x)["anchor_sets"],
+        ref_sets, x["sink"], x["cap"],
+    )
+    assert torch.equal(fast.idx, ref[0]) and torch.equal(fast.count, ref[1])
