@@ -63,7 +63,8 @@ def _make_pre_hook(layer, first: bool):
         if first:
             _check_cache(kwargs.get("past_key_values"))
             mask = kwargs.get("attention_mask")
-            if mask is not None and hidden.shape[1] > 0 and not torch.compiler.is_compiling():
+            # the padding layout is fixed at prefill: check it there (it synchronises), not per decode step
+            if mask is not None and hidden.shape[1] > 1 and not torch.compiler.is_compiling():
                 from .geometry import geometry_from_mask
 
                 geometry_from_mask(mask, hidden.shape[0], hidden.shape[1], mask.shape[-1], hidden.device, check=True)

@@ -90,12 +90,18 @@ class Telemetry:
         self.num_heads = num_heads
         self.oracle = oracle
         self._t: dict[str, torch.Tensor] = {}
-        self.decode_steps = 0
+
+    @torch.compiler.disable
+    def _allocate(self, name: str, shape: tuple, device: torch.device) -> None:
+        # eager even inside a compiled forward, at a fixed address: a CUDA-graph-captured step
+        # accumulates into it in place, and no graph output is kept across steps
+        buffer = torch.zeros(shape, dtype=torch.float64, device=device)
+        torch._dynamo.mark_static_address(buffer)
+        self._t[name] = buffer
 
     def _acc(self, name: str, value: torch.Tensor, layer: int | None = None, shape: tuple = ()) -> None:
         if name not in self._t:
-            full = (self.num_layers, *shape) if layer is not None else shape
-            self._t[name] = torch.zeros(full, dtype=torch.float64, device=value.device)
+            self._allocate(name, (self.num_layers, *shape) if layer is not None else shape, value.device)
         if layer is None:
             self._t[name] += value
         else:
@@ -109,9 +115,9 @@ class Telemetry:
         ``t [B]`` visible tokens, ``processed [B, Hq]`` keys attended, ``retrieved [B, Hq]`` bool
         (None without CIS), ``active [B]`` bool, sequences that ran a sparse step.
         """
-        if layer == 0:
-            self.decode_steps += 1
         heads = processed.shape[1]
+        if layer == 0:
+            self._acc("decode_steps", torch.ones((), device=t.device, dtype=torch.float64))
         self._acc("processed", processed.sum().double(), layer)
         self._acc("dense", (t.double() * heads).sum(), layer)
         self._acc("rows", torch.tensor(float(t.numel() * heads), device=t.device), layer)
@@ -135,8 +141,8 @@ class Telemetry:
         self._acc("prefill_frozen", frozen.double(), layer)
 
     def reset(self) -> None:
-        self._t.clear()
-        self.decode_steps = 0
+        for buffer in self._t.values():
+            buffer.zero_()
 
     def report(self) -> TelemetryReport:
         """Read the counters (one synchronisation) into a :class:`TelemetryReport`."""
@@ -171,7 +177,7 @@ class Telemetry:
                 certificate=routing_certificate(1.0 - retained, context),
             )
         return TelemetryReport(
-            decode_steps=self.decode_steps,
+            decode_steps=int(v["decode_steps"]) if "decode_steps" in v else 0,
             sparse_steps=int(round(float(sparse_rows.max()) / heads)) if n_rows else 0,
             retrieval_ratio=ratio,
             processed_kv_per_step=float(processed.sum()) / n_rows if n_rows else 0.0,

@@ -63,24 +63,32 @@ def _teacher_forced_logits(model, ids, mask, tokens, backend):
     return torch.stack(out, 1)
 
 
-def test_triton_decode_and_prefill_close_to_reference_bf16():
+def test_triton_decode_and_prefill_within_bf16_noise_of_the_reference():
     # bf16 greedy runs of a random model diverge after the first near-tie, so compare
-    # teacher-forced logits: prefill (PSAW + ETF kernel) and 24 CIS decode steps
-    model = _model(torch.bfloat16, head_dim=128)
+    # teacher-forced logits (prefill with the PSAW/ETF kernel, then 24 CIS decode steps) with
+    # the fp32 reference path: the Triton path may not be further from it than the bf16
+    # PyTorch reference path is (plus a little).
+    model = _model(torch.float32, head_dim=128)
     ids, mask = _batch([1500, 1100])
     tokens = torch.randint(1, 128, (2, 24), device="cuda")
+    truth = _teacher_forced_logits(model, ids, mask, tokens, {"decode": "torch", "prefill": "torch"})
+    model.to(torch.bfloat16)
     ref = _teacher_forced_logits(model, ids, mask, tokens, {"decode": "torch", "prefill": "torch"})
     tri = _teacher_forced_logits(model, ids, mask, tokens, {"decode": "triton", "prefill": "triton"})
-    err = (tri - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert err.max() < 3e-2, f"relative logit error per step: {err.tolist()}"
+    err_ref = ((ref - truth).norm(dim=-1) / truth.norm(dim=-1)).mean().item()
+    err_tri = ((tri - truth).norm(dim=-1) / truth.norm(dim=-1)).mean().item()
+    assert err_tri <= 1.5 * err_ref + 0.01, f"triton {err_tri:.4f} vs bf16 reference {err_ref:.4f}"
 
 
 def test_static_cache_compiled_decode_equals_eager():
     model = _model(torch.bfloat16, head_dim=128)
     ids, mask = _batch([900, 700])
     cfg = {**CPE, "backend": {"decode": "triton", "prefill": "triton"}}
-    eager, _ = _generate(model, ids, mask, cfg["backend"], cfg, cache_implementation="static", disable_compile=True)
-    compiled, _ = _generate(model, ids, mask, cfg["backend"], cfg, cache_implementation="static")
+    eager, r_eager = _generate(model, ids, mask, cfg["backend"], cfg, cache_implementation="static", disable_compile=True)
+    compiled, r_compiled = _generate(model, ids, mask, cfg["backend"], cfg, cache_implementation="static")
     dynamic, _ = _generate(model, ids, mask, cfg["backend"], cfg)
     assert torch.equal(eager, dynamic)
     assert torch.equal(compiled, eager)
+    # telemetry accumulates on the device inside the compiled step too
+    assert r_compiled.decode_steps == r_eager.decode_steps == 31
+    assert r_compiled.retrieval_ratio == r_eager.retrieval_ratio
