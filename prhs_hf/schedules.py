@@ -10,20 +10,31 @@ import math
 import torch
 
 __all__ = [
+    "default_start_layer",
     "depth_fraction",
     "psaw_window_fraction",
     "psaw_window_start",
     "psaw_window_start_tensor",
     "etf_frozen_count",
     "etf_frozen_count_tensor",
+    "causal_pairs",
+    "visible_pairs",
 ]
+
+
+def default_start_layer(num_layers: int) -> int:
+    """The paper's default first pruned/frozen layer, ``floor(N / 2)``."""
+    return num_layers // 2
 
 
 def depth_fraction(layer: int, num_layers: int, start_layer: int) -> float | None:
     """``u_l = clip((l - l_s) / (N - l_s), 0, 1)``; ``None`` where the layer is untouched (``l < l_s``)."""
     if layer < start_layer:
         return None
-    return min(max((layer - start_layer) / (num_layers - start_layer), 0.0), 1.0)
+    span = num_layers - start_layer
+    if span <= 0:
+        return 1.0
+    return min(max((layer - start_layer) / span, 0.0), 1.0)
 
 
 def psaw_window_fraction(layer: int, num_layers: int, start_layer: int, phi: float, alpha: float) -> float:
@@ -62,3 +73,23 @@ def etf_frozen_count_tensor(
     if c is None:
         return torch.zeros_like(L, dtype=torch.int32)
     return torch.floor(c * L.to(torch.float64)).to(torch.int32)
+
+
+def causal_pairs(L: int) -> int:
+    """Query-key pairs of dense causal attention over ``L`` tokens: ``L (L + 1) / 2``."""
+    return L * (L + 1) // 2
+
+
+def visible_pairs(L: int, w: float, sink: int, frozen_lo: int = 0, frozen_hi: int = 0) -> int:
+    """Query-key pairs visible in a prefill of ``L`` tokens (SPEC §3 predicate).
+
+    Row ``i`` (seeing ``t = i + 1`` tokens) sees ``min(sink, t)`` sinks plus the window
+    ``[W(t), t)``; rows ``frozen_lo <= i < frozen_hi`` see nothing (ETF).
+    """
+    total = 0
+    for i in range(L):
+        if frozen_lo <= i < frozen_hi:
+            continue
+        t = i + 1
+        total += min(sink, t) + max(0, t - psaw_window_start(t, w, sink))
+    return total

@@ -64,7 +64,7 @@ def _import_kernels():
 
 
 _import_kernels()
-from prhs_hf.kernels import prefill_schedule as sched  # noqa: E402
+from prhs_hf import schedules as sched  # noqa: E402
 from prhs_hf.kernels.prefill_attention import prefill_attention  # noqa: E402
 
 SINK, PHI, ALPHA, PSI, GAMMA = 8, 0.7, 1.0, 0.5, 1.0  # paper defaults (configs/cpe.yaml)

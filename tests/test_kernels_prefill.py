@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import triton_available
-from prhs_hf.kernels import prefill_schedule as sched
+from prhs_hf import schedules as sched
 from prhs_hf.kernels.prefill_attention import (
     check_prefill_inputs,
     prefill_attention,
@@ -41,11 +41,11 @@ needs_triton = pytest.mark.skipif(
 def test_layer_depth_and_fractions_by_hand():
     # N = 32, l_s = 16: u = (l - 16) / 16
     assert sched.default_start_layer(32) == 16
-    assert sched.layer_depth(15, 32, 16) is None
-    assert sched.layer_depth(16, 32, 16) == 0.0
-    assert sched.layer_depth(24, 32, 16) == 0.5
-    assert sched.layer_depth(32, 32, 16) == 1.0
-    assert sched.layer_depth(40, 32, 16) == 1.0
+    assert sched.depth_fraction(15, 32, 16) is None
+    assert sched.depth_fraction(16, 32, 16) == 0.0
+    assert sched.depth_fraction(24, 32, 16) == 0.5
+    assert sched.depth_fraction(32, 32, 16) == 1.0
+    assert sched.depth_fraction(40, 32, 16) == 1.0
     assert sched.psaw_window_fraction(3, 32, 16, 0.7, 1.0) == 1.0
     assert sched.psaw_window_fraction(16, 32, 16, 0.7, 1.0) == 1.0
     assert sched.psaw_window_fraction(32, 32, 16, 0.7, 1.0) == pytest.approx(0.7, abs=0)
@@ -80,21 +80,6 @@ def test_visible_pairs_by_hand():
     assert sched.visible_pairs(6, 0.5, 2) == 20
     # freezing rows 2..3 (t = 3, 4) removes 3 + 4
     assert sched.visible_pairs(6, 0.5, 2, 2, 4) == 13
-
-
-def test_schedules_agree_with_the_integration():
-    integ = pytest.importorskip("prhs_hf.schedules")
-    for layer in range(0, 33):
-        for phi, alpha in ((0.7, 1.0), (0.5, 1.5)):
-            assert sched.psaw_window_fraction(layer, 32, 16, phi, alpha) == integ.psaw_window_fraction(
-                layer, 32, 16, phi, alpha
-            )
-        for L in (1, 99, 4096, 32768):
-            assert sched.etf_frozen_count(L, layer, 32, 16, 0.5, 1.0) == integ.etf_frozen_count(L, layer, 32, 16, 0.5, 1.0)
-    w = sched.psaw_window_fraction(28, 32, 16, 0.7, 1.0)
-    t = torch.arange(0, 5000)
-    got = integ.psaw_window_start_tensor(t, w, 8).tolist()
-    assert got == [sched.psaw_window_start(x, w, 8) for x in range(5000)]
 
 
 # ----------------------------------------------------------------------------- cases

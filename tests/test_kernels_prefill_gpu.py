@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prhs_hf.kernels import prefill_schedule as sched
+from prhs_hf import schedules as sched
 from prhs_hf.kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from test_kernels_prefill import Case
 
