@@ -189,13 +189,13 @@ def _check_telemetry(prhs: dict, tasks: list[str]) -> None:
         assert 0 < report["processed_kv_per_step"] < report["dense_kv_per_step"]
 
 
-def test_python_api_both_tasks(checkpoint, local_tasks, offline) -> None:
+def test_python_api_local_tasks(checkpoint, local_tasks, offline) -> None:
     lm_eval = pytest.importorskip("lm_eval")
     import prhs_hf.lm_eval as ple
 
     ple.register()
     results = lm_eval.simple_evaluate(
-        model="prhs", tasks=["gsm8k_local", "coqa_local"], limit=10, batch_size=4,
+        model="prhs", tasks=["gsm8k_local", "gsm8k_cot_local", "coqa_local"], limit=10, batch_size=4,
         task_manager=local_tasks,
         model_args={"pretrained": str(checkpoint), "prhs_config": "configs/cis.yaml", "prhs_overrides": SMALL_BUDGET,
                     "device": "cpu", "dtype": "float32"},
@@ -206,8 +206,9 @@ def test_python_api_both_tasks(checkpoint, local_tasks, offline) -> None:
     # all of the local rows and no more: the data came from data_dir
     assert results["n-samples"]["gsm8k_local"]["effective"] == len(GSM8K_ROWS)
     assert results["n-samples"]["coqa_local"]["effective"] == len(COQA_ROWS)
-    _check_telemetry(results["config"]["prhs"], ["gsm8k_local", "coqa_local"])
+    _check_telemetry(results["config"]["prhs"], ["gsm8k_local", "gsm8k_cot_local", "coqa_local"])
     assert results["config"]["prhs"]["config_source"].endswith("configs/cis.yaml")
+    assert results["n-shot"]["gsm8k_cot_local"] == 8 and results["n-shot"]["gsm8k_local"] == 0
 
 
 def test_cli_shim_writes_results_with_telemetry(checkpoint, data_dir, tmp_path) -> None:
