@@ -15,6 +15,7 @@ import yaml
 
 from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, SMALL_BUDGET, save_tiny_checkpoint, write_local_data
 from prhs_hf.lm_eval import LOCAL_TASKS, TASKS_DIR, direct, metrics, prompts
+from prhs_hf.lm_eval import shim
 from prhs_hf.lm_eval.shim import lm_eval_argv
 
 # Offline, and a data folder that does not exist as the fallback: data must come from data_dir.
@@ -135,6 +136,13 @@ def test_task_files_and_shim_arguments() -> None:
     assert lm_eval_argv(["run", "--model", "hf", "--include_path", "x"]) == ["run", "--model", "hf", "--include_path", "x"]
     assert lm_eval_argv(["ls", "tasks"]) == ["ls", "tasks", *include]
     assert lm_eval_argv(["--help"]) == ["--help"]
+
+
+def test_project_cli_forwarding(monkeypatch) -> None:
+    seen = []
+    monkeypatch.setattr(shim, "main", lambda argv: seen.append(argv) or 7)
+    assert shim.forward(["generate", "--model", "x"]) is None and seen == []
+    assert shim.forward(["lm-eval", "--tasks", "gsm8k_local"]) == 7 and seen == [["--tasks", "gsm8k_local"]]
 
 
 def test_prhs_overrides_from_dicts_strings_and_dotted_keys() -> None:

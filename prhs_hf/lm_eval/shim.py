@@ -16,10 +16,13 @@ from typing import Sequence
 
 from . import TASKS_DIR, register
 
-__all__ = ["SUBCOMMANDS", "lm_eval_argv", "main"]
+__all__ = ["SUBCOMMANDS", "PROJECT_SUBCOMMAND", "lm_eval_argv", "main", "forward"]
 
 SUBCOMMANDS = ("run", "ls", "validate")
 """lm-eval's subcommands; without one lm-eval inserts ``run``."""
+
+PROJECT_SUBCOMMAND = "lm-eval"
+"""``prhs-hf lm-eval ARGS`` is ``python -m prhs_hf.lm_eval ARGS`` (see :func:`forward`)."""
 
 
 def _has_option(argv: Sequence[str], option: str) -> bool:
@@ -54,3 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         sys.argv = saved
     return 0
+
+
+def forward(argv: Sequence[str] | None = None) -> int | None:
+    """For the project CLI: run :func:`main` on the rest if ``argv`` (default ``sys.argv[1:]``) starts
+    with ``lm-eval`` and return its exit status; otherwise return ``None`` and do nothing.
+
+    It must run before the project's own argument parsing, which does not know lm-eval's options.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    return main(args[1:]) if args[:1] == [PROJECT_SUBCOMMAND] else None
