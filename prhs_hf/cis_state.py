@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.compose_indices import SET_NONE
+
 __all__ = ["CISLayerState"]
 
 
@@ -17,15 +19,18 @@ class CISLayerState:
 
     Attributes:
         anchor_q: ``[B, Hq, s, D]`` fp32 unit query vectors.
-        anchor_idx: ``[B, Hq, s, k]`` int32 top-k middle indices of each anchor, best first, -1 padded.
+        anchor_idx: ``[B, Hq, s, n]`` int32 each anchor's dilated middle set, sorted once when the
+            anchor is taken (``kernels.compose_indices.dilated_set``: top-k plus the ±r
+            neighbours of the top-m, encoded ``(j << 1) | neighbour_only``, ``SET_NONE`` padded),
+            so sharing steps only filter it to the current middle region.
         anchor_count: ``[B, Hq]`` int32 number of valid anchors in the current block.
         step: ``[]`` int64 decode steps taken since the last prefill.
     """
 
-    def __init__(self, batch: int, heads: int, head_dim: int, block_size: int, topk: int, device: torch.device):
+    def __init__(self, batch: int, heads: int, head_dim: int, block_size: int, set_size: int, device: torch.device):
         self.block_size = block_size
         self.anchor_q = torch.zeros(batch, heads, block_size, head_dim, dtype=torch.float32, device=device)
-        self.anchor_idx = torch.full((batch, heads, block_size, topk), -1, dtype=torch.int32, device=device)
+        self.anchor_idx = torch.full((batch, heads, block_size, set_size), SET_NONE, dtype=torch.int32, device=device)
         self.anchor_count = torch.zeros(batch, heads, dtype=torch.int32, device=device)
         self.step = torch.zeros((), dtype=torch.int64, device=device)
         for buffer in (self.anchor_q, self.anchor_idx, self.anchor_count, self.step):
@@ -43,7 +48,7 @@ class CISLayerState:
         self.anchor_count.masked_fill_(block_start, 0)
 
     def record(self, q: torch.Tensor, indices: torch.Tensor, retrieved: torch.Tensor) -> None:
-        """Store ``(q / ||q||, indices)`` as a new anchor of each row that retrieved; advance the step."""
+        """Store ``(q / ||q||, dilated set)`` as a new anchor of each row that retrieved; advance the step."""
         b, h, s, d = self.anchor_q.shape
         k = self.anchor_idx.shape[-1]
         slot = self.anchor_count.clamp(max=s - 1).long()

@@ -77,9 +77,10 @@ def cis_decode_step(
         ops, q, k_cache, v_cache, geom.pad, t, lo, hi, win_start,
         state.anchor_q, state.anchor_count, state.anchor_idx, active,
         tau=p.tau, sink=p.sink, k=p.topk, dil_m=p.dilation_topm, dil_r=p.dilation_radius, cap=p.capacity, scale=scale,
+        anchor_sets=True,
     )
     retrieved = step.best == -1
-    state.record(q, step.new_idx, retrieved)
+    state.record(q, step.new_set, retrieved)
     return step.out, DecodeSelection(step.idx, step.count, retrieved, active)
 
 

@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .cis_state import CISLayerState
 from .decode import DecodeParams, cis_decode_step, window_decode_step
 from .geometry import SequenceGeometry, geometry_from_mask
+from .kernels.compose_indices import dilated_set_size
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
 
 if TYPE_CHECKING:
@@ -138,9 +139,10 @@ class PrHSLayer:
     @torch.compiler.disable
     def _allocate_cis_state(self, batch: int, device: torch.device) -> None:
         # eager even inside a compiled forward: the buffers must live outside any CUDA graph pool
-        c = self.runtime.resolved.config
+        p = self.decode_params
+        set_size = dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius)
         self.state = CISLayerState(
-            batch, self.runtime.num_heads, self.runtime.head_dim, c.cis.block_size, c.budget.topk, device
+            batch, self.runtime.num_heads, self.runtime.head_dim, self.runtime.resolved.config.cis.block_size, set_size, device
         )
 
     def _decode(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):

@@ -9,6 +9,7 @@ import prhs_hf
 from prhs_hf.cis_state import CISLayerState
 from prhs_hf.decode import DecodeParams, cis_decode_step
 from prhs_hf.geometry import SequenceGeometry
+from prhs_hf.kernels.compose_indices import dilated_set_reference, dilated_set_size
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS
 from tiny_models import tiny_model
 
@@ -48,10 +49,9 @@ class RecordingOps:
 
     def __init__(self):
         self.calls = []
-        self.name = "recording"
-        self.cis_match = REFERENCE_OPS.cis_match
-        self.topk_retrieval = REFERENCE_OPS.topk_retrieval
-        self.compose_indices = REFERENCE_OPS.compose_indices
+
+    def __getattr__(self, name):
+        return getattr(REFERENCE_OPS, name)
 
     def sparse_decode_attention(self, q, k, v, pad, idx, count, scale):
         out = REFERENCE_OPS.sparse_decode_attention(q, k, v, pad, idx, count, scale)
@@ -89,7 +89,7 @@ def test_identical_queries_share_the_anchor_with_dilation():
     k_all = torch.randn(B, H, L0 + steps, D)
     v_all = torch.randn(B, H, L0 + steps, D)
     q = torch.randn(B, H, D)
-    state = CISLayerState(B, H, D, 4, p.topk, torch.device("cpu"))
+    state = CISLayerState(B, H, D, 4, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), torch.device("cpu"))
     anchor_top = None
     for step in range(steps):
         t = L0 + step + 1
@@ -125,11 +125,12 @@ def test_dilation_is_clipped_to_the_middle_region():
     # an anchor index at the middle's edge: its neighbours outside [lo, hi) are dropped
     B, H, D = 1, 1, 4
     p = _params(tau=-1.0, topm=5, radius=2)
-    state = CISLayerState(B, H, D, 4, p.topk, torch.device("cpu"))
+    state = CISLayerState(B, H, D, 4, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), torch.device("cpu"))
     state.anchor_count.fill_(1)
     state.step.fill_(1)  # not a block start
     state.anchor_q[0, 0, 0] = torch.tensor([1.0, 0, 0, 0])
-    state.anchor_idx[0, 0, 0] = torch.tensor([2, 30, 16, -1, -1], dtype=torch.int32)
+    topk = torch.tensor([[[2, 30, 16, -1, -1]]], dtype=torch.int32)
+    state.anchor_idx[0, 0, 0] = dilated_set_reference(topk, True, p.dilation_topm, p.dilation_radius)[0, 0]
     t = 36  # middle = [2, 33)
     geom = SequenceGeometry(torch.zeros(1, dtype=torch.int32), torch.tensor([t], dtype=torch.int32),
                             torch.tensor([t - 1], dtype=torch.int32), 1)

@@ -234,10 +234,11 @@ def test_direct_reuse_reuses_the_block_retrieval(window):
 def test_direct_reuse_is_cis_without_gate_and_dilation():
     from prhs_hf.cis_state import CISLayerState
     from prhs_hf.decode import cis_decode_step
+    from prhs_hf.kernels.compose_indices import dilated_set_size
     from prhs_hf.kernels.decode_ops import REFERENCE_OPS
 
     p = _params(topm=0)
-    state = CISLayerState(B, HQ, D, 4, p.topk, torch.device("cpu"))
+    state = CISLayerState(B, HQ, D, 4, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), torch.device("cpu"))
     cis_p = DecodeParams(**{**p.__dict__, "tau": -1.0})
     ks, vs, qs = _data(9)
     reuse = DirectReuseSelector(4)
