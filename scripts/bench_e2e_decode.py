@@ -111,6 +111,41 @@ def run_generate(model, ids, new_tokens: int, static_cache=None):
     }
 
 
+def write_results(rows, args, argv, device, new_tokens) -> None:
+    """Speedups against the dense row of the same mode, then the table and the JSON (after every row)."""
+    for row in rows:
+        ref = next((r for r in rows if r["config"] == "dense" and r["mode"] == row["mode"] and r["shape"] == row["shape"]
+                    and r["batch"] == row["batch"] and r["prompt"] == row["prompt"] and "decode_tok_s" in r), None)
+        if ref and "decode_tok_s" in row:
+            row["speedup_vs_dense_same_mode"] = row["decode_tok_s"] / ref["decode_tok_s"]
+            row["peak_vs_dense"] = row["peak_gib"] / ref["peak_gib"] if ref["peak_gib"] == ref["peak_gib"] else None
+
+    header = "| shape | B | prompt | mode | config | decode tok/s | ms/step | speedup vs dense (same mode) | prefill s | peak GiB | ρ̂ | processed KV / dense KV |"
+    lines = [header, "|" + "---|" * 12]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | error: {r['error'][:80]} |||||||")
+            continue
+        rho = f"{100 * r['rho_hat']:.1f}%" if r.get("rho_hat") is not None else "–"
+        kv = f"{r['processed_kv']:.0f} / {r['dense_kv']:.0f}" if "processed_kv" in r else "–"
+        sp = f"{r['speedup_vs_dense_same_mode']:.2f}×" if "speedup_vs_dense_same_mode" in r else "–"
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | {r['decode_tok_s']:.1f} | "
+                     f"{r['ms_per_step']:.2f} | {sp} | {r['prefill_s']:.2f} | {r['peak_gib']:.1f} | {rho} | {kv} |")
+    table = "\n".join(lines)
+    meta = {
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "new_tokens": new_tokens,
+        "compiled": "static mode: transformers' generate() compiles the decode forward itself (StaticCache)",
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_e2e_decode.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    (out / "bench_e2e_decode.md").write_text(f"`{meta['command']}` on {meta['device']}, {meta['date']}\n\n{table}\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model, a few tokens")
@@ -161,44 +196,15 @@ def main(argv=None) -> int:
         except Exception as exc:  # a failing cell is reported, the table goes on
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
+        write_results(rows, args, argv, device, new_tokens)  # a run cut short still leaves its rows
         del ids, cache
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     prhs_hf.unpatch(model)
 
-    for row in rows:
-        ref = next((r for r in rows if r["config"] == "dense" and r["mode"] == row["mode"] and r["shape"] == row["shape"]
-                    and r["batch"] == row["batch"] and r["prompt"] == row["prompt"] and "decode_tok_s" in r), None)
-        if ref and "decode_tok_s" in row:
-            row["speedup_vs_dense_same_mode"] = row["decode_tok_s"] / ref["decode_tok_s"]
-            row["peak_vs_dense"] = row["peak_gib"] / ref["peak_gib"] if ref["peak_gib"] == ref["peak_gib"] else None
-
-    header = "| shape | B | prompt | mode | config | decode tok/s | ms/step | speedup vs dense (same mode) | prefill s | peak GiB | ρ̂ | processed KV / dense KV |"
-    lines = [header, "|" + "---|" * 12]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | error: {r['error'][:80]} |||||||")
-            continue
-        rho = f"{100 * r['rho_hat']:.1f}%" if r.get("rho_hat") is not None else "–"
-        kv = f"{r['processed_kv']:.0f} / {r['dense_kv']:.0f}" if "processed_kv" in r else "–"
-        sp = f"{r['speedup_vs_dense_same_mode']:.2f}×" if "speedup_vs_dense_same_mode" in r else "–"
-        lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | {r['decode_tok_s']:.1f} | "
-                     f"{r['ms_per_step']:.2f} | {sp} | {r['prefill_s']:.2f} | {r['peak_gib']:.1f} | {rho} | {kv} |")
-    table = "\n".join(lines)
-    print(table)
-    meta = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "new_tokens": new_tokens,
-        "compiled": "static mode: transformers' generate() compiles the decode forward itself (StaticCache)",
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_e2e_decode.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    (out / "bench_e2e_decode.md").write_text(f"`{meta['command']}` on {meta['device']}, {meta['date']}\n\n{table}\n")
+    write_results(rows, args, argv, device, new_tokens)
+    print((Path(args.out) / "bench_e2e_decode.md").read_text())
     return 0
 
 
