@@ -45,13 +45,6 @@ _TELEMETRY_ON = {"telemetry": {"enabled": True}}
 T = TypeVar("T")
 
 
-def _merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
-    return out
-
-
 def parse_overrides(overrides: "Mapping[str, Any] | str | None", dotted: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One nested override dict from ``prhs_overrides`` (dict, or YAML/JSON text) and ``prhs.A.B=V`` keys.
 
@@ -67,7 +60,10 @@ def parse_overrides(overrides: "Mapping[str, Any] | str | None", dotted: Mapping
         path = key.removeprefix(_DOTTED_PREFIX).split(".")
         if len(path) != 2 or not all(path):
             raise ValueError(f"{key}: a PrHS override argument is prhs.SECTION.KEY=VALUE")
-        out = _merge(out, {path[0]: {path[1]: value}})
+        section = out.setdefault(path[0], {})
+        if not isinstance(section, dict):
+            raise ValueError(f"{key}: prhs_overrides sets {path[0]!r} to {section!r}, not a mapping")
+        section[path[1]] = value
     return out
 
 
@@ -98,7 +94,7 @@ class PrHSLM(HFLM):
             source = _resolve_config(str(source))
         self.prhs_config_source = str(Path(source).resolve()) if isinstance(source, (str, Path)) else "<object>"
         self.prhs_overrides = dict(overrides or {})
-        cfg = prhs_hf.load_config(source, _merge(self.prhs_overrides, _TELEMETRY_ON))
+        cfg = prhs_hf.load_config(prhs_hf.load_config(source, self.prhs_overrides), _TELEMETRY_ON)
         prhs_hf.patch(self.model, cfg)
         self.prhs_config = cfg
         self.prhs_telemetry = {}
