@@ -65,7 +65,7 @@ def step_frame(geom: SequenceGeometry, p: DecodeParams) -> StepFrame:
 
 
 def compose(
-    frame: StepFrame, middle: torch.Tensor, p: DecodeParams, heads: int, retrieved: torch.Tensor | None = None,
+    frame: StepFrame, middle: torch.Tensor, p: DecodeParams, retrieved: torch.Tensor | None = None,
     win_start: torch.Tensor | None = None,
 ) -> DecodeSelection:
     """``sink ∪ clip(middle) ∪ [win_start, t)`` as a :class:`DecodeSelection` (no dilation).
@@ -75,7 +75,6 @@ def compose(
         middle: ``[B, Hq, n]`` int32 middle indices (any order, ``-1`` = none); clipped to
             ``[lo, hi)`` and deduplicated by :func:`compose_indices_reference`.
         p: the layer's decode parameters (``p.capacity`` is the output width).
-        heads: ``Hq``.
         retrieved: ``[B, Hq]`` bool, rows that did a full retrieval (default: none).
         win_start: override of ``frame.win_start`` (StreamingLLM widens the window).
     """

@@ -64,7 +64,7 @@ class DirectReuseSelector(LayerStates):
         extra = self.expansion(frame, middle, reuse, params, k_cache.shape[-2])
         if extra is not None:
             middle = torch.cat([middle, extra], dim=-1)
-        return compose(frame, middle, params, H, retrieved=retrieve)
+        return compose(frame, middle, params, retrieved=retrieve)
 
     def expansion(
         self, frame: StepFrame, middle: torch.Tensor, reuse: torch.Tensor, params: DecodeParams, slots: int

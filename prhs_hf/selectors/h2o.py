@@ -90,7 +90,7 @@ class H2OSelector(LayerStates):
         frame = step_frame(geom, params)
         rows = frame.rows(H)
         middle = topk_of_scores(score, frame, rows, params.topk)
-        sel = compose(frame, middle, params, H, retrieved=rows)
+        sel = compose(frame, middle, params, retrieved=rows)
         probs = set_probabilities(q, k_cache, geom.pad, sel, scale)
         width = score.shape[-1]
         target = torch.where(sel.idx >= 0, sel.idx.long(), width)

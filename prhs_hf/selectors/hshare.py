@@ -120,4 +120,4 @@ class HShareSelector(LayerStates):
         st["idx"] = torch.where(refresh[:, None, None], fresh, st["idx"])
         st["has"] |= refresh
         middle = torch.where(frame.active[:, None, None], st["idx"], -1)
-        return compose(frame, middle, params, H, retrieved=retrieve)
+        return compose(frame, middle, params, retrieved=retrieve)

@@ -34,7 +34,7 @@ class OracleSelector:
         frame = step_frame(geom, params)
         rows = frame.rows(q.shape[1])
         middle = retrieve_topk(q, k_cache, geom, frame, rows, params.topk, scale)
-        return compose(frame, middle, params, q.shape[1], retrieved=rows)
+        return compose(frame, middle, params, retrieved=rows)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Stateless."""

@@ -77,7 +77,7 @@ class QuestSelector:
         rows = frame.rows(q.shape[1])
         score = page_bounds(q, k_cache, geom.pad, frame, self.page_size, scale)
         middle = topk_of_scores(score, frame, rows, params.topk)
-        return compose(frame, middle, params, q.shape[1], retrieved=rows)
+        return compose(frame, middle, params, retrieved=rows)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Stateless."""

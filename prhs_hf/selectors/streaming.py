@@ -37,7 +37,7 @@ class StreamingSelector:
         frame = step_frame(geom, params)
         window = torch.where(frame.active, torch.maximum(frame.lo, frame.hi - params.topk), frame.win_start)
         none = torch.full((q.shape[0], q.shape[1], 1), -1, dtype=torch.int32, device=q.device)
-        return compose(frame, none, params, q.shape[1], win_start=window)
+        return compose(frame, none, params, win_start=window)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Stateless."""
