@@ -111,7 +111,7 @@ def _int32(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 # ----------------------------------------------------------------------------- reference
 
 
-def _reference_chunk_rows(B: int, Hq: int, Lk: int, budget: int = 1 << 27) -> int:
+def _reference_chunk_rows(B: int, Hq: int, Lk: int, budget: int = 1 << 21) -> int:
     """Query rows per chunk so that one chunk's fp32 scores hold about ``budget`` elements."""
     return max(1, budget // max(1, B * Hq * Lk))
 
