@@ -5,20 +5,9 @@ import torch
 
 import prhs_hf
 from prhs_hf.cis_state import CISLayerState
-from tiny_models import tiny_model
+from tiny_models import padded_batch, tiny_model
 
 SMALL_CPE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}, "backend": {"prefill": "torch", "decode": "torch"}}
-
-
-def _padded_batch(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    L = max(lengths)
-    ids = torch.zeros(len(lengths), L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, L - n :] = torch.randint(1, 128, (n,), generator=g)
-        mask[i, L - n :] = 1
-    return ids, mask
 
 
 def _generate(model, ids, mask, **kw):
@@ -28,7 +17,7 @@ def _generate(model, ids, mask, **kw):
 
 def test_budget_covering_the_context_equals_dense():
     model = tiny_model("llama")
-    ids, mask = _padded_batch([90, 70])
+    ids, mask = padded_batch([90, 70])
     dense = _generate(model, ids, mask, max_new_tokens=12)
     prhs_hf.patch(model, {"budget": {"sink": 8, "local": 32, "topk": 200}, "psaw": {"enabled": False},
                           "etf": {"enabled": False}, "telemetry": {"enabled": True}})
@@ -44,7 +33,7 @@ def test_left_padded_batch_equals_each_sequence_alone(config):
     cfg = SMALL_CPE if config == "cpe" else {**SMALL_CPE, "psaw": {"enabled": False}, "etf": {"enabled": False}}
     model = tiny_model("llama")
     lengths = [70, 45, 58]
-    ids, mask = _padded_batch(lengths)
+    ids, mask = padded_batch(lengths)
     prhs_hf.patch(model, cfg)
     batch = _generate(model, ids, mask, max_new_tokens=10)
     for i, n in enumerate(lengths):
@@ -55,7 +44,7 @@ def test_left_padded_batch_equals_each_sequence_alone(config):
 
 def test_pads_are_never_selected_and_sinks_are_the_first_real_tokens():
     model = tiny_model("llama")
-    ids, mask = _padded_batch([60, 40])
+    ids, mask = padded_batch([60, 40])
     seen = []
     prhs_hf.patch(model, {**SMALL_CPE, "psaw": {"enabled": False}, "etf": {"enabled": False}})
     runtime = model._prhs_runtime
@@ -87,7 +76,7 @@ def test_pads_are_never_selected_and_sinks_are_the_first_real_tokens():
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
 def test_gqa_and_mha_dynamic_and_static_cache_agree(heads, kv_heads):
     model = tiny_model("qwen3", heads=heads, kv_heads=kv_heads)
-    ids, mask = _padded_batch([64, 50])
+    ids, mask = padded_batch([64, 50])
     prhs_hf.patch(model, SMALL_CPE)
     dynamic = _generate(model, ids, mask, max_new_tokens=8)
     static = _generate(model, ids, mask, max_new_tokens=8, cache_implementation="static")
@@ -97,7 +86,7 @@ def test_gqa_and_mha_dynamic_and_static_cache_agree(heads, kv_heads):
 
 def test_beam_search_reorders_the_cis_state(monkeypatch):
     model = tiny_model("llama")
-    ids, mask = _padded_batch([60, 52])
+    ids, mask = padded_batch([60, 52])
     prhs_hf.patch(model, SMALL_CPE)
     runtime = model._prhs_runtime
     calls = []
@@ -121,7 +110,7 @@ def test_beam_search_reorders_the_cis_state(monkeypatch):
 
 def test_sampling_runs():
     model = tiny_model("glm4")
-    ids, mask = _padded_batch([60, 48])
+    ids, mask = padded_batch([60, 48])
     prhs_hf.patch(model, SMALL_CPE)
     torch.manual_seed(3)
     with torch.no_grad():

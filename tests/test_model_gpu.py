@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import prhs_hf
-from tiny_models import tiny_model
+from tiny_models import padded_batch, tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -15,17 +15,6 @@ def _model(dtype, head_dim=64, layers=6, heads=8, kv_heads=4):
     model = tiny_model("llama", dtype=dtype, layers=layers, heads=heads, kv_heads=kv_heads,
                        hidden_size=heads * head_dim, intermediate_size=4 * heads * head_dim, head_dim=head_dim)
     return model.cuda()
-
-
-def _batch(lengths, vocab=128, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    L = max(lengths)
-    ids = torch.zeros(len(lengths), L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, L - n:] = torch.randint(1, vocab, (n,), generator=g)
-        mask[i, L - n:] = 1
-    return ids.cuda(), mask.cuda()
 
 
 def _generate(model, ids, mask, backend, config, **kw):
@@ -40,7 +29,7 @@ def _generate(model, ids, mask, backend, config, **kw):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_triton_decode_equals_reference_token_for_token_fp32(head_dim):
     model = _model(torch.float32, head_dim=head_dim)
-    ids, mask = _batch([700, 530, 610])
+    ids, mask = padded_batch([700, 530, 610], device="cuda")
     cfg = {**CPE, "psaw": {"enabled": False}, "etf": {"enabled": False}}
     ref, r_ref = _generate(model, ids, mask, {"decode": "torch", "prefill": "torch"}, cfg)
     tri, r_tri = _generate(model, ids, mask, {"decode": "triton", "prefill": "torch"}, cfg)
@@ -69,7 +58,7 @@ def test_triton_decode_and_prefill_within_bf16_noise_of_the_reference():
     # the fp32 reference path: the Triton path may not be further from it than the bf16
     # PyTorch reference path is (plus a little).
     model = _model(torch.float32, head_dim=128)
-    ids, mask = _batch([1500, 1100])
+    ids, mask = padded_batch([1500, 1100], device="cuda")
     tokens = torch.randint(1, 128, (2, 24), device="cuda")
     truth = _teacher_forced_logits(model, ids, mask, tokens, {"decode": "torch", "prefill": "torch"})
     model.to(torch.bfloat16)
@@ -82,7 +71,7 @@ def test_triton_decode_and_prefill_within_bf16_noise_of_the_reference():
 
 def test_static_cache_compiled_decode_equals_eager():
     model = _model(torch.bfloat16, head_dim=128)
-    ids, mask = _batch([900, 700])
+    ids, mask = padded_batch([900, 700], device="cuda")
     cfg = {**CPE, "backend": {"decode": "triton", "prefill": "triton"}}
     eager, r_eager = _generate(model, ids, mask, cfg["backend"], cfg, cache_implementation="static", disable_compile=True)
     compiled, r_compiled = _generate(model, ids, mask, cfg["backend"], cfg, cache_implementation="static")

@@ -5,7 +5,7 @@ import torch
 
 import prhs_hf
 from prhs_hf.schedules import etf_frozen_count, psaw_window_fraction, psaw_window_start
-from tiny_models import tiny_model
+from tiny_models import padded_batch, tiny_model
 
 N_LAYERS, SINK = 6, 4
 
@@ -40,21 +40,10 @@ def _naive_attention(q, k, v, pad, scale, layer, frozen_hi):
     return out
 
 
-def _batch(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    L = max(lengths)
-    ids = torch.zeros(len(lengths), L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, L - n :] = torch.randint(1, 128, (n,), generator=g)
-        mask[i, L - n :] = 1
-    return ids, mask
-
-
 @pytest.mark.parametrize("psaw,etf", [(True, False), (False, True), (True, True)])
 def test_sparse_prefill_equals_masked_reference_attention(psaw, etf):
     model = tiny_model("llama", layers=N_LAYERS)
-    ids, mask = _batch([48, 37])
+    ids, mask = padded_batch([48, 37])
     prhs_hf.patch(model, _cfg(psaw, etf))
     runtime = model._prhs_runtime
     inner = runtime.prefill_function(torch.device("cpu"))
@@ -123,7 +112,7 @@ def test_frozen_rows_pass_through_and_their_work_is_skipped(monkeypatch):
 
 def test_etf_freezes_nothing_in_decode_and_generation_runs():
     model = tiny_model("glm4", layers=N_LAYERS)
-    ids, mask = _batch([50, 44])
+    ids, mask = padded_batch([50, 44])
     prhs_hf.patch(model, {**_cfg(), "cis": {"enabled": True, "block_size": 4}})
     layer = model._prhs_runtime.layers[-1]
     with torch.no_grad():

@@ -58,3 +58,15 @@ def tiny_model(family: str = "llama", dtype=torch.float32, seed: int = 0, **kwar
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(4.0)
     return model.eval().to(dtype)
+
+
+def padded_batch(lengths, vocab: int = 128, seed: int = 0, device="cpu"):
+    """Random token ids, left-padded to the longest length, and their attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.zeros(len(lengths), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, L - n :] = torch.randint(1, vocab, (n,), generator=g)
+        mask[i, L - n :] = 1
+    return ids.to(device), mask.to(device)
