@@ -112,13 +112,13 @@ def generate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", tex
              max_new_tokens: int, done: Callable[[str], bool] | None = None) -> tuple[list[str], int]:
     """Greedy continuations of ``texts`` as one left-padded batch: ``(decoded new text per row, new tokens)``.
 
-    A tokenizer without a pad token gets its EOS as pad token (as lm-eval's ``HFLM`` does).
+    A tokenizer without a pad token gets its UNK, else its EOS, as pad token (as lm-eval's ``HFLM`` does).
     """
     import torch
     from transformers import StoppingCriteriaList
 
-    if tokenizer.pad_token_id is None:  # as lm-eval's HFLM does: pad with EOS (left padding is masked anyway)
-        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token_id is None:  # lm-eval's rule (models/utils.py configure_pad_token): UNK, else EOS
+        tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
     pad = tokenizer.pad_token_id
     saved_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
