@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from prhs_hf import fetch
+from prhs_hf.lm_eval import shim as lm_eval_shim
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -92,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``prhs-hf`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    if (code := lm_eval_shim.forward(argv)) is not None:  # `prhs-hf lm-eval ...` goes to lm-eval's own CLI
+        return code
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
@@ -134,7 +137,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    config = prhs_hf.load_config(_resolve_config(args.config), overrides={"telemetry": {"enabled": True}})
+    config = prhs_hf.load_config(args.config, overrides={"telemetry": {"enabled": True}})
     model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=device, cache_dir=args.cache_dir)
     inputs = _encode(tokenizer, args.prompt or DEFAULT_PROMPT, args.chat, device)
     prompt_len = int(inputs["input_ids"].shape[1])
@@ -150,18 +153,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print()
     print(_render_stats(dense, sparse, stats))
     return 0
-
-
-def _resolve_config(path: str) -> str | Path:
-    """A config path as given if it exists, else the same name in the package or repository root."""
-    given = Path(path)
-    if given.is_file() or given.is_absolute():
-        return given
-    package = Path(__file__).resolve().parent
-    for candidate in (package / "configs" / given.name, package.parent / given):
-        if candidate.is_file():
-            return candidate
-    return given  # load_config reports it as missing
 
 
 def _encode(tokenizer: "PreTrainedTokenizerBase", prompt: str, chat: bool | None, device: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ __all__ = [
     "PrHSConfig",
     "ResolvedConfig",
     "load_config",
+    "resolve_config_path",
 ]
 
 PHASES = ("prefill", "decode")
@@ -302,6 +303,19 @@ def config_from_dict(data: Mapping[str, Any]) -> PrHSConfig:
     return config
 
 
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def resolve_config_path(source: "str | Path") -> Path:
+    """A config path as given if it exists, else the shipped config of that name (``cpe`` or ``configs/cpe.yaml``)."""
+    given = Path(source)
+    if given.is_file() or given.is_absolute():
+        return given
+    name = given.name if given.suffix in (".yaml", ".yml") else f"{given.name}.yaml"
+    candidate = SHIPPED_CONFIGS / name
+    return candidate if candidate.is_file() else given
+
+
 def load_config(
     source: "str | Path | Mapping[str, Any] | PrHSConfig | None" = None,
     overrides: Mapping[str, Any] | None = None,
@@ -313,7 +327,7 @@ def load_config(
     if isinstance(source, PrHSConfig):
         data = source.to_dict()
     elif isinstance(source, (str, Path)):
-        path = Path(source)
+        path = resolve_config_path(source)
         if not path.is_file():
             raise FileNotFoundError(f"PrHS config file not found: {path}")
         with path.open() as fh:

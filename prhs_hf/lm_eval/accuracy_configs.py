@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import prhs_hf
-from prhs_hf.cli import _resolve_config
 
 __all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "named_config", "load_named_config"]
 
@@ -58,4 +57,4 @@ def load_named_config(config: NamedConfig) -> prhs_hf.PrHSConfig:
     """The validated config of ``config`` with telemetry on."""
     overrides = dict(config.overrides)
     overrides["telemetry"] = {**overrides.get("telemetry", {}), "enabled": True}
-    return prhs_hf.load_config(_resolve_config(config.base), overrides)
+    return prhs_hf.load_config(config.base, overrides)

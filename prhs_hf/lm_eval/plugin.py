@@ -34,7 +34,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 import prhs_hf
-from prhs_hf.cli import DEFAULT_CONFIG, _resolve_config
+from prhs_hf.cli import DEFAULT_CONFIG
+from prhs_hf.config import resolve_config_path
 
 __all__ = ["MODEL_NAME", "PrHSLM", "parse_overrides"]
 
@@ -91,7 +92,7 @@ class PrHSLM(HFLM):
         the telemetry gathered so far. Returns the config in force."""
         source = DEFAULT_CONFIG if config is None else config
         if isinstance(source, (str, Path)):
-            source = _resolve_config(str(source))
+            source = resolve_config_path(str(source))
         self.prhs_config_source = str(Path(source).resolve()) if isinstance(source, (str, Path)) else "<object>"
         self.prhs_overrides = dict(overrides or {})
         cfg = prhs_hf.load_config(prhs_hf.load_config(source, self.prhs_overrides), _TELEMETRY_ON)
