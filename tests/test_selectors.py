@@ -27,7 +27,7 @@ from tiny_models import tiny_model
 NAMES = ["oracle", "streaming", "h2o", "quest", "hshare", "direct_reuse", "random_expansion"]
 SCALE = 0.4
 B, HQ, HKV, D = 2, 4, 2, 8
-PADS = [0, 3]
+PADS = [0, 21]  # sequence 1 sees 9, 10 tokens (inactive: t <= 2 + 3 + 5), then becomes active mid-block
 S0 = 30  # cache slots at the first decode step
 
 
@@ -162,7 +162,7 @@ def test_quest_takes_the_best_pages_by_min_max_bound():
                 assert _got(sel, b, h) == _compose(t, p, chosen[: p.topk])
 
 
-@pytest.mark.parametrize("prompt", [20, 0])
+@pytest.mark.parametrize("prompt", [S0, 0])
 def test_h2o_follows_accumulated_attention(prompt):
     p = _params()
     steps = 10
@@ -434,6 +434,35 @@ def test_generate_with_every_selector(name):
     o = report.oracle
     assert o is not None and o.rows == steps * 4 * 2 * 4
     assert -1e-6 <= o.beta_emp <= 1 and 0 <= o.overlap_top50 <= 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_short_sequences_attend_to_everything(name):
+    # 20 prompt tokens + 13 decode steps: t = 21..33 crosses the budget 4 + 8 + 16 = 28
+    model, rec = _patched(name)
+    ids = torch.randint(1, 128, (1, 20))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False)
+    report = prhs_hf.telemetry(model)
+    prhs_hf.unpatch(model)
+    phases = set()
+    for _, sel, t, _, _, _ in rec.calls:
+        active = bool(t[0] > 28)
+        phases.add(active)
+        assert bool(sel.active[0]) == active
+        if not active:
+            assert (sel.count == t[0]).all() and not sel.retrieved.any()
+            assert (sel.idx[..., : int(t[0])] == torch.arange(int(t[0]), dtype=torch.int32)).all()
+    assert phases == {False, True}
+    assert report.sparse_steps == 5  # t = 29..33
+    if name in ("oracle", "quest", "h2o"):
+        assert report.retrieval_ratio == pytest.approx(1.0)
+    if name in ("direct_reuse", "random_expansion"):  # active from step 8 (mid-block: retrieve at once), block at 12
+        assert report.retrieval_ratio == pytest.approx(2 / 5)
+    if name == "hshare":  # step 8 refreshes (P = 8); half the heads of half the layers retrieve
+        assert report.retrieval_ratio == pytest.approx(1 / 5 / 4)
+    if name == "streaming":
+        assert report.retrieval_ratio == 0.0
 
 
 def test_oracle_has_the_smallest_dropped_mass():
