@@ -106,13 +106,17 @@ class BaselineConfig:
     """A comparison selector (SPEC §6) that replaces CIS in decode, with the same budget.
 
     ``name: null`` (the default) means no baseline: CIS (or dense) decides. ``page_size`` is
-    Quest's page; ``share_ratio`` HShare's fraction of steps that reuse indices; ``seed`` seeds
+    Quest's page; ``share_ratio``, ``head_share_ratio`` and ``layer_share_ratio`` are HShare's
+    query-, head- and layer-level sharing ratios (the fraction of decode steps, of a layer's heads
+    and of the layers that reuse indices instead of retrieving; each in [0, 1)); ``seed`` seeds
     RandomExpansion.
     """
 
     name: str | None = None
     page_size: int = 16
     share_ratio: float = 0.875
+    head_share_ratio: float = 0.5
+    layer_share_ratio: float = 0.5
     seed: int = 0
 
 
@@ -189,7 +193,7 @@ _SECTIONS: dict[str, type] = {
     "baseline": BaselineConfig,
 }
 
-# key -> (kind, lower, upper, lower_open, nullable); kind in {"int", "float", "bool", "choice", "phases"}
+# key -> (kind, lower, upper, lower_open, nullable[, upper_open]); kind in {"int", "float", "bool", "choice", "phases"}
 _RULES: dict[str, tuple] = {
     "budget.sink": ("int", 0, None, False, False),
     "budget.local": ("int", 0, None, False, False),
@@ -214,14 +218,16 @@ _RULES: dict[str, tuple] = {
     "telemetry.oracle": ("bool",),
     "baseline.name": ("choice", (None, *BASELINES)),
     "baseline.page_size": ("int", 1, None, False, False),
-    "baseline.share_ratio": ("float", 0.0, 1.0, False, False),
+    "baseline.share_ratio": ("float", 0.0, 1.0, False, False, True),
+    "baseline.head_share_ratio": ("float", 0.0, 1.0, False, False, True),
+    "baseline.layer_share_ratio": ("float", 0.0, 1.0, False, False, True),
     "baseline.seed": ("int", 0, None, False, False),
 }
 
 
-def _range_text(lower, upper, lower_open) -> str:
+def _range_text(lower, upper, lower_open, upper_open=False) -> str:
     left = "(" if lower_open else "["
-    right = "]" if upper is not None else ")"
+    right = "]" if upper is not None and not upper_open else ")"
     return f"{left}{lower}, {upper if upper is not None else 'inf'}{right}"
 
 
@@ -242,11 +248,13 @@ def _check_value(key: str, value: Any) -> Any:
         if not isinstance(value, (list, tuple)) or any(v not in PHASES for v in value):
             raise ConfigError(f"{key}: expected a list drawn from {list(PHASES)}, got {value!r}")
         return tuple(dict.fromkeys(value))
-    _, lower, upper, lower_open, nullable = rule
+    _, lower, upper, lower_open, nullable, *rest = rule
+    upper_open = bool(rest and rest[0])
+    allowed = _range_text(lower, upper, lower_open, upper_open)
     if value is None:
         if nullable:
             return None
-        raise ConfigError(f"{key}: null is not allowed; expected a {kind} in {_range_text(lower, upper, lower_open)}")
+        raise ConfigError(f"{key}: null is not allowed; expected a {kind} in {allowed}")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key}: expected a {kind}{' or null' if nullable else ''}, got {value!r}")
     if kind == "int":
@@ -259,8 +267,9 @@ def _check_value(key: str, value: Any) -> Any:
         if not math.isfinite(value):
             raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     too_low = value <= lower if lower_open else value < lower
-    if too_low or (upper is not None and value > upper):
-        raise ConfigError(f"{key}: {value!r} is out of range; allowed {_range_text(lower, upper, lower_open)}")
+    too_high = upper is not None and (value >= upper if upper_open else value > upper)
+    if too_low or too_high:
+        raise ConfigError(f"{key}: {value!r} is out of range; allowed {allowed}")
     return value
 
 

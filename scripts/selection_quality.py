@@ -51,7 +51,6 @@ import transformers
 
 import prhs_hf
 from prhs_hf import fetch
-from prhs_hf.selectors import HShareSelector
 from prhs_hf.stats import Telemetry, routing_certificate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,7 +230,6 @@ class Variant:
     label: str
     family: str  # cis, oracle, hshare, ... (for plots)
     config: dict[str, Any]
-    hshare: tuple[float, float, float] | None = None  # (query, head, layer) share ratios
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -250,16 +248,18 @@ def cis_variant(budget, s: int, tau: float, label: str | None = None) -> Variant
 
 
 def baseline_variant(budget, name: str, label: str, family: str | None = None, note: str = "", **baseline) -> Variant:
-    """A ``baseline.name`` selector; ``baseline`` holds page_size / share_ratio / seed / block_size."""
+    """A ``baseline.name`` selector; ``baseline`` holds ``baseline.*`` config keys and block_size (and tags)."""
+    keys = ("page_size", "share_ratio", "head_share_ratio", "layer_share_ratio", "seed")
     cfg = base_config(budget)
-    cfg["baseline"] = {"name": name, **{k: v for k, v in baseline.items() if k in ("page_size", "share_ratio", "seed")}}
+    cfg["baseline"] = {"name": name, **{k: v for k, v in baseline.items() if k in keys}}
     if "block_size" in baseline:
         cfg["cis"] = {"block_size": baseline["block_size"]}
     return Variant(label, family or name, cfg, note=note, extra=dict(baseline))
 
 
-def match_hshare(target: float, layers: int, heads: int) -> tuple[float, float, float]:
-    """HShare ``(query, head, layer)`` share ratios whose ρ̂ ``(n_h/H)(n_l/N)/P`` is nearest ``target``.
+def match_hshare(target: float, layers: int, heads: int) -> dict[str, float]:
+    """HShare's ``baseline.share_ratio`` / ``head_share_ratio`` / ``layer_share_ratio`` whose ρ̂
+    ``(n_h/H)(n_l/N)/P`` is nearest ``target``.
 
     Among near-ties (within 2 % of the target), the most balanced levels win (keep fractions
     closest to HShare's usual 1/2 per level).
@@ -275,7 +275,7 @@ def match_hshare(target: float, layers: int, heads: int) -> tuple[float, float, 
                 if best is None or key < best[0]:
                     best = (key, period, n_h, n_l)
     _, period, n_h, n_l = best
-    return 1 - 1 / period, 1 - n_h / heads, 1 - n_l / layers
+    return {"share_ratio": 1 - 1 / period, "head_share_ratio": 1 - n_h / heads, "layer_share_ratio": 1 - n_l / layers}
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,9 +287,6 @@ def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, dev
     """Patch, run every prompt teacher-forced, unpatch; the row of measurements."""
     prhs_hf.patch(model, variant.config)
     rt = model._prhs_runtime
-    if variant.hshare is not None:
-        q, h, l = variant.hshare
-        rt.selector = HShareSelector(rt.resolved.num_layers, model.config.num_attention_heads, q, h, l)
     rt.telemetry = RoutingTelemetry(rt.telemetry)
     h_err, l_err, top1 = [], [], []
     start = time.perf_counter()
@@ -328,9 +325,6 @@ def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, dev
         "oracle_rows": o.rows,
         "seconds": time.perf_counter() - start,
     }
-    if variant.hshare is not None:
-        row["settings"] = {**row["settings"], "query_share": variant.hshare[0], "head_share": variant.hshare[1],
-                           "layer_share": variant.hshare[2]}
     return row
 
 
@@ -557,10 +551,8 @@ def run_matched(run, budget: dict[str, int], cis: dict, layers: int, heads: int,
                              **tag, note=f"topk raised to {name}'s processed KV (paper: +~1/6)"))
     run(baseline_variant(budget, "random_expansion", f"RandomExpansion s={block}", block_size=block, seed=cis["seed"],
                          **tag, note=f"block size matched to {name}'s ρ̂"))
-    hs = baseline_variant(budget, "hshare", f"HShare-matched@{name}", family="hshare", **tag,
-                          note=f"share ratios chosen to match {name}'s ρ̂")
-    hs.hshare = match_hshare(rho, layers, heads)
-    run(hs)
+    run(baseline_variant(budget, "hshare", f"HShare-matched@{name}", family="hshare", **tag,
+                         **match_hshare(rho, layers, heads), note=f"share ratios chosen to match {name}'s ρ̂"))
 
 
 def run_schedule(run, budget: dict[str, int], args: argparse.Namespace, layers: int, heads: int) -> None:
@@ -581,9 +573,8 @@ def run_schedule(run, budget: dict[str, int], args: argparse.Namespace, layers: 
     for cis in points:
         run_matched(run, budget, {**cis, "seed": args.seed}, layers, heads, full=not args.quick)
     if not args.quick:
-        hs2 = baseline_variant(budget, "hshare", "HShare-2 (½,½,½)", family="hshare", note="the paper's HShare-2")
-        hs2.hshare = (0.5, 0.5, 0.5)
-        run(hs2)
+        run(baseline_variant(budget, "hshare", "HShare-2 (½,½,½)", family="hshare", note="the paper's HShare-2",
+                             share_ratio=0.5, head_share_ratio=0.5, layer_share_ratio=0.5))
     run(baseline_variant(budget, "quest", "Quest", page_size=args.page_size))
     run(baseline_variant(budget, "h2o", "H2O"))
     run(baseline_variant(budget, "streaming", "StreamingLLM"))

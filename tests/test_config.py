@@ -52,6 +52,13 @@ def test_dense_config_switches_everything_off():
         ({"telemetry": {"oracle": 1}}, "telemetry.oracle"),
         ({"budget": {"topk": 9}, "cis": {"dilation_topm": 10}}, "cis.dilation_topm"),
         ({"budget": {"sink": None}}, "budget.sink"),
+        ({"baseline": {"share_ratio": 1.0}}, "baseline.share_ratio"),
+        ({"baseline": {"head_share_ratio": 1.0}}, "baseline.head_share_ratio"),
+        ({"baseline": {"head_share_ratio": -0.25}}, "baseline.head_share_ratio"),
+        ({"baseline": {"head_share_ratio": "1/4"}}, "baseline.head_share_ratio"),
+        ({"baseline": {"layer_share_ratio": 1}}, "baseline.layer_share_ratio"),
+        ({"baseline": {"layer_share_ratio": None}}, "baseline.layer_share_ratio"),
+        ({"baseline": {"layer_share_ratio": float("nan")}}, "baseline.layer_share_ratio"),
     ],
 )
 def test_bad_values_name_the_key(data, key):
@@ -63,6 +70,15 @@ def test_bad_values_name_the_key(data, key):
 def test_range_errors_state_the_allowed_range():
     with pytest.raises(ConfigError, match=r"psaw.phi: 0.0 is out of range; allowed \(0.0, 1.0\]"):
         load_config({"psaw": {"phi": 0}})
+
+
+def test_share_ratios_are_below_one():
+    cfg = load_config(CONFIGS / "cis.yaml")
+    assert (cfg.baseline.share_ratio, cfg.baseline.head_share_ratio, cfg.baseline.layer_share_ratio) == (0.875, 0.5, 0.5)
+    cfg = load_config({"baseline": {"name": "hshare", "head_share_ratio": 0, "layer_share_ratio": 0.999}})
+    assert (cfg.baseline.head_share_ratio, cfg.baseline.layer_share_ratio) == (0.0, 0.999)
+    with pytest.raises(ConfigError, match=r"baseline.layer_share_ratio: 1.0 is out of range; allowed \[0.0, 1.0\)"):
+        load_config({"baseline": {"layer_share_ratio": 1.0}})
 
 
 def test_layer_ranges_checked_against_the_model():

@@ -115,6 +115,16 @@ def test_unknown_config_is_refused() -> None:
         assert accuracy_configs.load_named_config(accuracy_configs.named_config(name)).telemetry.enabled
 
 
+def test_hshare_rows_are_the_papers_two_settings() -> None:
+    assert "hshare" not in accuracy_configs.ACCURACY_CONFIGS
+    for name, rho in (("hshare-1", 0.281), ("hshare-2", 0.125)):
+        cfg = accuracy_configs.load_named_config(accuracy_configs.named_config(name))
+        b = cfg.baseline
+        assert b.name == "hshare" and (cfg.budget.sink, cfg.budget.local, cfg.budget.topk) == (8, 32, 88)
+        kept = (1 - b.share_ratio) * (1 - b.head_share_ratio) * (1 - b.layer_share_ratio)
+        assert kept == pytest.approx(rho, abs=5e-4)
+
+
 def test_gpu_plan_carries_one_piece_per_call(tmp_path) -> None:
     repo = pack_for_gpu.REPO
     pieces = [repo / ".xfer" / "models" / "m" / f"m.gguf.{i:03d}" for i in range(3)]

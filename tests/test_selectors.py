@@ -9,6 +9,7 @@ import torch
 
 import prhs_hf
 from prhs_hf.decode import DecodeParams
+from prhs_hf.lm_eval import accuracy_configs
 from prhs_hf.geometry import SequenceGeometry
 from prhs_hf.selectors import (
     SELECTORS,
@@ -392,15 +393,15 @@ def _patched(name, **extra):
     return model, rt.selector
 
 
-def _expected_ratio(name, steps, layers=4):
+def _expected_ratio(name, steps, layers=4, period=8, heads_kept=2, layers_kept=2):
+    """ρ̂ of ``name`` over ``steps`` sparse steps; HShare's defaults (0.875, 1/2, 1/2): P = 8, 2 of 4 heads / layers."""
     if name in ("oracle", "quest", "h2o"):
         return 1.0
     if name == "streaming":
         return 0.0
     if name in ("direct_reuse", "random_expansion"):
         return math.ceil(steps / 4) / steps
-    refreshes = math.ceil(steps / 8)  # share_ratio 0.875: P = 8; head and layer ratio 1/2
-    return refreshes / steps / 4
+    return math.ceil(steps / period) / steps * heads_kept / HQ * layers_kept / layers
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -434,6 +435,29 @@ def test_generate_with_every_selector(name):
     o = report.oracle
     assert o is not None and o.rows == steps * 4 * 2 * 4
     assert -1e-6 <= o.beta_emp <= 1 and 0 <= o.overlap_top50 <= 1
+
+
+@pytest.mark.parametrize("row, rho, reps", [
+    ("hshare-1", 0.28125, ([0, 0, 2, 3], [0, 0, 2, 3])),  # 1/2 · 3/4 · 3/4: 3 groups of 4 heads and of 4 layers
+    ("hshare-2", 0.125, ([0, 0, 2, 2], [0, 0, 2, 2])),  # 1/2 · 1/2 · 1/2
+])
+def test_hshare_paper_settings(row, rho, reps):
+    """The accuracy table's HShare rows reach the selector through the config keys and give the paper's ρ̂."""
+    baseline = dict(accuracy_configs.ACCURACY_CONFIGS[row].overrides["baseline"])
+    model, rec = _patched("hshare", baseline=baseline)
+    sel = rec.inner
+    assert (sel.period, sel.head_rep, sel.layer_rep) == (2, *reps)
+    assert sel.expected_ratio == pytest.approx(rho)
+    ids = torch.randint(1, 128, (2, 50), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=15, do_sample=False)
+    report = prhs_hf.telemetry(model)
+    prhs_hf.unpatch(model)
+    assert (report.decode_steps, report.sparse_steps) == (14, 2 * 14)  # 7 whole periods, both sequences sparse
+    assert report.retrieval_ratio == pytest.approx(rho)
+    kept = [len(set(r)) for r in reps]
+    assert report.retrieval_ratio == pytest.approx(_expected_ratio("hshare", 14, period=2, heads_kept=kept[0],
+                                                                   layers_kept=kept[1]))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -502,3 +526,7 @@ def test_make_selector_registry():
         assert type(sel) is cls
     assert make_selector(prhs_hf.load_config({"baseline": {"name": "quest", "page_size": 8}}).resolve(2), 4).page_size == 8
     assert make_selector(prhs_hf.load_config({"baseline": {"name": "hshare", "share_ratio": 0.5}}).resolve(2), 4).period == 2
+    hs = make_selector(prhs_hf.load_config({"baseline": {"name": "hshare", "head_share_ratio": 0.75,
+                                                         "layer_share_ratio": 0.0}}).resolve(3), 4)
+    assert (hs.period, hs.head_rep, hs.layer_rep) == (8, [0, 0, 0, 0], [0, 1, 2])
+    assert (hs.head_share, hs.layer_share) == (0.75, 0.0)

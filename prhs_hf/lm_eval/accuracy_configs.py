@@ -3,7 +3,10 @@
 Each is a YAML of ``configs/`` plus overrides in the config schema. ``cis-s{8,16,20}`` sweep the CIS
 block size s; ``cis*`` is CIS with a smaller top-k (72, so a lower ρ̂); the baselines replace CIS in
 decode with the same 8/32/88 budget through ``baseline.name`` (their selectors may not exist yet:
-patching then raises ``NotImplementedError``). Anything else given as a name is a YAML path.
+patching then raises ``NotImplementedError``). HShare appears at the paper's two settings of
+(query, head, layer) sharing ratios: ``hshare-1`` (1/2, 1/4, 1/4: ρ̂ = 1/2 · 3/4 · 3/4 ≈ 28.1 %)
+and ``hshare-2`` (1/2, 1/2, 1/2: ρ̂ = 12.5 %), as ``baseline.share_ratio`` /
+``head_share_ratio`` / ``layer_share_ratio``. Anything else given as a name is a YAML path.
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
         NamedConfig("cis-s20", "configs/cis.yaml", {"cis": {"block_size": 20}}),
         NamedConfig("cis*", "configs/cis.yaml", {"budget": {"topk": 72}}),
         NamedConfig("cpe", "configs/cpe.yaml"),
-        NamedConfig("hshare", "configs/cis.yaml", {"baseline": {"name": "hshare"}}),
+        NamedConfig("hshare-1", "configs/cis.yaml", {"baseline": {
+            "name": "hshare", "share_ratio": 0.5, "head_share_ratio": 0.25, "layer_share_ratio": 0.25}}),
+        NamedConfig("hshare-2", "configs/cis.yaml", {"baseline": {
+            "name": "hshare", "share_ratio": 0.5, "head_share_ratio": 0.5, "layer_share_ratio": 0.5}}),
         NamedConfig("quest", "configs/cis.yaml", {"baseline": {"name": "quest"}}),
         NamedConfig("h2o", "configs/cis.yaml", {"baseline": {"name": "h2o"}}),
     )

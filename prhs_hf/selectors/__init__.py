@@ -33,7 +33,9 @@ SELECTORS: dict[str, Callable[[ResolvedConfig, int], Selector]] = {
     "streaming": lambda r, h: StreamingSelector(),
     "h2o": lambda r, h: H2OSelector(),
     "quest": lambda r, h: QuestSelector(r.config.baseline.page_size),
-    "hshare": lambda r, h: HShareSelector(r.num_layers, h, query_share=r.config.baseline.share_ratio),
+    "hshare": lambda r, h: HShareSelector(
+        r.num_layers, h, query_share=r.config.baseline.share_ratio, head_share=r.config.baseline.head_share_ratio,
+        layer_share=r.config.baseline.layer_share_ratio),
     "direct_reuse": lambda r, h: DirectReuseSelector(r.config.cis.block_size),
     "random_expansion": lambda r, h: RandomExpansionSelector(r.config.cis.block_size, r.config.baseline.seed),
 }

@@ -10,23 +10,25 @@ without dilation. The scheme implemented here:
   ``P = ceil(1 / (1 - r_q))`` decode steps, counted from the first decode step (steps
   ``0, P, 2P, ...``), and reused unchanged (clipped to the current middle) in between. A
   sequence that becomes active between refreshes refreshes at once.
-- Head level, ratio ``r_h``: the ``Hq`` query heads are cut into ``n_h = max(1, round(Hq (1 - r_h)))``
-  contiguous groups of (nearly) equal size; at a refresh the first head of each group computes
-  the exact top-k of the middle with its own query (the CIS retrieval) and every head of the
-  group takes those indices. (HShare clusters heads offline by index similarity; contiguous
+- Head level, ratio ``r_h`` (``baseline.head_share_ratio``): the ``Hq`` query heads are cut into
+  ``n_h = max(1, round(Hq (1 - r_h)))`` contiguous groups of (nearly) equal size; at a refresh
+  the first head of each group computes the exact top-k of the middle with its own query (the
+  CIS retrieval) and every head of the group takes those indices. (HShare clusters heads offline by index similarity; contiguous
   groups are the calibration-free stand-in, and with GQA they keep query heads of the same KV
   head together.)
-- Layer level, ratio ``r_l``: the ``N`` layers are cut into ``n_l = max(1, round(N (1 - r_l)))``
-  contiguous groups of adjacent layers; only a group's first layer retrieves (at a refresh), and
-  the later layers of the group take its indices of the same step. (HShare picks the sharing
+- Layer level, ratio ``r_l`` (``baseline.layer_share_ratio``): the ``N`` layers are cut into
+  ``n_l = max(1, round(N (1 - r_l)))`` contiguous groups of adjacent layers; only a group's
+  first layer retrieves (at a refresh), and the later layers of the group take its indices of
+  the same step. (HShare picks the sharing
   layers offline by similarity; adjacent layers are the calibration-free stand-in.)
 
 Every layer's set is ``sink ∪ clip(shared top-k) ∪ local`` with its own middle region. Only the
 representative heads of representative layers retrieve, at refresh steps, so
-``ρ̂ ≈ (n_h / Hq) (n_l / N) / P``: with the defaults ``r_h = r_l = 1/2`` (the paper's HShare-2
-setting of ratios 1/2, 1/2, 1/2 gives 12.5 %) and ``baseline.share_ratio = 0.875`` (P = 8),
-ρ̂ ≈ 1/32. The head and layer ratios are constructor arguments (the config has one
-``share_ratio``); ``scripts/selection_quality.py`` sets them to match CIS's ρ̂.
+``ρ̂ ≈ (n_h / Hq) (n_l / N) / P``: with the defaults ``r_h = r_l = 1/2`` and
+``baseline.share_ratio = 0.875`` (P = 8), ρ̂ ≈ 1/32. The paper's settings are HShare-1
+(``r_q, r_h, r_l = 1/2, 1/4, 1/4``: ρ̂ = 1/2 · 3/4 · 3/4 ≈ 28.1 %) and HShare-2 (1/2, 1/2, 1/2:
+12.5 %), the ``hshare-1`` / ``hshare-2`` rows of :mod:`prhs_hf.lm_eval.accuracy_configs`;
+``scripts/selection_quality.py`` picks the three ratios to match CIS's ρ̂.
 """
 
 from __future__ import annotations
