@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ._common import HAS_TRITON
+from . import library_ops
 from .cis_match import cis_match, cis_match_reference
 from .compose_indices import (
     compose_from_sets,
@@ -63,16 +64,18 @@ REFERENCE_OPS = DecodeOps(
     compose_from_sets=compose_from_sets_reference,
 )
 
-#: The Triton launchers (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``). Importable
-#: without Triton; calling them then raises (check ``HAS_TRITON``).
+#: The Triton launchers (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), called
+#: directly in eager mode and as ``torch.ops.prhs.*`` custom ops under ``torch.compile``
+#: (library_ops.py). Importable without Triton; calling them then raises (check ``HAS_TRITON``).
+_via = library_ops.compiled_or_eager
 TRITON_OPS = DecodeOps(
     name="triton",
-    cis_match=cis_match,
-    topk_retrieval=topk_retrieval,
-    compose_indices=compose_indices,
-    sparse_decode_attention=sparse_decode_attention,
-    dilated_set=dilated_set,
-    compose_from_sets=compose_from_sets,
+    cis_match=_via(cis_match),
+    topk_retrieval=_via(topk_retrieval),
+    compose_indices=_via(compose_indices),
+    sparse_decode_attention=_via(sparse_decode_attention),
+    dilated_set=_via(dilated_set),
+    compose_from_sets=_via(compose_from_sets),
 )
 
 

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 import torch
+
+from .kernels import decode_ops as ops
+from .kernels import prefill_attention as pa
+from .kernels._common import HAS_TRITON, interpreting
 
 __all__ = ["decode_ops", "prefill_function", "triton_usable"]
 
 
 def triton_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA, or on the CPU under ``TRITON_INTERPRET=1``."""
-    import os
-
-    try:
-        importlib.import_module("triton")
-    except ImportError:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return HAS_TRITON and (device.type == "cuda" or interpreting())
 
 
 def _pick(name: str, device: torch.device, key: str) -> str:
@@ -34,8 +31,6 @@ def _pick(name: str, device: torch.device, key: str) -> str:
 
 def decode_ops(name: str, device: torch.device):
     """The ops table (cis_match, topk_retrieval, compose_indices, sparse_decode_attention) for ``backend.decode``."""
-    from .kernels import decode_ops as ops
-
     choice = _pick(name, device, "backend.decode")
     return ops.TRITON_OPS if choice == "triton" else ops.REFERENCE_OPS
 
@@ -47,6 +42,4 @@ def prefill_function(name: str, device: torch.device) -> Callable:
         from .kernels.flex_prefill import flex_prefill_attention
 
         return flex_prefill_attention
-    from .kernels import prefill_attention as pa
-
     return pa.prefill_attention if choice == "triton" else pa.prefill_attention_reference

@@ -42,6 +42,11 @@ class CISLayerState:
         b, h, _, d = self.anchor_q.shape
         return (b, h, d) == (batch, heads, head_dim) and self.anchor_q.device == device
 
+    def reset(self) -> None:
+        """Start over (a new prompt) in place: no anchors, step 0; the addresses stay the same."""
+        self.anchor_count.zero_()
+        self.step.zero_()
+
     def begin_step(self) -> None:
         """Clear the anchors at the first step of every block of ``s`` decode steps."""
         block_start = torch.remainder(self.step, self.block_size) == 0

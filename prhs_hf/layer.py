@@ -78,11 +78,13 @@ class PrHSLayer:
         batch, q_len = hidden_states.shape[:2]
         if q_len == 1:
             return
-        # a new prompt: CIS starts over at the first decode step, in buffers allocated now, outside
-        # any compiled decode step, so that the step only mutates them in place
-        self.state = None
+        # a new prompt: CIS starts over at the first decode step, in buffers allocated (or reset)
+        # now, outside any compiled decode step, so that the step only mutates them in place and a
+        # compiled step keeps seeing the same buffers from one generate() call to the next
         if self.cis and self.runtime.selector is None:
-            self._cis_state(batch, hidden_states.device)
+            self._cis_state(batch, hidden_states.device).reset()
+        else:
+            self.state = None
         if not (self.psaw_prefill or self.etf):
             return
         mask = kwargs.get("attention_mask")

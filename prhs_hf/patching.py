@@ -62,6 +62,8 @@ def _make_pre_hook(layer, first: bool):
         hidden = args[0] if args else kwargs["hidden_states"]
         if first:
             _check_cache(kwargs.get("past_key_values"))
+            if hidden.shape[1] > 1:
+                layer.runtime.prepare(hidden.device)
             mask = kwargs.get("attention_mask")
             # the padding layout is fixed at prefill: check it there (it synchronises), not per decode step
             if mask is not None and hidden.shape[1] > 1 and not torch.compiler.is_compiling():

@@ -29,6 +29,16 @@ class PrHSRuntime:
         self._ops: dict[torch.device, object] = {}
         self._prefill: dict[torch.device, Callable] = {}
 
+    def prepare(self, device: torch.device) -> None:
+        """At a prefill (eager): pick the backends and allocate the telemetry counters for ``device``,
+        so that a compiled decode step that follows only looks them up."""
+        if self.selector is not None or self.resolved.config.cis.enabled:
+            self.decode_ops(device)
+        if any(layer.psaw_prefill or layer.etf for layer in self.layers):
+            self.prefill_function(device)
+        if self.telemetry is not None:
+            self.telemetry.prepare(device)
+
     def decode_ops(self, device: torch.device):
         """The decode ops table for ``device`` (chosen once per device)."""
         if device not in self._ops:
@@ -52,7 +62,8 @@ class PrHSRuntime:
     def reset(self) -> None:
         """Forget CIS anchors and telemetry (a new, unrelated generation follows)."""
         for layer in self.layers:
-            layer.state = None
+            if layer.state is not None:
+                layer.state.reset()  # in place: a compiled decode step keeps its buffers
             layer.plan = None
         if self.selector is not None:
             self.selector.reset()

@@ -82,6 +82,10 @@ def oracle_statistics(probs: torch.Tensor, selected: torch.Tensor) -> dict[str, 
     return {"retained": retained, "oracle": oracle_mass, "overlap": overlap, "overlap_half": overlap_half}
 
 
+#: the oracle comparison's counters (telemetry.oracle)
+ORACLE_COUNTERS = ("o_rows", "o_retained", "o_beta", "o_overlap", "o_overlap_half", "o_context")
+
+
 class Telemetry:
     """Device-side counters for every patched layer of one model."""
 
@@ -98,6 +102,18 @@ class Telemetry:
         buffer = torch.zeros(shape, dtype=torch.float64, device=device)
         torch._dynamo.mark_static_address(buffer)
         self._t[name] = buffer
+
+    def prepare(self, device: torch.device) -> None:
+        """Allocate every counter on ``device`` now (eager, at prefill), so a compiled decode step
+        finds them all and only accumulates in place."""
+        layers, heads = (self.num_layers,), (self.num_layers, self.num_heads)
+        shapes = {"decode_steps": (), "processed": layers, "dense": layers, "rows": layers, "sparse_rows": layers,
+                  "retrievals": heads, "prefill_rows": layers, "prefill_frozen": layers}
+        if self.oracle:
+            shapes.update({name: () for name in ORACLE_COUNTERS})
+        for name, shape in shapes.items():
+            if name not in self._t or self._t[name].device != device:
+                self._allocate(name, shape, device)
 
     def _acc(self, name: str, value: torch.Tensor, layer: int | None = None, shape: tuple = ()) -> None:
         if name not in self._t:
@@ -184,7 +200,7 @@ class Telemetry:
             dense_kv_per_step=float(dense.sum()) / n_rows if n_rows else 0.0,
             per_layer_retrieval_ratio=per_layer_ratio,
             per_layer_processed_kv=[float(processed[i] / rows[i]) if rows[i] else 0.0 for i in range(self.num_layers)],
-            per_head_retrievals=[] if retrievals is None else retrievals.long().tolist(),
+            per_head_retrievals=retrievals.long().tolist() if cis_layers else [],
             prefill_rows=v.get("prefill_rows", zeros).long().tolist(),
             prefill_rows_frozen=v.get("prefill_frozen", zeros).long().tolist(),
             oracle=oracle,

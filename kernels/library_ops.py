@@ -1,0 +1,144 @@
+"""The Triton decode launchers as ``torch.library`` custom ops, for ``torch.compile``.
+
+Dynamo cannot trace a Triton launcher that runs in the interpreter, and tracing a real one
+specialises on its Python-side heuristics (grid sizes, autotuning). Registered as custom ops
+(namespace ``prhs``) with a fake implementation that gives the output shapes, each launcher is
+one opaque node of the graph: the graph compiles with ``fullgraph=True`` and replays under CUDA
+graphs, and the launcher runs unchanged inside it.
+
+:func:`compiled_or_eager` makes the functions of ``decode_ops.TRITON_OPS``: in eager mode they
+call the launcher directly (a custom op adds dispatcher overhead to every call), under
+``torch.compile`` they call the op.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from .cis_match import cis_match
+from .compose_indices import compose_from_sets, compose_indices, dilate_mask, dilated_set, dilated_set_size
+from .sparse_decode_attention import sparse_decode_attention
+from .topk_retrieval import topk_retrieval
+
+__all__ = ["compiled_or_eager"]
+
+Tensor = torch.Tensor
+
+
+def _int32(*shape, like: Tensor) -> Tensor:
+    return like.new_empty(shape, dtype=torch.int32)
+
+
+@torch.library.custom_op("prhs::cis_match", mutates_args=())
+def cis_match_op(q: Tensor, anchor_q: Tensor, anchor_count: Tensor, active: Tensor, tau: float) -> Tensor:
+    return cis_match(q, anchor_q, anchor_count, active, tau)
+
+
+@cis_match_op.register_fake
+def _(q, anchor_q, anchor_count, active, tau):
+    return _int32(q.shape[0], q.shape[1], like=q)
+
+
+@torch.library.custom_op("prhs::topk_retrieval", mutates_args=())
+def topk_retrieval_op(
+    q: Tensor, k_cache: Tensor, pad: Tensor, lo: Tensor, hi: Tensor, retrieve: Tensor, k: int, scale: float
+) -> Tensor:
+    return topk_retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
+
+
+@topk_retrieval_op.register_fake
+def _(q, k_cache, pad, lo, hi, retrieve, k, scale):
+    return _int32(q.shape[0], q.shape[1], int(k), like=q)
+
+
+@torch.library.custom_op("prhs::dilated_set", mutates_args=())
+def dilated_set_op(sel_idx: Tensor, rows: Tensor, dil_m: int, dil_r: int) -> Tensor:
+    return dilated_set(sel_idx, rows, dil_m, dil_r)
+
+
+@dilated_set_op.register_fake
+def _(sel_idx, rows, dil_m, dil_r):
+    B, H, K = sel_idx.shape
+    r = max(int(dil_r), 0)
+    m = min(int(dil_m), K) if r > 0 else 0
+    return _int32(B, H, dilated_set_size(K, m, r), like=sel_idx)
+
+
+@torch.library.custom_op("prhs::compose_from_sets", mutates_args=())
+def compose_from_sets_op(
+    t: Tensor, lo: Tensor, hi: Tensor, win_start: Tensor, best: Tensor, anchor_sets: Tensor, new_set: Tensor,
+    sink: int, cap: int,
+) -> tuple[Tensor, Tensor]:
+    return compose_from_sets(t, lo, hi, win_start, best, anchor_sets, new_set, sink, cap)
+
+
+@compose_from_sets_op.register_fake
+def _(t, lo, hi, win_start, best, anchor_sets, new_set, sink, cap):
+    B, H = best.shape
+    return _int32(B, H, int(cap), like=best), _int32(B, H, like=best)
+
+
+@torch.library.custom_op("prhs::compose_indices", mutates_args=())
+def compose_indices_op(
+    t: Tensor, lo: Tensor, hi: Tensor, win_start: Tensor, sel_idx: Tensor, dilate: Tensor,
+    sink: int, dil_m: int, dil_r: int, cap: int,
+) -> tuple[Tensor, Tensor]:
+    return compose_indices(t, lo, hi, win_start, sel_idx, dilate, sink, dil_m, dil_r, cap)
+
+
+@compose_indices_op.register_fake
+def _(t, lo, hi, win_start, sel_idx, dilate, sink, dil_m, dil_r, cap):
+    B, H = sel_idx.shape[:2]
+    return _int32(B, H, int(cap), like=sel_idx), _int32(B, H, like=sel_idx)
+
+
+@torch.library.custom_op("prhs::sparse_decode_attention", mutates_args=())
+def sparse_decode_attention_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, idx: Tensor, count: Tensor, scale: float
+) -> Tensor:
+    return sparse_decode_attention(q, k_cache, v_cache, pad, idx, count, scale)
+
+
+@sparse_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, pad, idx, count, scale):
+    return torch.empty_like(q)
+
+
+def _dilate_tensor(sel_idx: Tensor, dilate) -> Tensor:
+    if isinstance(dilate, torch.Tensor):
+        return dilate
+    return dilate_mask(dilate, sel_idx.shape[0], sel_idx.shape[1], sel_idx.device)
+
+
+def _compose_indices_via_op(t, lo, hi, win_start, sel_idx, dilate, sink, dil_m, dil_r, cap):
+    return compose_indices_op(t, lo, hi, win_start, sel_idx, _dilate_tensor(sel_idx, dilate), sink, dil_m, dil_r, cap)
+
+
+def _dilated_set_via_op(sel_idx, rows, dil_m, dil_r):
+    return dilated_set_op(sel_idx, _dilate_tensor(sel_idx, rows), dil_m, dil_r)
+
+
+_OPS: dict[Callable, Callable] = {
+    cis_match: cis_match_op,
+    topk_retrieval: topk_retrieval_op,
+    dilated_set: _dilated_set_via_op,
+    compose_from_sets: compose_from_sets_op,
+    compose_indices: _compose_indices_via_op,
+    sparse_decode_attention: sparse_decode_attention_op,
+}
+
+
+def compiled_or_eager(launcher: Callable) -> Callable:
+    """``launcher`` itself in eager mode, its custom op while ``torch.compile`` traces."""
+    op = _OPS[launcher]
+
+    @functools.wraps(launcher)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return op(*args, **kwargs)
+        return launcher(*args, **kwargs)
+
+    return call

@@ -1,0 +1,75 @@
+"""The decode step under torch.compile: one whole graph (fullgraph), no recompilation, same tokens.
+
+transformers compiles the decode forward itself when generate() runs with a StaticCache. These
+tests make it do so on the CPU (``CompileConfig._compile_all_devices``) with ``fullgraph=True``,
+so any graph break in the PrHS decode path fails them, and with the ``aot_eager`` backend (the
+graph Dynamo captures, without inductor's minutes of C++ compilation). The Triton decode path
+runs in the interpreter here: the launchers enter the graph as ``torch.ops.prhs.*`` custom ops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers.generation.configuration_utils import CompileConfig
+
+import prhs_hf
+from prhs_hf.kernels._common import HAS_TRITON, interpreting
+from tiny_models import padded_batch, tiny_model
+
+SMALL = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}, "telemetry": {"enabled": True}}
+
+def _compile_config() -> CompileConfig:
+    config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    return config
+
+
+def _generate(model, ids, mask, compiled: bool, new_tokens: int = 14):
+    prhs_hf.reset(model)
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+        compile_config=_compile_config(), disable_compile=not compiled,
+    )
+    return out, prhs_hf.telemetry(model)
+
+
+@pytest.mark.parametrize("config", ["cis.yaml", "cpe.yaml"])
+def test_compiled_static_decode_is_one_graph_with_eager_tokens(config):
+    model = tiny_model("llama")
+    ids, mask = padded_batch([150, 110])
+    prhs_hf.patch(model, f"configs/{config}", overrides={**SMALL, "backend": {"decode": "torch", "prefill": "torch"}})
+    torch._dynamo.reset()
+    counters.clear()
+    # compiled first, on a fresh patch: nothing was resolved or allocated by an eager decode step
+    compiled, r_compiled = _generate(model, ids, mask, compiled=True)
+    eager, r_eager = _generate(model, ids, mask, compiled=False)
+    again, r_again = _generate(model, ids, mask, compiled=True)  # a second prompt reuses the graph
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(compiled, eager)
+    assert torch.equal(again, eager)
+    # the step did sparse work, and telemetry accumulated on the device inside the graph
+    assert r_eager.sparse_steps > 0 and r_eager.retrieval_ratio < 1.0
+    for report in (r_compiled, r_again):
+        assert report.decode_steps == r_eager.decode_steps == 13
+        assert report.retrieval_ratio == r_eager.retrieval_ratio
+        assert report.processed_kv_per_step == r_eager.processed_kv_per_step
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs Triton with TRITON_INTERPRET=1")
+def test_compiled_triton_decode_is_one_graph_with_eager_tokens():
+    """The Triton launchers enter the graph as torch.ops.prhs.* (the interpreter cannot be traced)."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([90, 70])
+    prhs_hf.patch(model, "configs/cpe.yaml", overrides={**SMALL, "backend": {"decode": "triton", "prefill": "torch"}})
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, r_compiled = _generate(model, ids, mask, compiled=True, new_tokens=7)
+    eager, r_eager = _generate(model, ids, mask, compiled=False, new_tokens=7)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(compiled, eager)
+    assert r_eager.sparse_steps > 0
+    assert r_compiled.retrieval_ratio == r_eager.retrieval_ratio
