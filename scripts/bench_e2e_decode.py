@@ -17,19 +17,18 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import platform
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the cache grows every step
+import torch
+import transformers
+from torch._dynamo.utils import counters
+from tqdm import tqdm
+from transformers.generation.configuration_utils import CompileConfig
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import prhs_hf  # noqa: E402
+import prhs_hf
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,6 +80,11 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
+#: how the static mode compiles: transformers' default (inductor, CUDA graphs) with fullgraph=True,
+#: so a graph break in the decode step fails the cell instead of silently running at eager speed
+COMPILE_CONFIG = CompileConfig(fullgraph=True, mode="reduce-overhead")
+
+
 def run_generate(model, ids, new_tokens: int, static_cache=None):
     """One generate() call; ``static_cache`` (reset here) makes it a static-cache, compiled run."""
     clock = StepClock(ids.device)
@@ -89,6 +93,7 @@ def run_generate(model, ids, new_tokens: int, static_cache=None):
     if static_cache is not None:
         static_cache.reset()
         kwargs["past_key_values"] = static_cache
+        kwargs["compile_config"] = COMPILE_CONFIG
     if ids.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -111,6 +116,56 @@ def run_generate(model, ids, new_tokens: int, static_cache=None):
     }
 
 
+#: kernel-name patterns -> family, first match wins (our Triton kernels, then cuBLAS/attention/rest)
+KERNEL_FAMILIES = (
+    ("cis match", ("_cis_match_kernel",)),
+    ("retrieval", ("_compact_rows_kernel", "_score_kernel", "_select_kernel")),
+    ("composition", ("_dilated_set_kernel", "_compose_sets_kernel", "_compose_kernel")),
+    ("sparse attention", ("_sparse_attn_kernel", "_combine_kernel")),
+    ("dense attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+    ("linear (proj, MLP, head)", ("gemm", "gemv", "nvjet", "sm90_", "sm80_", "cutlass", "xmma", "cublas", "splitk")),
+)
+
+
+def _family(kernel: str) -> str:
+    name = kernel.lower()
+    for family, patterns in KERNEL_FAMILIES:
+        if any(p.lower() in name for p in patterns):
+            return family
+    return "other kernels"
+
+
+def step_breakdown(model, ids, steps: int, static_cache=None) -> dict:
+    """Per decode step: GPU kernel time by family (torch.profiler, CUDA graphs included) and the rest.
+
+    Profiles a generate() of ``steps + 2`` tokens; the prefill's kernels are left out by
+    profiling a generate of 2 tokens (prefill and one decode step) first and subtracting it.
+    The step time is the profiled run's (the profiler slows launches a little).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernel_ms(new_tokens):
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            timing = run_generate(model, ids, new_tokens, static_cache)
+        fam: dict[str, float] = {}
+        for evt in prof.events():
+            if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0:
+                fam[_family(evt.name)] = fam.get(_family(evt.name), 0.0) + evt.device_time_total / 1000.0
+        return fam, timing
+
+    base, _ = kernel_ms(2)
+    if prhs_hf.is_patched(model):
+        prhs_hf.reset(model)
+    full, timing = kernel_ms(steps + 2)
+    out = {k: max(full.get(k, 0.0) - base.get(k, 0.0), 0.0) / steps for k in set(full) | set(base)}
+    out = {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+    gpu = sum(out.values())
+    out["all kernels"] = round(gpu, 3)
+    out["step (profiled)"] = round(timing["ms_per_step"], 3)
+    out["not kernels (launch, Python, idle)"] = round(max(timing["ms_per_step"] - gpu, 0.0), 3)
+    return out
+
+
 def write_results(rows, args, argv, device, new_tokens) -> None:
     """Speedups against the dense row of the same mode, then the table and the JSON (after every row)."""
     for row in rows:
@@ -131,19 +186,38 @@ def write_results(rows, args, argv, device, new_tokens) -> None:
         sp = f"{r['speedup_vs_dense_same_mode']:.2f}×" if "speedup_vs_dense_same_mode" in r else "–"
         lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | {r['decode_tok_s']:.1f} | "
                      f"{r['ms_per_step']:.2f} | {sp} | {r['prefill_s']:.2f} | {r['peak_gib']:.1f} | {rho} | {kv} |")
+    breakdowns = [r for r in rows if "breakdown_ms_per_step" in r]
+    if breakdowns:
+        families = list(dict.fromkeys(k for r in breakdowns for k in r["breakdown_ms_per_step"]))
+        lines += ["", "Per decode step, ms (torch.profiler; GPU time by kernel family, then the rest):", "",
+                  "| shape | B | prompt | mode | config | " + " | ".join(families) + " |", "|" + "---|" * (5 + len(families))]
+        for r in breakdowns:
+            b = r["breakdown_ms_per_step"]
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | "
+                         + " | ".join(f"{b[k]:.2f}" if k in b else "–" for k in families) + " |")
+    compiled = [r for r in rows if "compiled_graphs" in r]
+    if compiled:
+        lines += ["", "Static mode, what was compiled (fullgraph=True, reduce-overhead): "
+                  + "; ".join(f"{r['config']} B{r['batch']} L{r['prompt']}: {r['compiled_graphs']} graph(s), "
+                              f"{r['graph_breaks']} break(s), warm-up {r['warmup_s']:.0f} s" for r in compiled)]
     table = "\n".join(lines)
     meta = {
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "commands": None,  # every command whose rows are here (--resume), filled in below
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "new_tokens": new_tokens,
-        "compiled": "static mode: transformers' generate() compiles the decode forward itself (StaticCache)",
+        "compiled": "static mode: transformers' generate() compiles the decode forward itself (StaticCache), "
+                    "here with CompileConfig(fullgraph=True, mode='reduce-overhead'): inductor + CUDA graphs; "
+                    "a fresh compilation per cell, in its warm-up generate() (warmup_s)",
     }
+    meta["commands"] = [*getattr(args, "earlier_commands", []), meta["command"]]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_e2e_decode.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    (out / "bench_e2e_decode.md").write_text(f"`{meta['command']}` on {meta['device']}, {meta['date']}\n\n{table}\n")
+    commands = "\n".join(f"    {c}" for c in meta["commands"])
+    (out / "bench_e2e_decode.md").write_text(f"On {meta['device']}, {meta['date']}:\n\n{commands}\n\n{table}\n")
 
 
 def main(argv=None) -> int:
@@ -153,7 +227,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default=None, help="comma list of shape:batch:prompt, e.g. llama2-7b:8:16384")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list from {list(CONFIGS)}")
     parser.add_argument("--modes", default="eager,static", help="eager (DynamicCache) and/or static (StaticCache + compile)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="also profile this many decode steps per cell: GPU time by kernel family, and overhead")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows of an existing OUT/bench_e2e_decode.json and run only the missing cells")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -165,7 +243,13 @@ def main(argv=None) -> int:
     configs = args.configs.split(",")
     modes = args.modes.split(",")
     rows = []
-    plan = [(c, m, cfg) for c in cases for m in modes for cfg in configs]
+    previous = Path(args.out) / "bench_e2e_decode.json"
+    if args.resume and previous.is_file():
+        earlier = json.loads(previous.read_text())
+        rows = [r for r in earlier["rows"] if "error" not in r]
+        args.earlier_commands = earlier.get("commands", [earlier["command"]])
+    done = {(r["shape"], r["batch"], r["prompt"], r["mode"], r["config"]) for r in rows}
+    plan = [(c, m, cfg) for c in cases for m in modes for cfg in configs if (*c, m, cfg) not in done]
     bar = tqdm(plan, desc="e2e decode", file=sys.stdout)
     model_key, model = None, None
     for (shape, batch, length), mode, name in bar:
@@ -182,12 +266,26 @@ def main(argv=None) -> int:
         cache = None
         try:
             if mode == "static":
-                # one cache for the warm-up and the timed run: the same shapes, so nothing recompiles
+                # one cache for the warm-up and the timed run: the same shapes, so nothing recompiles;
+                # a fresh compilation per cell (the compiled forward is cached on the model)
                 cache = transformers.StaticCache(config=model.config, max_cache_len=length + new_tokens)
+                torch._dynamo.reset()
+                model.__dict__.pop("_compiled_call", None)
+            counters.clear()
+            start = time.perf_counter()
             run_generate(model, ids, min(new_tokens, 16), cache)  # warm-up: compile, autotune, allocator
+            row["warmup_s"] = time.perf_counter() - start
             if prhs_hf.is_patched(model):
                 prhs_hf.reset(model)
             row.update(run_generate(model, ids, new_tokens, cache))
+            if mode == "static":
+                # what was compiled: graphs captured, graph breaks, and whether the timed run recompiled
+                row["compiled_graphs"] = counters["stats"].get("unique_graphs", 0)
+                row["graph_breaks"] = sum(counters["graph_break"].values())
+            if args.profile_steps:
+                if prhs_hf.is_patched(model):
+                    prhs_hf.reset(model)
+                row["breakdown_ms_per_step"] = step_breakdown(model, ids, args.profile_steps, cache)
             if prhs_hf.is_patched(model):
                 report = prhs_hf.telemetry(model)
                 row["rho_hat"] = report.retrieval_ratio
