@@ -59,16 +59,47 @@ BASE = ROOT / "configs" / "cpe.yaml"
 
 
 class StepClock(transformers.LogitsProcessor):
-    """Records a synchronised timestamp at every generation step."""
+    """Times the decode steps of one generate() call of ``new_tokens`` tokens.
 
-    def __init__(self, device: torch.device):
+    Called once per generated token, after that token's forward. It synchronises only at the
+    first call (the prefill's token) and at the last, so the host may run ahead of the GPU in
+    between as it does without the clock; the decode time is the span between the two.
+    """
+
+    def __init__(self, device: torch.device, new_tokens: int):
         self.device = device
+        self.last = new_tokens - 1
+        self.calls = 0
         self.stamps: list[float] = []
 
     def __call__(self, input_ids, scores):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.stamps.append(time.perf_counter())
+        if self.calls in (0, self.last):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.stamps.append(time.perf_counter())
+        self.calls += 1
+        return scores
+
+
+class ProfileWindow(transformers.LogitsProcessor):
+    """Runs ``profiler`` over decode steps ``1 .. steps`` of a generate() call (prefill left out)."""
+
+    def __init__(self, profiler, steps: int, device: torch.device):
+        self.profiler, self.steps, self.device = profiler, steps, device
+        self.calls = 0
+        self.seconds = 0.0
+
+    def __call__(self, input_ids, scores):
+        if self.calls in (0, self.steps):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if self.calls == 0:
+                self.profiler.start()
+                self.seconds = -time.perf_counter()
+            else:
+                self.seconds += time.perf_counter()
+                self.profiler.stop()
+        self.calls += 1
         return scores
 
 
@@ -85,11 +116,12 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
 COMPILE_CONFIG = CompileConfig(fullgraph=True, mode="reduce-overhead")
 
 
-def run_generate(model, ids, new_tokens: int, static_cache=None):
+def run_generate(model, ids, new_tokens: int, static_cache=None, extra_processor=None):
     """One generate() call; ``static_cache`` (reset here) makes it a static-cache, compiled run."""
-    clock = StepClock(ids.device)
+    clock = StepClock(ids.device, new_tokens)
+    processors = [clock] if extra_processor is None else [clock, extra_processor]
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  logits_processor=transformers.LogitsProcessorList([clock]), attention_mask=torch.ones_like(ids))
+                  logits_processor=transformers.LogitsProcessorList(processors), attention_mask=torch.ones_like(ids))
     if static_cache is not None:
         static_cache.reset()
         kwargs["past_key_values"] = static_cache
@@ -102,7 +134,7 @@ def run_generate(model, ids, new_tokens: int, static_cache=None):
         out = model.generate(ids, **kwargs)
     end = time.perf_counter()
     stamps = clock.stamps
-    steps = len(stamps) - 1  # decode forwards between the first and the last logits
+    steps = new_tokens - 1  # decode forwards between the first and the last logits
     decode_s = stamps[-1] - stamps[0]
     peak = torch.cuda.max_memory_allocated() / 2**30 if ids.device.type == "cuda" else float("nan")
     return {
@@ -136,33 +168,28 @@ def _family(kernel: str) -> str:
 
 
 def step_breakdown(model, ids, steps: int, static_cache=None) -> dict:
-    """Per decode step: GPU kernel time by family (torch.profiler, CUDA graphs included) and the rest.
+    """Per decode step: GPU kernel time by family (torch.profiler, kernels of CUDA graphs included)
+    and the rest of the step's wall time (launches, Python, idle GPU).
 
-    Profiles a generate() of ``steps + 2`` tokens; the prefill's kernels are left out by
-    profiling a generate of 2 tokens (prefill and one decode step) first and subtracting it.
-    The step time is the profiled run's (the profiler slows launches a little).
+    The profiler runs over decode steps 1..``steps`` only (a logits processor starts and stops it),
+    so the prefill's kernels are not in the window. Profiling slows the host side a little.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    def kernel_ms(new_tokens):
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            timing = run_generate(model, ids, new_tokens, static_cache)
-        fam: dict[str, float] = {}
-        for evt in prof.events():
-            if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0:
-                fam[_family(evt.name)] = fam.get(_family(evt.name), 0.0) + evt.device_time_total / 1000.0
-        return fam, timing
-
-    base, _ = kernel_ms(2)
-    if prhs_hf.is_patched(model):
-        prhs_hf.reset(model)
-    full, timing = kernel_ms(steps + 2)
-    out = {k: max(full.get(k, 0.0) - base.get(k, 0.0), 0.0) / steps for k in set(full) | set(base)}
-    out = {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.device.type == "cuda" else [])
+    prof = profile(activities=activities)
+    window = ProfileWindow(prof, steps, ids.device)
+    run_generate(model, ids, steps + 2, static_cache, extra_processor=window)
+    fam: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0:
+            fam[_family(evt.name)] = fam.get(_family(evt.name), 0.0) + evt.device_time_total / 1000.0 / steps
+    out = {k: round(v, 3) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])}
     gpu = sum(out.values())
+    step_ms = 1000.0 * window.seconds / steps
     out["all kernels"] = round(gpu, 3)
-    out["step (profiled)"] = round(timing["ms_per_step"], 3)
-    out["not kernels (launch, Python, idle)"] = round(max(timing["ms_per_step"] - gpu, 0.0), 3)
+    out["step (profiled)"] = round(step_ms, 3)
+    out["not kernels (launch, Python, idle)"] = round(max(step_ms - gpu, 0.0), 3)
     return out
 
 
@@ -282,15 +309,15 @@ def main(argv=None) -> int:
                 # what was compiled: graphs captured, graph breaks, and whether the timed run recompiled
                 row["compiled_graphs"] = counters["stats"].get("unique_graphs", 0)
                 row["graph_breaks"] = sum(counters["graph_break"].values())
-            if args.profile_steps:
-                if prhs_hf.is_patched(model):
-                    prhs_hf.reset(model)
-                row["breakdown_ms_per_step"] = step_breakdown(model, ids, args.profile_steps, cache)
             if prhs_hf.is_patched(model):
                 report = prhs_hf.telemetry(model)
                 row["rho_hat"] = report.retrieval_ratio
                 row["processed_kv"] = report.processed_kv_per_step
                 row["dense_kv"] = report.dense_kv_per_step
+            if args.profile_steps:  # after the timed run's telemetry was read
+                if prhs_hf.is_patched(model):
+                    prhs_hf.reset(model)
+                row["breakdown_ms_per_step"] = step_breakdown(model, ids, args.profile_steps, cache)
         except Exception as exc:  # a failing cell is reported, the table goes on
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
