@@ -73,3 +73,29 @@ def test_compiled_triton_decode_is_one_graph_with_eager_tokens():
     assert torch.equal(compiled, eager)
     assert r_eager.sparse_steps > 0
     assert r_compiled.retrieval_ratio == r_eager.retrieval_ratio
+
+
+@pytest.mark.parametrize("config, fullgraph", [("cis.yaml", True), ("cpe.yaml", False)])
+def test_user_compiled_forward_with_static_cache(config, fullgraph):
+    """The issue's other recipe: ``model.forward = torch.compile(model.forward, ...)`` by hand.
+
+    The compiled forward then also runs the prefill. Without PSAW/ETF (cis.yaml) prefill and
+    decode are one graph each (fullgraph). ETF's row skipping picks the prompt rows to compute
+    with data-dependent shapes, so a CPE prefill breaks the graph there (fullgraph=False, as
+    ``mode="reduce-overhead"`` users write it) and still gives the eager tokens.
+    """
+    model = tiny_model("llama")
+    ids, mask = padded_batch([120, 90])
+    prhs_hf.patch(model, f"configs/{config}", overrides={**SMALL, "backend": {"decode": "torch", "prefill": "torch"}})
+    eager, r_eager = _generate(model, ids, mask, compiled=False)
+    torch._dynamo.reset()
+    counters.clear()
+    model.forward = torch.compile(model.forward, fullgraph=fullgraph, backend="aot_eager")
+    try:
+        compiled, r_compiled = _generate(model, ids, mask, compiled=False)  # generate's own compile off
+    finally:
+        del model.forward
+    if fullgraph:
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # prefill shape, decode shape
+    assert torch.equal(compiled, eager)
+    assert r_compiled.retrieval_ratio == r_eager.retrieval_ratio and r_compiled.decode_steps == 13
