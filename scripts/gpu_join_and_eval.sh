@@ -4,63 +4,98 @@
 #
 #   bash scripts/gpu_join_and_eval.sh MODEL_NAME [run_accuracy.py arguments...]
 #
-# 1. installs the carried wheels (.xfer/whl/*.whl: gguf) into $WORK/site, and makes prhs_hf
-#    importable from this checkout (kernels/ as prhs_hf.kernels, as the editable install does);
-# 2. joins .xfer/models/MODEL_NAME/*.NNN into one GGUF, checking every sha256 (prhs_hf.fetch.join_pieces);
+# A path carried by one device call is removed before the next call unless that call carries it
+# again; /tmp stays while the machine is warm. So the piece calls stage what they carry in
+# $PRHS_STAGE (default /tmp): data/, whl/ and pieces/MODEL_NAME/ (the pieces, MANIFEST.json and
+# the .sha256). Each input is taken from .xfer/ when it is there, else from the stage; pieces
+# carried into .xfer/models/MODEL_NAME without a manifest are added to the staged ones. So the
+# same command, carrying nothing, resumes the evaluation.
+#
+# 1. installs the wheels (whl/*.whl: gguf) into $WORK/site, and makes prhs_hf importable from this
+#    checkout (kernels/ as prhs_hf.kernels, as the editable install does);
+# 2. joins the pieces into one GGUF, checking every sha256 (prhs_hf.fetch.join_pieces);
 # 3. exports it once as a plain HF checkpoint in bfloat16 (GGUF dequantisation takes minutes, the
 #    checkpoint loads in seconds);
-# 4. runs scripts/run_accuracy.py --engine direct on CUDA with the data in .xfer/data, resuming
+# 4. runs scripts/run_accuracy.py --engine direct on CUDA with the staged data, resuming
 #    $WORK/results/accuracy.json and stopping before a row that would overrun this call
 #    (PRHS_CALL_BUDGET_S, default 560 s of the device's 600 s);
 # 5. copies accuracy.json, accuracy.md and the log to $OUT.
 #
 # Steps 1-3 are skipped when their results are already in $WORK (default /tmp/prhs_gpu, kept
 # while the machine stays warm), so the same command can be repeated until no row is left.
+#
+# The inline Python runs as `python3 -P` (Python >= 3.11): without -P the working directory comes
+# first on sys.path and the checkout's prhs_hf/ (which has no kernels/ subpackage) shadows the
+# package assembled in $WORK/pkg.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: $0 MODEL_NAME [run_accuracy.py args...]" >&2; exit 2; }
 NAME=$1; shift
 REPO=$PWD
 WORK=${PRHS_GPU_WORK:-/tmp/prhs_gpu}
+STAGE=${PRHS_STAGE:-/tmp}
 OUT=${OUT:-$WORK/out}
 BUDGET=${PRHS_CALL_BUDGET_S:-560}
-PIECES=.xfer/models/$NAME
+PY="python3 -P"
 mkdir -p "$WORK" "$OUT" "$WORK/results"
 LOG=$OUT/gpu_join_and_eval.log
 exec > >(tee -a "$LOG") 2>&1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+$PY -c "import sys; assert sys.version_info >= (3, 11), 'python3 -P needs Python 3.11+'"
+
+# 0. inputs: .xfer/ where carried in this call, else what earlier calls staged in $STAGE
+pick_dir() {  # first of the given folders that holds a file matching $1's glob; empty if none
+  local glob=$1; shift
+  for d in "$@"; do compgen -G "$d/$glob" > /dev/null && { echo "$d"; return; }; done
+  echo ""
+}
+DATA=$(pick_dir '*.jsonl*' .xfer/data "$STAGE/data")
+WHL=$(pick_dir '*.whl' .xfer/whl "$STAGE/whl")
+PIECES=$(pick_dir MANIFEST.json ".xfer/models/$NAME" "$STAGE/pieces/$NAME" "$STAGE/pieces")
+if [ -n "$PIECES" ] && [ "$PIECES" != ".xfer/models/$NAME" ] && [ -d ".xfer/models/$NAME" ]; then
+  for f in ".xfer/models/$NAME"/*.[0-9][0-9][0-9]; do
+    if [ -f "$f" ] && [ ! -f "$PIECES/$(basename "$f")" ]; then cp "$f" "$PIECES/" && echo "staged $(basename "$f") in $PIECES"; fi
+  done
+fi
+echo "data: ${DATA:-none} | wheels: ${WHL:-none} | pieces: ${PIECES:-none}"
+[ -n "$DATA" ] || { echo "no data in .xfer/data or $STAGE/data: run the plan's first call again" >&2; exit 1; }
 
 # 1. packages
 if [ ! -f "$WORK/site/.done" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .xfer/whl/*.whl
+  [ -n "$WHL" ] || { echo "no wheels in .xfer/whl or $STAGE/whl: run the plan's first call again" >&2; exit 1; }
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" "$WHL"/*.whl
   touch "$WORK/site/.done"
 fi
 rm -rf "$WORK/pkg" && mkdir -p "$WORK/pkg/prhs_hf"
 for entry in "$REPO"/prhs_hf/*; do ln -s "$entry" "$WORK/pkg/prhs_hf/"; done
 ln -sfn "$REPO/kernels" "$WORK/pkg/prhs_hf/kernels"
 export PYTHONPATH=$WORK/pkg:$WORK/site${PYTHONPATH:+:$PYTHONPATH}
-python3 -c "import torch, transformers, gguf, prhs_hf, prhs_hf.kernels; print('torch', torch.__version__, '| transformers', transformers.__version__, '| gguf', gguf.__version__ if hasattr(gguf, '__version__') else '?', '| cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+$PY -c "import torch, transformers, gguf, prhs_hf, prhs_hf.kernels; print('torch', torch.__version__, '| transformers', transformers.__version__, '| gguf', gguf.__version__ if hasattr(gguf, '__version__') else '?', '| cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
 
-# 2. join and verify
-GGUF_NAME=$(python3 -c "import json; print(json.load(open('$PIECES/MANIFEST.json'))['name'])")
-GGUF=$WORK/$GGUF_NAME
-if [ ! -f "$GGUF" ]; then
-  python3 -c "from prhs_hf.fetch import join_pieces; print(join_pieces('$PIECES', '$GGUF'))"
-fi
-
-# 3. export once
 CKPT=$WORK/ckpt-$NAME
 if [ ! -f "$CKPT/config.json" ]; then
+  # 2. join and verify
+  [ -n "$PIECES" ] || { echo "no MANIFEST.json in .xfer/models/$NAME or $STAGE/pieces[/$NAME]: run the piece calls again" >&2; exit 1; }
+  GGUF_NAME=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['name'])" "$PIECES/MANIFEST.json")
+  GGUF=$WORK/$GGUF_NAME
+  if [ ! -f "$GGUF" ]; then
+    start=$SECONDS
+    $PY -c "import sys; from prhs_hf.fetch import join_pieces; print(join_pieces(sys.argv[1], sys.argv[2]))" "$PIECES" "$GGUF"
+    echo "joined $GGUF in $((SECONDS - start)) s"
+  fi
+
+  # 3. export once
   start=$SECONDS
-  python3 -c "from prhs_hf.fetch import export_checkpoint; print(export_checkpoint('$GGUF', '$CKPT.partial', dtype='bfloat16'))"
+  $PY -c "import sys; from prhs_hf.fetch import export_checkpoint; print(export_checkpoint(sys.argv[1], sys.argv[2], dtype='bfloat16'))" "$GGUF" "$CKPT.partial"
   rm -rf "$CKPT" && mv "$CKPT.partial" "$CKPT"
   echo "exported $CKPT in $((SECONDS - start)) s"
 fi
 
-# 4. evaluate (resumable; arguments given later win over these defaults)
+# 4. evaluate (resumable; arguments given later win over these defaults). A script file puts its
+# own folder (scripts/), not the working directory, first on sys.path, so no -P is needed here.
 left=$((BUDGET - SECONDS))
 python3 scripts/run_accuracy.py --engine direct --model "$CKPT" --device cuda --batch-size 128 \
-  --data-dir .xfer/data --out "$WORK/results/accuracy.json" --resume --max-seconds "$left" "$@" || status=$?
+  --data-dir "$DATA" --out "$WORK/results/accuracy.json" --resume --max-seconds "$left" "$@" || status=$?
 
 # 5. results back
 cp "$WORK"/results/accuracy.json "$WORK"/results/accuracy.md "$OUT"/ 2>/dev/null || true
