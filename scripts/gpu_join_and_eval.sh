@@ -94,7 +94,7 @@ fi
 # 4. evaluate (resumable; arguments given later win over these defaults). A script file puts its
 # own folder (scripts/), not the working directory, first on sys.path, so no -P is needed here.
 left=$((BUDGET - SECONDS))
-python3 scripts/run_accuracy.py --engine direct --model "$CKPT" --device cuda --batch-size 128 \
+python3 scripts/run_accuracy.py --engine direct --model "$CKPT" --device cuda --batch-size 256 --save-samples \
   --data-dir "$DATA" --out "$WORK/results/accuracy.json" --resume --max-seconds "$left" "$@" || status=$?
 
 # 5. results back

@@ -228,4 +228,4 @@ def test_gpu_join_script_runs_inline_python_without_the_cwd_on_sys_path() -> Non
     code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
     assert not [line for line in code if "python3 -c" in line or "python3 -m" in line]
     assert [line for line in code if "python3 " in line and "-P" not in line] == [
-        "python3 scripts/run_accuracy.py --engine direct --model \"$CKPT\" --device cuda --batch-size 128 \\"]
+        "python3 scripts/run_accuracy.py --engine direct --model \"$CKPT\" --device cuda --batch-size 256 --save-samples \\"]
