@@ -63,7 +63,7 @@ def _make_pre_hook(layer, first: bool):
         if first:
             _check_cache(kwargs.get("past_key_values"))
             if hidden.shape[1] > 1:
-                layer.runtime.prepare(hidden.device)
+                layer.runtime.prepare(hidden.device, hidden.shape[0])
             mask = kwargs.get("attention_mask")
             # the padding layout is fixed at prefill: check it there (it synchronises), not per decode step
             if mask is not None and hidden.shape[1] > 1 and not torch.compiler.is_compiling():

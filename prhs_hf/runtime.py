@@ -29,15 +29,15 @@ class PrHSRuntime:
         self._ops: dict[torch.device, object] = {}
         self._prefill: dict[torch.device, Callable] = {}
 
-    def prepare(self, device: torch.device) -> None:
-        """At a prefill (eager): pick the backends and allocate the telemetry counters for ``device``,
-        so that a compiled decode step that follows only looks them up."""
+    def prepare(self, device: torch.device, batch: int) -> None:
+        """At a prefill of ``batch`` sequences (eager): pick the backends and allocate the telemetry
+        counters for ``device``, so that a compiled decode step that follows only looks them up."""
         if self.selector is not None or self.resolved.config.cis.enabled:
             self.decode_ops(device)
         if any(layer.psaw_prefill or layer.etf for layer in self.layers):
             self.prefill_function(device)
         if self.telemetry is not None:
-            self.telemetry.prepare(device)
+            self.telemetry.prepare(device, batch)
 
     def decode_ops(self, device: torch.device):
         """The decode ops table for ``device`` (chosen once per device)."""

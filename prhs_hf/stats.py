@@ -96,16 +96,17 @@ class Telemetry:
         self._t: dict[str, torch.Tensor] = {}
 
     @torch.compiler.disable
-    def _allocate(self, name: str, shape: tuple, device: torch.device) -> None:
+    def _allocate(self, name: str, shape: tuple, device: torch.device, dtype: torch.dtype = torch.float64) -> None:
         # eager even inside a compiled forward, at a fixed address: a CUDA-graph-captured step
         # accumulates into it in place, and no graph output is kept across steps
-        buffer = torch.zeros(shape, dtype=torch.float64, device=device)
+        buffer = torch.zeros(shape, dtype=dtype, device=device)
         torch._dynamo.mark_static_address(buffer)
         self._t[name] = buffer
 
-    def prepare(self, device: torch.device) -> None:
+    def prepare(self, device: torch.device, batch: int | None = None) -> None:
         """Allocate every counter on ``device`` now (eager, at prefill), so a compiled decode step
-        finds them all and only accumulates in place."""
+        finds them all and only accumulates in place; with ``batch``, also the per-step stage of
+        :meth:`record_decode` for that many sequences."""
         layers, heads = (self.num_layers,), (self.num_layers, self.num_heads)
         shapes = {"decode_steps": (), "processed": layers, "dense": layers, "rows": layers, "sparse_rows": layers,
                   "retrievals": heads, "prefill_rows": layers, "prefill_frozen": layers}
@@ -114,6 +115,16 @@ class Telemetry:
         for name, shape in shapes.items():
             if name not in self._t or self._t[name].device != device:
                 self._allocate(name, shape, device)
+        if batch is not None:
+            self._stage(batch, device)
+
+    def _stage(self, batch: int, device: torch.device) -> torch.Tensor:
+        """``[L, 3, B, Hq]`` int32: this decode step's processed keys, retrievals and sparse rows per layer."""
+        shape = (self.num_layers, 3, batch, self.num_heads)
+        stage = self._t.get("stage")
+        if stage is None or stage.shape != shape or stage.device != device:
+            self._allocate("stage", shape, device, torch.int32)
+        return self._t["stage"]
 
     def _acc(self, name: str, value: torch.Tensor, layer: int | None = None, shape: tuple = ()) -> None:
         if name not in self._t:
@@ -130,16 +141,26 @@ class Telemetry:
 
         ``t [B]`` visible tokens, ``processed [B, Hq]`` keys attended, ``retrieved [B, Hq]`` bool
         (None without CIS), ``active [B]`` bool, sequences that ran a sparse step.
+
+        Every patched layer records every decode step, in layer order: a layer only copies its
+        three ``[B, Hq]`` maps into the step's stage (one fused write), and the last layer folds the
+        stage into the counters (a few reductions per step instead of a dozen per layer: in a
+        compiled step each is a kernel).
         """
-        heads = processed.shape[1]
-        if layer == 0:
-            self._acc("decode_steps", torch.ones((), device=t.device, dtype=torch.float64))
-        self._acc("processed", processed.sum().double(), layer)
-        self._acc("dense", (t.double() * heads).sum(), layer)
-        self._acc("rows", torch.tensor(float(t.numel() * heads), device=t.device), layer)
-        self._acc("sparse_rows", active.sum().double() * heads, layer)
-        if retrieved is not None:
-            self._acc("retrievals", (retrieved & active[:, None]).sum(0).double(), layer, (heads,))
+        batch, heads = processed.shape
+        self.prepare(t.device)
+        stage = self._stage(batch, t.device)
+        sparse = active[:, None].expand(batch, heads)
+        fresh = torch.zeros_like(sparse) if retrieved is None else retrieved & sparse
+        stage[layer].copy_(torch.stack([processed.to(torch.int32), fresh.to(torch.int32), sparse.to(torch.int32)]))
+        if layer == self.num_layers - 1:
+            per_layer = stage.sum(2, dtype=torch.float64)  # [L, 3, Hq]
+            self._t["processed"] += per_layer[:, 0].sum(-1)
+            self._t["retrievals"] += per_layer[:, 1]
+            self._t["sparse_rows"] += per_layer[:, 2].sum(-1)
+            self._t["dense"] += t.sum(dtype=torch.float64) * heads
+            self._t["rows"] += float(batch * heads)
+            self._t["decode_steps"] += 1
 
     def record_oracle(self, probs: torch.Tensor, selected: torch.Tensor, t: torch.Tensor) -> None:
         """Oracle comparison for the rows of a sparse step: ``[R, S]`` probabilities and selections, ``[R]`` contexts."""
