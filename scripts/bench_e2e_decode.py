@@ -17,6 +17,7 @@ import argparse
 import datetime
 import gc
 import json
+import logging
 import platform
 import sys
 import time
@@ -53,6 +54,8 @@ CONFIGS = {
     # Random weights give unrelated consecutive queries, so tau = 0.8 almost never shares
     # (rho-hat near 100 %). tau = -1 shares whenever the block has an anchor: rho-hat = 1/s,
     # the regime of real models (paper: 6-17 % at s = 16). Reported apart, and labelled.
+    "cis-s8-share": {"cis": {"block_size": 8, "tau": -1.0}, "psaw": {"enabled": False}, "etf": {"enabled": False}},
+    "cis-s16-share": {"cis": {"block_size": 16, "tau": -1.0}, "psaw": {"enabled": False}, "etf": {"enabled": False}},
     "cpe-s16-share": {"cis": {"block_size": 16, "tau": -1.0}},
 }
 BASE = ROOT / "configs" / "cpe.yaml"
@@ -114,6 +117,21 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
 #: how the static mode compiles: transformers' default (inductor, CUDA graphs) with fullgraph=True,
 #: so a graph break in the decode step fails the cell instead of silently running at eager speed
 COMPILE_CONFIG = CompileConfig(fullgraph=True, mode="reduce-overhead")
+
+
+class CudagraphSkips(logging.Handler):
+    """Collects inductor's "skipping cudagraphs due to ..." messages (the cudagraphs log artifact):
+    a compiled step that skipped CUDA graphs launches every kernel from Python, at near-eager speed."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        torch._logging.set_logs(cudagraphs=True)
+        logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "skipping cudagraphs" in record.getMessage():
+            self.messages.append(record.getMessage()[:300])
 
 
 def run_generate(model, ids, new_tokens: int, static_cache=None, extra_processor=None):
@@ -193,6 +211,12 @@ def step_breakdown(model, ids, steps: int, static_cache=None) -> dict:
     return out
 
 
+def _cudagraphs(row: dict) -> str:
+    if "cudagraph_skips" not in row:
+        return "not checked"
+    return "skipped" if row["cudagraph_skips"] else "on"
+
+
 def write_results(rows, args, argv, device, new_tokens) -> None:
     """Speedups against the dense row of the same mode, then the table and the JSON (after every row)."""
     for row in rows:
@@ -226,7 +250,9 @@ def write_results(rows, args, argv, device, new_tokens) -> None:
     if compiled:
         lines += ["", "Static mode, what was compiled (fullgraph=True, reduce-overhead): "
                   + "; ".join(f"{r['config']} B{r['batch']} L{r['prompt']}: {r['compiled_graphs']} graph(s), "
-                              f"{r['graph_breaks']} break(s), warm-up {r['warmup_s']:.0f} s" for r in compiled)]
+                              f"{r['graph_breaks']} break(s), CUDA graphs "
+                              f"{_cudagraphs(r)}, warm-up {r['warmup_s']:.0f} s"
+                              for r in compiled)]
     table = "\n".join(lines)
     meta = {
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
@@ -277,6 +303,7 @@ def main(argv=None) -> int:
         args.earlier_commands = earlier.get("commands", [earlier["command"]])
     done = {(r["shape"], r["batch"], r["prompt"], r["mode"], r["config"]) for r in rows}
     plan = [(c, m, cfg) for c in cases for m in modes for cfg in configs if (*c, m, cfg) not in done]
+    skips = CudagraphSkips()
     bar = tqdm(plan, desc="e2e decode", file=sys.stdout)
     model_key, model = None, None
     for (shape, batch, length), mode, name in bar:
@@ -299,6 +326,7 @@ def main(argv=None) -> int:
                 torch._dynamo.reset()
                 model.__dict__.pop("_compiled_call", None)
             counters.clear()
+            skips.messages.clear()
             start = time.perf_counter()
             run_generate(model, ids, min(new_tokens, 16), cache)  # warm-up: compile, autotune, allocator
             row["warmup_s"] = time.perf_counter() - start
@@ -309,6 +337,9 @@ def main(argv=None) -> int:
                 # what was compiled: graphs captured, graph breaks, and whether the timed run recompiled
                 row["compiled_graphs"] = counters["stats"].get("unique_graphs", 0)
                 row["graph_breaks"] = sum(counters["graph_break"].values())
+                row["cudagraph_skips"] = counters["inductor"].get("cudagraph_skips", 0)
+                if skips.messages:
+                    row["cudagraph_skip_reasons"] = sorted(set(skips.messages))
             if prhs_hf.is_patched(model):
                 report = prhs_hf.telemetry(model)
                 row["rho_hat"] = report.retrieval_ratio

@@ -81,7 +81,7 @@ def _generate_with_logits(model, ids, mask, config, **kw):
 
 def test_static_cache_compiled_decode_matches_eager():
     """generate() with a StaticCache, compiled as transformers does (inductor, CUDA graphs) with
-    fullgraph=True: one graph, no break, and the same computation as eager PrHS.
+    fullgraph=True: one graph, no break, CUDA graphs not skipped, and the same computation as eager PrHS.
 
     Inductor fuses and orders reductions differently, so logits differ by float rounding and a
     random model's greedy tokens may part at a near-tie; the logits must agree at every step up
@@ -101,6 +101,8 @@ def test_static_cache_compiled_decode_matches_eager():
     )
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+    # and the graph is replayed as a CUDA graph: a skip would launch every kernel from Python
+    assert not counters["inductor"]["cudagraph_skips"], "inductor skipped CUDA graphs (TORCH_LOGS=cudagraphs says why)"
     eager, logits_e, r_eager = _generate_with_logits(model, ids, mask, cfg, disable_compile=True)
     scale = logits_e.abs().max()
     steps = compiled.shape[1]
