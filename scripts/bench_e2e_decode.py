@@ -185,7 +185,7 @@ def _family(kernel: str) -> str:
     return "other kernels"
 
 
-def step_breakdown(model, ids, steps: int, static_cache=None) -> dict:
+def step_breakdown(model, ids, steps: int, static_cache=None, trace: Path | None = None) -> dict:
     """Per decode step: GPU kernel time by family (torch.profiler, kernels of CUDA graphs included)
     and the rest of the step's wall time (launches, Python, idle GPU).
 
@@ -198,16 +198,24 @@ def step_breakdown(model, ids, steps: int, static_cache=None) -> dict:
     prof = profile(activities=activities)
     window = ProfileWindow(prof, steps, ids.device)
     run_generate(model, ids, steps + 2, static_cache, extra_processor=window)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     fam: dict[str, float] = {}
+    kernels, first, last = 0, float("inf"), 0.0
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0:
             fam[_family(evt.name)] = fam.get(_family(evt.name), 0.0) + evt.device_time_total / 1000.0 / steps
+            kernels += 1
+            first, last = min(first, evt.time_range.start), max(last, evt.time_range.end)
     out = {k: round(v, 3) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])}
     gpu = sum(out.values())
     step_ms = 1000.0 * window.seconds / steps
     out["all kernels"] = round(gpu, 3)
     out["step (profiled)"] = round(step_ms, 3)
     out["not kernels (launch, Python, idle)"] = round(max(step_ms - gpu, 0.0), 3)
+    # the GPU's idle time between its first and last kernel: gaps between kernels and between steps
+    out["idle inside the kernel span"] = round(max((last - first) / 1000.0 / steps - gpu, 0.0), 3) if kernels else 0.0
+    out["kernels per step"] = round(kernels / steps, 1)
     return out
 
 
@@ -283,9 +291,12 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="also profile this many decode steps per cell: GPU time by kernel family, and overhead")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    parser.add_argument("--trace-dir", default=None, help="with --profile-steps: write each cell's Chrome trace here")
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows of an existing OUT/bench_e2e_decode.json and run only the missing cells")
     args = parser.parse_args(argv)
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -348,7 +359,8 @@ def main(argv=None) -> int:
             if args.profile_steps:  # after the timed run's telemetry was read
                 if prhs_hf.is_patched(model):
                     prhs_hf.reset(model)
-                row["breakdown_ms_per_step"] = step_breakdown(model, ids, args.profile_steps, cache)
+                trace = Path(args.trace_dir) / f"{shape}-B{batch}-L{length}-{mode}-{name}.json" if args.trace_dir else None
+                row["breakdown_ms_per_step"] = step_breakdown(model, ids, args.profile_steps, cache, trace)
         except Exception as exc:  # a failing cell is reported, the table goes on
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
