@@ -65,8 +65,10 @@ class CISLayerState:
         i_slot = slot[:, :, None, None].expand(b, h, 1, k)
         old_i = self.anchor_idx.gather(2, i_slot).squeeze(2)
         self.anchor_idx.scatter_(2, i_slot, torch.where(keep, indices, old_i).unsqueeze(2))
-        self.anchor_count += retrieved.to(torch.int32)
-        self.step += 1
+        # add_(), not +=: ``x += y`` rebinds the attribute, which Dynamo replays after every
+        # compiled step as an extra graph output and a Python setattr (host time per layer)
+        self.anchor_count.add_(retrieved.to(torch.int32))
+        self.step.add_(1)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Follow a beam reordering: row ``i`` becomes old row ``index[i]``."""

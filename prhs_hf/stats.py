@@ -129,10 +129,11 @@ class Telemetry:
     def _acc(self, name: str, value: torch.Tensor, layer: int | None = None, shape: tuple = ()) -> None:
         if name not in self._t:
             self._allocate(name, (self.num_layers, *shape) if layer is not None else shape, value.device)
+        # add_(), not +=: rebinding a dict item is a side effect a compiled step would replay
         if layer is None:
-            self._t[name] += value
+            self._t[name].add_(value)
         else:
-            self._t[name][layer] += value
+            self._t[name][layer].add_(value)
 
     def record_decode(
         self, layer: int, t: torch.Tensor, processed: torch.Tensor, retrieved: torch.Tensor | None, active: torch.Tensor
@@ -155,12 +156,12 @@ class Telemetry:
         stage[layer].copy_(torch.stack([processed.to(torch.int32), fresh.to(torch.int32), sparse.to(torch.int32)]))
         if layer == self.num_layers - 1:
             per_layer = stage.sum(2, dtype=torch.float64)  # [L, 3, Hq]
-            self._t["processed"] += per_layer[:, 0].sum(-1)
-            self._t["retrievals"] += per_layer[:, 1]
-            self._t["sparse_rows"] += per_layer[:, 2].sum(-1)
-            self._t["dense"] += t.sum(dtype=torch.float64) * heads
-            self._t["rows"] += float(batch * heads)
-            self._t["decode_steps"] += 1
+            self._t["processed"].add_(per_layer[:, 0].sum(-1))
+            self._t["retrievals"].add_(per_layer[:, 1])
+            self._t["sparse_rows"].add_(per_layer[:, 2].sum(-1))
+            self._t["dense"].add_(t.sum(dtype=torch.float64) * heads)
+            self._t["rows"].add_(float(batch * heads))
+            self._t["decode_steps"].add_(1)
 
     def record_oracle(self, probs: torch.Tensor, selected: torch.Tensor, t: torch.Tensor) -> None:
         """Oracle comparison for the rows of a sparse step: ``[R, S]`` probabilities and selections, ``[R]`` contexts."""

@@ -99,3 +99,34 @@ def test_user_compiled_forward_with_static_cache(config, fullgraph):
         assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # prefill shape, decode shape
     assert torch.equal(compiled, eager)
     assert r_compiled.retrieval_ratio == r_eager.retrieval_ratio and r_compiled.decode_steps == 13
+
+
+def test_decode_graph_returns_only_the_logits():
+    """The PrHS step adds no graph outputs to the dense one: state and counters change in place.
+
+    ``x += y`` on an attribute or a dict item rebinds it; Dynamo then returns the tensor from the
+    graph and replays the assignment in Python after every step (two per layer: a host cost that
+    CUDA graphs cannot remove). ``add_()`` does not.
+    """
+    outputs = {}
+
+    def backend(gm, example_inputs):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        outputs[len(outputs)] = len(out.args[0])
+        return gm.forward
+
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    ids, mask = padded_batch([90, 70])
+    counts = []
+    for patched in (False, True):
+        model = tiny_model("llama", layers=2)
+        if patched:
+            prhs_hf.patch(model, "configs/cpe.yaml", overrides={**SMALL, "backend": {"decode": "torch", "prefill": "torch"}})
+        torch._dynamo.reset()
+        outputs.clear()
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                       compile_config=config)
+        assert len(outputs) == 1, outputs  # the decode step, one graph
+        counts.append(outputs[0])
+    assert counts[1] == counts[0], f"dense decode graph has {counts[0]} outputs, PrHS {counts[1]}"
