@@ -95,6 +95,8 @@ GENERATIONS = [
     "The answer is 18.", "#### 1,234", "so she pays $18.00.", "no number here", "-5 and then 7",
     "#### -3\nThe answer is 4.", "The answer is 1,000. Done", "12.5 then 13", "$5", "answer: 42.", "",
     "It costs $7.\n#### 7", "The answer is 60", "Total 120 miles. The answer is 120.",
+    # Qwen2.5-Coder-Instruct's closings on the chat prompt: LaTeX boxes, never "The answer is N." (strict 0)
+    "The answer is \\(\\boxed{3}\\).", "is:\n\\[ \\boxed{-38000} \\]", "is \\(\\boxed{18}\\).",
 ]
 REFERENCES = [r["answer"] for r in GSM8K_ROWS] + ["#### 18", "#### 1,234", "#### 42", "18", "-3"]
 
