@@ -128,6 +128,22 @@ def test_gsm8k_scoring_matches_lm_eval(upstream) -> None:
                 assert metrics.exact_match(answer, ref) == theirs, (answer, ref)
 
 
+def test_gsm8k_cot_exemplars_and_stops_are_lm_evals() -> None:
+    """The one copy of the ``gsm8k-cot`` exemplars (prompts.py, also read by gsm8k_cot_local.yaml) and
+    its stop strings and question format are lm-eval's."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from prhs_hf.lm_eval import task_hooks
+
+    spec = yaml.safe_load((Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k-cot.yaml").read_text())
+    assert spec["fewshot_config"]["samples"] == list(prompts.GSM8K_COT_EXEMPLARS) == task_hooks.gsm8k_cot_fewshot()
+    assert (spec["num_fewshot"], spec["fewshot_config"]["sampler"]) == (8, "first_n")
+    assert tuple(spec["generation_kwargs"]["until"]) == prompts.GSM8K_COT_STOP
+    assert spec["doc_to_text"] == prompts.gsm8k_cot_question({"question": "{{question}}"})
+    assert "fewshot_delimiter" not in spec and "target_delimiter" not in spec  # defaults "\n\n" and " "
+    ours = yaml.load((TASKS_DIR / "gsm8k_cot_local.yaml").read_text().replace("!function", ""), yaml.SafeLoader)
+    assert tuple(ours["generation_kwargs"]["until"]) == prompts.GSM8K_COT_STOP
+
+
 # ----------------------------------------------------------------------------------- plumbing
 
 

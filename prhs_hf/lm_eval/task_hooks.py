@@ -27,6 +27,8 @@ __all__ = [
     "gsm8k_flexible_filter",
     "process_results_gsm8k",
     "gsm8k_chat_doc_to_text",
+    "gsm8k_cot_doc_to_text",
+    "gsm8k_cot_fewshot",
     "gsm8k_doc_to_gold",
     "coqa_doc_to_text",
     "coqa_doc_to_target",
@@ -71,6 +73,14 @@ def process_results_gsm8k(doc: Mapping[str, Any], results: Sequence[str]) -> dic
 
 
 gsm8k_chat_doc_to_text = prompts.gsm8k_chat_prompt
+gsm8k_cot_doc_to_text = prompts.gsm8k_cot_question
+
+
+def gsm8k_cot_fewshot() -> list[dict[str, str]]:
+    """``fewshot_config.samples`` of ``gsm8k_cot_local``: lm-eval's 8 ``gsm8k-cot`` exemplars (copies)."""
+    return [dict(ex) for ex in prompts.GSM8K_COT_EXEMPLARS]
+
+
 gsm8k_doc_to_gold = prompts.gsm8k_gold
 coqa_doc_to_text = prompts.coqa_prompt
 coqa_doc_to_target = prompts.coqa_golds
