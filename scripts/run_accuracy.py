@@ -1,12 +1,15 @@
 #!/usr/bin/env python
 """The PrHS accuracy table: GSM8K and CoQA for a list of PrHS configs on one model.
 
+Tasks (``--tasks``, default ``gsm8k,coqa``): ``gsm8k`` (zero-shot chat prompt), ``gsm8k_cot``
+(lm-eval's 8-shot ``gsm8k-cot`` prompt, 726–891 Qwen2.5 tokens: PrHS at a longer context) and ``coqa``.
+
 Two engines, one set of prompts and one scoring code (``prhs_hf.lm_eval.prompts`` / ``.metrics``):
 
 - ``--engine direct`` (default): no lm-eval, no ``datasets``; reads the converted JSONL and
   generates in left-padded batches (``prhs_hf.lm_eval.direct``). For the GPU machine.
 - ``--engine lm-eval``: the same through lm-eval's ``simple_evaluate`` with the ``prhs`` model and
-  the local tasks ``gsm8k_chat_local`` (chat template on) and ``coqa_local``.
+  the local tasks ``gsm8k_chat_local`` (chat template on), ``gsm8k_cot_local`` and ``coqa_local``.
 
 Each config × task row gets the task's metrics (GSM8K strict-match / flexible-extract exact match,
 CoQA EM / F1), ρ̂ and processed KV per decode step from the PrHS telemetry, examples and seconds.
@@ -64,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of named configs (" + ", ".join(accuracy_configs.ACCURACY_CONFIGS)
                         + ") or YAML paths; default all")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="override every task's generation length (default: gsm8k 384, coqa 256)")
+                   help="override every task's generation length (default: gsm8k 384, gsm8k_cot 256, coqa 256)")
     p.add_argument("--data-dir", default=None,
                    help="folder with gsm8k_test.jsonl[.gz] and coqa_validation.jsonl[.gz] "
                         "(default $PRHS_HF_DATA_DIR, else the prhs-hf cache)")

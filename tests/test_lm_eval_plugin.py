@@ -144,6 +144,19 @@ def test_gsm8k_cot_exemplars_and_stops_are_lm_evals() -> None:
     assert tuple(ours["generation_kwargs"]["until"]) == prompts.GSM8K_COT_STOP
 
 
+def test_gsm8k_cot_context_matches_lm_eval(local_tasks) -> None:
+    """lm-eval builds the same 8-shot context and stop strings for ``gsm8k_cot_local`` as the direct
+    engine for ``gsm8k_cot``."""
+    task = local_tasks.load("gsm8k_cot_local")["tasks"]["gsm8k_cot_local"]
+    task.build_all_requests(limit=len(GSM8K_ROWS))
+    ours = direct.DIRECT_TASKS["gsm8k_cot"]
+    assert len(task.instances) == len(GSM8K_ROWS)
+    for inst in task.instances:
+        context, gen_kwargs = inst.args
+        assert context == ours.prompt(GSM8K_ROWS[inst.doc_id])
+        assert tuple(gen_kwargs["until"]) == ours.until
+
+
 # ----------------------------------------------------------------------------------- plumbing
 
 
@@ -259,7 +272,8 @@ def test_cli_shim_writes_results_with_telemetry(checkpoint, data_dir, tmp_path) 
 
 def test_model_instance_matches_the_direct_engine(checkpoint, local_tasks, offline) -> None:
     """A ``PrHSLM`` around a loaded model gives the same generations and scores as
-    ``prhs_hf.lm_eval.direct`` on the chat GSM8K and CoQA tasks (same prompts, same scoring)."""
+    ``prhs_hf.lm_eval.direct`` on the chat GSM8K, 8-shot GSM8K and CoQA tasks (same prompts, same
+    scoring). ``max_length`` above the 8-shot prompt's ~2,600 byte tokens: lm-eval must not cut it."""
     lm_eval = pytest.importorskip("lm_eval")
     import prhs_hf
     import prhs_hf.lm_eval as ple
@@ -267,7 +281,7 @@ def test_model_instance_matches_the_direct_engine(checkpoint, local_tasks, offli
 
     model, tokenizer = load_model(checkpoint, dtype="float32")
     lm = ple.register()(pretrained=model, tokenizer=tokenizer, batch_size=1, prhs_config="configs/cis.yaml",
-                        prhs_overrides=SMALL_BUDGET)
+                        prhs_overrides=SMALL_BUDGET, max_length=4096)
     for task in direct.DIRECT_TASKS.values():
         res = lm_eval.simple_evaluate(model=lm, tasks=[task.lm_eval_task], limit=2, apply_chat_template=task.chat,
                                       task_manager=local_tasks,
@@ -277,12 +291,12 @@ def test_model_instance_matches_the_direct_engine(checkpoint, local_tasks, offli
         docs = (GSM8K_ROWS if task.dataset == "gsm8k" else COQA_ROWS)[:2]
         prhs_hf.reset(model)
         ours = direct.evaluate(model, tokenizer, task, docs, batch_size=1, max_new_tokens=MAX_NEW)
-        if task.name == "gsm8k":
+        if task.name.startswith("gsm8k"):
             assert [s["generation"] for s in ours.samples] == theirs
         else:  # the direct engine stops once the first line is complete
             assert [prompts.coqa_prediction(s["generation"]) for s in ours.samples] == [
                 prompts.coqa_prediction(t) for t in theirs]
         lm_metrics = res["results"][task.lm_eval_task]
         for name, value in ours.metrics.items():
-            key = f"exact_match,{name}" if task.name == "gsm8k" else f"{name},none"
+            key = f"exact_match,{name}" if task.name.startswith("gsm8k") else f"{name},none"
             assert lm_metrics[key] == pytest.approx(value)

@@ -10,11 +10,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, save_tiny_checkpoint, write_local_data
-from prhs_hf.lm_eval import accuracy_configs
+from prhs_hf.lm_eval import accuracy_configs, direct, metrics, prompts
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -90,6 +92,62 @@ def test_direct_engine_table(checkpoint, data_dir, tmp_path, small_budget, monke
     again = {(r["config"], r["task"]): r for r in json.loads(out.read_text())["rows"]}
     assert {k: again[k]["seconds"] for k in before} == before
     assert again[("quest", "gsm8k")]["status"] == "not implemented"
+
+
+def test_gsm8k_cot_prompt_has_the_eight_exemplars_and_stops_at_q(checkpoint, monkeypatch) -> None:
+    """``--tasks gsm8k_cot``: lm-eval's 8-shot ``gsm8k-cot`` prompt without chat template, generation
+    stopped at ``Q:`` and cut there before scoring (else the next question's numbers are extracted)."""
+    from transformers import AutoTokenizer
+
+    task = direct.DIRECT_TASKS["gsm8k_cot"]
+    assert (task.dataset, task.chat, task.max_new_tokens, task.lm_eval_task) == ("gsm8k", False, 256, "gsm8k_cot_local")
+    assert task.until == ("Q:", "</s>", "<|im_end|>")
+    doc = GSM8K_ROWS[0]
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)  # has a chat template: it must not be applied
+    text = direct.build_prompt(tokenizer, task, doc)
+    blocks = text.split("\n\n")
+    assert len(blocks) == 9 and blocks[-1] == f"Q: {doc['question']}\nA:"
+    for block, shot in zip(blocks, prompts.GSM8K_COT_EXEMPLARS):
+        assert block == f"Q: {shot['question']}\nA: {shot['target']}"
+        assert block.startswith("Q: ") and block.count("\nA: ") == 1 and block.endswith(".")
+    assert [metrics.extract_answer(s["target"], metrics.GSM8K_COT_STRICT)
+            for s in prompts.GSM8K_COT_EXEMPLARS] == ["6", "5", "39", "8", "9", "29", "33", "8"]
+    assert blocks[0].startswith("Q: There are 15 trees in the grove.") and "<|im_start|>" not in text
+
+    # stop: as soon as a stop string appears; cut before the first one, as lm-eval's until
+    finished = task.finished()
+    assert not finished("Tom has 3 + 4 = 7 apples. The answer is 7.\n\n")
+    assert finished("The answer is 7.\n\nQ:") and finished("The answer is 7.</s>")
+    assert task.cut("3 + 4 = 7. The answer is 7.\n\nQ: A box holds 12 eggs.\nA:") == "3 + 4 = 7. The answer is 7.\n\n"
+
+    seen = {}
+
+    def fake_generate(model, tok, texts, max_new_tokens, done=None):
+        seen.update(texts=texts, max_new_tokens=max_new_tokens, done=done)
+        return ["3 + 4 = 7. The answer is 7.\n\nQ: A box holds 12 eggs. How many in 5 boxes?\nA: 60"], 30
+
+    monkeypatch.setattr(direct, "generate", fake_generate)
+    result = direct.evaluate(SimpleNamespace(device=torch.device("cpu")), tokenizer, task, [doc], batch_size=1)
+    assert seen["texts"] == [text] and seen["max_new_tokens"] == 256 and seen["done"]("x\nQ:")
+    (sample,) = result.samples
+    assert sample["generation"] == "3 + 4 = 7. The answer is 7.\n\n"
+    assert sample["scores"] == {"strict-match": 1.0, "flexible-extract": 1.0}
+
+
+def test_gsm8k_cot_direct_rows(checkpoint, data_dir, tmp_path, small_budget) -> None:
+    """End to end on the tiny model: the few-shot prompt is long (over 2000 byte tokens), and decodes sparsely."""
+    out = tmp_path / "acc.json"
+    assert run_accuracy.main(_args(checkpoint, data_dir, out, "--tasks", "gsm8k_cot", "--configs",
+                                   f"dense,{small_budget}", "--limit", "2", "--save-samples")) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"dense", small_budget}
+    for row in rows.values():
+        assert row["task"] == "gsm8k_cot" and row["status"] == "ok" and row["n"] == 2
+        assert set(row["metrics"]) == {"strict-match", "flexible-extract"}
+    assert 0 < rows[small_budget]["rho_hat"] <= 1
+    samples = [json.loads(line) for line in out.with_suffix(".samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all(s["prompt_tokens"] > 2000 for s in samples)
+    assert not any(stop in s["generation"] for s in samples for stop in prompts.GSM8K_COT_STOP)
 
 
 def test_max_seconds_leaves_rows_for_resume(checkpoint, data_dir, tmp_path) -> None:

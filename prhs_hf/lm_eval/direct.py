@@ -2,13 +2,17 @@
 
 For machines without lm-eval or ``datasets`` (the GPU machine). The prompts come from
 :mod:`.prompts` and the scores from :mod:`.metrics`, the same code the lm-eval tasks
-``gsm8k_chat_local`` and ``coqa_local`` run, and the generation follows lm-eval's ``HFLM``: left
-padding, no special tokens added to the prompt (the chat template brings its own), greedy, new
-tokens decoded without special tokens.
+``gsm8k_chat_local``, ``gsm8k_cot_local`` and ``coqa_local`` run, and the generation follows
+lm-eval's ``HFLM``: left padding, no special tokens added to the prompt (the chat template brings
+its own), greedy, new tokens decoded without special tokens.
 
 - ``gsm8k``: the zero-shot chat prompt (:func:`.prompts.gsm8k_chat_prompt` in the tokenizer's chat
   template), 384 new tokens, scored ``strict-match`` (``The answer is N.``) and ``flexible-extract``
   (the last number).
+- ``gsm8k_cot``: lm-eval's 8-shot ``gsm8k-cot`` completion prompt (:func:`.prompts.gsm8k_cot_prompt`,
+  no chat template; 726–891 tokens, mean 764, with the Qwen2.5 tokenizer: a longer context for
+  the retrieval ratio), 256 new tokens, generation stopped and cut at ``gsm8k-cot``'s ``until``
+  strings (:data:`.prompts.GSM8K_COT_STOP`), scored like ``gsm8k``.
 - ``coqa``: lm-eval's completion prompt (no chat template), scored ``em``/``f1`` on the first line.
   Generation stops once that line is complete (:func:`.prompts.coqa_answer_done`), which cannot
   change the answer lm-eval would score from its up to 256 tokens.
@@ -36,7 +40,9 @@ class DirectTask:
     """How one data set is prompted, generated and scored.
 
     ``lm_eval_task`` names the task in ``tasks/`` that does the same through lm-eval (with
-    ``--apply_chat_template`` when ``chat``).
+    ``--apply_chat_template`` when ``chat``). ``until``: lm-eval's stop strings; generation stops
+    once one appears and the text is cut before the first one (as lm-eval's ``generate_until``).
+    ``done``: another early stop that must not change the score.
     """
 
     name: str
@@ -47,6 +53,18 @@ class DirectTask:
     score: Callable[[Doc, str], dict[str, float]]
     lm_eval_task: str
     done: Callable[[str], bool] | None = None
+    until: tuple[str, ...] = ()
+
+    def finished(self) -> Callable[[str], bool] | None:
+        """When a row's generation may stop: ``done``, or one of ``until`` has appeared (None: never early)."""
+        until, done = tuple(s for s in self.until if s), self.done
+        if not until:
+            return done
+        return lambda text: any(s in text for s in until) or (done is not None and done(text))
+
+    def cut(self, generation: str) -> str:
+        """The generation lm-eval would score: the text before the first ``until`` string."""
+        return prompts.cut_at_stop(generation, self.until)
 
 
 def _score_gsm8k(doc: Doc, generation: str) -> dict[str, float]:
@@ -60,6 +78,8 @@ def _score_coqa(doc: Doc, generation: str) -> dict[str, float]:
 DIRECT_TASKS: dict[str, DirectTask] = {
     "gsm8k": DirectTask("gsm8k", "gsm8k", chat=True, max_new_tokens=384, prompt=prompts.gsm8k_chat_prompt,
                         score=_score_gsm8k, lm_eval_task="gsm8k_chat_local"),
+    "gsm8k_cot": DirectTask("gsm8k_cot", "gsm8k", chat=False, max_new_tokens=256, prompt=prompts.gsm8k_cot_prompt,
+                            score=_score_gsm8k, lm_eval_task="gsm8k_cot_local", until=prompts.GSM8K_COT_STOP),
     "coqa": DirectTask("coqa", "coqa", chat=False, max_new_tokens=256, prompt=prompts.coqa_prompt,
                        score=_score_coqa, lm_eval_task="coqa_local", done=prompts.coqa_answer_done),
 }
@@ -145,7 +165,7 @@ def evaluate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", tas
 
     ``on_batch(n)`` is called after each batch with the number of docs done in it (a progress bar).
     The result's ``metrics`` are the means of the per-doc scores, ``samples`` the per-doc records in
-    doc order.
+    doc order (generations cut at the task's ``until`` strings).
     """
     texts = [build_prompt(tokenizer, task, doc) for doc in docs]
     lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
@@ -156,10 +176,10 @@ def evaluate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", tas
     start = time.perf_counter()
     for b in range(0, len(order), max(1, batch_size)):
         batch = order[b:b + max(1, batch_size)]
-        outs, n_new = generate(model, tokenizer, [texts[i] for i in batch], limit, task.done)
+        outs, n_new = generate(model, tokenizer, [texts[i] for i in batch], limit, task.finished())
         new_tokens += n_new
         for i, text in zip(batch, outs):
-            generations[i] = text
+            generations[i] = task.cut(text)
         if on_batch is not None:
             on_batch(len(batch))
     _synchronize(model)
