@@ -107,11 +107,13 @@ class Telemetry:
         """Allocate every counter on ``device`` now (eager, at prefill), so a compiled decode step
         finds them all and only accumulates in place; with ``batch``, also the per-step stage of
         :meth:`record_decode` for that many sequences."""
-        layers, heads = (self.num_layers,), (self.num_layers, self.num_heads)
-        shapes = {"decode_steps": (), "processed": layers, "dense": layers, "rows": layers, "sparse_rows": layers,
+        # one-element counters, not 0-dim: an in-place add_() to a 0-dim float64 input of a compiled
+        # graph is lost (torch 2.13, aot_eager on the CPU), while a [1] tensor is updated
+        one, layers, heads = (1,), (self.num_layers,), (self.num_layers, self.num_heads)
+        shapes = {"decode_steps": one, "processed": layers, "dense": layers, "rows": layers, "sparse_rows": layers,
                   "retrievals": heads, "prefill_rows": layers, "prefill_frozen": layers}
         if self.oracle:
-            shapes.update({name: () for name in ORACLE_COUNTERS})
+            shapes.update({name: one for name in ORACLE_COUNTERS})
         for name, shape in shapes.items():
             if name not in self._t or self._t[name].device != device:
                 self._allocate(name, shape, device)
@@ -126,9 +128,9 @@ class Telemetry:
             self._allocate("stage", shape, device, torch.int32)
         return self._t["stage"]
 
-    def _acc(self, name: str, value: torch.Tensor, layer: int | None = None, shape: tuple = ()) -> None:
+    def _acc(self, name: str, value: torch.Tensor, layer: int | None = None) -> None:
         if name not in self._t:
-            self._allocate(name, (self.num_layers, *shape) if layer is not None else shape, value.device)
+            self._allocate(name, (self.num_layers,) if layer is not None else (1,), value.device)
         # add_(), not +=: rebinding a dict item is a side effect a compiled step would replay
         if layer is None:
             self._t[name].add_(value)
