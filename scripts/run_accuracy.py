@@ -190,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: dict[tuple[str, str], Row] = {}
     if args.resume:
         rows = {(r.config, r.task): r for r in report.load_rows(args.out) if r.status == report.STATUS_OK}
+        if rows:
+            meta["earlier_runs"] = report.earlier_runs(args.out)
     plan = [(c, t) for c in configs for t in tasks if (c.name, t.name) not in rows]
     samples_path = Path(args.out).with_suffix(".samples.jsonl")
 
@@ -215,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - one failing config must not lose the table
             if not isinstance(exc, NotImplementedError):
                 traceback.print_exc()
-            row, samples = Row(config.name, task.name, _status_for(exc), message=f"{type(exc).__name__}: {exc}"), []
+            row, samples = Row(config.name, task.name, _status_for(exc), message=f"{type(exc).__name__}: {exc}",
+                               date=report.now()), []
         longest[task.name] = max(longest.get(task.name, 0.0), row.seconds)
         rows[(config.name, task.name)] = row
         left.remove((config, task))

@@ -51,6 +51,7 @@ import transformers
 
 import prhs_hf
 from prhs_hf import fetch
+from prhs_hf.lm_eval.data import load_rows
 from prhs_hf.stats import Telemetry, routing_certificate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,19 +72,9 @@ class Prompt:
     continuation: torch.Tensor  # [1, T]
 
 
-def _read_jsonl(path: Path, limit: int) -> list[dict]:
-    rows = []
-    with path.open(encoding="utf-8") as fh:
-        for line in fh:
-            rows.append(json.loads(line))
-            if len(rows) >= limit:
-                break
-    return rows
-
-
-def gsm8k_texts(n: int) -> list[tuple[str, str, str]]:
+def gsm8k_texts(n: int, data_dir: str | None = None) -> list[tuple[str, str, str]]:
     """``(name, prompt, continuation)``: a 4-shot GSM8K prompt (exemplars: the first test rows) and the worked answer."""
-    rows = _read_jsonl(fetch.fetch_dataset("gsm8k"), GSM8K_SHOTS + n)
+    rows = load_rows("gsm8k", data_dir, GSM8K_SHOTS + n)
     shots = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[:GSM8K_SHOTS])
     out = []
     for i, r in enumerate(rows[GSM8K_SHOTS:]):
@@ -91,12 +82,12 @@ def gsm8k_texts(n: int) -> list[tuple[str, str, str]]:
     return out
 
 
-def coqa_texts(n: int) -> list[tuple[str, str, str]]:
+def coqa_texts(n: int, data_dir: str | None = None) -> list[tuple[str, str, str]]:
     """``(name, prompt, continuation)``: the story and its first question; the reference turns that follow."""
     from prhs_hf.lm_eval.prompts import coqa_prompt
 
     out = []
-    for row in _read_jsonl(fetch.fetch_dataset("coqa"), n):
+    for row in load_rows("coqa", data_dir, n):
         qs, ans = row["questions"]["input_text"], row["answers"]["input_text"]
         first = {**row, "questions": {"input_text": qs[:1]}, "answers": {"input_text": ans[:1]}}
         cont = f" {ans[0]}\n\n" + "".join(f"Q: {q}\n\nA: {a}\n\n" for q, a in zip(qs[1:], ans[1:]))
@@ -104,12 +95,16 @@ def coqa_texts(n: int) -> list[tuple[str, str, str]]:
     return out
 
 
-def build_prompts(tokenizer, n: int, datasets: list[str], max_new: int) -> list[Prompt]:
-    """``n`` prompts split over ``datasets`` (GSM8K first), each with ``max_new`` forced tokens."""
+def build_prompts(tokenizer, n: int, datasets: list[str], max_new: int, data_dir: str | None = None) -> list[Prompt]:
+    """``n`` prompts split over ``datasets`` (GSM8K first), each with ``max_new`` forced tokens.
+
+    The text comes from ``data_dir`` (or ``$PRHS_HF_DATA_DIR``, else the prhs-hf cache, fetched on
+    first use), as :func:`prhs_hf.lm_eval.data.load_rows` finds it.
+    """
     per = [n // len(datasets) + (i < n % len(datasets)) for i in range(len(datasets))]
     texts = []
     for name, count in zip(datasets, per):
-        texts += (gsm8k_texts if name == "gsm8k" else coqa_texts)(count)
+        texts += (gsm8k_texts if name == "gsm8k" else coqa_texts)(count, data_dir)
     prompts = []
     for name, prompt, cont in texts:
         p = tokenizer(prompt, return_tensors="pt").input_ids
@@ -588,6 +583,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     ap.add_argument("--prompts", type=int, default=4, help="number of prompts, split over the datasets")
     ap.add_argument("--datasets", default="gsm8k,coqa")
+    ap.add_argument("--data-dir", default=None,
+                    help="folder with gsm8k_test.jsonl[.gz] / coqa_validation.jsonl[.gz] (default: $PRHS_HF_DATA_DIR, "
+                         "else the prhs-hf cache)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="teacher-forced decode steps per prompt (at most)")
     ap.add_argument("--continuation", choices=("reference", "greedy"), default="reference",
                     help="force the dataset's reference text, or the dense model's greedy continuation")
@@ -611,7 +609,7 @@ def main(argv=None) -> int:
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
 
     model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=args.device)
-    prompts = build_prompts(tokenizer, args.prompts, datasets, args.max_new_tokens)
+    prompts = build_prompts(tokenizer, args.prompts, datasets, args.max_new_tokens, args.data_dir)
     if args.continuation == "greedy":
         prompts = [greedy_continuation(model, p, args.max_new_tokens, args.device) for p in prompts]
     lengths = [p.prompt.shape[1] for p in prompts]

@@ -89,8 +89,15 @@ def test_direct_engine_table(checkpoint, data_dir, tmp_path, small_budget, monke
     before = {k: r["seconds"] for k, r in rows.items() if r["status"] == "ok"}
     assert run_accuracy.main(_args(checkpoint, data_dir, out, "--configs", f"dense,{small_budget},quest",
                                    "--resume")) == 0
-    again = {(r["config"], r["task"]): r for r in json.loads(out.read_text())["rows"]}
+    first_command = report["meta"]["command"]
+    resumed = json.loads(out.read_text())
+    again = {(r["config"], r["task"]): r for r in resumed["rows"]}
     assert {k: again[k]["seconds"] for k in before} == before
+    assert before and all(rows[k]["date"] for k in before)  # each row says when it finished, and keeps it
+    assert {k: again[k]["date"] for k in before} == {k: rows[k]["date"] for k in before}
+    # the table says which runs made it: the first run's command is kept, the resuming one is the meta's own
+    assert [r["command"] for r in resumed["meta"]["earlier_runs"]] == [first_command]
+    assert "--resume" in resumed["meta"]["command"] and f"resumed from: `{first_command}`" in out.with_suffix(".md").read_text()
     assert again[("quest", "gsm8k")]["status"] == "not implemented"
 
 

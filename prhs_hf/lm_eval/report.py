@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Row", "environment", "load_rows", "render_markdown", "write_report"]
+__all__ = ["Row", "earlier_runs", "environment", "load_rows", "now", "render_markdown", "write_report"]
 
 STATUS_OK = "ok"
 STATUS_NOT_IMPLEMENTED = "not implemented"
@@ -43,6 +43,7 @@ class Row:
     message: str = ""
     telemetry: dict[str, Any] = field(default_factory=dict)
     prhs_config: dict[str, Any] = field(default_factory=dict)
+    date: str = ""  # when the row finished (UTC, ISO 8601); rows kept by --resume keep theirs
 
     @classmethod
     def from_telemetry(cls, config: str, task: str, metrics: Mapping[str, float], n: int, seconds: float,
@@ -50,7 +51,13 @@ class Row:
         """A successful row, ρ̂ and processed KV read from a telemetry report dict."""
         return cls(config, task, STATUS_OK, dict(metrics), n, seconds, new_tokens,
                    telemetry.get("retrieval_ratio"), telemetry.get("processed_kv_per_step"),
-                   telemetry.get("dense_kv_per_step"), telemetry=dict(telemetry), prhs_config=dict(prhs_config))
+                   telemetry.get("dense_kv_per_step"), telemetry=dict(telemetry), prhs_config=dict(prhs_config),
+                   date=now())
+
+
+def now() -> str:
+    """The current UTC time, ISO 8601 to the second."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def _version(name: str) -> str | None:
@@ -66,7 +73,7 @@ def environment(device: str) -> dict[str, Any]:
 
     gpu = torch.cuda.get_device_name(torch.device(device)) if str(device).startswith("cuda") else None
     return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": now(),
         "host": platform.node(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -83,6 +90,21 @@ def load_rows(path: str | os.PathLike[str]) -> list[Row]:
     if not p.is_file():
         return []
     return [Row(**r) for r in json.loads(p.read_text()).get("rows", [])]
+
+
+def earlier_runs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The runs an existing JSON report was built from (its own and those it resumed), oldest first.
+
+    Each is ``{"command", "date", "gpu"}``; ``--resume`` keeps them in ``meta["earlier_runs"]`` so a
+    table assembled over several runs (or device sessions) says which commands made it.
+    """
+    p = Path(path)
+    if not p.is_file():
+        return []
+    meta = json.loads(p.read_text()).get("meta", {})
+    env = meta.get("environment", {})
+    own = {"command": meta.get("command"), "date": env.get("date"), "gpu": env.get("gpu")}
+    return [*meta.get("earlier_runs", []), own]
 
 
 def _fmt(value: float | None, percent: bool = False) -> str:
@@ -103,8 +125,10 @@ def render_markdown(meta: Mapping[str, Any], rows: Sequence[Row]) -> str:
         f"batch {meta.get('batch_size')}, limit {meta.get('limit')}",
         f"- GPU: {env.get('gpu') or 'none (CPU)'}; torch {env.get('torch')} (CUDA {env.get('cuda')}); {versions}",
         f"- date: {env.get('date')}",
-        "",
     ]
+    for run in meta.get("earlier_runs", []):
+        lines.append(f"- resumed from: `{run.get('command')}` ({run.get('date')}, {run.get('gpu') or 'CPU'})")
+    lines.append("")
     metric_names = [m for m in _METRIC_ORDER if any(m in r.metrics for r in rows)]
     metric_names += sorted({m for r in rows for m in r.metrics} - set(metric_names))
     header = ["config", "task", *metric_names, "ρ̂", "KV/step (dense)", "n", "time (s)", "status"]
