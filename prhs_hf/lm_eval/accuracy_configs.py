@@ -4,7 +4,8 @@ Each is a YAML of ``configs/`` plus overrides in the config schema. ``cis-s{8,16
 block size s; ``cis*`` is CIS with a smaller top-k (72, so a lower ρ̂); ``cis-t0.6`` and
 ``cis-t0.7`` lower the similarity threshold τ (s = 16) so that more queries share their anchor's
 indices (on Qwen2.5-Coder-1.5B the paper's τ = 0.8 retrieves at ρ̂ ≈ 20 % on zero-shot GSM8K, above
-the 10 % the accuracy target is stated at). The baselines replace CIS in decode with the same
+the 10 % the accuracy target is stated at). ``cpe-no-etf`` and ``cpe-no-psaw`` are the ablations of
+CPE (CIS + PSAW, CIS + ETF). The baselines replace CIS in decode with the same
 8/32/88 budget through ``baseline.name``. HShare appears at the paper's two settings of (query,
 head, layer) sharing ratios: ``hshare-1`` (1/2, 1/4, 1/4: ρ̂ = 1/2 · 3/4 · 3/4 ≈ 28.1 %) and
 ``hshare-2`` (1/2, 1/2, 1/2: ρ̂ = 12.5 %), as ``baseline.share_ratio`` / ``head_share_ratio`` /
@@ -42,6 +43,8 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
         NamedConfig("cis-t0.6", "configs/cis.yaml", {"cis": {"block_size": 16, "tau": 0.6}}),
         NamedConfig("cis-t0.7", "configs/cis.yaml", {"cis": {"block_size": 16, "tau": 0.7}}),
         NamedConfig("cpe", "configs/cpe.yaml"),
+        NamedConfig("cpe-no-etf", "configs/cpe.yaml", {"etf": {"enabled": False}}),
+        NamedConfig("cpe-no-psaw", "configs/cpe.yaml", {"psaw": {"enabled": False}}),
         NamedConfig("hshare-1", "configs/cis.yaml", {"baseline": {
             "name": "hshare", "share_ratio": 0.5, "head_share_ratio": 0.25, "layer_share_ratio": 0.25}}),
         NamedConfig("hshare-2", "configs/cis.yaml", {"baseline": {
