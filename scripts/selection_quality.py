@@ -442,8 +442,8 @@ def _scatter(ax, rows: list[dict], x: str, y: str) -> None:
             ax.annotate(label, (r[x], r[y]), fontsize=6, xytext=(4, 3), textcoords="offset points", color=color)
 
 
-def write_plots(out_dir: Path, rows: list[dict]) -> list[str]:
-    """β_emp vs ρ̂ (Fig. 6b), ΔI_emp vs B_MI (Fig. 7 left) and overlap bars; the files written."""
+def write_plots(out_dir: Path, rows: list[dict], prefix: str = "selection_quality") -> list[str]:
+    """β_emp vs ρ̂ (Fig. 6b), ΔI_emp vs B_MI (Fig. 7 left) and overlap bars as ``<prefix>_*.png``; the files written."""
     try:
         import matplotlib
 
@@ -465,8 +465,8 @@ def write_plots(out_dir: Path, rows: list[dict]) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(out_dir / "selection_quality_beta_rho.png", dpi=150)
-    written.append("selection_quality_beta_rho.png")
+    written.append(f"{prefix}_beta_rho.png")
+    fig.savefig(out_dir / written[-1], dpi=150)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.0, 4.8))
@@ -482,8 +482,8 @@ def write_plots(out_dir: Path, rows: list[dict]) -> list[str]:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(out_dir / "selection_quality_certificate.png", dpi=150)
-    written.append("selection_quality_certificate.png")
+    written.append(f"{prefix}_certificate.png")
+    fig.savefig(out_dir / written[-1], dpi=150)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8.0, 4.4))
@@ -496,8 +496,8 @@ def write_plots(out_dir: Path, rows: list[dict]) -> list[str]:
     ax.legend(fontsize=8, loc="lower left")
     ax.set_title("Overlap with the budget-matched top-k oracle")
     fig.tight_layout()
-    fig.savefig(out_dir / "selection_quality_overlap.png", dpi=150)
-    written.append("selection_quality_overlap.png")
+    written.append(f"{prefix}_overlap.png")
+    fig.savefig(out_dir / written[-1], dpi=150)
     plt.close(fig)
     return written
 
@@ -596,11 +596,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="RandomExpansion seed")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 24 steps, fewer CIS settings (a smoke run)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--replot", metavar="JSON", default=None,
+                    help="measure nothing: draw the plots of an existing report beside it (<its name>_*.png)")
     return ap.parse_args(argv)
+
+
+def replot(path: Path) -> int:
+    """Draw the plots of a saved report next to it, named after it, and record them in its JSON."""
+    report = json.loads(path.read_text(encoding="utf-8"))
+    report["meta"]["plots"] = write_plots(path.parent, report["rows"], prefix=path.stem)
+    path.write_text(json.dumps(report, indent=2), encoding="utf-8")
+    print(f"wrote {len(report['meta']['plots'])} plots beside {path}", file=sys.stderr)
+    return 0 if report["meta"]["plots"] else 1
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        return replot(Path(args.replot))
     if args.quick:
         args.prompts, args.max_new_tokens = min(args.prompts, 2), min(args.max_new_tokens, 24)
     out_dir = Path(args.out_dir)

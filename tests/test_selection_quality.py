@@ -44,3 +44,13 @@ def test_quick_run_on_local_data(tmp_path) -> None:
     assert oracle["rho_hat"] == 1 and rows["StreamingLLM"]["rho_hat"] == 0
     assert 0 < cis["rho_hat"] <= 1 and 0 <= cis["overlap_top50"] <= 1
     assert "CIS-main β_emp" in (out / "selection_quality.md").read_text()
+
+    # --replot measures nothing: it draws the saved report's plots beside it, named after it
+    import importlib.util as _util
+
+    has_mpl = _util.find_spec("matplotlib") is not None
+    saved = out / "selection_quality.json"
+    assert selection_quality.main(["--replot", str(saved)]) == (0 if has_mpl else 1)
+    plots = json.loads(saved.read_text())["meta"]["plots"]
+    assert plots == ([f"selection_quality_{n}.png" for n in ("beta_rho", "certificate", "overlap")] if has_mpl else [])
+    assert all((out / p).is_file() for p in plots)
