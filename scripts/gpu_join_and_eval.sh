@@ -19,7 +19,8 @@
 # 4. runs scripts/run_accuracy.py --engine direct on CUDA with the staged data, resuming
 #    $WORK/results/accuracy.json and stopping before a row that would overrun this call
 #    (PRHS_CALL_BUDGET_S, default 560 s of the device's 600 s);
-# 5. copies accuracy.json, accuracy.md and the log to $OUT.
+# 5. copies the reports in $WORK/results (accuracy.json/.md and any other --out there), the gzipped
+#    generations and the log to $OUT.
 #
 # Steps 1-3 are skipped when their results are already in $WORK (default /tmp/prhs_gpu, kept
 # while the machine stays warm), so the same command can be repeated until no row is left.
@@ -98,6 +99,7 @@ python3 scripts/run_accuracy.py --engine direct --model "$CKPT" --device cuda --
   --data-dir "$DATA" --out "$WORK/results/accuracy.json" --resume --max-seconds "$left" "$@" || status=$?
 
 # 5. results back
-cp "$WORK"/results/accuracy.json "$WORK"/results/accuracy.md "$OUT"/ 2>/dev/null || true
-[ -f "$WORK/results/accuracy.samples.jsonl" ] && gzip -c "$WORK/results/accuracy.samples.jsonl" > "$OUT/accuracy.samples.jsonl.gz"
+# (every report in $WORK/results: a run given its own --out there comes back too)
+cp "$WORK"/results/*.json "$WORK"/results/*.md "$OUT"/ 2>/dev/null || true
+for f in "$WORK"/results/*.samples.jsonl; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done
 exit "${status:-0}"
