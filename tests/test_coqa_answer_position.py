@@ -54,3 +54,26 @@ def test_table_from_samples(tmp_path) -> None:
     assert rows[("a", "[0.00, 0.50)")]["n"] == len(early)
     assert rows[("b", "[0.00, 0.50)")]["em"] == (0.0 if early else None)
     assert "| a |" in out.with_suffix(".md").read_text()
+
+
+def test_early_answer_ablation_script(tmp_path) -> None:
+    """scripts/coqa_early_answer_ablation.py on a tiny random llama: picks the early-answer examples
+    (by answer_position) and writes one row per config with per-example scores."""
+    from lm_eval_fixtures import save_tiny_checkpoint
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec2 = importlib.util.spec_from_file_location("coqa_early_answer_ablation", SCRIPT.parent / "coqa_early_answer_ablation.py")
+        ablation = importlib.util.module_from_spec(spec2)
+        spec2.loader.exec_module(ablation)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    data = write_local_data(tmp_path / "data")
+    out = tmp_path / "abl.json"
+    assert ablation.main(["--model", str(save_tiny_checkpoint(tmp_path / "tiny")), "--data-dir", str(data),
+                          "--configs", "dense,cpe", "--max-position", "0.4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    expected = [i for i, d in enumerate(COQA_ROWS) if (p := cap.answer_position(d, 4)) is not None and p < 0.4]
+    assert expected and report["meta"]["indices"] == expected
+    assert [r["config"] for r in report["rows"]] == ["dense", "cpe"]
+    assert all(r["n"] == len(expected) and [s["index"] for s in r["samples"]] == expected for r in report["rows"])
