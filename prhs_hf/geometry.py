@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SequenceGeometry", "geometry_from_mask"]
+__all__ = ["SequenceGeometry", "check_layout", "geometry_from_mask"]
 
 
 @dataclass
@@ -39,10 +39,6 @@ class SequenceGeometry:
         rows = torch.arange(self.q_len, device=self.pad.device, dtype=torch.int32)
         return self.q_start[:, None] + rows[None, :]
 
-    def index_select(self, index: torch.Tensor) -> "SequenceGeometry":
-        """The geometry of the sequences ``index`` (beam reordering, sub-batches)."""
-        return SequenceGeometry(self.pad[index], self.t_last[index], self.q_start[index], self.q_len)
-
 
 def _valid_keys(mask: torch.Tensor) -> torch.Tensor:
     """``[B, Lk]`` bool: the keys the last query row may attend to."""
@@ -58,13 +54,12 @@ def geometry_from_mask(
     q_len: int,
     kv_len: int,
     device: torch.device,
-    check: bool = False,
 ) -> SequenceGeometry:
     """Per-sequence pad offset, visible length and query start from the attention mask.
 
     ``mask`` is ``None`` (no padding, the queries are the last ``q_len`` of ``kv_len`` keys) or a
-    4D ``[B, 1, Lq, Lk]`` bool/additive mask. With ``check=True`` (eager only: it synchronises)
-    a batch whose real keys are not one contiguous run raises ``ValueError``.
+    4D ``[B, 1, Lq, Lk]`` bool/additive mask. No host synchronisation: see :func:`check_layout`
+    for the check that the layout is one PrHS handles.
     """
     if mask is None:
         zeros = torch.zeros(batch_size, dtype=torch.int32, device=device)
@@ -77,13 +72,32 @@ def geometry_from_mask(
         valid = valid.expand(batch_size, -1)
     t_last = valid.sum(-1, dtype=torch.int32)
     pad = valid.to(torch.int8).argmax(-1).to(torch.int32)
-    if check:
-        last = valid.shape[-1] - 1 - valid.flip(-1).to(torch.int8).argmax(-1).to(torch.int32)
-        broken = (t_last > 0) & (last - pad + 1 != t_last)
-        if bool(broken.any()):
-            raise ValueError(
-                "PrHS needs each sequence's real tokens to be one contiguous run of cache slots "
-                "(left padding, as generate() does); this batch has padding inside a sequence "
-                "(right padding or a custom mask). Use tokenizer.padding_side = 'left'."
-            )
     return SequenceGeometry(pad, t_last, t_last - q_len, q_len)
+
+
+def check_layout(mask: torch.Tensor | None, geom: SequenceGeometry, last_query_slot: int | None) -> None:
+    """Raise ``ValueError`` unless every sequence is one contiguous run of cache slots ending at
+    the last query (left padding, as ``generate()`` does). It synchronises: eager only.
+
+    ``last_query_slot`` is the cache slot of the forward's last query row (``cached tokens +
+    Lq - 1``), or ``None`` where it is not known. Right padding fails here: its last query row
+    is a pad, whose mask row ends before it; so does a decode token that lands after a gap.
+    """
+    if mask is None:
+        return
+    valid = _valid_keys(mask)
+    if valid.shape[0] == 1 and geom.pad.shape[0] > 1:
+        valid = valid.expand(geom.pad.shape[0], -1)
+    last = valid.shape[-1] - 1 - valid.flip(-1).to(torch.int8).argmax(-1).to(torch.int32)
+    real = geom.t_last > 0
+    broken = real & (last - geom.pad + 1 != geom.t_last)
+    if last_query_slot is not None:
+        broken |= real & (last != last_query_slot)
+    if bool(broken.any()):
+        rows = broken.nonzero().flatten().tolist()
+        raise ValueError(
+            "PrHS needs each sequence's real tokens to be one contiguous run of cache slots that ends "
+            f"at the newest token (left padding, as generate() does); sequence(s) {rows} of this batch "
+            "have padding inside or after their tokens (right padding or a custom mask). "
+            "Use tokenizer.padding_side = 'left'."
+        )

@@ -16,7 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .cis_state import CISLayerState
 from .decode import DecodeParams, cis_decode_step, window_decode_step
-from .geometry import SequenceGeometry, geometry_from_mask
+from .geometry import SequenceGeometry
 from .kernels.compose_indices import dilated_set_size
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
 
@@ -72,12 +72,13 @@ class PrHSLayer:
 
     # ------------------------------------------------------------------ prefill
 
-    def plan_prefill(self, hidden_states: torch.Tensor, kwargs: dict) -> None:
-        """Decoder-layer pre-hook: decide this layer's PSAW window and ETF frozen rows for this forward."""
+    def plan_prefill(self, hidden_states: torch.Tensor) -> None:
+        """Decoder-layer pre-hook (after :meth:`PrHSRuntime.begin_forward`): decide this layer's
+        PSAW window and ETF frozen rows for this forward."""
         self.plan = None
-        batch, q_len = hidden_states.shape[:2]
-        if q_len == 1:
+        if self.runtime.decoding:
             return
+        batch, q_len = hidden_states.shape[:2]
         # a new prompt: CIS starts over at the first decode step, in buffers allocated (or reset)
         # now, outside any compiled decode step, so that the step only mutates them in place and a
         # compiled step keeps seeing the same buffers from one generate() call to the next
@@ -85,15 +86,9 @@ class PrHSLayer:
             self._cis_state(batch, hidden_states.device).reset()
         else:
             self.state = None
-        if not (self.psaw_prefill or self.etf):
+        if q_len == 1 or not (self.psaw_prefill or self.etf):
             return
-        mask = kwargs.get("attention_mask")
-        if mask is not None:
-            kv_len = mask.shape[-1]
-        else:
-            cache = kwargs.get("past_key_values")
-            kv_len = q_len + (cache.get_seq_length(self.index) if cache is not None else 0)
-        geom = geometry_from_mask(mask, batch, q_len, kv_len, hidden_states.device)
+        geom = self.runtime.geometry
         sink = self.runtime.resolved.config.budget.sink
         real = geom.query_real_index()
         if self.psaw_prefill:
@@ -148,8 +143,7 @@ class PrHSLayer:
         )
 
     def _decode(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
-        batch = query.shape[0]
-        geom = geometry_from_mask(attention_mask, batch, 1, key.shape[-2], query.device)
+        geom = self.runtime.geometry
         telemetry = self.runtime.telemetry
         q = query[:, :, 0, :]
         selector = self.runtime.selector
@@ -207,13 +201,12 @@ class PrHSLayer:
             raise ValueError("PrHS does not support sliding-window attention layers")
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        if query.shape[2] == 1 and key.shape[-2] > 1:
+        if self.runtime.geometry is None:
+            raise RuntimeError("PrHS attention was called outside a forward of the patched model's decoder layers")
+        if self.runtime.decoding:
             return self._decode(module, query, key, value, attention_mask, dropout, scaling, kwargs)
         if self.runtime.selector is not None:
-            geom = self.plan.geom if self.plan is not None else geometry_from_mask(
-                attention_mask, query.shape[0], query.shape[2], key.shape[-2], query.device
-            )
-            self.runtime.selector.observe_prefill(self.index, query, key, geom, scaling)
+            self.runtime.selector.observe_prefill(self.index, query, key, self.runtime.geometry, scaling)
         if self.plan is not None:
             return self._prefill(query, key, value, scaling)
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)

@@ -5,7 +5,8 @@ Patching selects the ``"prhs"`` attention implementation (registered with transf
 to every attention module, adds one forward pre-hook per decoder layer (the PSAW/ETF prefill
 plan), wraps ``q_proj``/``o_proj``/``mlp`` of ETF layers so frozen rows are not computed, and
 lets beam search reorder the CIS state. Unpatching removes all of it and restores the original
-attention implementation; patching twice replaces the first patch.
+attention implementation; patching twice replaces the first patch, and leaving the `with` block of the
+second puts the first back (nested blocks nest).
 """
 
 from __future__ import annotations
@@ -31,24 +32,35 @@ _RUNTIME = "_prhs_runtime"
 
 
 class PatchHandle:
-    """What :func:`patch` returns: the runtime, and a context manager that unpatches on exit."""
+    """What :func:`patch` returns: the runtime, and a context manager that undoes the patch on exit.
 
-    def __init__(self, model: nn.Module, runtime: PrHSRuntime):
+    Leaving the ``with`` block removes this patch and, where it had replaced another one (nested
+    ``with patch(...)`` blocks), puts that one back. The last run's telemetry stays readable on
+    the handle after the block: ``handle.telemetry()``.
+    """
+
+    def __init__(self, model: nn.Module, runtime: PrHSRuntime, previous: PrHSRuntime | None = None):
         self.model = model
         self.runtime = runtime
+        self.previous = previous
 
     @property
     def config(self) -> PrHSConfig:
         return self.runtime.resolved.config
 
     def telemetry(self) -> TelemetryReport:
-        return telemetry(self.model)
+        """The statistics of this patch's runs (also after the ``with`` block)."""
+        return _report(self.runtime)
 
     def __enter__(self) -> "PatchHandle":
         return self
 
     def __exit__(self, *exc) -> None:
-        unpatch(self.model)
+        if getattr(self.model, _RUNTIME, None) is not self.runtime:
+            return  # already unpatched or replaced by hand: leave the model as it is
+        _uninstall(self.model)
+        if self.previous is not None:
+            _install(self.model, self.previous)
 
 
 def _check_cache(cache: Any) -> None:
@@ -62,15 +74,8 @@ def _make_pre_hook(layer, first: bool):
         hidden = args[0] if args else kwargs["hidden_states"]
         if first:
             _check_cache(kwargs.get("past_key_values"))
-            if hidden.shape[1] > 1:
-                layer.runtime.prepare(hidden.device, hidden.shape[0])
-            mask = kwargs.get("attention_mask")
-            # the padding layout is fixed at prefill: check it there (it synchronises), not per decode step
-            if mask is not None and hidden.shape[1] > 1 and not torch.compiler.is_compiling():
-                from .geometry import geometry_from_mask
-
-                geometry_from_mask(mask, hidden.shape[0], hidden.shape[1], mask.shape[-1], hidden.device, check=True)
-        layer.plan_prefill(hidden, kwargs)
+            layer.runtime.begin_forward(hidden, kwargs)
+        layer.plan_prefill(hidden)
 
     return hook
 
@@ -80,23 +85,31 @@ def patch(
     config: "str | Path | Mapping[str, Any] | PrHSConfig | None" = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> PatchHandle:
-    """Make ``model`` run PrHS as ``config`` (YAML path, dict or :class:`PrHSConfig`) says.
+    """Make ``model`` run PrHS as ``config`` (a shipped config's name such as ``"cis"``, a YAML
+    path, a dict or a :class:`PrHSConfig`) says.
 
     Supported: the families in :data:`prhs_hf.families.SUPPORTED_FAMILIES`, fp16/bf16/fp32,
-    ``DynamicCache`` and ``StaticCache``. Returns a :class:`PatchHandle` (a context manager).
+    ``DynamicCache`` and ``StaticCache``, left padding. Patching a patched model replaces its
+    patch (and a ``with`` block around the new one restores it on exit). Returns a
+    :class:`PatchHandle` (a context manager).
     """
     cfg = load_config(config, overrides)
     check_model(model)
-    if is_patched(model):
-        unpatch(model)
+    previous = _uninstall(model)
     layers = decoder_layers(model)
     resolved = cfg.resolve(len(layers))
-    attention.register()
     runtime = PrHSRuntime(resolved, model.config.num_attention_heads, layers[0].self_attn.head_dim)
     runtime.original_attn_implementation = model.config._attn_implementation
+    _install(model, runtime)
+    return PatchHandle(model, runtime, previous)
+
+
+def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
+    """Attach ``runtime`` to ``model``: attention function, pre-hooks, ETF row skipping, beam reordering."""
+    attention.register()
     runtime.hooks = []
     runtime.wrapped = []
-    for index, (decoder_layer, prhs_layer) in enumerate(zip(layers, runtime.layers)):
+    for index, (decoder_layer, prhs_layer) in enumerate(zip(decoder_layers(model), runtime.layers)):
         decoder_layer.self_attn._prhs_layer = prhs_layer
         runtime.hooks.append(
             decoder_layer.register_forward_pre_hook(_make_pre_hook(prhs_layer, index == 0), with_kwargs=True)
@@ -114,19 +127,13 @@ def patch(
 
     model._reorder_cache = reorder_cache
     setattr(model, _RUNTIME, runtime)
-    return PatchHandle(model, runtime)
 
 
-def is_patched(model: nn.Module) -> bool:
-    """Whether :func:`patch` is in force on ``model``."""
-    return getattr(model, _RUNTIME, None) is not None
-
-
-def unpatch(model: nn.Module) -> None:
-    """Undo :func:`patch` exactly; a model that is not patched is left as it is."""
+def _uninstall(model: nn.Module) -> PrHSRuntime | None:
+    """Detach the runtime in force (returned; ``None`` if the model is not patched)."""
     runtime: PrHSRuntime | None = model.__dict__.pop(_RUNTIME, None)
     if runtime is None:
-        return
+        return None
     for hook in runtime.hooks:
         hook.remove()
     for module in runtime.wrapped:
@@ -135,6 +142,18 @@ def unpatch(model: nn.Module) -> None:
         decoder_layer.self_attn.__dict__.pop("_prhs_layer", None)
     model.__dict__.pop("_reorder_cache", None)
     model.set_attn_implementation(runtime.original_attn_implementation)
+    return runtime
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether :func:`patch` is in force on ``model``."""
+    return getattr(model, _RUNTIME, None) is not None
+
+
+def unpatch(model: nn.Module) -> None:
+    """Remove PrHS from ``model`` exactly (all of it, whatever was patched before); a model that is
+    not patched is left as it is."""
+    _uninstall(model)
 
 
 def _runtime(model: nn.Module) -> PrHSRuntime:
@@ -146,7 +165,10 @@ def _runtime(model: nn.Module) -> PrHSRuntime:
 
 def telemetry(model: nn.Module) -> TelemetryReport:
     """The statistics of a patched model since patching or :func:`reset` (config ``telemetry.enabled``)."""
-    runtime = _runtime(model)
+    return _report(_runtime(model))
+
+
+def _report(runtime: PrHSRuntime) -> TelemetryReport:
     if runtime.telemetry is None:
         raise ValueError("telemetry is off: patch with telemetry: {enabled: true}")
     return runtime.telemetry.report()

@@ -8,6 +8,7 @@ import torch
 
 from .backends import decode_ops, prefill_function
 from .config import ResolvedConfig
+from .geometry import SequenceGeometry, check_layout, geometry_from_mask
 from .layer import PrHSLayer
 from .selectors import make_selector
 from .stats import Telemetry
@@ -28,6 +29,31 @@ class PrHSRuntime:
         self.selector = make_selector(resolved, num_heads) if c.baseline.name is not None else None
         self._ops: dict[torch.device, object] = {}
         self._prefill: dict[torch.device, Callable] = {}
+        # the current forward, set by begin_forward (the first decoder layer's pre-hook)
+        self.geometry: SequenceGeometry | None = None
+        self.decoding = False
+
+    def begin_forward(self, hidden_states: torch.Tensor, kwargs: dict) -> None:
+        """The first decoder layer's pre-hook: this forward's geometry, computed once for all layers.
+
+        A forward is a *decode step* when it has one query row and the cache already holds tokens;
+        anything else (a prompt, also a 1-token one, or a multi-token forward over a cache) is a
+        prefill, after which CIS starts over. Eager forwards check the padding layout (it
+        synchronises); under ``torch.compile`` the cached length is not known on the host and a
+        1-row forward is taken as a decode step (``generate()`` runs its prefill eagerly).
+        """
+        cache = kwargs.get("past_key_values")
+        batch, q_len = hidden_states.shape[:2]
+        device = hidden_states.device
+        mask = kwargs.get("attention_mask")
+        cached = _cached_tokens(cache)
+        self.decoding = q_len == 1 and (cached is None or cached > 0)
+        kv_len = mask.shape[-1] if mask is not None else q_len + (cached or 0)
+        self.geometry = geometry_from_mask(mask, batch, q_len, kv_len, device)
+        if not torch.compiler.is_compiling():
+            check_layout(mask, self.geometry, None if cached is None else cached + q_len - 1)
+        if not self.decoding:
+            self.prepare(device, batch)
 
     def prepare(self, device: torch.device, batch: int) -> None:
         """At a prefill of ``batch`` sequences (eager): pick the backends and allocate the telemetry
@@ -69,3 +95,16 @@ class PrHSRuntime:
             self.selector.reset()
         if self.telemetry is not None:
             self.telemetry.reset()
+
+
+def _cached_tokens(cache) -> int | None:
+    """Tokens the cache held before this forward; ``None`` where only the device knows (a
+    ``StaticCache`` inside a compiled step)."""
+    if cache is None:
+        return 0
+    n = cache.get_seq_length()
+    if isinstance(n, torch.Tensor):
+        if torch.compiler.is_compiling():
+            return None
+        n = int(n)
+    return n
