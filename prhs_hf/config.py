@@ -2,8 +2,28 @@
 
 The schema is SPEC.md §1: the key names are the user interface and never change. ``null`` means
 "the paper's default for this model" and is resolved against the model's layer count by
-:meth:`PrHSConfig.resolve`. Every problem (unknown key, wrong type, out-of-range value) raises
-:class:`ConfigError` naming the key and what is allowed.
+:meth:`PrHSConfig.resolve`. Every problem (unknown key, wrong type, out-of-range value, a file that
+is missing, empty or not YAML) raises :class:`ConfigError` naming the key (or the file and line)
+and what is allowed.
+
+Sections you leave out are **off**. ``cis``, ``psaw`` and ``etf`` are on when their section is
+present (unless it says ``enabled: false``) and off when it is left out, so ``{cis: {tau: 0.7}}``
+is CIS alone; ``baseline`` is off unless ``baseline.name`` is set; ``telemetry`` is off unless
+``telemetry.enabled: true``; ``budget`` and ``backend`` fall back to neutral defaults (8 sink + 32
+local + 88 top-k; ``auto`` backends). An empty mapping, ``None`` or a bare :class:`PrHSConfig` is
+therefore dense (nothing on). The paper's settings live in the shipped files, which spell out
+every section: ``configs/cis.yaml`` (CIS), ``cpe.yaml`` (CIS + PSAW + ETF), ``cpe_longbench.yaml``
+(CPE with the LongBench budget) and ``dense.yaml``.
+
+A config source that is a bare name (``"cis"``, ``"cpe"``: no folder, no ``.yaml``) is the
+shipped config of that name; anything else is a path and must exist. The shipped files are
+package data (``prhs_hf/configs`` in a wheel, the repository's ``configs/`` in a checkout; see
+:func:`shipped_dir`).
+
+Every numeric key has an upper bound: sizes in tokens at most :data:`MAX_TOKENS`, layer indices
+below :data:`MAX_LAYERS`, exponents at most :data:`MAX_EXPONENT`; the derived index set and the CIS
+state per head are bounded too (:data:`MAX_INDEX_SET`, :data:`MAX_CIS_STATE`), and
+:meth:`PrHSConfig.resolve` bounds the sizes in use by the model's positions when it is told them.
 """
 
 from __future__ import annotations
@@ -30,11 +50,35 @@ __all__ = [
     "ResolvedConfig",
     "load_config",
     "resolve_config_path",
+    "shipped_dir",
+    "shipped_configs",
+    "MAX_TOKENS",
+    "MAX_LAYERS",
+    "MAX_EXPONENT",
+    "MAX_INDEX_SET",
+    "MAX_CIS_STATE",
 ]
 
 PHASES = ("prefill", "decode")
 PREFILL_BACKENDS = ("auto", "torch", "triton", "flex")
 DECODE_BACKENDS = ("auto", "torch", "triton")
+
+MAX_TOKENS = 2**20
+"""Upper bound of every size in tokens (budget keys, ``cis.block_size``, ``cis.dilation_*``,
+``baseline.page_size``): 1,048,576, far above any useful budget and safe from int32 overflow."""
+MAX_LAYERS = 2**16
+"""Upper bound (exclusive) of a layer index before the model is known."""
+MAX_EXPONENT = 1000.0
+"""Upper bound of ``psaw.alpha`` and ``etf.gamma`` (beyond it ``phi ** (alpha * u)`` underflows)."""
+MAX_TAU = 2.0
+"""Upper bound of ``cis.tau``: a cosine similarity is at most 1, so any tau above 1 never shares."""
+MAX_SEED = 2**32 - 1
+"""Upper bound of ``baseline.seed``."""
+MAX_INDEX_SET = MAX_TOKENS
+"""Upper bound of a decode step's index set: sink + local + top-k + 2 · dilation_radius · dilation_topm."""
+MAX_CIS_STATE = 2**24
+"""Upper bound of ``cis.block_size`` × the index set: the int32 anchor indices CIS keeps per head and
+sequence (64 MiB each at the bound)."""
 
 
 class ConfigError(ValueError):
@@ -122,12 +166,16 @@ class BaselineConfig:
 
 @dataclass(frozen=True)
 class PrHSConfig:
-    """A whole PrHS configuration, as read from YAML (``null`` values still unresolved)."""
+    """A whole PrHS configuration, as read from YAML (``null`` values still unresolved).
+
+    A section left out is off (see the module docstring): ``PrHSConfig()`` is dense. The section
+    classes themselves default to ``enabled=True``, as a section written in a YAML file does.
+    """
 
     budget: BudgetConfig = field(default_factory=BudgetConfig)
-    cis: CISConfig = field(default_factory=CISConfig)
-    psaw: PSAWConfig = field(default_factory=PSAWConfig)
-    etf: ETFConfig = field(default_factory=ETFConfig)
+    cis: CISConfig = field(default_factory=lambda: CISConfig(enabled=False))
+    psaw: PSAWConfig = field(default_factory=lambda: PSAWConfig(enabled=False))
+    etf: ETFConfig = field(default_factory=lambda: ETFConfig(enabled=False))
     backend: BackendConfig = field(default_factory=BackendConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
@@ -138,18 +186,50 @@ class PrHSConfig:
         out["psaw"]["phases"] = list(self.psaw.phases)
         return out
 
-    def resolve(self, num_layers: int) -> "ResolvedConfig":
-        """Fill the ``null`` defaults for a model with ``num_layers`` decoder layers and check layer ranges."""
+    def resolve(self, num_layers: int, max_positions: int | None = None) -> "ResolvedConfig":
+        """Fill the ``null`` defaults for a model with ``num_layers`` decoder layers and check layer ranges.
+
+        ``max_positions`` (the model's ``max_position_embeddings``), when given, bounds every size
+        in tokens that the config uses (the budget and ``cis.block_size`` when CIS or a baseline
+        selects, ``baseline.page_size`` for Quest): no sequence of the model is longer.
+        """
         if num_layers < 1:
             raise ConfigError(f"the model has {num_layers} decoder layers; PrHS needs at least 1")
+        if max_positions is not None and max_positions < 1:
+            raise ConfigError(f"max_positions: {max_positions} is out of range; allowed a positive int or None")
         half = num_layers // 2
         psaw_start = half if self.psaw.start_layer is None else self.psaw.start_layer
         etf_start = half if self.etf.start_layer is None else self.etf.start_layer
         for key, value in (("psaw.start_layer", psaw_start), ("etf.start_layer", etf_start)):
             if not 0 <= value < num_layers:
                 raise ConfigError(f"{key}: {value} is out of range; allowed 0 <= {key} < {num_layers} (the model's layers)")
-        topm = self.budget.topk // 3 if self.cis.dilation_topm is None else self.cis.dilation_topm
-        return ResolvedConfig(self, num_layers, psaw_start, etf_start, topm)
+        if max_positions is not None:
+            for key, value in self._sizes_in_use():
+                lower = _RULES[key][1]
+                if value > max_positions:
+                    raise ConfigError(f"{key}: {value} is out of range for this model; allowed [{lower}, {max_positions}] "
+                                      f"(its max_position_embeddings)")
+        return ResolvedConfig(self, num_layers, psaw_start, etf_start, self._dilation_topm())
+
+    def _dilation_topm(self) -> int:
+        """``cis.dilation_topm`` with ``null`` filled: floor(top-k / 3)."""
+        return self.budget.topk // 3 if self.cis.dilation_topm is None else self.cis.dilation_topm
+
+    def _index_set(self, dilation_topm: int) -> int:
+        """The largest index set of a decode step: the budget plus the dilation neighbours."""
+        b = self.budget
+        return b.sink + b.local + b.topk + 2 * self.cis.dilation_radius * dilation_topm
+
+    def _sizes_in_use(self) -> list[tuple[str, int]]:
+        """The sizes in tokens that this config's decode selection reads, as ``(key, value)``."""
+        if not (self.cis.enabled or self.baseline.name is not None):
+            return []
+        b = self.budget
+        sizes = [("budget.sink", b.sink), ("budget.local", b.local), ("budget.topk", b.topk),
+                 ("cis.block_size", self.cis.block_size)]
+        if self.baseline.name == "quest":
+            sizes.append(("baseline.page_size", self.baseline.page_size))
+        return sizes
 
 
 @dataclass(frozen=True)
@@ -178,7 +258,7 @@ class ResolvedConfig:
     @property
     def index_capacity(self) -> int:
         """Largest index set of a CIS step: the budget plus the dilation neighbours."""
-        return self.budget_total + 2 * self.config.cis.dilation_radius * self.dilation_topm
+        return self.config._index_set(self.dilation_topm)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -195,40 +275,42 @@ _SECTIONS: dict[str, type] = {
 
 # key -> (kind, lower, upper, lower_open, nullable[, upper_open]); kind in {"int", "float", "bool", "choice", "phases"}
 _RULES: dict[str, tuple] = {
-    "budget.sink": ("int", 0, None, False, False),
-    "budget.local": ("int", 0, None, False, False),
-    "budget.topk": ("int", 1, None, False, False),
+    "budget.sink": ("int", 0, MAX_TOKENS, False, False),
+    "budget.local": ("int", 0, MAX_TOKENS, False, False),
+    "budget.topk": ("int", 1, MAX_TOKENS, False, False),
     "cis.enabled": ("bool",),
-    "cis.block_size": ("int", 1, None, False, False),
-    "cis.tau": ("float", -1.0, None, False, False),
-    "cis.dilation_topm": ("int", 0, None, False, True),
-    "cis.dilation_radius": ("int", 0, None, False, False),
+    "cis.block_size": ("int", 1, MAX_TOKENS, False, False),
+    "cis.tau": ("float", -1.0, MAX_TAU, False, False),
+    "cis.dilation_topm": ("int", 0, MAX_TOKENS, False, True),
+    "cis.dilation_radius": ("int", 0, MAX_TOKENS, False, False),
     "psaw.enabled": ("bool",),
     "psaw.phases": ("phases",),
-    "psaw.start_layer": ("int", 0, None, False, True),
+    "psaw.start_layer": ("int", 0, MAX_LAYERS, False, True, True),
     "psaw.phi": ("float", 0.0, 1.0, True, False),
-    "psaw.alpha": ("float", 0.0, None, False, False),
+    "psaw.alpha": ("float", 0.0, MAX_EXPONENT, False, False),
     "etf.enabled": ("bool",),
-    "etf.start_layer": ("int", 0, None, False, True),
+    "etf.start_layer": ("int", 0, MAX_LAYERS, False, True, True),
     "etf.psi": ("float", 0.0, 1.0, True, False),
-    "etf.gamma": ("float", 0.0, None, False, False),
+    "etf.gamma": ("float", 0.0, MAX_EXPONENT, False, False),
     "backend.prefill": ("choice", PREFILL_BACKENDS),
     "backend.decode": ("choice", DECODE_BACKENDS),
     "telemetry.enabled": ("bool",),
     "telemetry.oracle": ("bool",),
     "baseline.name": ("choice", (None, *BASELINES)),
-    "baseline.page_size": ("int", 1, None, False, False),
+    "baseline.page_size": ("int", 1, MAX_TOKENS, False, False),
     "baseline.share_ratio": ("float", 0.0, 1.0, False, False, True),
     "baseline.head_share_ratio": ("float", 0.0, 1.0, False, False, True),
     "baseline.layer_share_ratio": ("float", 0.0, 1.0, False, False, True),
-    "baseline.seed": ("int", 0, None, False, False),
+    "baseline.seed": ("int", 0, MAX_SEED, False, False),
 }
+
+_KIND_TEXT = {"int": "an int", "float": "a float"}
 
 
 def _range_text(lower, upper, lower_open, upper_open=False) -> str:
     left = "(" if lower_open else "["
-    right = "]" if upper is not None and not upper_open else ")"
-    return f"{left}{lower}, {upper if upper is not None else 'inf'}{right}"
+    right = ")" if upper_open else "]"
+    return f"{left}{lower}, {upper}{right}"
 
 
 def _check_value(key: str, value: Any) -> Any:
@@ -254,20 +336,20 @@ def _check_value(key: str, value: Any) -> Any:
     if value is None:
         if nullable:
             return None
-        raise ConfigError(f"{key}: null is not allowed; expected a {kind} in {allowed}")
+        raise ConfigError(f"{key}: null is not allowed; expected {_KIND_TEXT[kind]} in {allowed}")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key}: expected a {kind}{' or null' if nullable else ''}, got {value!r}")
+        raise ConfigError(f"{key}: expected {_KIND_TEXT[kind]}{' or null' if nullable else ''}, got {value!r}")
     if kind == "int":
         if isinstance(value, float):
             if not value.is_integer():
-                raise ConfigError(f"{key}: expected an integer, got {value!r}")
+                raise ConfigError(f"{key}: expected an int, got {value!r}")
             value = int(value)
     else:
         value = float(value)
         if not math.isfinite(value):
             raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     too_low = value <= lower if lower_open else value < lower
-    too_high = upper is not None and (value >= upper if upper_open else value > upper)
+    too_high = value >= upper if upper_open else value > upper
     if too_low or too_high:
         raise ConfigError(f"{key}: {value!r} is out of range; allowed {allowed}")
     return value
@@ -283,8 +365,11 @@ def _merge(base: dict, overrides: Mapping) -> dict:
     return out
 
 
-def config_from_dict(data: Mapping[str, Any]) -> PrHSConfig:
-    """Validate plain data against the schema and build a :class:`PrHSConfig`."""
+def config_from_dict(data: Mapping[str, Any] | None) -> PrHSConfig:
+    """Validate plain data against the schema and build a :class:`PrHSConfig`.
+
+    Sections left out are off (module docstring); ``None`` is the empty mapping (dense).
+    """
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -306,49 +391,118 @@ def config_from_dict(data: Mapping[str, Any]) -> PrHSConfig:
             values[key] = _check_value(f"{name}.{key}", value)
         sections[name] = cls(**values)
     config = PrHSConfig(**sections)
-    topm = config.cis.dilation_topm
-    if topm is not None and topm > config.budget.topk:
-        raise ConfigError(f"cis.dilation_topm: {topm} is out of range; allowed [0, budget.topk={config.budget.topk}]")
+    _check_sizes(config)
     return config
 
 
-SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+def _check_sizes(config: PrHSConfig) -> None:
+    """The bounds that involve several keys: ``dilation_topm`` within top-k, the index set and the CIS state."""
+    b, cis = config.budget, config.cis
+    if cis.dilation_topm is not None and cis.dilation_topm > b.topk:
+        raise ConfigError(f"cis.dilation_topm: {cis.dilation_topm} is out of range; allowed [0, budget.topk={b.topk}]")
+    index_set = config._index_set(config._dilation_topm())
+    if index_set > MAX_INDEX_SET:
+        raise ConfigError(
+            f"budget: the index set (budget.sink + budget.local + budget.topk + 2 * cis.dilation_radius * "
+            f"dilation_topm) is {index_set}; allowed up to {MAX_INDEX_SET}")
+    if cis.enabled and cis.block_size * index_set > MAX_CIS_STATE:
+        raise ConfigError(
+            f"cis.block_size: {cis.block_size} is too large for this budget: block_size × index set = "
+            f"{cis.block_size} × {index_set} = {cis.block_size * index_set} anchor indices per head; "
+            f"allowed up to {MAX_CIS_STATE} (lower cis.block_size or the budget)")
+
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def shipped_dir(name: str) -> Path:
+    """The folder of the shipped data files ``name`` (``"configs"`` or ``"tasks"``).
+
+    A wheel installs the repository's ``configs/`` and ``tasks/`` as ``prhs_hf/configs`` and
+    ``prhs_hf/tasks`` (``pyproject.toml`` maps them there); a checkout (editable install or
+    ``PYTHONPATH``) keeps them at the repository root, beside ``prhs_hf/``. The package folder
+    wins; where neither exists that is the path returned, so that errors name it.
+    """
+    inside = _PACKAGE / name
+    checkout = _PACKAGE.parent / name
+    if not inside.is_dir() and checkout.is_dir() and (_PACKAGE.parent / "pyproject.toml").is_file():
+        return checkout
+    return inside
+
+
+def shipped_configs() -> list[str]:
+    """The names of the shipped configs (``cis``, ``cpe``, ...), sorted."""
+    return sorted(p.stem for p in shipped_dir("configs").glob("*.yaml"))
+
+
+class _MissingConfigFile(ConfigError, FileNotFoundError):
+    """A config path that does not exist (a :class:`ConfigError` and a :class:`FileNotFoundError`)."""
 
 
 def resolve_config_path(source: "str | Path") -> Path:
-    """A config path as given if it exists, else the shipped config of that name (``cpe`` or ``configs/cpe.yaml``)."""
+    """The file a config source names: a bare name (``"cpe"``: no folder, no ``.yaml``) is the
+    shipped config of that name; anything else is a path, which must exist.
+
+    Raises :class:`ConfigError` (also a :class:`FileNotFoundError`) saying "no such file" otherwise.
+    """
+    text = str(source)
     given = Path(source)
-    if given.is_file() or given.is_absolute():
-        return given
-    name = given.name if given.suffix in (".yaml", ".yml") else f"{given.name}.yaml"
-    candidate = SHIPPED_CONFIGS / name
-    return candidate if candidate.is_file() else given
+    if isinstance(source, str) and text and "/" not in text and "\\" not in text and given.suffix not in (".yaml", ".yml") \
+            and text not in (".", ".."):
+        candidate = shipped_dir("configs") / f"{text}.yaml"
+        if candidate.is_file():
+            return candidate
+        raise _MissingConfigFile(
+            f"{text}: no such file, and not a shipped config; shipped configs: {', '.join(shipped_configs())} "
+            f"(in {shipped_dir('configs')})")
+    if not given.is_file():
+        hint = f"; shipped configs are named bare, e.g. {given.stem!r}" if given.stem in shipped_configs() else ""
+        raise _MissingConfigFile(f"{text}: no such file (a PrHS config path must exist){hint}")
+    return given
+
+
+def _read_yaml(path: Path) -> Mapping[str, Any]:
+    """The mapping of sections in the YAML file ``path``; :class:`ConfigError` naming the file (and
+    line) if it is not YAML or holds anything but a mapping (empty, a comment, ``0``, ``[]``, ...)."""
+    try:
+        with path.open() as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = " ".join(str(p) for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p) or str(exc)
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from exc
+    if not isinstance(data, Mapping):
+        got = "an empty file" if data is None else f"{type(data).__name__} {data!r}"
+        raise ConfigError(f"{path}: a PrHS config must be a YAML mapping of sections ({', '.join(_SECTIONS)}), "
+                          f"got {got}")
+    return data
 
 
 def load_config(
     source: "str | Path | Mapping[str, Any] | PrHSConfig | None" = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> PrHSConfig:
-    """Read a config from a YAML path, a dict or a :class:`PrHSConfig`, then apply ``overrides``.
+    """Read a config from a shipped name, a YAML path, a dict or a :class:`PrHSConfig`, then apply ``overrides``.
 
-    ``overrides`` is a nested dict in the same schema, e.g. ``{"telemetry": {"enabled": True}}``.
+    A bare name (``"cis"``, ``"cpe"``) is a shipped config; any other string or :class:`~pathlib.Path`
+    is a YAML file that must exist. ``overrides`` is a nested mapping in the same schema, e.g.
+    ``{"telemetry": {"enabled": True}}``; anything else (a string such as ``"cis.tau=0.7"``) raises
+    :class:`ConfigError`. Sections left out of both are off (see the module docstring).
     """
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError(f"overrides must be a mapping of sections in the config schema, e.g. "
+                          f"{{'cis': {{'tau': 0.7}}}}, got {type(overrides).__name__} {overrides!r}")
     if isinstance(source, PrHSConfig):
         data = source.to_dict()
     elif isinstance(source, (str, Path)):
-        path = resolve_config_path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"PrHS config file not found: {path}")
-        with path.open() as fh:
-            data = yaml.safe_load(fh) or {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{path}: a PrHS config must be a YAML mapping of sections")
+        data = _read_yaml(resolve_config_path(source))
     elif source is None:
         data = {}
     elif isinstance(source, Mapping):
         data = dict(source)
     else:
-        raise ConfigError(f"a PrHS config is a YAML path, a dict or a PrHSConfig, not {type(source).__name__}")
+        raise ConfigError(f"a PrHS config is a shipped name, a YAML path, a dict or a PrHSConfig, not {type(source).__name__}")
     if overrides:
         data = _merge(data, overrides)
     return config_from_dict(data)

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,159 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError):
         load_config(bad)
+
+
+# --------------------------------------------------------------------------- issue 14
+
+SHIPPED_MEANING = {
+    # the sections each shipped file switches on, and its budget: what it meant before issue 14
+    "dense": ((False, False, False), (8, 32, 88)),
+    "cis": ((True, False, False), (8, 32, 88)),
+    "cpe": ((True, True, True), (8, 32, 88)),
+    "cpe_longbench": ((True, True, True), (64, 256, 4096)),
+}
+
+
+@pytest.mark.parametrize("text", ["", "# nothing but a comment\n", "0\n", "false\n", "[]\n", "''\n", "---\n"])
+def test_empty_or_scalar_yaml_is_an_error_naming_the_file(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"empty\.yaml: a PrHS config must be a YAML mapping of sections"):
+        load_config(path)
+
+
+def test_a_section_left_out_is_off():
+    cfg = load_config({"cis": {"block_size": 8}})
+    assert cfg.cis.enabled and cfg.cis.block_size == 8
+    assert not cfg.psaw.enabled and not cfg.etf.enabled and cfg.baseline.name is None
+    assert not load_config({"psaw": {"phi": 0.6}}).cis.enabled
+    assert load_config({"psaw": {"phi": 0.6}}).psaw.enabled  # a section written is on unless enabled: false
+    for cfg in (load_config({}), load_config(None), prhs_hf.PrHSConfig()):
+        assert not (cfg.cis.enabled or cfg.psaw.enabled or cfg.etf.enabled or cfg.telemetry.enabled)
+        assert cfg.baseline.name is None
+        assert (cfg.budget.sink, cfg.budget.local, cfg.budget.topk) == (8, 32, 88)  # neutral defaults kept
+        assert (cfg.backend.prefill, cfg.backend.decode) == ("auto", "auto")
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_MEANING))
+def test_shipped_configs_keep_their_meaning(name):
+    (on, budget) = SHIPPED_MEANING[name]
+    for source in (name, CONFIGS / f"{name}.yaml"):
+        cfg = load_config(source)
+        assert (cfg.cis.enabled, cfg.psaw.enabled, cfg.etf.enabled) == on
+        assert (cfg.budget.sink, cfg.budget.local, cfg.budget.topk) == budget
+        assert not cfg.telemetry.enabled and cfg.baseline.name is None
+
+
+def test_shipped_configs_spell_out_every_section():
+    import yaml
+
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        for section in ("cis", "psaw", "etf"):
+            assert "enabled" in (data.get(section) or {}), f"{path.name}: {section}.enabled is not spelled out"
+
+
+def test_accuracy_configs_keep_their_meaning(tmp_path, monkeypatch):
+    from prhs_hf.lm_eval import accuracy_configs as ac
+
+    monkeypatch.chdir(tmp_path)  # they name shipped configs, found from any working directory
+
+    on = {name: (c.cis.enabled, c.psaw.enabled, c.etf.enabled)
+          for name, c in ((n, ac.load_named_config(ac.ACCURACY_CONFIGS[n])) for n in ac.ACCURACY_CONFIGS)}
+    assert on["dense"] == (False, False, False)
+    assert on["cpe"] == (True, True, True)
+    assert on["cpe-no-etf"] == (True, True, False) and on["cpe-no-psaw"] == (True, False, True)
+    for name in ("cis-s8", "cis-s16", "cis-s20", "cis*", "cis-t0.6", "cis-t0.7", "hshare-1", "hshare-2", "quest", "h2o"):
+        assert on[name] == (True, False, False), name
+
+
+def test_only_a_bare_name_resolves_to_a_shipped_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config("dense") == load_config(CONFIGS / "dense.yaml")
+    assert load_config("cpe_longbench").budget.topk == 4096
+    for source in ("experiments/dense.yaml", "dense.yaml", "configs/dense.yaml", "./dense", "experiments/dense"):
+        with pytest.raises(ConfigError, match="no such file"):
+            load_config(source)
+    with pytest.raises(ConfigError, match=r"nope: no such file.*shipped configs: .*cpe.*dense"):
+        load_config("nope")
+    (tmp_path / "dense.yaml").write_text("cis: {enabled: true}\n")  # a real file wins over the shipped name
+    assert load_config("dense.yaml").cis.enabled
+
+
+@pytest.mark.parametrize(
+    "data, key, allowed",
+    [
+        ({"budget": {"sink": 2**31}}, "budget.sink", "[0, 1048576]"),
+        ({"budget": {"local": 2**31}}, "budget.local", "[0, 1048576]"),
+        ({"budget": {"topk": 2**40}}, "budget.topk", "[1, 1048576]"),
+        ({"cis": {"block_size": 1e9}}, "cis.block_size", "[1, 1048576]"),
+        ({"cis": {"dilation_radius": 2**31}}, "cis.dilation_radius", "[0, 1048576]"),
+        ({"cis": {"dilation_topm": 2**21}}, "cis.dilation_topm", "[0, 1048576]"),
+        ({"baseline": {"page_size": 2**31}}, "baseline.page_size", "[1, 1048576]"),
+        ({"baseline": {"seed": 2**64}}, "baseline.seed", "[0, 4294967295]"),
+        ({"psaw": {"start_layer": 2**31}}, "psaw.start_layer", "[0, 65536)"),
+        ({"etf": {"start_layer": 2**31}}, "etf.start_layer", "[0, 65536)"),
+        ({"psaw": {"alpha": 1e300}}, "psaw.alpha", "[0.0, 1000.0]"),
+        ({"etf": {"gamma": 1e300}}, "etf.gamma", "[0.0, 1000.0]"),
+        ({"cis": {"tau": 1e300}}, "cis.tau", "[-1.0, 2.0]"),
+    ],
+)
+def test_every_numeric_key_has_an_upper_bound(data, key, allowed):
+    with pytest.raises(ConfigError) as err:
+        load_config(data)
+    assert str(err.value).startswith(f"{key}: ") and f"allowed {allowed}" in str(err.value)
+
+
+def test_derived_sizes_are_bounded():
+    with pytest.raises(ConfigError, match=r"index set .* is 2097152; allowed up to 1048576"):
+        load_config({"budget": {"sink": 2**19, "local": 2**19, "topk": 2**20}, "cis": {"dilation_radius": 0}})
+    with pytest.raises(ConfigError, match=r"cis.block_size: .*block_size × index set .* allowed up to 16777216"):
+        load_config({"budget": {"topk": 2**16}, "cis": {"block_size": 2**10}})
+    load_config({"budget": {"topk": 2**16}, "cis": {"enabled": False, "block_size": 2**10}})  # CIS off: no state
+
+
+def test_resolve_bounds_sizes_by_the_models_positions():
+    cfg = load_config("cpe_longbench")
+    assert cfg.resolve(32, max_positions=32768).budget_total == 64 + 256 + 4096
+    with pytest.raises(ConfigError, match=r"budget.topk: 4096 is out of range for this model; allowed \[1, 2048\] "
+                                          r"\(its max_position_embeddings\)"):
+        cfg.resolve(32, max_positions=2048)
+    with pytest.raises(ConfigError, match=r"cis.block_size: 600 is out of range for this model; allowed \[1, 512\]"):
+        load_config({"budget": {"sink": 4, "local": 4, "topk": 4}, "cis": {"block_size": 600}}).resolve(2, max_positions=512)
+    # keys nothing uses are not held against the model: dense on a 64-position model
+    load_config("dense").resolve(2, max_positions=64)
+    with pytest.raises(ConfigError, match="max_positions"):
+        cfg.resolve(32, max_positions=0)
+
+
+@pytest.mark.parametrize("overrides", ["cis.tau=0.7", "{cis: {tau: 0.7}}", ["cis"], 3])
+def test_overrides_must_be_a_mapping(overrides):
+    with pytest.raises(ConfigError, match=r"overrides must be a mapping of sections.*\{'cis': \{'tau': 0.7\}\}"):
+        load_config("cis", overrides=overrides)
+
+
+def test_yaml_syntax_errors_name_the_file_and_line(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("budget: {sink: 8}\ncis: {tau: 0.8\npsaw: {enabled: false}\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml:\d+: invalid YAML") as err:
+        load_config(bad)
+    assert isinstance(err.value.__cause__, Exception)
+    tabs = tmp_path / "tabs.yaml"
+    tabs.write_text("budget:\n\tsink: 8\n")
+    with pytest.raises(ConfigError, match=r"tabs\.yaml:2: invalid YAML"):
+        load_config(tabs)
+
+
+@pytest.mark.parametrize(
+    "data, text",
+    [
+        ({"budget": {"topk": "88"}}, "expected an int, got '88'"),
+        ({"cis": {"tau": "x"}}, "expected a float, got 'x'"),
+        ({"cis": {"dilation_topm": "x"}}, "expected an int or null, got 'x'"),
+        ({"budget": {"sink": None}}, "null is not allowed; expected an int in"),
+    ],
+)
+def test_type_messages_use_the_right_article(data, text):
+    with pytest.raises(ConfigError, match=re.escape(text)):
+        load_config(data)

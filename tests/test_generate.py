@@ -7,7 +7,8 @@ import prhs_hf
 from prhs_hf.cis_state import CISLayerState
 from tiny_models import padded_batch, tiny_model
 
-SMALL_CPE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}, "backend": {"prefill": "torch", "decode": "torch"}}
+SMALL_CPE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}, "psaw": {"enabled": True},
+             "etf": {"enabled": True}, "backend": {"prefill": "torch", "decode": "torch"}}  # a section left out is off
 
 
 def _generate(model, ids, mask, **kw):
@@ -19,8 +20,8 @@ def test_budget_covering_the_context_equals_dense():
     model = tiny_model("llama")
     ids, mask = padded_batch([90, 70])
     dense = _generate(model, ids, mask, max_new_tokens=12)
-    prhs_hf.patch(model, {"budget": {"sink": 8, "local": 32, "topk": 200}, "psaw": {"enabled": False},
-                          "etf": {"enabled": False}, "telemetry": {"enabled": True}})
+    prhs_hf.patch(model, {"budget": {"sink": 8, "local": 32, "topk": 200}, "cis": {"enabled": True},
+                          "psaw": {"enabled": False}, "etf": {"enabled": False}, "telemetry": {"enabled": True}})
     sparse = _generate(model, ids, mask, max_new_tokens=12)
     report = prhs_hf.telemetry(model)
     prhs_hf.unpatch(model)

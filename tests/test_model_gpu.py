@@ -8,7 +8,8 @@ from tiny_models import padded_batch, tiny_model
 
 pytestmark = pytest.mark.gpu
 
-CPE = {"budget": {"sink": 8, "local": 32, "topk": 88}, "cis": {"block_size": 8}}
+CPE = {"budget": {"sink": 8, "local": 32, "topk": 88}, "cis": {"block_size": 8}, "psaw": {"enabled": True},
+       "etf": {"enabled": True}}  # a section left out is off
 
 
 def _model(dtype, head_dim=64, layers=6, heads=8, kv_heads=4):

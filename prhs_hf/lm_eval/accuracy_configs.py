@@ -1,7 +1,8 @@
 """The named PrHS configurations of the accuracy table (paper Table II) and how to load them.
 
-Each is a YAML of ``configs/`` plus overrides in the config schema. ``cis-s{8,16,20}`` sweep the CIS
-block size s; ``cis*`` is CIS with a smaller top-k (72, so a lower ρ̂); ``cis-t0.6`` and
+Each is a shipped config of ``configs/`` by its bare name (``cis``, ``cpe``: found from any working
+directory and in an installed wheel) plus overrides in the config schema. ``cis-s{8,16,20}`` sweep
+the CIS block size s; ``cis*`` is CIS with a smaller top-k (72, so a lower ρ̂); ``cis-t0.6`` and
 ``cis-t0.7`` lower the similarity threshold τ (s = 16) so that more queries share their anchor's
 indices (on Qwen2.5-Coder-1.5B the paper's τ = 0.8 retrieves at ρ̂ ≈ 20 % on zero-shot GSM8K, above
 the 10 % the accuracy target is stated at). ``cpe-no-etf`` and ``cpe-no-psaw`` are the ablations of
@@ -35,22 +36,22 @@ class NamedConfig:
 ACCURACY_CONFIGS: dict[str, NamedConfig] = {
     c.name: c
     for c in (
-        NamedConfig("dense", "configs/dense.yaml"),
-        NamedConfig("cis-s8", "configs/cis.yaml", {"cis": {"block_size": 8}}),
-        NamedConfig("cis-s16", "configs/cis.yaml", {"cis": {"block_size": 16}}),
-        NamedConfig("cis-s20", "configs/cis.yaml", {"cis": {"block_size": 20}}),
-        NamedConfig("cis*", "configs/cis.yaml", {"budget": {"topk": 72}}),
-        NamedConfig("cis-t0.6", "configs/cis.yaml", {"cis": {"block_size": 16, "tau": 0.6}}),
-        NamedConfig("cis-t0.7", "configs/cis.yaml", {"cis": {"block_size": 16, "tau": 0.7}}),
-        NamedConfig("cpe", "configs/cpe.yaml"),
-        NamedConfig("cpe-no-etf", "configs/cpe.yaml", {"etf": {"enabled": False}}),
-        NamedConfig("cpe-no-psaw", "configs/cpe.yaml", {"psaw": {"enabled": False}}),
-        NamedConfig("hshare-1", "configs/cis.yaml", {"baseline": {
+        NamedConfig("dense", "dense"),
+        NamedConfig("cis-s8", "cis", {"cis": {"block_size": 8}}),
+        NamedConfig("cis-s16", "cis", {"cis": {"block_size": 16}}),
+        NamedConfig("cis-s20", "cis", {"cis": {"block_size": 20}}),
+        NamedConfig("cis*", "cis", {"budget": {"topk": 72}}),
+        NamedConfig("cis-t0.6", "cis", {"cis": {"block_size": 16, "tau": 0.6}}),
+        NamedConfig("cis-t0.7", "cis", {"cis": {"block_size": 16, "tau": 0.7}}),
+        NamedConfig("cpe", "cpe"),
+        NamedConfig("cpe-no-etf", "cpe", {"etf": {"enabled": False}}),
+        NamedConfig("cpe-no-psaw", "cpe", {"psaw": {"enabled": False}}),
+        NamedConfig("hshare-1", "cis", {"baseline": {
             "name": "hshare", "share_ratio": 0.5, "head_share_ratio": 0.25, "layer_share_ratio": 0.25}}),
-        NamedConfig("hshare-2", "configs/cis.yaml", {"baseline": {
+        NamedConfig("hshare-2", "cis", {"baseline": {
             "name": "hshare", "share_ratio": 0.5, "head_share_ratio": 0.5, "layer_share_ratio": 0.5}}),
-        NamedConfig("quest", "configs/cis.yaml", {"baseline": {"name": "quest"}}),
-        NamedConfig("h2o", "configs/cis.yaml", {"baseline": {"name": "h2o"}}),
+        NamedConfig("quest", "cis", {"baseline": {"name": "quest"}}),
+        NamedConfig("h2o", "cis", {"baseline": {"name": "h2o"}}),
     )
 }
 
