@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prhs_hf.config import shipped_dir
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from lm_eval.tasks import TaskManager
 
@@ -19,8 +21,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = ["TASKS_DIR", "LOCAL_TASKS", "register", "task_manager"]
 
-TASKS_DIR = Path(__file__).resolve().parents[2] / "tasks"
-"""The repository's ``tasks/`` folder (an editable install or a checkout on ``PYTHONPATH``)."""
+TASKS_DIR = shipped_dir("tasks")
+"""The local task YAMLs: the repository's ``tasks/`` folder, installed as ``prhs_hf/tasks`` by a wheel."""
 
 LOCAL_TASKS = ("gsm8k_local", "gsm8k_cot_local", "gsm8k_chat_local", "coqa_local")
 """The task names defined in :data:`TASKS_DIR`."""

@@ -1,0 +1,81 @@
+"""A wheel built from the repository is complete: the shipped configs and the lm-eval task YAMLs
+are package data, found after a regular (non-editable) install, and the build has no setuptools
+deprecation warnings (issue 14)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow  # builds a wheel: ~15 s on a small CPU
+
+CHECK = """
+import json, sys
+import prhs_hf
+from prhs_hf.config import shipped_configs
+from prhs_hf.lm_eval import LOCAL_TASKS, TASKS_DIR, task_manager
+cfg = prhs_hf.load_config("cis")
+tasks = task_manager(include_defaults=False).all_tasks
+print(json.dumps({"file": prhs_hf.__file__, "tasks_dir": str(TASKS_DIR), "shipped": shipped_configs(),
+                  "cis": [cfg.cis.enabled, cfg.psaw.enabled, cfg.etf.enabled],
+                  "local_tasks_found": [t for t in LOCAL_TASKS if t in tasks]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, str]:
+    """The wheel built from the working tree and the build's output."""
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
+                           "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (wheel,) = out.glob("prhs_hf-*.whl")
+    return wheel, proc.stdout + proc.stderr
+
+
+def test_wheel_holds_the_configs_and_the_task_yamls(built) -> None:
+    wheel, _ = built
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for path in sorted(ROOT.glob("configs/*.yaml")):
+        assert f"prhs_hf/configs/{path.name}" in names
+    for path in sorted(ROOT.glob("tasks/*.yaml")):
+        assert f"prhs_hf/tasks/{path.name}" in names
+    assert "prhs_hf/kernels/__init__.py" in names
+    assert not any(n.startswith(("configs/", "tasks/", "kernels/")) for n in names)  # nothing top-level but prhs_hf
+
+
+def test_installed_wheel_loads_a_config_by_name_and_finds_the_tasks(built, tmp_path) -> None:
+    pytest.importorskip("lm_eval")
+    wheel, _ = built
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
+                    str(wheel)], check=True, capture_output=True, timeout=300)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    proc = subprocess.run([sys.executable, "-c", CHECK], cwd=elsewhere, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(got["file"]).is_relative_to(target), got["file"]  # the installed copy, not the checkout
+    assert Path(got["tasks_dir"]).is_relative_to(target), got["tasks_dir"]
+    assert got["shipped"] == sorted(p.stem for p in ROOT.glob("configs/*.yaml"))
+    assert got["cis"] == [True, False, False]
+    from prhs_hf.lm_eval import LOCAL_TASKS
+
+    assert got["local_tasks_found"] == list(LOCAL_TASKS)
+
+
+def test_build_has_no_setuptools_deprecation_warnings(built) -> None:
+    wheel, output = built
+    assert "SetuptoolsDeprecationWarning" not in output and "deprecated" not in output.lower(), output[-3000:]
+    metadata = zipfile.ZipFile(wheel).read(f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info/METADATA")
+    assert b"License-Expression: Apache-2.0" in metadata
