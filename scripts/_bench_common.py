@@ -1,0 +1,311 @@
+"""What the benchmark scripts share: run metadata, timing, progress bars and the fair dense baselines.
+
+Imported by ``scripts/bench_decode_attention.py``, ``scripts/bench_e2e_decode.py`` and
+``scripts/bench_prefill.py`` as ``import _bench_common`` (a script's own folder is first on
+``sys.path`` when it runs as ``python scripts/X.py``; tests put ``scripts/`` there themselves).
+It is tooling, not library code, so it lives beside the scripts and not in ``prhs_hf``.
+
+* :func:`run_metadata`: command, device, versions (python, torch, CUDA, triton, transformers,
+  flashinfer), date and git commit of a run, one dict for the JSON of every benchmark.
+* :func:`median_ms`: the median time of a call, ``triton.testing.do_bench`` on CUDA (optionally
+  replaying a CUDA graph of the call), a ``perf_counter`` loop on the CPU; :func:`progress`: the
+  progress bar of a long loop.
+* The dense decode baselines that every decode benchmark compares against, side by side:
+  :func:`transformers_sdpa_attention` (transformers' path as shipped: with a mask it copies K/V
+  to every query head with ``repeat_kv``), :func:`fair_sdpa_attention` (the same SDPA call with
+  ``enable_gqa=True`` and the mask; registered with transformers as :data:`FAIR_ATTENTION`),
+  :func:`flashinfer_decode` (FlashInfer's dense paged decode, when it imports) and
+  :func:`fastest` to pick the column speedups are quoted against.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: the name :func:`register_fair_attention` registers :func:`fair_sdpa_attention` under
+FAIR_ATTENTION = "sdpa_gqa"
+
+#: column labels of the dense baselines (JSON ``dense_columns``, markdown headers)
+DENSE_LABELS = {
+    "transformers": "dense (transformers sdpa, repeat_kv)",
+    "sdpa_gqa": "dense (SDPA enable_gqa + mask)",
+    "flash_packed": "dense (SDPA flash, no mask, query heads packed)",
+    "flashinfer": "dense (FlashInfer paged decode)",
+}
+
+T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------- run metadata
+
+
+def package_version(name: str) -> str:
+    """``name.__version__``, or ``"not available: <error>"`` when it does not import."""
+    try:
+        return str(getattr(importlib.import_module(name), "__version__", "unknown"))
+    except Exception as exc:  # noqa: BLE001 - optional packages (flashinfer, triton) may be absent or broken
+        return f"not available: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def git_commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files).
+
+    ``PRHS_GIT_COMMIT`` wins (a copy of the tree without ``.git``, e.g. on the GPU machine, gets it
+    from the command line); ``"unknown (...)"`` when neither is there.
+    """
+    env = os.environ.get("PRHS_GIT_COMMIT")
+    if env:
+        return env
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return f"unknown ({head.stderr.strip()[:100] or 'git rev-parse failed'})"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({type(exc).__name__})"
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's (with ``TRITON_INTERPRET=1`` noted)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    interp = ", Triton interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else ""
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores{interp})"
+
+
+def run_metadata(device: torch.device, argv: Optional[list[str]] = None, **extra: Any) -> dict[str, Any]:
+    """The fields every benchmark JSON starts with; ``extra`` is added after them.
+
+    ``command`` (as typed: ``python scripts/X.py ARGS``), ``gpu`` (device name), ``versions``
+    (python, torch, cuda, triton, transformers, flashinfer; a missing package reads
+    ``"not available: <error>"``), ``date`` (UTC, ISO 8601), ``git_commit``.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    script = os.path.relpath(sys.argv[0], REPO) if sys.argv and sys.argv[0] else "?"
+    meta: dict[str, Any] = {
+        "command": " ".join(["python", script, *map(shlex.quote, args)]),
+        "gpu": device_name(device),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": str(torch.version.cuda),
+            **{name: package_version(name) for name in ("triton", "transformers", "flashinfer")},
+        },
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+    }
+    meta.update(extra)
+    return meta
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A median time and how it was taken (``graph``, ``eager``: do_bench; ``cpu``: perf_counter)."""
+
+    ms: float
+    method: str
+
+
+def _cpu_median(fn: Callable[[], object], rep_ms: float, max_reps: int) -> float:
+    t0 = time.perf_counter()
+    fn()  # warm-up (and the estimate of one call)
+    first = (time.perf_counter() - t0) * 1e3
+    reps = int(max(1, min(max_reps, rep_ms // max(first, 1e-3))))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def median_ms(
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    cuda_graph: bool = False,
+    warmup_ms: float = 25.0,
+    rep_ms: float = 100.0,
+    max_reps: int = 50,
+) -> Timing:
+    """Median milliseconds of ``fn()``.
+
+    CUDA: ``triton.testing.do_bench(..., return_mode="median")`` (``warmup_ms`` / ``rep_ms`` of
+    calls after its own estimate); with ``cuda_graph=True`` of the replay of a CUDA graph of one
+    call (Python launch overhead removed the same way for every column), falling back to eager
+    timing, with a message, when the capture fails. CPU: one warm-up call, then as many calls as
+    fill ``rep_ms`` (1 to ``max_reps``) timed with ``time.perf_counter``.
+    """
+    if device.type != "cuda":
+        return Timing(_cpu_median(fn, rep_ms, max_reps), "cpu")
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    if cuda_graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+            return Timing(ms, "graph")
+        except Exception as exc:  # noqa: BLE001 - report and fall back
+            print(f"    (CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:200]}; timing eagerly)", flush=True)
+            torch.cuda.synchronize()
+    return Timing(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"), "eager")
+
+
+def time_calls(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median ms of ``reps`` calls after one warm-up, for calls of seconds (a whole-model prefill),
+    where do_bench's own estimate and warm-up calls would multiply the run time."""
+    times = []
+    fn()
+    for _ in range(max(1, reps)):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def progress(items: Iterable[T], desc: str, total: Optional[int] = None) -> Iterator[T]:
+    """A tqdm progress bar on stdout (the runner's log), plain iteration without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield from items
+        return
+    yield from tqdm(items, desc=desc, total=total, file=sys.stdout, mininterval=1.0, dynamic_ncols=False, ncols=100)
+
+
+# ----------------------------------------------------------------------------- dense baselines
+
+
+class _HeadsStub(torch.nn.Module):
+    """What transformers' attention functions read from the attention module."""
+
+    def __init__(self, num_key_value_groups: int):
+        super().__init__()
+        self.num_key_value_groups = num_key_value_groups
+        self.is_causal = True
+
+
+def attention_stub(num_q_heads: int, num_kv_heads: int) -> torch.nn.Module:
+    """A stand-in attention module for calling the attention functions outside a model."""
+    return _HeadsStub(num_q_heads // num_kv_heads)
+
+
+def transformers_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' ``sdpa_attention_forward`` as shipped (with a mask and GQA it ``repeat_kv``-copies K/V)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def fair_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention with ``enable_gqa=True`` also when there is a mask.
+
+    Same arguments and result as ``sdpa_attention_forward`` (query ``[B, Hq, Lq, D]``, cache
+    ``[B, Hkv, Lk, D]``, output ``[B, Lq, Hq, D]``) and the same maths; the K/V of a KV head are
+    read once for its query heads instead of being copied to each. Without a mask, for MHA or with
+    a position bias it is ``sdpa_attention_forward`` itself (which then needs no copy either).
+    """
+    if attention_mask is None or query.shape[1] == key.shape[1] or kwargs.get("position_bias") is not None:
+        return transformers_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_fair_attention() -> str:
+    """Register :func:`fair_sdpa_attention` (and SDPA's mask builder) with transformers; returns its name.
+
+    ``model.set_attn_implementation(register_fair_attention())`` then runs the model through it.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FAIR_ATTENTION, fair_sdpa_attention)
+    AttentionMaskInterface.register(FAIR_ATTENTION, sdpa_mask)
+    return FAIR_ATTENTION
+
+
+def flashinfer_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> Callable[[], torch.Tensor]:
+    """FlashInfer's batch decode over whole caches: returns the call to time (its plan is done here).
+
+    ``q [B, Hq, D]``, ``k_cache``/``v_cache [B, Hkv, S, D]`` (every row ``S`` tokens). Each row's
+    cache is one page of ``S`` tokens in the ``HND`` layout, so the tensors are used as they are.
+    The CUDA-core decode kernel first; for group sizes it does not take, the tensor-core one
+    (FA2 backend). Raises when flashinfer does not import or neither kernel builds; the caller
+    records the error.
+    """
+    import flashinfer
+
+    B, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    dev = q.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    indptr, indices = torch.arange(B + 1, **i32), torch.arange(B, **i32)
+    last_len = torch.full((B,), S, **i32)
+    errors = []
+    for tensor_cores in (False, True):
+        workspace = torch.empty(128 * 2**20, dtype=torch.uint8, device=dev)
+        kw = {"backend": "fa2"} if tensor_cores else {}
+        try:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=tensor_cores, **kw)
+            wrapper.plan(indptr, indices, last_len, Hq, Hkv, D, S, pos_encoding_mode="NONE",
+                         q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale)
+            run = lambda w=wrapper: w.run(q, (k_cache, v_cache))  # noqa: E731
+            run()
+            return run
+        except Exception as exc:  # noqa: BLE001 - try the other kernel, then give up with both errors
+            errors.append(f"use_tensor_cores={tensor_cores}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+    raise RuntimeError("; ".join(errors))
+
+
+def fastest(columns: dict[str, Optional[float]]) -> tuple[Optional[str], Optional[float]]:
+    """The (name, ms) of the smallest measured time; ``(None, None)`` when none was measured."""
+    measured = {k: v for k, v in columns.items() if v is not None}
+    if not measured:
+        return None, None
+    name = min(measured, key=measured.get)
+    return name, measured[name]
