@@ -20,8 +20,8 @@ import torch
 
 from .cis_match import cis_match
 from .compose_indices import compose_from_sets, compose_indices, dilate_mask, dilated_set, dilated_set_size
-from .sparse_decode_attention import sparse_decode_attention
-from .topk_retrieval import topk_retrieval
+from .sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_grouped
+from .topk_retrieval import topk_retrieval, topk_retrieval_grouped
 
 __all__ = ["compiled_or_eager"]
 
@@ -52,6 +52,18 @@ def topk_retrieval_op(
 @topk_retrieval_op.register_fake
 def _(q, k_cache, pad, lo, hi, retrieve, k, scale):
     return _int32(q.shape[0], q.shape[1], int(k), like=q)
+
+
+@torch.library.custom_op("prhs::topk_retrieval_grouped", mutates_args=())
+def topk_retrieval_grouped_op(
+    q: Tensor, k_cache: Tensor, pad: Tensor, lo: Tensor, hi: Tensor, retrieve: Tensor, k: int, scale: float
+) -> Tensor:
+    return topk_retrieval_grouped(q, k_cache, pad, lo, hi, retrieve, k, scale)
+
+
+@topk_retrieval_grouped_op.register_fake
+def _(q, k_cache, pad, lo, hi, retrieve, k, scale):
+    return _int32(q.shape[0], k_cache.shape[1], int(k), like=q)
 
 
 @torch.library.custom_op("prhs::dilated_set", mutates_args=())
@@ -107,6 +119,18 @@ def _(q, k_cache, v_cache, pad, idx, count, scale):
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("prhs::sparse_decode_attention_grouped", mutates_args=())
+def sparse_decode_attention_grouped_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, idx: Tensor, count: Tensor, scale: float
+) -> Tensor:
+    return sparse_decode_attention_grouped(q, k_cache, v_cache, pad, idx, count, scale)
+
+
+@sparse_decode_attention_grouped_op.register_fake
+def _(q, k_cache, v_cache, pad, idx, count, scale):
+    return torch.empty_like(q)
+
+
 def _dilate_tensor(sel_idx: Tensor, dilate) -> Tensor:
     if isinstance(dilate, torch.Tensor):
         return dilate
@@ -128,6 +152,8 @@ _OPS: dict[Callable, Callable] = {
     compose_from_sets: compose_from_sets_op,
     compose_indices: _compose_indices_via_op,
     sparse_decode_attention: sparse_decode_attention_op,
+    topk_retrieval_grouped: topk_retrieval_grouped_op,
+    sparse_decode_attention_grouped: sparse_decode_attention_grouped_op,
 }
 
 

@@ -17,7 +17,13 @@ import torch
 
 from ._common import gqa_group, interpreting, next_pow2, num_sms, require_triton, tl, triton
 
-__all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "attention_schedule"]
+__all__ = [
+    "sparse_decode_attention",
+    "sparse_decode_attention_reference",
+    "sparse_decode_attention_grouped",
+    "sparse_decode_attention_grouped_reference",
+    "attention_schedule",
+]
 
 # Kernel design: grid (B*Hq rows, splits of the index list) in one launch (flash-decoding).
 # A program walks its slice of the row's index list in tiles of BLOCK_N entries: it gathers the
@@ -29,6 +35,11 @@ __all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "atte
 # splits. Query heads of one KV group share no index list in general (each head has its own
 # set), so rows are independent programs; rows of a group reading common keys (sink, window)
 # meet in L2.
+#
+# Group-shared selection (one index list per KV head, :func:`sparse_decode_attention_grouped`):
+# the same kernel with PACK on, grid (B*Hkv groups, splits): the G query heads of the group are
+# the M rows of the tiles (pack_gqa), so every selected K/V row is loaded once for all G heads
+# and the two dots do G rows of useful work instead of 1 of 16.
 
 _LOG2E = 1.4426950408889634
 
@@ -41,10 +52,15 @@ def _sparse_attn_kernel(
     qk_scale, cap, CHUNK,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    PACK: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Attention of one query row over one slice of its index list (online softmax, base 2).
+    """Attention of one query row (PACK off) or of the G query heads of one KV group sharing
+    one index list (PACK on) over one slice of that list (online softmax, base 2).
 
-    The query is replicated over the 16 rows of a tensor-core tile (only row 0 is stored):
+    PACK off: program ``b*H + h``, index list ``idx[b, h]``; the query is replicated over the
+    BLOCK_M = 16 rows of a tensor-core tile (only row 0 is stored). PACK on: program
+    ``b*(H // GROUP) + kvh``, index list ``idx[b, kvh]``, M row ``g < GROUP`` is query head
+    ``kvh*GROUP + g`` (rows past GROUP are zero and not stored). In both:
     q.K^T and p.V run as `tl.dot` (fp32 accumulation; exact IEEE fp32 for fp32 inputs), which
     keeps the K/V tiles out of registers and lets the compiler pipeline the gathers (cp.async,
     3 stages). ``IEEE``: fp32 operands, exact fp32 dots (fp32 inputs; also bf16 under the
@@ -52,25 +68,35 @@ def _sparse_attn_kernel(
     """
     pid = tl.program_id(0)
     sp = tl.program_id(1)
-    b = pid // H
-    h = pid % H
-    kvh = h // GROUP
-    cnt = tl.minimum(tl.load(CNT + b * stride_cb + h * stride_ch), cap)
+    offs_m = tl.arange(0, BLOCK_M)
+    if PACK:
+        b = pid // (H // GROUP)
+        kvh = pid % (H // GROUP)
+        lrow = kvh  # the index list's row
+        head = kvh * GROUP + offs_m  # the query head of each M row
+        mrow = offs_m < GROUP  # rows that exist and are stored
+    else:
+        b = pid // H
+        h = pid % H
+        kvh = h // GROUP
+        lrow = h
+        head = h + 0 * offs_m  # one query, replicated
+        mrow = offs_m == 0
+    cnt = tl.minimum(tl.load(CNT + b * stride_cb + lrow * stride_ch), cap)
     start = sp * CHUNK
     end = tl.minimum(cnt, start + CHUNK)
     pad = tl.load(PAD + b)
-    offs_m = tl.arange(0, 16)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d[None, :] + 0 * offs_m[:, None],
-                mask=dmask[None, :], other=0.0)  # [16, BLOCK_D], identical rows
+    q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=mrow[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     b64 = b.to(tl.int64)  # caches can exceed 2^31 elements
     k_base = K + b64 * stride_kb + kvh * stride_kh
     v_base = V + b64 * stride_vb + kvh * stride_vh
-    i_base = IDX + b * stride_ib + h * stride_ih
-    m_i = tl.full([16], float("-inf"), tl.float32)
-    l_i = tl.zeros([16], dtype=tl.float32)
-    acc = tl.zeros([16, BLOCK_D], dtype=tl.float32)
+    i_base = IDX + b * stride_ib + lrow * stride_ih
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < end
@@ -94,16 +120,15 @@ def _sparse_attn_kernel(
             pv = tl.dot(p.to(vt.dtype), vt)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    row0 = offs_m == 0
     if NSPLIT == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # count 0: acc = 0
-        o_ptrs = OUT + b * stride_ob + h * stride_oh + offs_d[None, :] + 0 * offs_m[:, None]
-        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row0[:, None] & dmask[None, :])
+        o_ptrs = OUT + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=mrow[:, None] & dmask[None, :])
     else:
-        part = pid * NSPLIT + sp
-        tl.store(M_PART + part + 0 * offs_m, m_i, mask=row0)
-        tl.store(L_PART + part + 0 * offs_m, l_i, mask=row0)
-        tl.store(O_PART + part * BLOCK_D + offs_d[None, :] + 0 * offs_m[:, None], acc, mask=row0[:, None])
+        part = (b * H + head) * NSPLIT + sp  # partials are per query row: [B*H, NSPLIT]
+        tl.store(M_PART + part, m_i, mask=mrow)
+        tl.store(L_PART + part, l_i, mask=mrow)
+        tl.store(O_PART + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mrow[:, None])
 
 
 @triton.jit
@@ -158,7 +183,7 @@ def attention_schedule(
     return block_n, chunk, triton.cdiv(max(cap, 1), chunk)
 
 
-def sparse_decode_attention(
+def _attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -167,18 +192,20 @@ def sparse_decode_attention(
     count: torch.Tensor,
     scale: float,
     *,
-    num_splits: Optional[int] = None,
+    pack: bool,
+    num_splits: Optional[int],
 ) -> torch.Tensor:
-    """Triton fused gather + online-softmax attention over each row's index list, no sync.
-
-    One launch for all (batch, head) rows (plus a small combine launch when the index list is
-    split for occupancy; ``num_splits`` overrides the heuristic of :func:`attention_schedule`).
-    Args and result as :func:`sparse_decode_attention_reference`.
-    """
+    """Shared launcher: one program per query row (``pack`` off, idx [B, Hq, cap]) or per KV
+    group with the G heads packed in M (``pack`` on, idx [B, Hkv, cap])."""
     require_triton(q, k_cache, v_cache)
     B, H, D = q.shape
     Hkv = k_cache.shape[1]
     group = gqa_group(H, Hkv)
+    lists = Hkv if pack else H  # index lists per sequence
+    if idx.dim() != 3 or idx.shape[:2] != (B, lists) or count.shape != (B, lists):
+        want = "[B, Hkv, cap] / [B, Hkv]" if pack else "[B, Hq, cap] / [B, Hq]"
+        raise ValueError(f"idx {tuple(idx.shape)} / count {tuple(count.shape)}: expected {want} with B={B}, "
+                         f"{'Hkv' if pack else 'Hq'}={lists}")
     cap = idx.shape[-1]
     out = torch.empty_like(q)
     if B * H == 0:
@@ -194,15 +221,17 @@ def sparse_decode_attention(
     if idx.stride(-1) != 1:
         idx = idx.contiguous()
     rows = B * H
+    programs = B * lists
     block_d = next_pow2(D, 16)
-    block_n, chunk, nsplit = attention_schedule(rows, cap, D, q.device, num_splits, q.element_size())
+    block_m = max(16, next_pow2(group)) if pack else 16
+    block_n, chunk, nsplit = attention_schedule(programs, cap, D, q.device, num_splits, q.element_size())
     if nsplit > 1:
         m_part = torch.empty((rows, nsplit), dtype=torch.float32, device=q.device)
         l_part = torch.empty((rows, nsplit), dtype=torch.float32, device=q.device)
         o_part = torch.empty((rows, nsplit, block_d), dtype=torch.float32, device=q.device)
     else:
         m_part = l_part = o_part = out  # unused
-    _sparse_attn_kernel[(rows, nsplit)](
+    _sparse_attn_kernel[(programs, nsplit)](
         q, k_cache, v_cache, pad, idx, count, out, m_part, l_part, o_part,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -212,6 +241,7 @@ def sparse_decode_attention(
         float(scale) * _LOG2E, cap, chunk,
         H=H, GROUP=group, D=D, NSPLIT=nsplit, BLOCK_N=block_n, BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
+        PACK=pack, BLOCK_M=block_m,
         num_warps=4, num_stages=3,
     )
     if nsplit > 1:
@@ -221,6 +251,48 @@ def sparse_decode_attention(
             num_warps=4,
         )
     return out
+
+
+def sparse_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pad: torch.Tensor,
+    idx: torch.Tensor,
+    count: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """Triton fused gather + online-softmax attention over each row's index list, no sync.
+
+    One launch for all (batch, head) rows, split-K over the index list (flash-decoding) plus
+    a small combine launch when the list is split for occupancy (``num_splits`` overrides the
+    heuristic of :func:`attention_schedule`). Args and result as
+    :func:`sparse_decode_attention_reference`.
+    """
+    return _attend(q, k_cache, v_cache, pad, idx, count, scale, pack=False, num_splits=num_splits)
+
+
+def sparse_decode_attention_grouped(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pad: torch.Tensor,
+    idx: torch.Tensor,
+    count: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """Triton attention for group-shared selection: one index list per KV head.
+
+    One program per (batch, KV head, split) loads each selected K/V row once and serves all
+    G = Hq / Hkv query heads of the group (heads in the M dimension of the two tensor-core
+    dots); splits and combine as :func:`sparse_decode_attention`. Args and result as
+    :func:`sparse_decode_attention_grouped_reference`.
+    """
+    return _attend(q, k_cache, v_cache, pad, idx, count, scale, pack=True, num_splits=num_splits)
 
 
 def sparse_decode_attention_reference(
@@ -268,3 +340,35 @@ def sparse_decode_attention_reference(
     out = (p.unsqueeze(-1) * vg).sum(dim=-2) / denom.clamp_min(1e-30)
     out = torch.where(denom > 0, out, torch.zeros_like(out))
     return out.to(q.dtype)
+
+
+def sparse_decode_attention_grouped_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pad: torch.Tensor,
+    idx: torch.Tensor,
+    count: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """PyTorch reference of :func:`sparse_decode_attention_grouped`.
+
+    Query head ``h`` attends exactly (softmax, fp32) over the keys at slots
+    ``pad[b] + idx[b, h // G, i]``, ``i < count[b, h // G]``: the per-head reference with each
+    KV head's list given to all G heads of its group.
+
+    Args:
+        q: ``[B, Hq, D]`` decode queries.
+        k_cache, v_cache: ``[B, Hkv, S, D]`` caches (same dtype as ``q``).
+        pad: ``[B]`` int32 first real slot.
+        idx: ``[B, Hkv, cap]`` int32 real indices (valid before ``count``).
+        count: ``[B, Hkv]`` int32 number of valid indices.
+        scale: softmax scale.
+
+    Returns:
+        ``[B, Hq, D]`` in ``q``'s dtype.
+    """
+    G = gqa_group(q.shape[1], k_cache.shape[1])
+    return sparse_decode_attention_reference(
+        q, k_cache, v_cache, pad, idx.repeat_interleave(G, dim=1), count.repeat_interleave(G, dim=1), scale
+    )

@@ -5,51 +5,99 @@ Contract (docs/DECODE_PIPELINE.md §2): for rows with ``retrieve[b, h]``, score 
 return the ``k`` best real indices in descending score order (ties: lower index first), ``-1``
 padded when the region holds fewer than ``k`` keys. Rows not retrieving are all ``-1``.
 
+Group-shared variant (:func:`topk_retrieval_grouped`): one index list per KV head, ranking
+each key by the maximum over the group's query heads of the scaled score (see its reference
+for why the maximum).
+
 Layout follows the Triton tutorial 06-fused-attention: the ``@triton.jit`` kernels, the
-launcher :func:`topk_retrieval`, and the PyTorch reference :func:`topk_retrieval_reference`.
+launchers :func:`topk_retrieval` / :func:`topk_retrieval_grouped`, and the PyTorch references
+:func:`topk_retrieval_reference` / :func:`topk_retrieval_grouped_reference`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._common import gqa_group, next_pow2, num_sms, require_triton, tl, triton
+from ._common import gqa_group, interpreting, next_pow2, num_sms, require_triton, tl, triton
 
-__all__ = ["topk_retrieval", "topk_retrieval_reference", "compact_rows"]
+__all__ = [
+    "topk_retrieval",
+    "topk_retrieval_reference",
+    "topk_retrieval_grouped",
+    "topk_retrieval_grouped_reference",
+    "compact_rows",
+    "SCORE_MODES",
+    "SELECT_MODES",
+]
 
 # Design (H200: the cost is reading the K rows of the middle region, bandwidth bound):
-#   1. `_compact_rows_kernel`: the retrieving rows' ids, packed to the front, and their count,
-#      on the device (one program, a cumsum-scatter).
-#   2. `_score_kernel`, grid (rows, splits of the sequence): a program whose compact row id is
-#      at or past the count exits at once; the others stream their chunk of K once and write an
-#      order-preserving int32 key of each fp32 score into a scratch row (4 bytes per 2*D read).
-#   3. `_select_kernel`, one program per compact row (a row that does not retrieve writes its
-#      -1 row, so the output needs no separate fill): radix refinement of the k-th largest key
-#      (8-bit histogram passes over the scratch row, which sits in L2, only while the candidates
-#      overflow a buffer of ~1.125 k: typically 1-2 passes), a collect pass, then a register
-#      sort of the candidates packed as (key << 32 | ~index): descending score, ties by
-#      ascending index, exactly the reference's order. Works for any k (k <= 4096 tested).
-# Everything is fixed-shape (grids depend on B, Hq, S, k only), with no host synchronisation.
+#   1. `_compact_kernel` (one program): the retrieving rows' ids packed to the front and their
+#      count, and the same for the KV groups (b, kvh) that hold at least one retrieving row.
+#   2. Scoring. `_group_score_kernel` (default), grid (groups, splits of the sequence): a
+#      program of a live group streams its chunk of the KV head's keys ONCE and scores all G
+#      query heads of the group with one tensor-core dot per tile (the G heads in the M
+#      dimension, padded to 16); it writes an order-preserving int32 key of each fp32 score
+#      into the scratch row of every retrieving head (grouped mode: one row per group, the
+#      maximum over the heads). `_score_kernel` (``_score="row"``, the old path) does the same
+#      per query row, so a group with several retrieving heads reads its keys several times.
+#   3. Selection. Split radix select (default, ``_select="split"``): every stage runs on a
+#      grid (rows, chunks of the region) so that ~16 programs per row are in flight instead of
+#      one. `_radix_pass_kernel` x3: 11/11/10-bit digit histograms of the keys that still
+#      match the prefix, atomically summed per row (each program re-derives the prefix from
+#      the earlier histograms, 2048 bins, so no extra launch resolves them; a pass whose row
+#      is already resolved is a no-op); `_radix_collect_kernel`: the candidates (keys above the
+#      prefix, and the needed keys equal to it; exact ties beyond the buffer: the lowest
+#      indices, ranked across chunks), packed as (key << 32 | ~index), appended with one
+#      atomic per tile; `_rank_scatter_kernel`, grid (rows, blocks of 64 candidates): each
+#      candidate's rank is the number of larger packed candidates (they are all distinct), and
+#      the ones ranked below k are written there: descending score, ties by ascending index,
+#      exactly the reference's order, whatever order the atomics appended them in.
+#      `_select_kernel` (``_select="row"``, the old path): one program per row does all of it
+#      serially (8-bit radix passes, collect, register sort); latency bound.
+# Everything is fixed-shape (grids depend on B, Hq, Hkv, S, k only), no host synchronisation.
+
+#: Scoring kernels of :func:`topk_retrieval` (``_score=``): the group-aware default, the old one.
+SCORE_MODES = ("group", "row")
+#: Selection kernels (``_select=``): split radix select (default), one program per row (old).
+SELECT_MODES = ("split", "row")
+
+_RADIX_BINS = 2048  # 11-bit digits: bits [21, 32), [10, 21), [0, 10) in three passes
+_RANK_BLOCK = 64  # candidates ranked per program of _rank_scatter_kernel
+_RANK_TILE = 256  # candidates compared per step
 
 
 @triton.jit
-def _compact_rows_kernel(FLAG, ORDER, COUNT, R, BLOCK: tl.constexpr):
-    """Write the ids of the rows with FLAG set to ORDER[:count] (ascending), the other rows to
-    ORDER[count:] (descending), and count to COUNT."""
+def _compact_into(FLAG, ORDER, COUNT, R, GROUP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr):
+    """Item ``i < R`` is flagged when any of ``FLAG[i*GROUP : (i+1)*GROUP]`` is set: write the
+    flagged ids to ORDER[:count] (ascending), the others to ORDER[count:] (descending)."""
     offs = tl.arange(0, BLOCK)
+    offs_g = tl.arange(0, GP)
     total = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
     for r0 in range(0, R, BLOCK):
         rows = r0 + offs
         inb = rows < R
-        f = tl.load(FLAG + rows, mask=inb, other=0).to(tl.int32)
-        f = tl.where(f != 0, 1, 0)
+        fl = tl.load(FLAG + rows[:, None] * GROUP + offs_g[None, :],
+                     mask=inb[:, None] & (offs_g[None, :] < GROUP), other=0).to(tl.int32)
+        f = tl.where(tl.max(tl.where(fl != 0, 1, 0), axis=1) != 0, 1, 0)
         pos = total + tl.cumsum(f, axis=0) - f
         tl.store(ORDER + pos, rows, mask=f != 0)
-        # unflagged row number u (0-based, ascending) goes to R - 1 - u
+        # unflagged item number u (0-based, ascending) goes to R - 1 - u
         u = (r0 - total) + (offs - (pos - total))
         tl.store(ORDER + (R - 1 - u), rows, mask=inb & (f == 0))
         total += tl.sum(f, axis=0)
     tl.store(COUNT, total)
+
+
+@triton.jit
+def _compact_kernel(
+    FLAG, ORDER, COUNT, GORDER, GCOUNT, R,
+    GROUP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr,
+    WITH_GROUPS: tl.constexpr,
+):
+    """Rows (``R`` flags) and, with WITH_GROUPS, groups of GROUP consecutive rows: one launch."""
+    _compact_into(FLAG, ORDER, COUNT, R, 1, 1, BLOCK)
+    if WITH_GROUPS:
+        _compact_into(FLAG, GORDER, GCOUNT, R // GROUP, GROUP, GP, BLOCK_G)
 
 
 @triton.jit
@@ -68,7 +116,8 @@ def _score_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Scores of one chunk of one retrieving row's middle region, as order-preserving keys."""
+    """Old path (``_score="row"``): scores of one chunk of one retrieving row's middle region,
+    as order-preserving keys, into that row's scratch row."""
     c = tl.program_id(0)
     sp = tl.program_id(1)
     live = c < tl.load(COUNT)
@@ -85,7 +134,7 @@ def _score_kernel(
     dmask = offs_d < D
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
     k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP) * stride_kh  # > 2^31 elements ok
-    key_base = KEYS + c.to(tl.int64) * stride_keys
+    key_base = KEYS + row.to(tl.int64) * stride_keys
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         m = j < end
@@ -98,12 +147,97 @@ def _score_kernel(
 
 
 @triton.jit
+def _group_score_kernel(
+    Q, K, PAD, LO, HI, FLAG, GORDER, GCOUNT, KEYS, HIST, TAKEN,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys,
+    scale, S, CHUNK,
+    HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, AGG_MAX: tl.constexpr, IEEE: tl.constexpr,
+    ZERO_SCRATCH: tl.constexpr, ZROWS: tl.constexpr, HIST_PASSES: tl.constexpr,
+    HIST_BINS: tl.constexpr,
+):
+    """Scores of one chunk of one live KV group's middle region, for all G heads at once.
+
+    The G query heads of group (b, kvh) sit in the M rows of a [BLOCK_M, BLOCK_D] tile (rows
+    >= G are zero and masked); each [BLOCK_N, BLOCK_D] tile of the KV head's keys is loaded
+    once and scored by one ``tl.dot`` (fp32 accumulation; exact IEEE fp32 for fp32 inputs).
+    Per-head mode (AGG_MAX off): the keys of row ``b*Hq + kvh*G + g`` are written for the
+    retrieving heads ``g`` only (FLAG [B*Hq]); grouped mode (AGG_MAX): the maximum over the G
+    heads goes to the group's row ``b*Hkv + kvh``. ZERO_SCRATCH: the split program 0 of the
+    group also zeroes the radix histograms and candidate counters of the rows it writes (the
+    split select accumulates into them; stream order makes this happen before it starts).
+    """
+    c = tl.program_id(0)
+    sp = tl.program_id(1)
+    live = c < tl.load(GCOUNT)
+    gid = tl.load(GORDER + c, mask=live, other=0)
+    b = gid // HKV
+    kvh = gid % HKV
+    pad = tl.load(PAD + b)
+    lo = tl.maximum(tl.load(LO + b), 0)
+    hi = tl.minimum(tl.load(HI + b), S - pad)
+    start = lo + sp * CHUNK
+    end = tl.minimum(hi, start + CHUNK)
+    end = tl.where(live, end, start)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    mrow = offs_m < GROUP
+    head = kvh * GROUP + offs_m  # query head of each M row
+    if AGG_MAX:
+        wrow = mrow  # every head of the group takes part in the maximum
+        out_row = (b * HKV + kvh).to(tl.int64)
+    else:
+        wrow = mrow & (tl.load(FLAG + b * (HKV * GROUP) + head, mask=mrow & live, other=0) != 0)
+        out_row = (b * (HKV * GROUP) + head).to(tl.int64)
+    q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=mrow[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if IEEE:
+        q = q.to(tl.float32)
+    k_base = K + b.to(tl.int64) * stride_kb + kvh * stride_kh  # > 2^31 elements ok
+    if ZERO_SCRATCH:
+        if (sp == 0) & live:
+            offs_z = tl.arange(0, HIST_BINS)
+            for g in tl.static_range(ZROWS):  # the scratch rows this group writes
+                if AGG_MAX:
+                    zr = b * HKV + kvh
+                    zw = live
+                else:
+                    zr = b * (HKV * GROUP) + kvh * GROUP + g
+                    zw = tl.load(FLAG + zr) != 0
+                if zw:
+                    for p in tl.static_range(HIST_PASSES):
+                        tl.store(HIST + zr.to(tl.int64) * (HIST_PASSES * HIST_BINS) + p * HIST_BINS + offs_z,
+                                 tl.zeros([HIST_BINS], tl.int32))
+                    tl.store(TAKEN + zr, 0)
+    for n0 in range(start, end, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        m = j < end
+        kt = tl.load(
+            k_base + (pad + j).to(tl.int64)[None, :] * stride_ks + offs_d[:, None],
+            mask=m[None, :] & dmask[:, None], other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        if IEEE:
+            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = (s * scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]
+        if AGG_MAX:
+            s = tl.max(tl.where(mrow[:, None], s, float("-inf")), axis=0)
+            tl.store(KEYS + out_row * stride_keys + j, _orderable_key(s), mask=m)
+        else:
+            tl.store(KEYS + out_row[:, None] * stride_keys + j[None, :], _orderable_key(s),
+                     mask=wrow[:, None] & m[None, :])
+
+
+@triton.jit
 def _select_kernel(
     KEYS, CAND, OUT, PAD, LO, HI, ORDER, COUNT,
     stride_keys, S, K,
     H: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Exact top-K of one retrieving row's keys: radix refinement, collect, sort.
+    """Old path (``_select="row"``): exact top-K of one retrieving row's keys in one program:
+    radix refinement, collect, sort.
 
     Keys are viewed as u = key + 2^31 in [0, 2^32) (int64). After ``depth`` radix passes of 8
     bits, the keys whose top ``8*depth`` bits exceed ``prefix`` are all in the top-K, and of the
@@ -125,7 +259,7 @@ def _select_kernel(
         hi = tl.maximum(tl.minimum(tl.load(HI + b), S - pad), lo)
         n = hi - lo
         kk = tl.minimum(n, K)
-        key_base = KEYS + c.to(tl.int64) * stride_keys
+        key_base = KEYS + row.to(tl.int64) * stride_keys
         offs = tl.arange(0, BLOCK)
         bins = tl.arange(0, 256)
         krem = kk
@@ -180,6 +314,161 @@ def _select_kernel(
         tl.store(OUT + row * K + offs_k, idx, mask=offs_k < K)
 
 
+# ----------------------------------------------------------------------------- split select
+
+
+@triton.jit
+def _radix_state(HIST_ROW, NPASS: tl.constexpr, kk, n, K_PAD: tl.constexpr):
+    """Prefix after the first NPASS passes of a row, from its summed histograms.
+
+    Returns ``(prefix, krem, n_eq, depth)``: after ``depth`` passes the keys whose top bits
+    exceed ``prefix`` are all in the top-kk, and ``krem`` of the ``n_eq`` keys equal to it are
+    needed. A pass is applied only while the candidates (above + equal) overflow K_PAD (the
+    same test the pass kernel used to decide whether to fill that histogram).
+    """
+    bins = tl.arange(0, 2048)
+    krem = kk
+    n_eq = n
+    prefix = (kk * 0).to(tl.int64)
+    depth = kk * 0
+    for p in tl.static_range(NPASS):
+        if kk - krem + n_eq > K_PAD:
+            hist = tl.load(HIST_ROW + p * 2048 + bins)
+            gt = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # matching, larger digit
+            ge = gt + hist
+            d = tl.max(tl.where((gt < krem) & (ge >= krem), bins, -1), axis=0)
+            krem = krem - tl.sum(tl.where(bins == d, gt, 0), axis=0)
+            n_eq = tl.sum(tl.where(bins == d, hist, 0), axis=0)
+            prefix = (prefix << (11 - p // 2)) + d.to(tl.int64)  # digit widths 11, 11, 10
+            depth = depth * 0 + (p + 1)
+    return prefix, krem, n_eq, depth
+
+
+@triton.jit
+def _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H: tl.constexpr):
+    """``(live, row, lo, hi, kk)`` of compact row ``c`` (empty range when it is not live)."""
+    live = c < tl.load(COUNT)
+    row = tl.load(ORDER + c)
+    b = row // H
+    pad = tl.load(PAD + b)
+    lo = tl.maximum(tl.load(LO + b), 0)
+    hi = tl.maximum(tl.minimum(tl.load(HI + b), S - pad), lo)
+    hi = tl.where(live, hi, lo)
+    kk = tl.minimum(hi - lo, K)
+    return live, row, lo, hi, kk
+
+
+@triton.jit
+def _radix_pass_kernel(
+    KEYS, HIST, PAD, LO, HI, ORDER, COUNT, stride_keys, S, K, CHUNK,
+    H: tl.constexpr, P: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Pass P of the split select for one chunk of one row: the histogram of digit P of the
+    chunk's keys that match the prefix of passes < P, added atomically to HIST[row, P]."""
+    c = tl.program_id(0)
+    ch = tl.program_id(1)
+    live, row, lo, hi, kk = _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H)
+    hist_row = HIST + row.to(tl.int64) * (3 * 2048)
+    start = lo + ch * CHUNK
+    end = tl.minimum(hi, start + CHUNK)
+    if start < end:
+        prefix, krem, n_eq, depth = _radix_state(hist_row, P, kk, hi - lo, K_PAD)
+        if kk - krem + n_eq > K_PAD:
+            lo_b = 21 - 11 * P + P // 2  # pass P resolves bits [lo_b, hi_b): [21,32) [10,21) [0,10)
+            hi_b = 32 - 11 * P
+            key_base = KEYS + row.to(tl.int64) * stride_keys
+            offs = tl.arange(0, BLOCK)
+            bins = tl.arange(0, 2048)
+            hist = tl.zeros([2048], dtype=tl.int32)
+            for n0 in range(start, end, BLOCK):
+                j = n0 + offs
+                m = j < end
+                u = tl.load(key_base + j, mask=m, other=0).to(tl.int64) + 2147483648
+                match = m & ((u >> hi_b) == prefix)
+                digit = tl.where(match, (u >> lo_b) & ((1 << (hi_b - lo_b)) - 1), 0).to(tl.int32)
+                hist += tl.histogram(digit, 2048)
+                # the non-matching lanes went to bin 0: take them out again
+                miss = BLOCK - tl.sum(match.to(tl.int32), axis=0)
+                hist -= tl.where(bins == 0, miss, 0)
+            tl.atomic_add(hist_row + P * 2048 + bins, hist, mask=hist != 0)
+
+
+@triton.jit
+def _radix_collect_kernel(
+    KEYS, HIST, TAKEN, CAND, PAD, LO, HI, ORDER, COUNT, stride_keys, S, K, CHUNK,
+    H: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Candidates of one chunk of one row (keys above the final prefix, and the needed keys
+    equal to it), packed as (key << 32 | ~index), appended to CAND[c] at an atomic offset."""
+    c = tl.program_id(0)
+    ch = tl.program_id(1)
+    live, row, lo, hi, kk = _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H)
+    start = lo + ch * CHUNK
+    end = tl.minimum(hi, start + CHUNK)
+    if start < end:
+        hist_row = HIST + row.to(tl.int64) * (3 * 2048)
+        prefix, krem, n_eq, depth = _radix_state(hist_row, 3, kk, hi - lo, K_PAD)
+        shift = tl.where(depth == 0, 32, tl.where(depth == 1, 21, tl.where(depth == 2, 10, 0))).to(tl.int64)
+        key_base = KEYS + row.to(tl.int64) * stride_keys
+        offs = tl.arange(0, BLOCK)
+        # Exact ties at full depth that overflow: take the krem lowest indices, so count the
+        # equal keys before this chunk (only then; it is a rescan of the earlier chunks).
+        eq_seen = kk * 0
+        if depth == 3:
+            if krem < n_eq:
+                for n0 in range(lo, start, BLOCK):
+                    j = n0 + offs
+                    key = tl.load(key_base + j, mask=j < start, other=0).to(tl.int64)
+                    eq_seen += tl.sum(((j < start) & (key + 2147483648 == prefix)).to(tl.int32), axis=0)
+        take_eq = tl.where(depth == 3, krem, n_eq)
+        cand_base = CAND + c.to(tl.int64) * K_PAD
+        for n0 in range(start, end, BLOCK):
+            j = n0 + offs
+            m = j < end
+            key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
+            top = (key + 2147483648) >> shift
+            eq = (m & (top == prefix)).to(tl.int32)
+            eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
+            sel = ((m & (top > prefix)) | ((eq != 0) & (eq_rank < take_eq))).to(tl.int32)
+            n_sel = tl.sum(sel, axis=0)
+            base = tl.atomic_add(TAKEN + row, n_sel)
+            pos = base + tl.cumsum(sel, axis=0) - sel
+            packed = (key << 32) | (2147483647 - j).to(tl.int64)
+            tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < K_PAD))
+            eq_seen += tl.sum(eq, axis=0)
+
+
+@triton.jit
+def _rank_scatter_kernel(
+    CAND, TAKEN, OUT, PAD, LO, HI, ORDER, COUNT, S, K,
+    H: tl.constexpr, K_PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Block ``blk`` of one row's candidates: rank = number of larger candidates (all packed
+    values differ), written to OUT[row, rank] when rank < kk; output slots [kk, K) of the
+    block get -1 (a row that does not retrieve: its whole block is -1)."""
+    c = tl.program_id(0)
+    blk = tl.program_id(1)
+    live, row, lo, hi, kk = _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H)
+    offs_c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
+    out_row = OUT + row.to(tl.int64) * K
+    tl.store(out_row + offs_c, tl.full([BLOCK_C], -1, tl.int32), mask=(offs_c >= kk) & (offs_c < K))
+    if live:
+        taken = tl.minimum(tl.load(TAKEN + row), K_PAD)
+        if blk * BLOCK_C < taken:
+            cand_base = CAND + c.to(tl.int64) * K_PAD
+            x = tl.load(cand_base + offs_c, mask=offs_c < taken, other=-9223372036854775808)
+            rank = tl.zeros([BLOCK_C], dtype=tl.int32)
+            offs_t = tl.arange(0, BLOCK_T)
+            for t0 in range(0, taken, BLOCK_T):
+                y = tl.load(cand_base + t0 + offs_t, mask=t0 + offs_t < taken, other=-9223372036854775808)
+                rank += tl.sum((y[None, :] > x[:, None]).to(tl.int32), axis=1)
+            idx = (2147483647 - (x & 4294967295)).to(tl.int32)
+            tl.store(out_row + rank, idx, mask=(offs_c < taken) & (rank < kk))
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
 def compact_rows(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows with ``flags`` set, packed to the front, on the device (no host sync).
 
@@ -190,17 +479,34 @@ def compact_rows(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ``(order [R] int32, count [1] int32)``: ``order[:count]`` are the flagged row ids in
         ascending order, ``order[count:]`` the other rows in descending order.
     """
+    order, count, _, _ = _compact(flags, 1, with_groups=False)
+    return order, count
+
+
+def _compact(flags: torch.Tensor, group: int, with_groups: bool):
+    """Rows and (optionally) groups of ``group`` consecutive rows with any flag set, in one
+    launch: ``(order, count, group_order, group_count)`` (the last two None without groups)."""
     flags = flags.reshape(-1).contiguous()
     R = flags.numel()
     order = torch.empty(R, dtype=torch.int32, device=flags.device)
     count = torch.empty(1, dtype=torch.int32, device=flags.device)
-    _compact_rows_kernel[(1,)](flags, order, count, R, BLOCK=min(next_pow2(R, 16), 1024))
-    return order, count
+    if with_groups:
+        gorder = torch.empty(R // group, dtype=torch.int32, device=flags.device)
+        gcount = torch.empty(1, dtype=torch.int32, device=flags.device)
+    else:
+        gorder, gcount = order, count  # unused
+    gp = next_pow2(group)
+    _compact_kernel[(1,)](
+        flags, order, count, gorder, gcount, R,
+        GROUP=group, GP=gp, BLOCK=min(next_pow2(R, 16), 1024),
+        BLOCK_G=max(16, min(next_pow2(R // group, 16), 4096 // gp)), WITH_GROUPS=with_groups,
+    )
+    return order, count, (gorder if with_groups else None), (gcount if with_groups else None)
 
 
-def _score_chunk(S: int, R: int, device: torch.device) -> int:
-    """Keys per score program: enough programs for the GPU when about R/16 rows retrieve."""
-    target_splits = triton.cdiv(4 * num_sms(device), max(1, R // 16))
+def _score_chunk(S: int, live: int, device: torch.device) -> int:
+    """Keys per score program: about 4 programs per SM when about ``live`` items score."""
+    target_splits = triton.cdiv(4 * num_sms(device), max(1, live))
     return max(256, min(4096, next_pow2(triton.cdiv(S, target_splits))))
 
 
@@ -208,6 +514,115 @@ def _candidate_capacity(k: int) -> int:
     """Candidate buffer of the select kernel: room above k so that 1-2 radix passes suffice."""
     roomy = next_pow2(k + k // 8 + 16)
     return roomy if roomy <= 4096 else next_pow2(k)
+
+
+def _select_chunk(S: int) -> int:
+    """Keys per program of the split select (one tile of up to 1024)."""
+    return min(1024, next_pow2(S, 16))
+
+
+def _check_mode(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {allowed}")
+
+
+def _retrieve(
+    q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+    flags: torch.Tensor, k: int, scale: float, *, grouped: bool, score: str, select: str,
+    stop_after: str,
+) -> torch.Tensor:
+    """Shared launcher: per-head rows (``grouped`` off, flags [B, Hq]) or one row per KV group
+    (flags [B, Hkv], scores = max over the group's heads). Returns [B, rows per sequence, k]."""
+    require_triton(q, k_cache)
+    _check_mode("_score", score, SCORE_MODES)
+    _check_mode("_select", select, SELECT_MODES)
+    _check_mode("_stop_after", stop_after, ("compact", "score", "select"))
+    if grouped and score != "group":
+        raise ValueError("_score='row' has no group-shared variant: use _score='group'")
+    B, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    group = gqa_group(Hq, Hkv)
+    H = Hkv if grouped else Hq  # rows per sequence
+    k = int(k)
+    R = B * H
+    if R == 0 or k == 0 or S == 0:
+        return torch.full((B, H, k), -1, dtype=torch.int32, device=q.device)
+    out = torch.empty((B, H, k), dtype=torch.int32, device=q.device)  # every row is written
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1:
+        k_cache = k_cache.contiguous()
+    flags = flags.reshape(-1).contiguous()
+    by_group = score == "group"
+    order, count, gorder, gcount = _compact(flags, group, with_groups=by_group and not grouped)
+    if grouped:
+        gorder, gcount = order, count
+    if stop_after == "compact":
+        return out
+    split = select == "split"
+    keys = torch.empty((R, S), dtype=torch.int32, device=q.device)
+    hist_size = 3 * _RADIX_BINS
+    hist = torch.empty((R, hist_size) if split else (1,), dtype=torch.int32, device=q.device)
+    taken = torch.empty((R,) if split else (1,), dtype=torch.int32, device=q.device)
+    block_d = next_pow2(D, 16)
+    # expected live score items: about 1 retrieving row in 16 (CIS at s = 16), capped
+    live = max(1, min(B * Hkv if by_group else R, (B * Hq) // 16))
+    if by_group:
+        block_m = max(16, next_pow2(group))
+        block_n = max(16, min(64, 8192 // block_d))
+        chunk = max(_score_chunk(S, live, q.device), block_n)
+        _group_score_kernel[(B * Hkv, triton.cdiv(S, chunk))](
+            q, k_cache, pad, lo, hi, flags, gorder, gcount, keys, hist, taken,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            keys.stride(0), float(scale), S, chunk,
+            HKV=Hkv, GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            AGG_MAX=grouped,
+            IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
+            ZERO_SCRATCH=split, ZROWS=1 if grouped else group, HIST_PASSES=3, HIST_BINS=_RADIX_BINS,
+            num_warps=4, num_stages=3,
+        )
+    else:
+        if split:
+            hist.zero_()
+            taken.zero_()
+        block_n = max(16, min(128, 8192 // block_d))
+        chunk = max(_score_chunk(S, live, q.device), block_n)
+        _score_kernel[(R, triton.cdiv(S, chunk))](
+            q, k_cache, pad, lo, hi, order, count, keys,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            keys.stride(0), float(scale), S, chunk,
+            H=Hq, GROUP=group, D=D, BLOCK_N=block_n, BLOCK_D=block_d,
+            num_warps=4,
+        )
+    if stop_after == "score":
+        return out
+    k_pad = _candidate_capacity(k)
+    cand = torch.empty((R, k_pad), dtype=torch.int64, device=q.device)
+    if not split:
+        _select_kernel[(R,)](
+            keys, cand, out, pad, lo, hi, order, count,
+            keys.stride(0), S, k,
+            H=H, K_PAD=k_pad, BLOCK=min(1024, next_pow2(S, 16)),
+            num_warps=8 if k_pad >= 1024 else 4,
+        )
+        return out
+    sel_chunk = _select_chunk(S)
+    nch = triton.cdiv(S, sel_chunk)
+    for p in range(3):
+        _radix_pass_kernel[(R, nch)](
+            keys, hist, pad, lo, hi, order, count, keys.stride(0), S, k, sel_chunk,
+            H=H, P=p, K_PAD=k_pad, BLOCK=sel_chunk, num_warps=4,
+        )
+    _radix_collect_kernel[(R, nch)](
+        keys, hist, taken, cand, pad, lo, hi, order, count, keys.stride(0), S, k, sel_chunk,
+        H=H, K_PAD=k_pad, BLOCK=sel_chunk, num_warps=4,
+    )
+    block_c = min(_RANK_BLOCK, k_pad)
+    _rank_scatter_kernel[(R, triton.cdiv(max(k_pad, k), block_c))](
+        cand, taken, out, pad, lo, hi, order, count, S, k,
+        H=H, K_PAD=k_pad, BLOCK_C=block_c, BLOCK_T=_RANK_TILE, num_warps=4,
+    )
+    return out
 
 
 def topk_retrieval(
@@ -221,54 +636,85 @@ def topk_retrieval(
     scale: float,
     *,
     _stop_after: str = "select",
+    _score: str = "group",
+    _select: str = "split",
 ) -> torch.Tensor:
     """Triton top-k retrieval: work only for retrieving rows, exact order, no host sync.
 
-    Launches: row compaction (1 program), scoring (grid rows x sequence chunks; programs past
-    the device-side count exit at once), selection (one program per row, same early exit).
-    Scratch: ``[B*Hq, S]`` int32 keys and ``[B*Hq, ~1.125 k]`` int64 candidates.
+    Launches: row + group compaction (1 program), group-aware scoring (grid live KV groups x
+    sequence chunks; each group's keys are read once for all its retrieving heads; programs
+    past the device-side count exit at once), then the split radix select (3 histogram
+    passes, a collect and a rank-scatter, each on a grid rows x chunks). Scratch: ``[B*Hq, S]``
+    int32 keys, ``[B*Hq, 6144]`` int32 histograms, ``[B*Hq, ~1.125 k]`` int64 candidates.
 
-    Args and result as :func:`topk_retrieval_reference`. ``_stop_after`` (``"compact"``,
-    ``"score"``; benchmark stage timing only) returns the unfinished output after that launch.
+    Args and result as :func:`topk_retrieval_reference`. Private switches (benchmarks and
+    tests): ``_score`` in :data:`SCORE_MODES` (``"row"``: the old per-row scoring),
+    ``_select`` in :data:`SELECT_MODES` (``"row"``: the old one-program-per-row select);
+    ``_stop_after`` (``"compact"``, ``"score"``) returns the unfinished output after that stage.
     """
-    require_triton(q, k_cache)
-    B, H, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    group = gqa_group(H, Hkv)
-    k = int(k)
-    R = B * H
-    if R == 0 or k == 0 or S == 0:
-        return torch.full((B, H, k), -1, dtype=torch.int32, device=q.device)
-    out = torch.empty((B, H, k), dtype=torch.int32, device=q.device)  # every row is written
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k_cache.stride(-1) != 1:
-        k_cache = k_cache.contiguous()
-    order, count = compact_rows(retrieve)
-    if _stop_after == "compact":
-        return out
-    keys = torch.empty((R, S), dtype=torch.int32, device=q.device)
-    block_d = next_pow2(D, 16)
-    block_n = max(16, min(128, 8192 // block_d))
-    chunk = max(_score_chunk(S, R, q.device), block_n)
-    _score_kernel[(R, triton.cdiv(S, chunk))](
-        q, k_cache, pad, lo, hi, order, count, keys,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        keys.stride(0), float(scale), S, chunk,
-        H=H, GROUP=group, D=D, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4,
-    )
-    if _stop_after == "score":
-        return out
-    k_pad = _candidate_capacity(k)
-    cand = torch.empty((R, k_pad), dtype=torch.int64, device=q.device)
-    _select_kernel[(R,)](
-        keys, cand, out, pad, lo, hi, order, count,
-        keys.stride(0), S, k,
-        H=H, K_PAD=k_pad, BLOCK=min(1024, next_pow2(S, 16)),
-        num_warps=8 if k_pad >= 1024 else 4,
-    )
-    return out
+    return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=False,
+                     score=_score, select=_select, stop_after=_stop_after)
+
+
+def topk_retrieval_grouped(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    pad: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    retrieve: torch.Tensor,
+    k: int,
+    scale: float,
+    *,
+    _stop_after: str = "select",
+    _select: str = "split",
+) -> torch.Tensor:
+    """Triton group-shared top-k retrieval: one index list per KV head (no host sync).
+
+    Same launches as :func:`topk_retrieval` with one scratch row per (b, kvh): each live
+    group's keys are read once, scored for its G heads by one tensor-core dot per tile, and
+    the maximum over the heads is ranked. Args and result as
+    :func:`topk_retrieval_grouped_reference`; ``_select``/``_stop_after`` as in
+    :func:`topk_retrieval`.
+    """
+    return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=True,
+                     score="group", select=_select, stop_after=_stop_after)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _topk_of_scores(
+    scores: torch.Tensor, pad: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+    retrieve: torch.Tensor, k: int,
+) -> torch.Tensor:
+    """Exact top-k of ``scores [B, R, S]`` (per slot) over each row's middle region: the
+    ``k`` best real indices, descending score, ties lower index first, -1 padded; rows with
+    ``retrieve [B, R]`` off are all -1."""
+    B, R, S = scores.shape
+    real = torch.arange(S, device=scores.device).unsqueeze(0) - pad.long().unsqueeze(1)  # [B, S]
+    in_mid = (real >= lo.long().unsqueeze(1)) & (real < hi.long().unsqueeze(1)) & (real >= 0)
+    valid = in_mid.unsqueeze(1) & retrieve.unsqueeze(-1)  # [B, R, S]
+    scores = torch.where(valid, scores, torch.full_like(scores, float("-inf")))
+    kk = min(int(k), S)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kk]
+    n_valid = valid.sum(dim=-1, keepdim=True)  # [B, R, 1]
+    rank = torch.arange(kk, device=scores.device)
+    idx = torch.where(rank < n_valid, order - pad.long().view(B, 1, 1), -1)
+    if kk < k:
+        idx = torch.cat([idx, idx.new_full((B, R, int(k) - kk), -1)], dim=-1)
+    return idx.to(torch.int32)
+
+
+def _group_scores(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * q . k`` of every query head and slot, ``[B, Hkv, G, S]`` fp32."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = gqa_group(Hq, Hkv)
+    qf = q.float().reshape(B, Hkv, G, D)
+    # fp32 matmul (TF32 is off by default for matmuls in PyTorch), then the scale: the same
+    # order of operations as the kernel.
+    return torch.matmul(qf, k_cache.float().transpose(-1, -2)) * scale
 
 
 def topk_retrieval_reference(
@@ -298,23 +744,48 @@ def topk_retrieval_reference(
     Returns:
         ``[B, Hq, k]`` int32 real indices, best first, ``-1`` padded.
     """
-    B, Hq, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    G = gqa_group(Hq, Hkv)
-    qf = q.float().reshape(B, Hkv, G, D)
-    # fp32 matmul (TF32 is off by default for matmuls in PyTorch), then the scale: the same
-    # order of operations as the kernel.
-    scores = torch.matmul(qf, k_cache.float().transpose(-1, -2)) * scale  # [B, Hkv, G, S]
-    scores = scores.reshape(B, Hq, S)
-    real = torch.arange(S, device=q.device).unsqueeze(0) - pad.long().unsqueeze(1)  # [B, S]
-    in_mid = (real >= lo.long().unsqueeze(1)) & (real < hi.long().unsqueeze(1)) & (real >= 0)
-    valid = in_mid.unsqueeze(1) & retrieve.unsqueeze(-1)  # [B, Hq, S]
-    scores = torch.where(valid, scores, torch.full_like(scores, float("-inf")))
-    kk = min(int(k), S)
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kk]
-    n_valid = valid.sum(dim=-1, keepdim=True)  # [B, Hq, 1]
-    rank = torch.arange(kk, device=q.device)
-    idx = torch.where(rank < n_valid, order - pad.long().view(B, 1, 1), -1)
-    if kk < k:
-        idx = torch.cat([idx, idx.new_full((B, Hq, int(k) - kk), -1)], dim=-1)
-    return idx.to(torch.int32)
+    B, Hq, _ = q.shape
+    scores = _group_scores(q, k_cache, scale).reshape(B, Hq, -1)
+    return _topk_of_scores(scores, pad, lo, hi, retrieve, k)
+
+
+def topk_retrieval_grouped_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    pad: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    retrieve: torch.Tensor,
+    k: int,
+    scale: float,
+) -> torch.Tensor:
+    """PyTorch reference of :func:`topk_retrieval_grouped`: one index list per KV head.
+
+    Each real key ``j`` of the middle region is ranked by the group's aggregated score
+    ``max over the G query heads h of KV head kvh of scale * q[b, h] . k_cache[b, kvh, pad+j]``
+    (fp32), then exactly as :func:`topk_retrieval_reference` (the ``k`` best, descending,
+    ties lower index first, ``-1`` padded; groups not retrieving are all ``-1``).
+
+    Why the maximum: a key that one head needs badly stays near the top however the other
+    heads score it (a sum of raw scores lets one head with a large query norm, or a few
+    negative heads, decide for the whole group; Quest-style upper bounds aggregate by max for
+    the same reason); it needs no softmax normaliser, so it is exact in the one pass that reads
+    each key once (a sum of per-head softmax probabilities needs each head's log-sum-exp over
+    the whole region first: a second pass or a second read of K); and it is the same cost as
+    per-head scoring (one ``G x tile`` dot, a max over G in registers, one int32 per key
+    written instead of G), so the retrieval stays bandwidth bound on reading K.
+
+    Args:
+        q: ``[B, Hq, D]`` decode queries.
+        k_cache: ``[B, Hkv, S, D]`` key cache (same dtype as ``q``).
+        pad: ``[B]`` int32 first real slot.
+        lo, hi: ``[B]`` int32 middle region ``[lo, hi)`` in real indices (may be empty).
+        retrieve: ``[B, Hkv]`` bool, KV groups that retrieve.
+        k: number of indices to return.
+        scale: score scale (the attention softmax scale).
+
+    Returns:
+        ``[B, Hkv, k]`` int32 real indices, best first, ``-1`` padded.
+    """
+    scores = _group_scores(q, k_cache, scale).amax(dim=2)  # [B, Hkv, S]
+    return _topk_of_scores(scores, pad, lo, hi, retrieve, k)

@@ -38,9 +38,19 @@ from prhs_hf.kernels.compose_indices import (
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step, get_decode_ops
 from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention,
+    sparse_decode_attention_grouped,
+    sparse_decode_attention_grouped_reference,
     sparse_decode_attention_reference,
 )
-from prhs_hf.kernels.topk_retrieval import compact_rows, topk_retrieval, topk_retrieval_reference
+from prhs_hf.kernels.topk_retrieval import (
+    SCORE_MODES,
+    SELECT_MODES,
+    compact_rows,
+    topk_retrieval,
+    topk_retrieval_grouped,
+    topk_retrieval_grouped_reference,
+    topk_retrieval_reference,
+)
 
 needs_triton = pytest.mark.skipif(
     not triton_available(),
@@ -393,10 +403,13 @@ def test_topk_kernel_large_k():
 @pytest.mark.slow
 def test_topk_kernel_k_4096():
     # The largest k: a 4096-slot candidate buffer with no spare room, so the radix passes run
-    # until the k-th key is pinned down; 4642-key middle region (about 18 s in the interpreter).
+    # until the k-th key is pinned down; 4642-key middle region. Quantised data (multiples of
+    # 1/8): every score is exact in fp32 whatever the summation order (on Gaussian data the
+    # tensor-core dot and torch's matmul ordered one near-tie differently), and exact ties
+    # are plentiful, so the tie order is checked at full radix depth too.
     g = torch.Generator().manual_seed(34)
-    q = torch.randn(1, 2, 16, generator=g)
-    kc = torch.randn(1, 1, 4700, 16, generator=g)
+    q = torch.randint(-8, 9, (1, 2, 16), generator=g).float() / 8
+    kc = torch.randint(-8, 9, (1, 1, 4700, 16), generator=g).float() / 8
     retrieve = torch.tensor([[True, False]])
     out = _check_topk(q, kc, i32([0]), i32([8]), i32([4650]), retrieve, 4096, 0.25)
     assert (out[0, 0] >= 0).all() and (out[0, 1] == -1).all()
@@ -717,3 +730,238 @@ def test_full_decode_step_anchor_sets(dtype):
         want_set = dilated_set_reference(base[1], base[0] == -1, m, r)
         assert torch.equal(res.new_set.cpu(), want_set)
         assert (base[0] == -1).any() and (base[0] >= 0).any()
+
+
+# ----------------------------------------------------------------------------- GQA (issue 12)
+# Group-aware scoring (one read of a KV head's keys for all retrieving heads of its group),
+# the split radix select, and the group-shared launchers (one index list per KV head).
+
+
+def naive_topk_grouped(q, k_cache, pad, lo, hi, retrieve, k, scale):
+    """DECODE_PIPELINE §2 with one list per KV head, ranked by the max over the group's heads."""
+    B, H, _ = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = H // Hkv
+    out = torch.full((B, Hkv, k), -1, dtype=I32)
+    for b in range(B):
+        for kvh in range(Hkv):
+            if not bool(retrieve[b, kvh]):
+                continue
+            scored = []
+            for j in range(max(int(lo[b]), 0), int(hi[b])):
+                slot = int(pad[b]) + j
+                if slot >= S:
+                    break
+                kv = k_cache[b, kvh, slot].double()
+                s = max(scale * float(q[b, kvh * G + g].double() @ kv) for g in range(G))
+                scored.append((-s, j))
+            for i, (_, j) in enumerate(sorted(scored)[:k]):
+                out[b, kvh, i] = j
+    return out
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 1), (4, 2), (6, 2), (8, 8)])
+def test_reference_topk_grouped_against_naive(Hq, Hkv):
+    g = torch.Generator().manual_seed(90 + Hq)
+    B, D, S = 3, 8, 40
+    q = torch.randn(B, Hq, D, generator=g)
+    kc = torch.randn(B, Hkv, S, D, generator=g)
+    pad, t, lo, hi = geometry(S, [0, 5, 9], [0, 2, 0], sink=3, local=4)
+    lo[2], hi[2] = 7, 7  # empty middle
+    retrieve = torch.rand(B, Hkv, generator=g) > 0.3
+    retrieve[0, 0] = True
+    for k in (1, 6, 40):
+        ref = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, retrieve, k, 0.3)
+        assert ref.shape == (B, Hkv, k)
+        assert torch.equal(ref, naive_topk_grouped(q, kc, pad, lo, hi, retrieve, k, 0.3))
+    assert (ref[2] == -1).all() and (ref[~retrieve] == -1).all()
+    if Hq == Hkv:  # G = 1: the per-head retrieval
+        assert torch.equal(ref, topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 40, 0.3))
+
+
+def test_reference_attention_grouped_against_naive():
+    g = torch.Generator().manual_seed(91)
+    B, Hq, Hkv, D, S, cap = 2, 6, 2, 16, 30, 11
+    q = torch.randn(B, Hq, D, generator=g)
+    kc = torch.randn(B, Hkv, S, D, generator=g)
+    vc = torch.randn(B, Hkv, S, D, generator=g)
+    pad = i32([0, 4])
+    idx = torch.stack(
+        [torch.stack([torch.randperm(S - 4, generator=g)[:cap].sort().values for _ in range(Hkv)]) for _ in range(B)]
+    ).to(I32)
+    count = i32([[11, 0], [3, 7]])
+    idx[torch.arange(cap) >= count[..., None].long()] = -1
+    ref = sparse_decode_attention_grouped_reference(q, kc, vc, pad, idx, count, 0.25)
+    G = Hq // Hkv
+    naive = naive_attention(q, kc, vc, pad, idx.repeat_interleave(G, 1), count.repeat_interleave(G, 1), 0.25)
+    torch.testing.assert_close(ref.double(), naive, atol=1e-5, rtol=1e-5)
+    assert (ref[0, 3:6] == 0).all()  # the second group of sequence 0 has count 0
+
+
+def _gqa_topk_case(B, Hq, Hkv, D, S, pads, dtype, seed):
+    """Integer data (exact scores in every precision and summation order, many exact ties)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2, 3, (B, Hq, D), generator=g).to(dtype)
+    kc = torch.randint(-2, 3, (B, Hkv, S, D), generator=g).to(dtype)
+    pad, t, lo, hi = geometry(S, pads, [0] * B, 3, 5)
+    return q, kc, pad, lo, hi
+
+
+@needs_triton
+@pytest.mark.parametrize("Hq,Hkv", [(8, 2), (12, 2), (4, 4), (16, 1)])
+def test_topk_kernel_partial_groups(Hq, Hkv):
+    """Groups with no, one, some and all heads retrieving; every scoring x select path."""
+    B, D, S = 2, 16, 70
+    q, kc, pad, lo, hi = _gqa_topk_case(B, Hq, Hkv, D, S, [0, 11], torch.float16, 100 + Hq)
+    G = Hq // Hkv
+    retrieve = torch.zeros(B, Hq, dtype=torch.bool)
+    retrieve[0, 0] = True  # group (0, 0): one head
+    retrieve[1, : G * Hkv // 2 + 1] = True  # sequence 1: whole groups and a partial one
+    if Hkv > 1:
+        retrieve[0, G * (Hkv - 1) :: 2] = True  # the last group of sequence 0: every other head
+    ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 9, 0.5)
+    dev = [x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)]
+    for score in SCORE_MODES:
+        for select in SELECT_MODES:
+            out = topk_retrieval(*dev, 9, 0.5, _score=score, _select=select).cpu()
+            assert torch.equal(out, ref), (score, select)
+    assert (out[~retrieve] == -1).all() and (out[retrieve] >= 0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("k", [1, 7, 40, 300])
+def test_topk_split_select_ties_and_short_regions(k):
+    """Split select on exact ties spread over several chunks, k above and below the middle."""
+    B, Hq, Hkv, D, S = 2, 4, 2, 4, 1500  # 2 select chunks of 1024
+    q, kc, pad, lo, hi = _gqa_topk_case(B, Hq, Hkv, D, S, [0, 900], torch.float32, 110 + k)
+    retrieve = torch.ones(B, Hq, dtype=torch.bool)
+    retrieve[1, 2] = False
+    out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), k, 1.0).cpu()
+    assert torch.equal(out, topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 1.0))
+
+
+@needs_triton
+def test_topk_split_select_all_equal_across_chunks():
+    """2200 equal scores over 3 chunks, k = 700: full radix depth, the 700 lowest indices
+    taken across chunk boundaries (the cross-chunk rank of the tied keys)."""
+    B, H, D, S = 1, 2, 4, 2300
+    q = torch.ones(B, H, D)
+    kc = torch.ones(B, 1, S, D)
+    kc[0, 0, 1500:1510] = 2.0  # ten larger keys in the second chunk
+    pad, t, lo, hi = geometry(S, [0], [0], 10, 50)
+    retrieve = torch.ones(B, H, dtype=torch.bool)
+    out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), 700, 1.0).cpu()
+    assert out[0, 0].tolist() == list(range(1500, 1510)) + list(range(10, 700))
+    assert torch.equal(out, topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 700, 1.0))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (8, 2), (12, 2), (8, 1)])
+def test_topk_grouped_kernel(dtype, Hq, Hkv):
+    B, D, S = 2, 16, 60
+    q, kc, pad, lo, hi = _gqa_topk_case(B, Hq, Hkv, D, S, [0, 9], dtype, 120 + Hq + Hkv)
+    retrieve = torch.tensor([[True] * Hkv, [i % 2 == 0 for i in range(Hkv)]])
+    dev = [x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)]
+    for k in (5, 60):  # 60 > every middle region: -1 tail
+        ref = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, retrieve, k, 0.5)
+        for select in SELECT_MODES:
+            out = topk_retrieval_grouped(*dev, k, 0.5, _select=select).cpu()
+            assert out.shape == (B, Hkv, k) and out.dtype == I32
+            assert torch.equal(out, ref), select
+    assert (out[~retrieve] == -1).all()
+
+
+@needs_triton
+def test_topk_modes_are_checked():
+    q, kc, pad, lo, hi = _gqa_topk_case(1, 2, 1, 16, 20, [0], torch.float32, 1)
+    retrieve = torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="_select"):
+        topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _select="radix")
+    with pytest.raises(ValueError, match="_score"):
+        topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _score="tile")
+
+
+def _grouped_attention_case(B, Hq, Hkv, D, S, cap, dtype, seed, pads):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, D, generator=g).to(dtype)
+    kc = (2 * torch.randn(B, Hkv, S, D, generator=g)).to(dtype)
+    vc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    pad = i32(pads)
+    idx = torch.stack(
+        [torch.stack([torch.randperm(S - pads[b], generator=g)[:cap].sort().values for _ in range(Hkv)]) for b in range(B)]
+    ).to(I32)
+    count = torch.randint(0, cap + 1, (B, Hkv), generator=g, dtype=I32)
+    count[0, 0] = 0
+    count[-1, -1] = cap
+    idx[torch.arange(cap) >= count[..., None].long()] = -1
+    return q, kc, vc, pad, idx, count
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("G", [1, 2, 4, 6, 8])
+def test_attention_grouped_kernel(dtype, D, G):
+    B, Hkv, S, cap = 2, 2, 48, 13  # odd cap; counts 0 .. cap; left padding in sequence 1
+    Hq = G * Hkv
+    q, kc, vc, pad, idx, count = _grouped_attention_case(B, Hq, Hkv, D, S, cap, dtype, 130 + G + D, [0, 7])
+    scale = 1 / math.sqrt(D)
+    ref = sparse_decode_attention_grouped_reference(q, kc, vc, pad, idx, count, scale)
+    for splits in ((None, 3) if G in (1, 6) else (None,)):
+        out = sparse_decode_attention_grouped(
+            *(x.to(DEV) for x in (q, kc, vc, pad, idx, count)), scale, num_splits=splits
+        )
+        assert_out_close(out, ref, dtype)
+        assert (out[0, :G] == 0).all()  # group (0, 0) has count 0
+    if dtype == torch.float32:
+        naive = naive_attention(q, kc, vc, pad, idx.repeat_interleave(G, 1), count.repeat_interleave(G, 1), scale)
+        torch.testing.assert_close(out.double().cpu(), naive, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_attention_grouped_rejects_per_head_lists():
+    q, kc, vc, pad, idx, count = _attention_case(1, 4, 2, 16, 30, 5, torch.float32, 1, [0])
+    with pytest.raises(ValueError, match="Hkv"):
+        sparse_decode_attention_grouped(q, kc, vc, pad, idx, count, 0.25)  # idx is [B, Hq, cap]
+
+
+@needs_triton
+def test_grouped_ops_compile_fullgraph():
+    """The new launchers as torch.ops.prhs custom ops: one graph, same results as eager."""
+    from prhs_hf.kernels import library_ops
+
+    B, Hq, Hkv, D, S, cap = 2, 4, 2, 16, 40, 9
+    q, kc, vc, pad, idx, count = _grouped_attention_case(B, Hq, Hkv, D, S, cap, torch.float32, 140, [0, 3])
+    _, _, lo, hi = geometry(S, [0, 3], [0, 0], 2, 4)
+    retrieve = torch.tensor([[True, False], [True, True]])
+    topk = library_ops.compiled_or_eager(topk_retrieval_grouped)
+    attend = library_ops.compiled_or_eager(sparse_decode_attention_grouped)
+
+    def step(q, kc, vc, pad, lo, hi, retrieve, idx, count):
+        return topk(q, kc, pad, lo, hi, retrieve, 6, 0.25), attend(q, kc, vc, pad, idx, count, 0.25)
+
+    args = [x.to(DEV) for x in (q, kc, vc, pad, lo, hi, retrieve, idx, count)]
+    eager = step(*args)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+    assert torch.equal(compiled[0], eager[0])
+    torch.testing.assert_close(compiled[1], eager[1], atol=0, rtol=0)
+    assert torch.equal(eager[0].cpu(), topk_retrieval_grouped_reference(q, kc, pad, lo, hi, retrieve, 6, 0.25))
+
+
+@needs_triton
+def test_probe_gqa_kernels_quick(capsys):
+    """scripts/probe_gqa_kernels.py --quick runs on the CPU interpreter and prints its table."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "probe_gqa_kernels.py"
+    spec = importlib.util.spec_from_file_location("probe_gqa_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main(["--quick"])
+    out = capsys.readouterr().out
+    names = {r["name"] for r in rows}
+    assert {"retrieval row/row (old)", "retrieval group/split (new)", "retrieval grouped",
+            "attention per-head", "attention grouped"} <= names
+    assert "retrieval group/split (new)" in out and all(r["ms"] > 0 for r in rows)
