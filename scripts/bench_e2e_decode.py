@@ -1,4 +1,4 @@
-"""End-to-end decode throughput with generate(): dense vs PrHS, eager vs static cache + compile.
+"""End-to-end decode throughput with generate(): fair dense vs PrHS, eager vs static cache + compile.
 
 Random-weight models in bf16 (LLaMA-2-7B shape, MHA; one GQA shape), a random prompt, then
 ``--new-tokens`` greedy tokens through ``model.generate``. Decode tokens/s is measured between
@@ -7,6 +7,15 @@ the first and the last decode step by a logits processor that synchronises and r
 ``cache_implementation="static"`` (transformers 5.17 then compiles the decode forward by itself);
 a warm-up generate() call of the same shape runs first so compilation is not timed.
 
+Two dense configs, run side by side: ``dense`` is transformers' SDPA path as shipped (with the
+mask a static cache needs and GQA it ``repeat_kv``-copies K/V to every query head in every
+layer: "dense (transformers sdpa, repeat_kv)"); ``dense-gqa`` runs the same model through
+``_bench_common.fair_sdpa_attention`` (registered with transformers' AttentionInterface as
+``sdpa_gqa``: SDPA with ``enable_gqa=True`` and the mask). Every row's ``speedup_vs_fastest_dense``
+is against the faster of the dense rows of its case and mode, named in ``fastest_dense``.
+FlashInfer is not an end-to-end config (its decode plans on the host, outside a compiled graph);
+bench_decode_attention.py times it per layer.
+
     python scripts/bench_e2e_decode.py                   # the full table (H200: several minutes)
     python scripts/bench_e2e_decode.py --quick           # a tiny model on whatever device is here
 """
@@ -14,11 +23,9 @@ a warm-up generate() call of the same shape runs first so compilation is not tim
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
@@ -26,9 +33,9 @@ from pathlib import Path
 import torch
 import transformers
 from torch._dynamo.utils import counters
-from tqdm import tqdm
 from transformers.generation.configuration_utils import CompileConfig
 
+import _bench_common as common
 import prhs_hf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,8 +53,12 @@ SHAPES = {
 CASES = [("llama2-7b", 8, 16384), ("llama2-7b", 16, 4096), ("llama2-7b", 16, 8192), ("llama3-8b", 16, 16384)]
 QUICK_CASES = [("tiny", 2, 512)]
 
+#: dense configs: the attention implementation the unpatched model runs with
+DENSE_CONFIGS = {"dense": "sdpa", "dense-gqa": common.FAIR_ATTENTION}
+
 CONFIGS = {
     "dense": None,
+    "dense-gqa": None,
     "cis-s8": {"cis": {"block_size": 8}, "psaw": {"enabled": False}, "etf": {"enabled": False}},
     "cis-s16": {"cis": {"block_size": 16}, "psaw": {"enabled": False}, "etf": {"enabled": False}},
     "cpe-s16": {"cis": {"block_size": 16}},
@@ -132,6 +143,17 @@ class CudagraphSkips(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if "skipping cudagraphs" in record.getMessage():
             self.messages.append(record.getMessage()[:300])
+
+
+def select_config(model, name: str) -> None:
+    """Put ``model`` in config ``name``: a dense attention implementation or a PrHS patch."""
+    prhs_hf.unpatch(model)
+    if name in DENSE_CONFIGS:
+        impl = DENSE_CONFIGS[name]
+        model.set_attn_implementation(common.register_fair_attention() if impl == common.FAIR_ATTENTION else impl)
+        return
+    model.set_attn_implementation("sdpa")
+    prhs_hf.patch(model, BASE, overrides={**CONFIGS[name], "telemetry": {"enabled": True}})
 
 
 def run_generate(model, ids, new_tokens: int, static_cache=None, extra_processor=None):
@@ -225,26 +247,48 @@ def _cudagraphs(row: dict) -> str:
     return "skipped" if row["cudagraph_skips"] else "on"
 
 
-def write_results(rows, args, argv, device, new_tokens) -> None:
-    """Speedups against the dense row of the same mode, then the table and the JSON (after every row)."""
-    for row in rows:
-        ref = next((r for r in rows if r["config"] == "dense" and r["mode"] == row["mode"] and r["shape"] == row["shape"]
-                    and r["batch"] == row["batch"] and r["prompt"] == row["prompt"] and "decode_tok_s" in r), None)
-        if ref and "decode_tok_s" in row:
-            row["speedup_vs_dense_same_mode"] = row["decode_tok_s"] / ref["decode_tok_s"]
-            row["peak_vs_dense"] = row["peak_gib"] / ref["peak_gib"] if ref["peak_gib"] == ref["peak_gib"] else None
+def add_speedups(rows: list[dict]) -> None:
+    """Each measured row against the fastest dense row (most decode tok/s) of its case and mode.
 
-    header = "| shape | B | prompt | mode | config | decode tok/s | ms/step | speedup vs dense (same mode) | prefill s | peak GiB | ρ̂ | processed KV / dense KV |"
-    lines = [header, "|" + "---|" * 12]
+    Sets ``fastest_dense`` (its config name), ``speedup_vs_fastest_dense``, ``peak_vs_fastest_dense``
+    and, for the record, ``speedup_vs_dense_transformers`` (against ``dense``, transformers' path).
+    """
+    def case(r):
+        return r["shape"], r["batch"], r["prompt"], r["mode"]
+
+    for row in rows:
+        for key in ("fastest_dense", "speedup_vs_fastest_dense", "peak_vs_fastest_dense", "speedup_vs_dense_transformers"):
+            row.pop(key, None)
+        if "decode_tok_s" not in row:
+            continue
+        dense = {r["config"]: r for r in rows if r["config"] in DENSE_CONFIGS and case(r) == case(row) and "decode_tok_s" in r}
+        if not dense:
+            continue
+        name = max(dense, key=lambda c: dense[c]["decode_tok_s"])
+        ref = dense[name]
+        row["fastest_dense"] = name
+        row["speedup_vs_fastest_dense"] = row["decode_tok_s"] / ref["decode_tok_s"]
+        row["peak_vs_fastest_dense"] = row["peak_gib"] / ref["peak_gib"] if ref["peak_gib"] == ref["peak_gib"] else None
+        if "dense" in dense:
+            row["speedup_vs_dense_transformers"] = row["decode_tok_s"] / dense["dense"]["decode_tok_s"]
+
+
+def write_results(rows, args, argv, device, new_tokens) -> None:
+    """Speedups against the fastest dense row of the same case and mode, then the table and the JSON (after every row)."""
+    add_speedups(rows)
+    header = ("| shape | B | prompt | mode | config | decode tok/s | ms/step | speedup vs fastest dense (which) "
+              "| vs dense (transformers) | prefill s | peak GiB | ρ̂ | processed KV / dense KV |")
+    lines = [header, "|" + "---|" * 13]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | error: {r['error'][:80]} |||||||")
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | error: {r['error'][:80]} ||||||||")
             continue
         rho = f"{100 * r['rho_hat']:.1f}%" if r.get("rho_hat") is not None else "–"
         kv = f"{r['processed_kv']:.0f} / {r['dense_kv']:.0f}" if "processed_kv" in r else "–"
-        sp = f"{r['speedup_vs_dense_same_mode']:.2f}×" if "speedup_vs_dense_same_mode" in r else "–"
+        sp = f"{r['speedup_vs_fastest_dense']:.2f}× ({r['fastest_dense']})" if "speedup_vs_fastest_dense" in r else "–"
+        spt = f"{r['speedup_vs_dense_transformers']:.2f}×" if "speedup_vs_dense_transformers" in r else "–"
         lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | {r['decode_tok_s']:.1f} | "
-                     f"{r['ms_per_step']:.2f} | {sp} | {r['prefill_s']:.2f} | {r['peak_gib']:.1f} | {rho} | {kv} |")
+                     f"{r['ms_per_step']:.2f} | {sp} | {spt} | {r['prefill_s']:.2f} | {r['peak_gib']:.1f} | {rho} | {kv} |")
     breakdowns = [r for r in rows if "breakdown_ms_per_step" in r]
     if breakdowns:
         families = list(dict.fromkeys(k for r in breakdowns for k in r["breakdown_ms_per_step"]))
@@ -262,23 +306,26 @@ def write_results(rows, args, argv, device, new_tokens) -> None:
                               f"{_cudagraphs(r)}, warm-up {r['warmup_s']:.0f} s"
                               for r in compiled)]
     table = "\n".join(lines)
-    meta = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "commands": None,  # every command whose rows are here (--resume), filled in below
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "new_tokens": new_tokens,
-        "compiled": "static mode: transformers' generate() compiles the decode forward itself (StaticCache), "
-                    "here with CompileConfig(fullgraph=True, mode='reduce-overhead'): inductor + CUDA graphs; "
-                    "a fresh compilation per cell, in its warm-up generate() (warmup_s)",
-    }
+    meta = common.run_metadata(
+        device, argv,
+        commands=None,  # every command whose rows are here (--resume), filled in below
+        new_tokens=new_tokens,
+        dense_configs={"dense": common.DENSE_LABELS["transformers"], "dense-gqa": common.DENSE_LABELS["sdpa_gqa"]
+                       + f" (attention function {common.FAIR_ATTENTION!r})"},
+        speedups="against the fastest dense config of the same case and mode (fastest_dense)",
+        flashinfer_e2e="not an end-to-end config: its decode plans on the host, outside the compiled graph; "
+                       "see bench_decode_attention.py",
+        compiled="static mode: transformers' generate() compiles the decode forward itself (StaticCache), "
+                 "here with CompileConfig(fullgraph=True, mode='reduce-overhead'): inductor + CUDA graphs; "
+                 "a fresh compilation per cell, in its warm-up generate() (warmup_s)",
+    )
     meta["commands"] = [*getattr(args, "earlier_commands", []), meta["command"]]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_e2e_decode.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     commands = "\n".join(f"    {c}" for c in meta["commands"])
-    (out / "bench_e2e_decode.md").write_text(f"On {meta['device']}, {meta['date']}:\n\n{commands}\n\n{table}\n")
+    (out / "bench_e2e_decode.md").write_text(
+        f"On {meta['gpu']}, {meta['date']}, commit {meta['git_commit']}:\n\n{commands}\n\n{table}\n")
 
 
 def main(argv=None) -> int:
@@ -305,6 +352,9 @@ def main(argv=None) -> int:
         cases = [(s, int(b), int(l)) for s, b, l in (c.split(":") for c in args.cases.split(","))]
     new_tokens = 8 if args.quick and args.new_tokens == 256 else args.new_tokens
     configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; allowed: {', '.join(CONFIGS)}")
     modes = args.modes.split(",")
     rows = []
     previous = Path(args.out) / "bench_e2e_decode.json"
@@ -315,17 +365,14 @@ def main(argv=None) -> int:
     done = {(r["shape"], r["batch"], r["prompt"], r["mode"], r["config"]) for r in rows}
     plan = [(c, m, cfg) for c in cases for m in modes for cfg in configs if (*c, m, cfg) not in done]
     skips = CudagraphSkips()
-    bar = tqdm(plan, desc="e2e decode", file=sys.stdout)
     model_key, model = None, None
-    for (shape, batch, length), mode, name in bar:
-        bar.set_postfix_str(f"{shape} B{batch} L{length} {mode} {name}")
+    for (shape, batch, length), mode, name in common.progress(plan, "e2e decode"):
+        print(f"\n{shape} B{batch} L{length} {mode} {name}", flush=True)
         if model_key != shape:
             model = None
             torch.cuda.empty_cache() if device.type == "cuda" else None
             model, model_key = build_model(shape, device, dtype), shape
-        prhs_hf.unpatch(model)
-        if CONFIGS[name] is not None:
-            prhs_hf.patch(model, BASE, overrides={**CONFIGS[name], "telemetry": {"enabled": True}})
+        select_config(model, name)
         ids = torch.randint(1, SHAPES[shape]["vocab_size"], (batch, length), device=device)
         row = {"shape": shape, "batch": batch, "prompt": length, "mode": mode, "config": name}
         cache = None

@@ -23,15 +23,11 @@ Prints markdown tables and writes ``<out>.json`` and ``<out>.md`` (default
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import importlib
 import importlib.util
 import json
-import math
 import os
-import platform
-import statistics
 import sys
 import time
 import traceback
@@ -40,6 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+import _bench_common as common
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,6 +108,7 @@ class Report:
     device: str
     versions: dict[str, str]
     date: str
+    git_commit: str
     quick: bool
     dtype: str
     operator: list[dict[str, Any]] = field(default_factory=list)
@@ -121,51 +120,9 @@ class Report:
 # ----------------------------------------------------------------------------- utilities
 
 
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("triton", "transformers", "flash_attn"):
-        try:
-            out[name] = importlib.import_module(name).__version__
-        except Exception:  # noqa: BLE001 - optional packages
-            out[name] = "n/a"
-    out["cuda"] = str(torch.version.cuda)
-    out["triton_interpret"] = os.environ.get("TRITON_INTERPRET", "0")
-    return out
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn: Callable[[], Any], device: torch.device, target_ms: float = 150.0, max_reps: int = 50) -> float:
-    """Median wall time of ``fn`` in ms: one warm-up call, then enough calls to fill ``target_ms``."""
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    first = (time.perf_counter() - t0) * 1e3
-    reps = int(min(max_reps, max(1 if device.type != "cuda" else 3, target_ms // max(first, 1e-3))))
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def time_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """Median ms of one operator call (``_bench_common.median_ms``: do_bench on CUDA, perf_counter on the CPU)."""
+    return common.median_ms(fn, device).ms
 
 
 def _attempt(report: Report, what: str, fn: Callable[[], Any]) -> Any:
@@ -265,7 +222,7 @@ def bench_operator(report: Report, contexts: list[int], depths: list[float], sha
     scale = d**-0.5
     if with_flex:
         _raise_dynamo_limits()
-    for L in contexts:
+    for L in common.progress(contexts, "(a) operator"):
         print(f"(a) operator, L = {L}", flush=True)
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(1, heads, L, d, device=device, dtype=dtype, generator=g) for _ in range(3))
@@ -337,8 +294,8 @@ def _measure_prefill(model, L: int, device: torch.device, vocab: int) -> tuple[f
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    # time_ms warms up once (autotune, compiles), then times two calls
-    ms = time_ms(lambda: _prefill_once(model, ids), device, target_ms=0.0, max_reps=2)
+    # one warm-up call (autotune, compiles), then the median of two timed calls
+    ms = common.time_calls(lambda: _prefill_once(model, ids), device, reps=2)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return ms, peak
 
@@ -362,7 +319,7 @@ def bench_model(report: Report, contexts: list[int], shape: ModelShape, config_p
         return
     weights_gb = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
     print(f"  model ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    for L in contexts:
+    for L in common.progress(contexts, "(b) whole model"):
         dense = _attempt(report, f"(b) dense L={L}", lambda: _measure_prefill(model, L, device, shape.vocab))
 
         def cpe():
@@ -469,7 +426,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 def render_markdown(r: Report) -> str:
     head = (
-        f"# Prefill benchmark\n\n- command: `{r.command}`\n- device: {r.device}\n- date: {r.date}\n"
+        f"# Prefill benchmark\n\n- command: `{r.command}`\n- device: {r.device}\n- date: {r.date}\n- commit: {r.git_commit}\n"
         f"- versions: {', '.join(f'{k} {v}' for k, v in r.versions.items())}\n- quick: {r.quick}\n\n"
     )
     parts = [
@@ -516,10 +473,12 @@ def main(argv: list[str] | None = None) -> int:
         print("no GPU: set TRITON_INTERPRET=1 to run the Triton kernel on the CPU (use --quick)", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
+    meta = common.run_metadata(device, argv)
+    versions = {**meta["versions"], "flash_attn": common.package_version("flash_attn"),
+                "triton_interpret": os.environ.get("TRITON_INTERPRET", "0")}
     report = Report(
-        command=" ".join([Path(sys.executable).name, *sys.argv]), device=_device_name(device), versions=_versions(),
-        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), quick=args.quick,
-        dtype="",
+        command=meta["command"], device=meta["gpu"], versions=versions, date=meta["date"],
+        git_commit=meta["git_commit"], quick=args.quick, dtype="",
     )
     s = schedule_from_config(args.config)
     llama = ModelShape()
