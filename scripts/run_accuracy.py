@@ -7,7 +7,7 @@ Tasks (``--tasks``, default ``gsm8k,coqa``): ``gsm8k`` (zero-shot chat prompt), 
 Two engines, one set of prompts and one scoring code (``prhs_hf.lm_eval.prompts`` / ``.metrics``):
 
 - ``--engine direct`` (default): no lm-eval, no ``datasets``; reads the converted JSONL and
-  generates in left-padded batches (``prhs_hf.lm_eval.direct``). For the GPU machine.
+  generates in left-padded batches (``prhs_hf.accuracy.direct``). For the GPU machine.
 - ``--engine lm-eval``: the same through lm-eval's ``simple_evaluate`` with the ``prhs`` model and
   the local tasks ``gsm8k_chat_local`` (chat template on), ``gsm8k_cot_local`` and ``coqa_local``.
 
@@ -39,11 +39,12 @@ from tqdm.auto import tqdm
 
 import prhs_hf
 from prhs_hf import fetch
-from prhs_hf.lm_eval import accuracy_configs, direct, report
-from prhs_hf.lm_eval.accuracy_configs import NamedConfig
+from prhs_hf.accuracy import configs as accuracy_configs
+from prhs_hf.accuracy import direct, report
+from prhs_hf.accuracy.configs import NamedConfig
+from prhs_hf.accuracy.direct import DirectTask
+from prhs_hf.accuracy.report import Row
 from prhs_hf.lm_eval.data import load_rows
-from prhs_hf.lm_eval.direct import DirectTask
-from prhs_hf.lm_eval.report import Row
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -96,7 +97,7 @@ class Engine(Protocol):
 
 
 class DirectEngine:
-    """Patch the model with the config, then generate and score with ``prhs_hf.lm_eval.direct``."""
+    """Patch the model with the config, then generate and score with ``prhs_hf.accuracy.direct``."""
 
     def __init__(self, model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", batch_size: int,
                  data_dir: str | None, max_new_tokens: int | None):

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, SMALL_BUDGET, save_tiny_checkpoint, write_local_data
-from prhs_hf.lm_eval import LOCAL_TASKS, TASKS_DIR, direct, metrics, prompts
+from prhs_hf.accuracy import direct
+from prhs_hf.lm_eval import LOCAL_TASKS, TASKS_DIR, metrics, prompts
 from prhs_hf.lm_eval import shim
 from prhs_hf.lm_eval.shim import lm_eval_argv
 
@@ -236,7 +237,7 @@ def test_python_api_local_tasks(checkpoint, local_tasks, offline) -> None:
     results = lm_eval.simple_evaluate(
         model="prhs", tasks=["gsm8k_local", "gsm8k_cot_local", "coqa_local"], limit=10, batch_size=4,
         task_manager=local_tasks,
-        model_args={"pretrained": str(checkpoint), "prhs_config": "configs/cis.yaml", "prhs_overrides": SMALL_BUDGET,
+        model_args={"pretrained": str(checkpoint), "prhs_config": "cis", "prhs_overrides": SMALL_BUDGET,
                     "device": "cpu", "dtype": "float32"},
         gen_kwargs={"max_gen_toks": MAX_NEW}, bootstrap_iters=0)
     gsm8k, coqa = results["results"]["gsm8k_local"], results["results"]["coqa_local"]
@@ -253,7 +254,7 @@ def test_python_api_local_tasks(checkpoint, local_tasks, offline) -> None:
 def test_cli_shim_writes_results_with_telemetry(checkpoint, data_dir, tmp_path) -> None:
     pytest.importorskip("lm_eval")
     out = tmp_path / "out"
-    args = ["--model_args", f"pretrained={checkpoint},prhs_config=configs/cis.yaml,prhs.budget.sink=4,"
+    args = ["--model_args", f"pretrained={checkpoint},prhs_config=cis,prhs.budget.sink=4,"
                             "prhs.budget.local=8,prhs.budget.topk=16,dtype=float32",
             "--device", "cpu", "--tasks", "gsm8k_local,coqa_local", "--limit", "10", "--batch_size", "4",
             "--gen_kwargs", f"max_gen_toks={MAX_NEW}", "--metadata", json.dumps({"data_dir": str(data_dir)}),
@@ -272,7 +273,7 @@ def test_cli_shim_writes_results_with_telemetry(checkpoint, data_dir, tmp_path) 
 
 def test_model_instance_matches_the_direct_engine(checkpoint, local_tasks, offline) -> None:
     """A ``PrHSLM`` around a loaded model gives the same generations and scores as
-    ``prhs_hf.lm_eval.direct`` on the chat GSM8K, 8-shot GSM8K and CoQA tasks (same prompts, same
+    ``prhs_hf.accuracy.direct`` on the chat GSM8K, 8-shot GSM8K and CoQA tasks (same prompts, same
     scoring). ``max_length`` above the 8-shot prompt's ~2,600 byte tokens: lm-eval must not cut it."""
     lm_eval = pytest.importorskip("lm_eval")
     import prhs_hf
@@ -280,7 +281,7 @@ def test_model_instance_matches_the_direct_engine(checkpoint, local_tasks, offli
     from prhs_hf.fetch import load_model
 
     model, tokenizer = load_model(checkpoint, dtype="float32")
-    lm = ple.register()(pretrained=model, tokenizer=tokenizer, batch_size=1, prhs_config="configs/cis.yaml",
+    lm = ple.register()(pretrained=model, tokenizer=tokenizer, batch_size=1, prhs_config="cis",
                         prhs_overrides=SMALL_BUDGET, max_length=4096)
     for task in direct.DIRECT_TASKS.values():
         res = lm_eval.simple_evaluate(model=lm, tasks=[task.lm_eval_task], limit=2, apply_chat_template=task.chat,
@@ -300,3 +301,117 @@ def test_model_instance_matches_the_direct_engine(checkpoint, local_tasks, offli
         for name, value in ours.metrics.items():
             key = f"exact_match,{name}" if task.name.startswith("gsm8k") else f"{name},none"
             assert lm_metrics[key] == pytest.approx(value)
+
+
+# ------------------------------------------------------------- pretrained= and device (issue 14)
+
+
+class _Captured(Exception):
+    """Raised by the stand-in for HFLM.__init__ once it has recorded its arguments."""
+
+
+@pytest.fixture()
+def hflm_arguments(monkeypatch) -> dict:
+    """What ``PrHSLM`` hands to ``HFLM.__init__`` (which is replaced: nothing is loaded)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    seen: dict = {}
+
+    def fake_init(self, **kwargs):
+        seen.update(kwargs)
+        raise _Captured
+
+    monkeypatch.setattr(HFLM, "__init__", fake_init)
+    return seen
+
+
+def _construct(**kwargs) -> None:
+    import prhs_hf.lm_eval as ple
+
+    with pytest.raises(_Captured):
+        ple.register()(**kwargs)
+
+
+def test_pretrained_takes_a_registered_model_name(hflm_arguments, monkeypatch, tmp_path) -> None:
+    from prhs_hf import fetch
+
+    gguf = tmp_path / "models" / "smollm2-135m" / "SmolLM2.gguf"
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"")
+    monkeypatch.setattr(fetch, "fetch_model", lambda name, cache_dir=None, **kw: gguf)
+    _construct(pretrained="smollm2-135m")
+    assert (hflm_arguments["pretrained"], hflm_arguments["gguf_file"]) == (str(gguf.parent), gguf.name)
+
+
+def test_pretrained_takes_a_gguf_path_and_a_gguf_folder(hflm_arguments, tmp_path) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    _construct(pretrained=str(gguf))
+    assert (hflm_arguments["pretrained"], hflm_arguments["gguf_file"]) == (str(tmp_path), "m.gguf")
+    hflm_arguments.clear()
+    _construct(pretrained=str(tmp_path))  # a folder holding one GGUF and no config.json
+    assert (hflm_arguments["pretrained"], hflm_arguments["gguf_file"]) == (str(tmp_path), "m.gguf")
+
+
+def test_pretrained_passes_checkpoints_hub_ids_and_an_explicit_gguf_file_through(hflm_arguments, checkpoint) -> None:
+    _construct(pretrained=str(checkpoint))
+    assert hflm_arguments["pretrained"] == str(checkpoint) and hflm_arguments.get("gguf_file") is None
+    hflm_arguments.clear()
+    _construct(pretrained="org/some-model")
+    assert hflm_arguments["pretrained"] == "org/some-model" and hflm_arguments.get("gguf_file") is None
+    hflm_arguments.clear()
+    _construct(pretrained="/models/dir", gguf_file="x.gguf")  # the HFLM form stays as it was
+    assert (hflm_arguments["pretrained"], hflm_arguments["gguf_file"]) == ("/models/dir", "x.gguf")
+
+
+def test_a_missing_gguf_path_names_it(hflm_arguments, tmp_path) -> None:
+    import prhs_hf.lm_eval as ple
+
+    with pytest.raises(FileNotFoundError, match="no-such.gguf"):
+        ple.register()(pretrained=str(tmp_path / "no-such.gguf"))
+
+
+def test_the_device_defaults_to_what_is_there(hflm_arguments) -> None:
+    import torch
+
+    _construct(pretrained="org/some-model")
+    assert hflm_arguments["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    hflm_arguments.clear()
+    _construct(pretrained="org/some-model", device="cpu")
+    assert hflm_arguments["device"] == "cpu"
+
+
+def test_simple_evaluate_without_a_device_runs_where_there_is_no_gpu(checkpoint, local_tasks, offline) -> None:
+    """``simple_evaluate`` with ``device`` left out (lm-eval then asks HFLM for ``cuda``) runs."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import prhs_hf.lm_eval as ple
+
+    ple.register()
+    results = lm_eval.simple_evaluate(
+        model="prhs", tasks=["gsm8k_local"], limit=1, batch_size=1, task_manager=local_tasks,
+        model_args=f"pretrained={checkpoint},prhs_config=cis,dtype=float32",
+        gen_kwargs={"max_gen_toks": 2}, bootstrap_iters=0)
+    assert results["n-samples"]["gsm8k_local"]["effective"] == 1
+
+
+@pytest.mark.slow
+def test_simple_evaluate_with_the_registered_default_model(local_tasks, offline) -> None:
+    """``pretrained=smollm2-135m`` as ``prhs-hf generate --model`` takes it (fetched offline from PyPI)."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import prhs_hf.lm_eval as ple
+
+    ple.register()
+    results = lm_eval.simple_evaluate(
+        model="prhs", tasks=["gsm8k_local"], limit=1, batch_size=1, task_manager=local_tasks,
+        model_args="pretrained=smollm2-135m,prhs_config=cis", gen_kwargs={"max_gen_toks": 2}, bootstrap_iters=0)
+    assert results["n-samples"]["gsm8k_local"]["effective"] == 1
+    assert results["config"]["prhs"]["config"]["cis"]["enabled"] is True
+
+
+def test_the_default_config_is_the_demo_s() -> None:
+    pytest.importorskip("lm_eval")
+    from prhs_hf import cli
+    from prhs_hf.lm_eval import plugin
+
+    assert plugin.DEFAULT_CONFIG == cli.DEFAULT_CONFIG

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, save_tiny_checkpoint, write_local_data
-from prhs_hf.lm_eval import accuracy_configs, direct, metrics, prompts
+from prhs_hf.accuracy import configs as accuracy_configs
+from prhs_hf.accuracy import direct
+from prhs_hf.lm_eval import metrics, prompts
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -46,7 +48,7 @@ def data_dir(tmp_path_factory) -> Path:
 @pytest.fixture()
 def small_budget(monkeypatch) -> str:
     """A registered config with a budget small enough for the short test prompts."""
-    config = accuracy_configs.NamedConfig("cis-tiny", "configs/cis.yaml",
+    config = accuracy_configs.NamedConfig("cis-tiny", "cis",
                                           {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}})
     monkeypatch.setitem(accuracy_configs.ACCURACY_CONFIGS, config.name, config)
     return config.name

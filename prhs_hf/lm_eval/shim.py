@@ -6,7 +6,7 @@ added when no ``--include_path`` is given (lm-eval takes one folder; give your o
 and ``--model prhs`` when a ``run`` has no ``--model``. For example::
 
     python -m prhs_hf.lm_eval --model prhs --tasks gsm8k_local \
-        --model_args pretrained=DIR,gguf_file=NAME,prhs_config=configs/cis.yaml
+        --model_args pretrained=smollm2-135m,prhs_config=cis
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""Where things live (issue 14): the direct accuracy runner outside the lm-eval integration, and no
+import cycle between the command line and ``prhs_hf.lm_eval``."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "prhs_hf"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (function-level imports included), as absolute names."""
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, *([base] if base else [])])
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return names
+
+
+def _imports_in_a_fresh_interpreter(statement: str, watched: tuple[str, ...]) -> list[str]:
+    code = f"import sys; {statement}; print(sorted(m for m in {watched!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 - our own printed list
+
+
+def test_no_module_of_the_lm_eval_integration_imports_the_command_line() -> None:
+    offenders = {p.name for p in (PACKAGE / "lm_eval").glob("*.py") if "prhs_hf.cli" in _imported_modules(p)}
+    assert offenders == set()
+
+
+def test_importing_the_lm_eval_model_does_not_load_the_command_line() -> None:
+    assert _imports_in_a_fresh_interpreter("import prhs_hf.lm_eval.plugin", ("prhs_hf.cli",)) == []
+
+
+def test_the_direct_runner_lives_outside_lm_eval_and_needs_no_lm_eval() -> None:
+    import prhs_hf.accuracy.configs
+    import prhs_hf.accuracy.direct
+    import prhs_hf.accuracy.report
+
+    for module in (prhs_hf.accuracy.direct, prhs_hf.accuracy.configs, prhs_hf.accuracy.report):
+        assert Path(module.__file__).parent == PACKAGE / "accuracy"
+    loaded = _imports_in_a_fresh_interpreter(
+        "import prhs_hf.accuracy.direct, prhs_hf.accuracy.configs, prhs_hf.accuracy.report",
+        ("lm_eval", "datasets", "prhs_hf.lm_eval.plugin", "prhs_hf.cli"))
+    assert loaded == []
+
+
+def test_the_old_lm_eval_names_are_aliases_without_code() -> None:
+    """``prhs_hf.lm_eval.direct`` and friends are the moved modules themselves, not copies."""
+    import prhs_hf.accuracy.configs
+    import prhs_hf.accuracy.direct
+    import prhs_hf.accuracy.report
+    from prhs_hf.lm_eval import accuracy_configs, direct, report
+
+    assert (direct, accuracy_configs, report) == (
+        prhs_hf.accuracy.direct, prhs_hf.accuracy.configs, prhs_hf.accuracy.report)
+    for name in ("direct", "accuracy_configs", "report"):
+        tree = ast.parse((PACKAGE / "lm_eval" / f"{name}.py").read_text())
+        assert not any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in ast.walk(tree)), name
