@@ -1,0 +1,217 @@
+"""The benchmark scripts on the CPU: their --quick runs, the JSON they write, the fair dense baseline.
+
+The decode benchmarks compare PrHS against the fastest of several dense baselines measured in
+the same run; ``dense-gqa`` runs the model through ``_bench_common.fair_sdpa_attention`` (SDPA
+with ``enable_gqa=True`` and the mask) and must stay one graph under ``torch.compile(fullgraph)``.
+Run metadata and timing live in ``scripts/_bench_common.py`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers.generation.configuration_utils import CompileConfig
+
+from tiny_models import padded_batch, tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import _bench_common as common  # noqa: E402
+
+META_FIELDS = ("command", "gpu", "versions", "date", "git_commit")
+VERSION_FIELDS = ("python", "torch", "triton", "transformers", "flashinfer")
+DENSE = ("transformers", "sdpa_gqa", "flash_packed", "flashinfer")
+
+
+def _run_script(name: str, *args: str, timeout: int = 600) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PRHS_GIT_COMMIT": "test-commit"}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / name), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _check_meta(meta: dict, script: str) -> None:
+    for key in META_FIELDS:
+        assert key in meta, key
+    assert meta["command"].startswith(f"python scripts/{script}")
+    assert meta["git_commit"] == "test-commit"
+    for key in VERSION_FIELDS:
+        assert meta["versions"].get(key), key
+    assert meta["versions"]["torch"] == torch.__version__
+
+
+# ----------------------------------------------------------------------------- the shared module
+
+
+def test_metadata_and_timing_live_in_the_shared_module_only():
+    """No benchmark keeps its own copy of the metadata or timing code."""
+    for name in ("bench_decode_attention.py", "bench_e2e_decode.py", "bench_prefill.py"):
+        src = (SCRIPTS / name).read_text()
+        assert "import _bench_common as common" in src, name
+        for copy in ("do_bench(", "get_device_name(", "datetime", "platform.", "statistics."):
+            assert copy not in src, f"{name} still has its own {copy!r}"
+
+
+def test_shared_timing_and_fastest():
+    t = common.median_ms(lambda: torch.ones(64).sum(), torch.device("cpu"))
+    assert t.method == "cpu" and t.ms > 0
+    assert common.time_calls(lambda: None, torch.device("cpu"), reps=2) >= 0
+    assert common.fastest({"a": 2.0, "b": None, "c": 1.5}) == ("c", 1.5)
+    assert common.fastest({"a": None}) == (None, None)
+    assert common.package_version("no_such_module_xyz").startswith("not available: ModuleNotFoundError")
+
+
+def test_run_metadata_fields(monkeypatch):
+    monkeypatch.setenv("PRHS_GIT_COMMIT", "abc123")
+    meta = common.run_metadata(torch.device("cpu"), ["--quick"], extra_field=1)
+    for key in META_FIELDS:
+        assert key in meta
+    assert meta["git_commit"] == "abc123" and meta["extra_field"] == 1
+    assert meta["command"].endswith("--quick")
+    assert set(VERSION_FIELDS) <= set(meta["versions"])
+
+
+def _gqa_inputs(B=2, Hq=4, Hkv=2, S=24, D=16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k, v = (torch.randn(B, Hkv, S, D, generator=g) for _ in range(2))
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    mask[0, ..., :5] = False  # left padding of row 0
+    mask[1, ..., 20:] = False  # unfilled static-cache slots of row 1
+    return q, k, v, mask, common.attention_stub(Hq, Hkv)
+
+
+def test_fair_attention_equals_transformers_sdpa_without_repeat_kv(monkeypatch):
+    import transformers.integrations.sdpa_attention as sdpa_mod
+
+    q, k, v, mask, stub = _gqa_inputs()
+    want, _ = common.transformers_sdpa_attention(stub, q, k, v, mask, scaling=0.25)
+    calls = []
+    real = sdpa_mod.repeat_kv
+    monkeypatch.setattr(sdpa_mod, "repeat_kv", lambda *a: calls.append(1) or real(*a))
+    got, _ = common.fair_sdpa_attention(stub, q, k, v, mask, scaling=0.25)
+    assert not calls, "the fair baseline must not copy K/V per query head"
+    common.transformers_sdpa_attention(stub, q, k, v, mask, scaling=0.25)
+    assert calls, "transformers' shipped path with a mask does repeat_kv (what the fair one avoids)"
+    assert got.shape == want.shape == (2, 1, 4, 16)
+    torch.testing.assert_close(got, want)
+
+
+def _compile_config() -> CompileConfig:
+    config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    return config
+
+
+def test_dense_gqa_static_compiled_decode_is_one_graph_with_dense_tokens(monkeypatch):
+    import transformers.integrations.sdpa_attention as sdpa_mod
+
+    model = tiny_model("llama")  # 4 query / 2 KV heads
+    ids, mask = padded_batch([60, 44])
+
+    def generate(compiled: bool):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                              compile_config=_compile_config(), disable_compile=not compiled)
+
+    dense = generate(False)  # transformers' sdpa path
+    model.set_attn_implementation(common.register_fair_attention())
+    assert model.config._attn_implementation == common.FAIR_ATTENTION
+    monkeypatch.setattr(sdpa_mod, "repeat_kv", lambda *a: pytest.fail("dense-gqa took the repeat_kv route"))
+    eager = generate(False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = generate(True)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(eager, dense)
+    assert torch.equal(compiled, dense)
+
+
+# ----------------------------------------------------------------------------- the scripts' --quick runs
+
+
+@pytest.mark.slow
+def test_bench_decode_attention_quick_cpu_json(tmp_path):
+    _run_script("bench_decode_attention.py", "--quick", "--out", str(tmp_path))
+    data = json.loads((tmp_path / "bench_decode_attention.json").read_text())
+    assert (tmp_path / "bench_decode_attention.md").is_file()
+    _check_meta(data, "bench_decode_attention.py")
+    assert set(data["dense_columns"]) == {f"dense_{n}" for n in DENSE}
+    assert data["dense_columns"]["dense_transformers"] == "dense (transformers sdpa, repeat_kv)"
+    assert data["rows"], "no rows"
+    for r in data["rows"]:
+        errors = {k: v for k, v in r.items() if k.endswith("_error")}
+        assert not errors, errors
+        for key in ("B", "Hq", "Hkv", "D", "ctx", "budget", "sink", "local", "k", "cap", "cis16_ms", "cis8_ms",
+                    "sparse_ms", "ref16_ms", "stage16_retrieval_ms", "cis16_target_met"):
+            assert key in r, key
+        times = {n: r[f"dense_{n}_ms"] for n in DENSE}
+        assert times["transformers"] > 0 and times["sdpa_gqa"] > 0  # measured on the CPU too
+        assert r["dense_flashinfer_status"].startswith(("measured", "not available"))
+        name, ms = common.fastest(times)
+        assert (r["fastest_dense"], r["fastest_dense_ms"]) == (name, ms)
+        assert r["fastest_dense_label"] == common.DENSE_LABELS[name]
+        assert math.isclose(r["cis16_speedup_vs_fastest_dense"], ms / r["cis16_ms"])
+        assert math.isclose(r["cis16_target_ms"], ms / r["cis16_target_speedup"])
+        assert r["dense_sdpa_gqa_max_abs_diff"] < 0.05  # bf16: the same attention as transformers'
+        for key in ("grouped_retrieval", "grouped_sparse"):
+            status = r[f"{key}_status"]
+            if status == "available":  # then it ran, gave the reference's answer, and was timed
+                assert r[f"{key}_ms"] > 0
+            else:
+                assert status.startswith("not importable") and r[f"{key}_ms"] is None
+        if r["grouped_retrieval_status"] == "available":
+            assert r["grouped_retrieval_equal_to_reference"] is True
+        if r["grouped_sparse_status"] == "available":
+            assert r["grouped_sparse_max_abs_diff"] < 0.05
+
+
+@pytest.mark.slow
+def test_bench_e2e_decode_quick_cpu_json(tmp_path):
+    _run_script("bench_e2e_decode.py", "--quick", "--modes", "eager", "--configs", "dense,dense-gqa,cis-s16",
+                "--new-tokens", "6", "--out", str(tmp_path))
+    data = json.loads((tmp_path / "bench_e2e_decode.json").read_text())
+    _check_meta(data, "bench_e2e_decode.py")
+    assert set(data["dense_configs"]) == {"dense", "dense-gqa"}
+    rows = {r["config"]: r for r in data["rows"]}
+    assert set(rows) == {"dense", "dense-gqa", "cis-s16"}
+    for r in rows.values():
+        assert "error" not in r, r
+        for key in ("shape", "batch", "prompt", "mode", "decode_tok_s", "ms_per_step", "prefill_s", "tokens",
+                    "fastest_dense", "speedup_vs_fastest_dense", "speedup_vs_dense_transformers"):
+            assert key in r, key
+        assert r["tokens"] == 6
+    fastest = max(("dense", "dense-gqa"), key=lambda c: rows[c]["decode_tok_s"])
+    for r in rows.values():
+        assert r["fastest_dense"] == fastest
+        assert math.isclose(r["speedup_vs_fastest_dense"], r["decode_tok_s"] / rows[fastest]["decode_tok_s"])
+    assert rows["cis-s16"]["rho_hat"] is not None
+
+
+def test_bench_e2e_decode_names_allowed_configs():
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_e2e_decode.py"), "--configs", "dense,nope"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "nope" in proc.stderr and "dense-gqa" in proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_prefill_quick_cpu_metadata(tmp_path):
+    _run_script("bench_prefill.py", "--quick", "--skip-flex", "--out", str(tmp_path / "bench_prefill"))
+    data = json.loads((tmp_path / "bench_prefill.json").read_text())
+    for key in ("command", "device", "versions", "date", "git_commit"):
+        assert key in data, key
+    assert data["git_commit"] == "test-commit"
+    assert data["versions"]["flashinfer"] and data["versions"]["torch"] == torch.__version__
+    assert data["operator"] and all(r["ours_ms"] is not None and r["dense_sdpa_ms"] is not None for r in data["operator"])
+    assert data["model"], data["notes"]
