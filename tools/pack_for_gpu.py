@@ -5,16 +5,16 @@ The GPU machine has no internet, no lm-eval, no ``datasets`` and no ``gguf``, an
 carries at most 64 MiB. A path carried by one call is *not* there in the next call unless that call
 carries it again (the machine removes it); what lies outside the repository tree, e.g. ``/tmp``,
 stays while the machine is warm. So every call copies what it carried to ``/tmp``
-(:data:`STAGE`), and ``scripts/gpu_join_and_eval.sh`` takes it from there. This script writes,
+(:data:`STAGE`), and ``tools/gpu_join_and_eval.sh`` takes it from there. This script writes,
 under ``.xfer/`` (git-ignored through ``.git/info/exclude``):
 
 - ``data/gsm8k_test.jsonl.gz``, ``data/coqa_validation.jsonl.gz``: the converted data sets;
 - ``models/<name>/<file>.gguf.NNN`` + ``MANIFEST.json``: the model's GGUF in pieces
-  (:func:`prhs_hf.fetch.split_for_transfer`; ``join_pieces`` checks every sha256 there);
+  (:func:`gpu_transfer.split_for_transfer`; ``join_pieces`` checks every sha256 there);
 - ``whl/gguf-<version>-py3-none-any.whl``: the ``gguf`` wheel (pure Python) for Python 3.12;
 - ``PLAN.md``: the device calls, also printed: one per piece, each staging its piece in
   ``/tmp/pieces/<name>`` and checking its sha256 (the first also stages the data, wheel and
-  manifest in ``/tmp``); the last one then runs ``scripts/gpu_join_and_eval.sh`` (join, export,
+  manifest in ``/tmp``); the last one then runs ``tools/gpu_join_and_eval.sh`` (join, export,
   evaluate); then the resume call, which carries nothing and is repeated while rows are left.
 
 Without ``--configs`` after ``--``, the plan names
@@ -23,7 +23,7 @@ Without ``--configs`` after ``--``, the plan names
 
 Example::
 
-    python scripts/pack_for_gpu.py --model qwen2.5-coder-1.5b -- --configs dense,cis-s16,cpe --limit 500
+    python tools/pack_for_gpu.py --model qwen2.5-coder-1.5b -- --configs dense,cis-s16,cpe --limit 500
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
+import gpu_transfer  # beside this script (its folder comes first on sys.path)
 from prhs_hf import fetch
 from prhs_hf.lm_eval import accuracy_configs
 
@@ -49,6 +50,8 @@ MAX_CARRY_PATHS = 8
 MAX_COMMAND_CHARS = 2000
 #: Outside the repository tree, so it survives between device calls (gpu_join_and_eval.sh's PRHS_STAGE).
 STAGE = "/tmp"
+#: What the last piece call and the resume call run (relative to the repository root).
+GPU_SCRIPT = "tools/gpu_join_and_eval.sh"
 
 
 @dataclass(frozen=True)
@@ -100,10 +103,10 @@ def pack_model(xfer: Path, name: str, piece_mib: float) -> tuple[Path, list[Path
         pieces = [folder / p["file"] for p in known["pieces"]]
         if (known["name"] == gguf.name and known["size"] == gguf.stat().st_size
                 and all(p.is_file() for p in pieces)
-                and max(p["size"] for p in known["pieces"]) <= int(piece_mib * fetch.MiB)):
+                and max(p["size"] for p in known["pieces"]) <= int(piece_mib * gpu_transfer.MiB)):
             return manifest, pieces
         shutil.rmtree(folder)
-    return manifest, fetch.split_for_transfer(gguf, folder, piece_mib)
+    return manifest, gpu_transfer.split_for_transfer(gguf, folder, piece_mib)
 
 
 def packed(xfer: Path, name: str) -> tuple[list[Path], Path, list[Path], Path]:
@@ -150,7 +153,7 @@ def eval_args(run_args: Sequence[str]) -> list[str]:
 
 def eval_command(model: str, run_args: Sequence[str]) -> str:
     """The shell command that joins, exports and evaluates (it finds what earlier calls staged)."""
-    return shlex.join(["bash", "scripts/gpu_join_and_eval.sh", model, *eval_args(run_args)])
+    return shlex.join(["bash", GPU_SCRIPT, model, *eval_args(run_args)])
 
 
 def plan_calls(model: str, manifest: Path, pieces: Sequence[Path], small: Sequence[Path],
@@ -198,8 +201,8 @@ def _check_sizes(calls: Sequence[DeviceCall]) -> None:
     for call in calls:
         size = sum((REPO / c).stat().st_size if (REPO / c).is_file()
                    else sum(f.stat().st_size for f in (REPO / c).rglob("*") if f.is_file()) for c in call.carry)
-        if size > (CARRY_LIMIT_MIB - 2) * fetch.MiB or len(call.carry) > MAX_CARRY_PATHS:
-            raise SystemExit(f"a call would carry {size / fetch.MiB:.1f} MiB in {len(call.carry)} paths; "
+        if size > (CARRY_LIMIT_MIB - 2) * gpu_transfer.MiB or len(call.carry) > MAX_CARRY_PATHS:
+            raise SystemExit(f"a call would carry {size / gpu_transfer.MiB:.1f} MiB in {len(call.carry)} paths; "
                              f"use a smaller --piece-mib")
         if len(call.command) >= MAX_COMMAND_CHARS:
             raise SystemExit(f"a call's command has {len(call.command)} characters (the device takes fewer than "
@@ -247,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = render_plan(args.model, calls, resume)
     (xfer / "PLAN.md").write_text(plan)
     total = sum(p.stat().st_size for p in pieces)
-    print(f"{'planned' if args.plan_only else 'packed'} {len(pieces)} pieces ({total / fetch.MiB:.1f} MiB), "
+    print(f"{'planned' if args.plan_only else 'packed'} {len(pieces)} pieces ({total / gpu_transfer.MiB:.1f} MiB), "
           f"{len(data)} data files, {wheel.name} under {xfer}\n", file=sys.stderr)
     print(plan)
     return 0
