@@ -14,7 +14,7 @@ import pytest
 
 from prhs_hf import fetch
 from prhs_hf.fetch import ChecksumError
-from prhs_hf.lm_eval import accuracy_configs
+from prhs_hf.accuracy import configs as accuracy_configs
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
