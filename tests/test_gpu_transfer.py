@@ -35,7 +35,9 @@ def test_transfer_tooling_is_not_in_the_library() -> None:
     assert not hasattr(fetch, "split_for_transfer") and not hasattr(fetch, "join_pieces")
     library = [p for p in (REPO / "prhs_hf").rglob("*.py")]
     assert not [p.name for p in library if re.search(r"split_for_transfer|join_pieces", p.read_text())]
-    assert not list((REPO / "scripts").glob("*gpu*")), "the GPU tooling lives in tools/"
+    moved = ["pack_for_gpu.py", "gpu_join_and_eval.sh", "bring_model_to_gpu.md", "gpu_transfer.py"]
+    assert [name for name in moved if (TOOLS / name).is_file()] == moved
+    assert not [name for name in moved if (REPO / "scripts" / name).exists() or (REPO / "prhs_hf" / name).exists()]
     script = (TOOLS / "gpu_join_and_eval.sh").read_text()
     assert "from prhs_hf.fetch import join_pieces" not in script
     assert '$PY "$REPO/tools/gpu_transfer.py" join' in script
