@@ -653,7 +653,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
         if r.get("cis16_limited_by"):
             print(f"    target missed, limited by: {r['cis16_limited_by']}", flush=True)
-        json_path.write_text(json.dumps(dict(meta, rows=rows), indent=2))  # a run cut short keeps its rows
+        # a run cut short keeps its rows
+        json_path.write_text(json.dumps(dict(meta, rows=rows), indent=2))
+        (out_dir / "bench_decode_attention.md").write_text(markdown(rows, meta))
         if cuda:
             torch.cuda.empty_cache()
     meta["wall_s"] = round(time.time() - t_start, 1)

@@ -215,3 +215,27 @@ def test_bench_prefill_quick_cpu_metadata(tmp_path):
     assert data["versions"]["flashinfer"] and data["versions"]["torch"] == torch.__version__
     assert data["operator"] and all(r["ours_ms"] is not None and r["dense_sdpa_ms"] is not None for r in data["operator"])
     assert data["model"], data["notes"]
+
+
+def test_gpu_runner_names_what_exists():
+    """scripts/gpu_issue12.sh parses, and its default e2e cases, configs and test files exist."""
+    import re
+
+    import bench_e2e_decode
+
+    runner = SCRIPTS / "gpu_issue12.sh"
+    subprocess.run(["bash", "-n", str(runner)], check=True)
+    src = runner.read_text()
+    cases = re.search(r"E2E_CASES=\$\{E2E_CASES:-([^}]*)\}", src).group(1)
+    configs = re.search(r"E2E_CONFIGS=\$\{E2E_CONFIGS:-([^}]*)\}", src).group(1)
+    assert {"dense", "dense-gqa"} <= set(configs.split(","))
+    assert set(configs.split(",")) <= set(bench_e2e_decode.CONFIGS)
+    for case in cases.split(","):
+        shape, batch, prompt = case.split(":")
+        assert shape in bench_e2e_decode.SHAPES and int(batch) > 0 and int(prompt) > 0
+    for test_file in re.findall(r"tests/\S+\.py", src):
+        assert (REPO / test_file).is_file(), test_file
+    for script in re.findall(r"scripts/(\w+\.py)", src):
+        assert (SCRIPTS / script).is_file(), script
+    for step_timeout in re.findall(r"timeout -k \d+ (\d+) ", src):
+        assert int(step_timeout) <= 240

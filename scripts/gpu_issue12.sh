@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Issue 12's GPU run in one device call (H200: python3 with torch 2.11, triton 3.6, transformers 5.17):
+#
+#   device run, carry [".whl"], timeout_s 600:
+#     bash scripts/gpu_issue12.sh
+#
+# Steps, each bounded by `timeout` and independent of the others (one failing does not stop the
+# rest; the summary at the end gives each one's exit status):
+#   install  the carried wheels (.whl/*.whl: flashinfer-python, slimmed by
+#            scripts/slim_flashinfer_wheel.py, and apache-tvm-ffi) into /tmp/site, and prhs_hf
+#            from this checkout with kernels/ as prhs_hf.kernels (/tmp/pkg), as the editable
+#            install does; FlashInfer's JIT then compiles its dense decode kernels in the
+#            background while the tests run (its cache stays in ~/.cache/flashinfer);
+#   tests    pytest -m gpu tests/test_kernels_decode_gpu.py tests/test_model_gpu.py;
+#   op       scripts/bench_decode_attention.py, all shapes (issue 12's first, JSON after each);
+#   e2e      scripts/bench_e2e_decode.py, static mode, E2E_CASES x E2E_CONFIGS, E2E_TOKENS new
+#            tokens (JSON after each cell), with the time left before DEADLINE_S.
+#
+# Environment: STEPS (default "install tests op e2e"), E2E_CASES (default
+# "llama2-7b:8:16384,llama3-8b:16:16384"), E2E_CONFIGS (default
+# "dense,dense-gqa,cis-s16-share,cpe-s16-share"), E2E_TOKENS (256), DEADLINE_S (560: the e2e step
+# stops there), PRHS_GIT_COMMIT (else the first line of .whl/COMMIT, written here with
+# `git rev-parse HEAD > .whl/COMMIT`; the copy on the device has no .git).
+#
+# Back in $OUT (6 files): gpu_issue12.log (everything printed), pytest_gpu.xml,
+# op/bench_decode_attention.{json,md}, e2e/bench_e2e_decode.{json,md}.
+#
+# Time: a static e2e cell costs 40-90 s (its compilation) + ~10 s, so the 8 default cells do not
+# all fit after the tests and the operator bench in one 600 s call; the cells done are in the
+# JSON. Run the rest in a second call, e.g.
+#   STEPS="install e2e" E2E_CASES=llama3-8b:16:16384 bash scripts/gpu_issue12.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T0=$SECONDS
+OUT=${OUT:-/tmp/issue12_out}
+mkdir -p "$OUT/op" "$OUT/e2e"
+exec > >(tee -a "$OUT/gpu_issue12.log") 2>&1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+STEPS=${STEPS:-"install tests op e2e"}
+E2E_CASES=${E2E_CASES:-llama2-7b:8:16384,llama3-8b:16:16384}
+E2E_CONFIGS=${E2E_CONFIGS:-dense,dense-gqa,cis-s16-share,cpe-s16-share}
+E2E_TOKENS=${E2E_TOKENS:-256}
+DEADLINE_S=${DEADLINE_S:-560}
+if [ -z "${PRHS_GIT_COMMIT:-}" ] && [ -f .whl/COMMIT ]; then PRHS_GIT_COMMIT=$(head -n1 .whl/COMMIT); fi
+export PRHS_GIT_COMMIT=${PRHS_GIT_COMMIT:-}
+declare -A RC
+
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+stamp() { echo; echo "=== [$((SECONDS - T0)) s] $*"; }
+
+# prhs_hf importable from this checkout in every step (also when the install step is left out)
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg/prhs_hf
+for entry in "$PWD"/prhs_hf/*; do ln -s "$entry" /tmp/pkg/prhs_hf/; done
+ln -sfn "$PWD/kernels" /tmp/pkg/prhs_hf/kernels
+export PYTHONPATH=/tmp/pkg:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# `python3 -P` for -m / -c / stdin: the working directory's prhs_hf/ (no kernels/ inside) must not
+# shadow /tmp/pkg. A script run as python3 SCRIPT has its own folder first on sys.path, not the
+# working directory, and needs that folder for `import _bench_common`: plain python3.
+PY="python3 -P"
+
+FI_PID=""
+if want install; then
+  stamp "install: wheels into /tmp/site"
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    timeout -k 5 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl
+    RC[install]=$?
+  else
+    echo "no .whl/*.whl carried: FlashInfer's column will read 'not available'"; RC[install]=missing
+  fi
+  $PY -c "import torch, triton, transformers, prhs_hf, prhs_hf.kernels; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
+  # FlashInfer's JIT build of its decode kernels (head dim 128, bf16; MHA, G = 4 and G = 6) in the
+  # background, so that the operator bench finds them compiled
+  ( timeout -k 5 240 $PY - > /tmp/flashinfer_warm.log 2>&1 <<'EOF'
+import sys, time
+sys.path.insert(0, "scripts")
+import torch
+import _bench_common as common
+print("flashinfer", common.package_version("flashinfer"))
+for hq, hkv in ((32, 32), (32, 8), (12, 2)):
+    t0 = time.time()
+    q = torch.randn(2, hq, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, hkv, 512, 128, device="cuda", dtype=torch.bfloat16)
+    try:
+        common.flashinfer_decode(q, k, k, 128 ** -0.5)()
+        torch.cuda.synchronize()
+        print(f"flashinfer decode {hq}/{hkv}: built and ran in {time.time() - t0:.0f} s")
+    except Exception as exc:
+        print(f"flashinfer decode {hq}/{hkv}: {type(exc).__name__}: {exc}"[:600])
+EOF
+  ) &
+  FI_PID=$!
+fi
+
+if want tests; then
+  stamp "tests: pytest -m gpu"
+  timeout -k 10 150 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml" \
+    tests/test_kernels_decode_gpu.py tests/test_model_gpu.py
+  RC[tests]=$?
+fi
+
+if [ -n "$FI_PID" ]; then
+  stamp "waiting for FlashInfer's JIT build"
+  wait "$FI_PID"; RC[flashinfer_warm]=$?
+  cat /tmp/flashinfer_warm.log
+fi
+
+if want op; then
+  stamp "op: bench_decode_attention.py (all shapes)"
+  timeout -k 10 170 python3 scripts/bench_decode_attention.py --out "$OUT/op"
+  RC[op]=$?
+fi
+
+if want e2e; then
+  left=$((DEADLINE_S - (SECONDS - T0)))
+  stamp "e2e: $E2E_CASES x $E2E_CONFIGS, static, $E2E_TOKENS tokens, ${left} s left"
+  if [ "$left" -gt 60 ]; then
+    timeout -k 10 "$left" python3 scripts/bench_e2e_decode.py --cases "$E2E_CASES" --modes static \
+      --configs "$E2E_CONFIGS" --new-tokens "$E2E_TOKENS" --out "$OUT/e2e"
+    RC[e2e]=$?
+  else
+    echo "skipped: under 60 s left"; RC[e2e]=skipped
+  fi
+fi
+
+stamp "done; exit status per step (124: its timeout):"
+for step in "${!RC[@]}"; do echo "  $step: ${RC[$step]}"; done
+ls -la "$OUT" "$OUT/op" "$OUT/e2e"
