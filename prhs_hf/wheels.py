@@ -298,7 +298,7 @@ class _Assembly:
             same = state["digest"] == self.spec.digest.describe()
         except (OSError, ValueError, TypeError, KeyError):
             return 0, 0
-        if same and 0 < done < len(self.spec.parts) and self.partial.is_file() and self.partial.stat().st_size >= size:
+        if same and 0 < done <= len(self.spec.parts) and self.partial.is_file() and self.partial.stat().st_size >= size:
             return done, size
         return 0, 0
 
