@@ -40,7 +40,9 @@ __all__ = [
 #      into the scratch row of every retrieving head (grouped mode: one row per group, the
 #      maximum over the heads). `_score_kernel` (``_score="row"``, the old path) does the same
 #      per query row, so a group with several retrieving heads reads its keys several times.
-#   3. Selection. Split radix select (default, ``_select="split"``): every stage runs on a
+#   3. Selection. Split radix select (``_select="split"``, opt-in: exact, but measured slower
+#      than the one-program select on the H200, 0.154 vs 0.098 ms for 32 rows x 16k, because
+#      its 2048-bin histograms and rank compares are not yet cheap; see decode_tuning.md): every stage runs on a
 #      grid (rows, chunks of the region) so that ~16 programs per row are in flight instead of
 #      one. `_radix_pass_kernel` x3: 11/11/10-bit digit histograms of the keys that still
 #      match the prefix, atomically summed per row (each program re-derives the prefix from
@@ -52,14 +54,14 @@ __all__ = [
 #      candidate's rank is the number of larger packed candidates (they are all distinct), and
 #      the ones ranked below k are written there: descending score, ties by ascending index,
 #      exactly the reference's order, whatever order the atomics appended them in.
-#      `_select_kernel` (``_select="row"``, the old path): one program per row does all of it
+#      `_select_kernel` (``_select="row"``, the default): one program per row does all of it
 #      serially (8-bit radix passes, collect, register sort); latency bound.
 # Everything is fixed-shape (grids depend on B, Hq, Hkv, S, k only), no host synchronisation.
 
 #: Scoring kernels of :func:`topk_retrieval` (``_score=``): the group-aware default, the old one.
 SCORE_MODES = ("group", "row")
-#: Selection kernels (``_select=``): split radix select (default), one program per row (old).
-SELECT_MODES = ("split", "row")
+#: Selection kernels (``_select=``): one program per row (default), split radix select.
+SELECT_MODES = ("row", "split")
 
 _RADIX_BINS = 2048  # 11-bit digits: bits [21, 32), [10, 21), [0, 10) in three passes
 _RANK_BLOCK = 64  # candidates ranked per program of _rank_scatter_kernel
@@ -236,7 +238,7 @@ def _select_kernel(
     stride_keys, S, K,
     H: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Old path (``_select="row"``): exact top-K of one retrieving row's keys in one program:
+    """Default select (``_select="row"``): exact top-K of one retrieving row's keys in one program:
     radix refinement, collect, sort.
 
     Keys are viewed as u = key + 2^31 in [0, 2^32) (int64). After ``depth`` radix passes of 8
@@ -637,19 +639,21 @@ def topk_retrieval(
     *,
     _stop_after: str = "select",
     _score: str = "group",
-    _select: str = "split",
+    _select: str = "row",
 ) -> torch.Tensor:
     """Triton top-k retrieval: work only for retrieving rows, exact order, no host sync.
 
     Launches: row + group compaction (1 program), group-aware scoring (grid live KV groups x
     sequence chunks; each group's keys are read once for all its retrieving heads; programs
-    past the device-side count exit at once), then the split radix select (3 histogram
-    passes, a collect and a rank-scatter, each on a grid rows x chunks). Scratch: ``[B*Hq, S]``
-    int32 keys, ``[B*Hq, 6144]`` int32 histograms, ``[B*Hq, ~1.125 k]`` int64 candidates.
+    past the device-side count exit at once), then the select (default ``"row"``: one program
+    per row; ``"split"``: 3 histogram passes, a collect and a rank-scatter on grids rows x
+    chunks, exact too but slower on the H200 so far, see docs/notes/decode_tuning.md).
+    Scratch: ``[B*Hq, S]`` int32 keys, ``[B*Hq, ~1.125 k]`` int64 candidates (split select:
+    also ``[B*Hq, 6144]`` int32 histograms).
 
     Args and result as :func:`topk_retrieval_reference`. Private switches (benchmarks and
     tests): ``_score`` in :data:`SCORE_MODES` (``"row"``: the old per-row scoring),
-    ``_select`` in :data:`SELECT_MODES` (``"row"``: the old one-program-per-row select);
+    ``_select`` in :data:`SELECT_MODES` (``"split"``: the split radix select);
     ``_stop_after`` (``"compact"``, ``"score"``) returns the unfinished output after that stage.
     """
     return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=False,
@@ -667,7 +671,7 @@ def topk_retrieval_grouped(
     scale: float,
     *,
     _stop_after: str = "select",
-    _select: str = "split",
+    _select: str = "row",
 ) -> torch.Tensor:
     """Triton group-shared top-k retrieval: one index list per KV head (no host sync).
 

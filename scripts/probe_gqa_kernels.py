@@ -3,7 +3,7 @@
 Times with ``triton.testing.do_bench`` (CUDA) the retrieval of the CIS step (B16/16k, 32 q /
 8 KV heads, d 128, budget 1/8: k = 1036, cap = 2046, 1 row in 16 retrieving as at s = 16)
 along the four scoring x select paths of :func:`topk_retrieval` (``row/row`` is the old
-launcher, ``group/split`` the new default), the group-shared :func:`topk_retrieval_grouped`,
+launcher, ``group/row`` the new default, ``*/split`` the split radix select), the group-shared :func:`topk_retrieval_grouped`,
 and sparse attention per head (split-K) against :func:`sparse_decode_attention_grouped`.
 Also prints the bytes each moves and the implied bandwidth.
 
@@ -89,7 +89,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     kbytes = mid * D * esz
     cases = []
     for score, select in (("row", "row"), ("row", "split"), ("group", "row"), ("group", "split")):
-        tag = " (old)" if (score, select) == ("row", "row") else " (new)" if (score, select) == ("group", "split") else ""
+        tag = {("row", "row"): " (old)", ("group", "row"): " (default)"}.get((score, select), "")
         cases.append((f"retrieval {score}/{select}{tag}",
                       lambda score=score, select=select: topk_retrieval(
                           q, kc, pad, lo, hi, retrieve, k, scale, _score=score, _select=select),

@@ -836,8 +836,10 @@ def test_topk_split_select_ties_and_short_regions(k):
     q, kc, pad, lo, hi = _gqa_topk_case(B, Hq, Hkv, D, S, [0, 900], torch.float32, 110 + k)
     retrieve = torch.ones(B, Hq, dtype=torch.bool)
     retrieve[1, 2] = False
-    out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), k, 1.0).cpu()
-    assert torch.equal(out, topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 1.0))
+    ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 1.0)
+    for select in SELECT_MODES:
+        out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), k, 1.0, _select=select).cpu()
+        assert torch.equal(out, ref), select
 
 
 @needs_triton
@@ -850,9 +852,11 @@ def test_topk_split_select_all_equal_across_chunks():
     kc[0, 0, 1500:1510] = 2.0  # ten larger keys in the second chunk
     pad, t, lo, hi = geometry(S, [0], [0], 10, 50)
     retrieve = torch.ones(B, H, dtype=torch.bool)
-    out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), 700, 1.0).cpu()
-    assert out[0, 0].tolist() == list(range(1500, 1510)) + list(range(10, 700))
-    assert torch.equal(out, topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 700, 1.0))
+    ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 700, 1.0)
+    for select in SELECT_MODES:
+        out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), 700, 1.0, _select=select).cpu()
+        assert out[0, 0].tolist() == list(range(1500, 1510)) + list(range(10, 700)), select
+        assert torch.equal(out, ref), select
 
 
 @needs_triton
@@ -874,8 +878,8 @@ def test_topk_grouped_kernel(dtype, Hq, Hkv):
 
 @needs_triton
 def test_topk_modes_are_checked():
-    q, kc, pad, lo, hi = _gqa_topk_case(1, 2, 1, 16, 20, [0], torch.float32, 1)
-    retrieve = torch.ones(1, 2, dtype=torch.bool)
+    q, kc, pad, lo, hi = (x.to(DEV) for x in _gqa_topk_case(1, 2, 1, 16, 20, [0], torch.float32, 1))
+    retrieve = torch.ones(1, 2, dtype=torch.bool, device=DEV)
     with pytest.raises(ValueError, match="_select"):
         topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _select="radix")
     with pytest.raises(ValueError, match="_score"):
@@ -921,7 +925,7 @@ def test_attention_grouped_kernel(dtype, D, G):
 
 @needs_triton
 def test_attention_grouped_rejects_per_head_lists():
-    q, kc, vc, pad, idx, count = _attention_case(1, 4, 2, 16, 30, 5, torch.float32, 1, [0])
+    q, kc, vc, pad, idx, count = (x.to(DEV) for x in _attention_case(1, 4, 2, 16, 30, 5, torch.float32, 1, [0]))
     with pytest.raises(ValueError, match="Hkv"):
         sparse_decode_attention_grouped(q, kc, vc, pad, idx, count, 0.25)  # idx is [B, Hq, cap]
 
@@ -962,6 +966,6 @@ def test_probe_gqa_kernels_quick(capsys):
     rows = mod.main(["--quick"])
     out = capsys.readouterr().out
     names = {r["name"] for r in rows}
-    assert {"retrieval row/row (old)", "retrieval group/split (new)", "retrieval grouped",
+    assert {"retrieval row/row (old)", "retrieval group/row (default)", "retrieval grouped",
             "attention per-head", "attention grouped"} <= names
-    assert "retrieval group/split (new)" in out and all(r["ms"] > 0 for r in rows)
+    assert "retrieval group/row (default)" in out and all(r["ms"] > 0 for r in rows)
