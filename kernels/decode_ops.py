@@ -4,7 +4,9 @@ Each is a :class:`DecodeOps` with ``cis_match``, ``topk_retrieval``, ``compose_i
 ``sparse_decode_attention`` of the signatures in docs/DECODE_PIPELINE.md (plus ``dilated_set``
 and ``compose_from_sets``, the anchor-set fast path, see compose_indices.py);
 :func:`get_decode_ops` picks one by name (``"torch"``/``"reference"`` or ``"triton"``);
-:func:`cis_decode_step` chains the four (tests, benchmark).
+:func:`cis_select` chains match, retrieval and composition from the anchors' sets (the CIS
+selector, ``prhs_hf.selectors.cis``, calls it around its state); :func:`cis_decode_step` adds the
+sparse attention (tests, benchmark).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ __all__ = [
     "HAS_TRITON",
     "get_decode_ops",
     "cis_decode_step",
+    "cis_select",
+    "CISSelection",
     "DecodeStepResult",
     "dilated_set_size",
 ]
@@ -101,6 +105,50 @@ class DecodeStepResult(NamedTuple):
     new_set: Optional[torch.Tensor] = None
 
 
+class CISSelection(NamedTuple):
+    """Outputs of :func:`cis_select`."""
+
+    best: torch.Tensor  # [B, Hq] int32 matched anchor, -1 retrieve, -2 inactive
+    new_idx: torch.Tensor  # [B, Hq, k] int32 fresh top-k of the retrieving rows
+    new_set: torch.Tensor  # [B, Hq, n] int32 their dilated sets (what to store as their anchors)
+    idx: torch.Tensor  # [B, Hq, cap] int32 composed index lists
+    count: torch.Tensor  # [B, Hq] int32
+
+
+def cis_select(
+    ops: DecodeOps,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    pad: torch.Tensor,
+    t: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    win_start: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_count: torch.Tensor,
+    anchor_set: torch.Tensor,
+    active: torch.Tensor,
+    *,
+    tau: float,
+    sink: int,
+    k: int,
+    dil_m: int,
+    dil_r: int,
+    cap: int,
+    scale: float,
+) -> CISSelection:
+    """SPEC §4 steps 1-4 from the anchors' dilated sets (``anchor_set [B, Hq, s, n]``, as made by
+    ``ops.dilated_set``): match each query against its head's anchors, retrieve a fresh exact
+    top-k where none is similar enough, build the retrieving rows' dilated sets once, and compose
+    every row's index list from a set without sorting."""
+    best = ops.cis_match(q, anchor_q, anchor_count, active, tau)
+    retrieve = best == -1
+    new_idx = ops.topk_retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
+    new_set = ops.dilated_set(new_idx, retrieve, dil_m, dil_r)
+    idx, count = ops.compose_from_sets(t, lo, hi, win_start, best, anchor_set, new_set, sink, cap)
+    return CISSelection(best, new_idx, new_set, idx, count)
+
+
 def cis_decode_step(
     ops: DecodeOps,
     q: torch.Tensor,
@@ -139,14 +187,16 @@ def cis_decode_step(
     stored as their anchors) and every row is composed from a set without sorting. Both give
     the same ``best``, ``new_idx``, ``idx``, ``count`` and ``out``.
     """
+    if anchor_sets:
+        sel = cis_select(
+            ops, q, k_cache, pad, t, lo, hi, win_start, anchor_q, anchor_count, anchor_idx, active,
+            tau=tau, sink=sink, k=k, dil_m=dil_m, dil_r=dil_r, cap=cap, scale=scale,
+        )
+        out = ops.sparse_decode_attention(q, k_cache, v_cache, pad, sel.idx, sel.count, scale)
+        return DecodeStepResult(sel.best, sel.new_idx, sel.idx, sel.count, out, sel.new_set)
     best = ops.cis_match(q, anchor_q, anchor_count, active, tau)
     retrieve = best == -1
     new_idx = ops.topk_retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
-    if anchor_sets:
-        new_set = ops.dilated_set(new_idx, retrieve, dil_m, dil_r)
-        idx, count = ops.compose_from_sets(t, lo, hi, win_start, best, anchor_idx, new_set, sink, cap)
-        out = ops.sparse_decode_attention(q, k_cache, v_cache, pad, idx, count, scale)
-        return DecodeStepResult(best, new_idx, idx, count, out, new_set)
     B, H, s, kk = anchor_idx.shape
     shared = best >= 0
     pick = best.clamp_min(0).long().view(B, H, 1, 1).expand(B, H, 1, kk)

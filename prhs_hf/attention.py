@@ -13,9 +13,38 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["ATTENTION_NAME", "prhs_attention_forward", "register"]
+__all__ = ["ATTENTION_NAME", "GQA_SDPA_NAME", "gqa_sdpa_attention_forward", "prhs_attention_forward", "register"]
 
 ATTENTION_NAME = "prhs"
+#: dense SDPA that reads grouped K/V in place, also under a mask (see gqa_sdpa_attention_forward)
+GQA_SDPA_NAME = "sdpa_gqa"
+
+
+def gqa_sdpa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Dense SDPA as transformers' ``sdpa_attention_forward`` computes it, but with
+    ``enable_gqa=True`` whatever the mask: transformers' own path ``repeat_kv``-copies K/V to every
+    query head whenever a mask is given (every padded batch, every StaticCache step), which makes
+    dense decode of a GQA model several times slower than it has to be. The same function
+    mathematically (not bit for bit: ``configs/dense.yaml`` keeps transformers' path).
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    is_causal = q_len > 1 and attention_mask is None and getattr(module, "is_causal", True)
+    if is_causal and kv_len > q_len:  # prefill into an empty StaticCache: drop the unwritten slots
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
 
 
 def prhs_attention_forward(
@@ -36,9 +65,11 @@ def prhs_attention_forward(
 
 
 def register() -> None:
-    """Register the attention function and its mask builder (idempotent).
+    """Register the attention functions (``"prhs"`` and ``"sdpa_gqa"``) and their mask builder
+    (idempotent); ``model.set_attn_implementation("sdpa_gqa")`` makes a fair dense baseline.
 
     The mask builder must be registered too: without it transformers builds no mask at all.
     """
-    AttentionInterface.register(ATTENTION_NAME, prhs_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    for name, function in ((ATTENTION_NAME, prhs_attention_forward), (GQA_SDPA_NAME, gqa_sdpa_attention_forward)):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)

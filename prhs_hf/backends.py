@@ -10,7 +10,7 @@ from .kernels import decode_ops as ops
 from .kernels import prefill_attention as pa
 from .kernels._common import HAS_TRITON, interpreting
 
-__all__ = ["decode_ops", "prefill_function", "triton_usable"]
+__all__ = ["pick_decode_ops", "prefill_function", "triton_usable"]
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -29,7 +29,7 @@ def _pick(name: str, device: torch.device, key: str) -> str:
     return name
 
 
-def decode_ops(name: str, device: torch.device):
+def pick_decode_ops(name: str, device: torch.device) -> ops.DecodeOps:
     """The ops table (cis_match, topk_retrieval, compose_indices, sparse_decode_attention) for ``backend.decode``."""
     choice = _pick(name, device, "backend.decode")
     return ops.TRITON_OPS if choice == "triton" else ops.REFERENCE_OPS

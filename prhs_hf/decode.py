@@ -1,9 +1,7 @@
-"""One decode step of one layer: CIS selection + sparse attention, or the PSAW window alone (SPEC §4).
+"""What every decode selector shares: its parameters, its result, the middle region, and the
+PSAW window decode that needs no selector (SPEC §4).
 
-The four steps (match, retrieval, composition, sparse attention) come from an ops table,
-``prhs_hf.kernels.decode_ops.REFERENCE_OPS`` (PyTorch) or ``TRITON_OPS``, chained by
-``decode_ops.cis_decode_step``; this module adds the per-sequence regions and the CIS state,
-with no host synchronisation, so the Triton path can be graph-captured.
+The selectors themselves (CIS and the baselines) are in ``prhs_hf.selectors``.
 """
 
 from __future__ import annotations
@@ -12,12 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .cis_state import CISLayerState
 from .geometry import SequenceGeometry
-from .kernels.decode_ops import cis_decode_step as chain_cis_step
 from .schedules import psaw_window_start_tensor
 
-__all__ = ["DecodeParams", "DecodeSelection", "cis_decode_step", "window_decode_step"]
+__all__ = ["DecodeParams", "DecodeSelection", "StepFrame", "middle_start", "step_frame", "window_decode_step"]
 
 
 @dataclass(frozen=True)
@@ -44,44 +40,43 @@ class DecodeSelection:
     active: torch.Tensor  # [B] bool: the sequence ran a sparse step
 
 
-def _middle_start(t: torch.Tensor, p: DecodeParams) -> torch.Tensor:
+def middle_start(t: torch.Tensor, p: DecodeParams) -> torch.Tensor:
     """``max(C_sink, W_l(t))`` with PSAW on for decode, else ``C_sink``."""
     if p.window_fraction is None:
         return torch.full_like(t, p.sink)
     return psaw_window_start_tensor(t, p.window_fraction, p.sink)
 
 
-def cis_decode_step(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    geom: SequenceGeometry,
-    state: CISLayerState,
-    p: DecodeParams,
-    scale: float,
-    ops,
-) -> tuple[torch.Tensor, DecodeSelection]:
-    """A CIS decode step: ``q [B, Hq, D]`` over the cache, returns ``(out [B, Hq, D], selection)``.
+@dataclass
+class StepFrame:
+    """The regions of one decode step, per sequence (``[B]`` int32 unless noted).
 
-    Sequences with ``t <= sink + local + k`` attend to every token (those PSAW leaves visible);
-    the others share an anchor's dilated indices or retrieve a fresh top-k (SPEC §4 steps 1-5).
+    Attributes:
+        t: visible real tokens (the current one included).
+        lo, hi: the middle region ``[lo, hi)``.
+        win_start: start of the always-kept tail: ``hi`` (the local window) for an active
+            sequence, ``lo`` for an inactive one, which so attends to everything visible.
+        active: ``[B]`` bool, the sequence runs a sparse step (``t > sink + local + topk``).
     """
+
+    t: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    win_start: torch.Tensor
+    active: torch.Tensor
+
+    def rows(self, heads: int) -> torch.Tensor:
+        """``[B, heads]`` bool: ``active`` broadcast over the query heads."""
+        return self.active[:, None].expand(-1, heads)
+
+
+def step_frame(geom: SequenceGeometry, p: DecodeParams) -> StepFrame:
+    """The frame of a decode step, for every selector."""
     t = geom.t_last
-    lo = _middle_start(t, p)
+    lo = middle_start(t, p)
     hi = t - p.local
     active = t > p.sink + p.local + p.topk
-    win_start = torch.where(active, hi, lo)
-
-    state.begin_step()
-    step = chain_cis_step(
-        ops, q, k_cache, v_cache, geom.pad, t, lo, hi, win_start,
-        state.anchor_q, state.anchor_count, state.anchor_idx, active,
-        tau=p.tau, sink=p.sink, k=p.topk, dil_m=p.dilation_topm, dil_r=p.dilation_radius, cap=p.capacity, scale=scale,
-        anchor_sets=True,
-    )
-    retrieved = step.best == -1
-    state.record(q, step.new_set, retrieved)
-    return step.out, DecodeSelection(step.idx, step.count, retrieved, active)
+    return StepFrame(t, lo, hi, torch.where(active, hi, lo), active)
 
 
 def window_decode_step(
@@ -97,7 +92,7 @@ def window_decode_step(
     Returns ``(out [B, Hq, D], processed [B])``, the number of keys each sequence attended to.
     """
     t = geom.t_last
-    lo = _middle_start(t, p)
+    lo = middle_start(t, p)
     real = torch.arange(k_cache.shape[-2], device=q.device, dtype=torch.int32)[None, :] - geom.pad[:, None]
     visible = (real >= 0) & (real < t[:, None]) & ((real < p.sink) | (real >= lo[:, None]))
     out = torch.nn.functional.scaled_dot_product_attention(

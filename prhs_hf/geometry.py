@@ -26,17 +26,15 @@ class SequenceGeometry:
         pad: ``[B]`` int32, the first real cache slot of each sequence.
         t_last: ``[B]`` int32, how many real tokens the last query row sees (its own included).
         q_start: ``[B]`` int32, the real index of query row 0 (negative for left-padding rows).
-        q_len: number of query rows ``Lq``.
     """
 
     pad: torch.Tensor
     t_last: torch.Tensor
     q_start: torch.Tensor
-    q_len: int
 
-    def query_real_index(self) -> torch.Tensor:
-        """``[B, Lq]`` int32 real index of each query row."""
-        rows = torch.arange(self.q_len, device=self.pad.device, dtype=torch.int32)
+    def query_real_index(self, q_len: int) -> torch.Tensor:
+        """``[B, Lq]`` int32 real index of each of the ``q_len`` query rows."""
+        rows = torch.arange(q_len, device=self.pad.device, dtype=torch.int32)
         return self.q_start[:, None] + rows[None, :]
 
 
@@ -64,7 +62,7 @@ def geometry_from_mask(
     if mask is None:
         zeros = torch.zeros(batch_size, dtype=torch.int32, device=device)
         t_last = torch.full((batch_size,), kv_len, dtype=torch.int32, device=device)
-        return SequenceGeometry(zeros, t_last, t_last - q_len, q_len)
+        return SequenceGeometry(zeros, t_last, t_last - q_len)
     if mask.dim() != 4:
         raise ValueError(f"PrHS expects a 4D attention mask [B, 1, Lq, Lk] or None, got shape {tuple(mask.shape)}")
     valid = _valid_keys(mask)
@@ -72,7 +70,7 @@ def geometry_from_mask(
         valid = valid.expand(batch_size, -1)
     t_last = valid.sum(-1, dtype=torch.int32)
     pad = valid.to(torch.int8).argmax(-1).to(torch.int32)
-    return SequenceGeometry(pad, t_last, t_last - q_len, q_len)
+    return SequenceGeometry(pad, t_last, t_last - q_len)
 
 
 def check_layout(mask: torch.Tensor | None, geom: SequenceGeometry, last_query_slot: int | None) -> None:

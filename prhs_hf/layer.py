@@ -3,25 +3,22 @@
 A :class:`PrHSLayer` is attached to each attention module as ``module._prhs_layer`` by
 :func:`prhs_hf.patch`. The registered attention function hands every call to it; it routes
 prefill to the dense SDPA path (untouched layers) or to the sparse prefill backend, and decode
-to dense SDPA, the PSAW window, or a CIS step.
+to the decode selector (CIS or a baseline) and sparse attention, the PSAW window, or dense SDPA.
+Dense calls read grouped K/V in place (``attention.gqa_sdpa_attention_forward``) unless the config
+changes nothing at all, which keeps transformers' own path and so the unpatched model's bits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .cis_state import CISLayerState
-from .decode import DecodeParams, cis_decode_step, window_decode_step
+from .attention import gqa_sdpa_attention_forward
+from .decode import DecodeParams, window_decode_step
 from .geometry import SequenceGeometry
-from .kernels.compose_indices import dilated_set_size
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
-
-if TYPE_CHECKING:
-    from .runtime import PrHSRuntime
 
 __all__ = ["PrHSLayer", "PrefillPlan"]
 
@@ -37,14 +34,12 @@ class PrefillPlan:
     active_rows: torch.Tensor | None  # flat indices of rows that are computed; None: all rows
 
 
-def _sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs):
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
 class PrHSLayer:
     """PrHS at decoder layer ``index`` of a patched model."""
 
-    def __init__(self, runtime: "PrHSRuntime", index: int):
+    def __init__(self, runtime, index: int):
+        """``runtime``: the model's :class:`prhs_hf.runtime.PrHSRuntime` (config, selector,
+        backends, telemetry and the current forward's geometry)."""
         r = runtime.resolved
         c = r.config
         self.runtime = runtime
@@ -55,7 +50,6 @@ class PrHSLayer:
         )
         self.psaw_prefill = r.psaw_prefill and self.psaw_fraction is not None
         self.etf = c.etf.enabled and index >= r.etf_start
-        self.cis = c.cis.enabled
         self.window_decode = r.psaw_decode and self.psaw_fraction is not None
         self.decode_params = DecodeParams(
             sink=c.budget.sink,
@@ -67,7 +61,6 @@ class PrHSLayer:
             capacity=r.index_capacity,
             window_fraction=self.psaw_fraction if self.window_decode else None,
         )
-        self.state: CISLayerState | None = None
         self.plan: PrefillPlan | None = None
 
     # ------------------------------------------------------------------ prefill
@@ -76,21 +69,12 @@ class PrHSLayer:
         """Decoder-layer pre-hook (after :meth:`PrHSRuntime.begin_forward`): decide this layer's
         PSAW window and ETF frozen rows for this forward."""
         self.plan = None
-        if self.runtime.decoding:
-            return
-        batch, q_len = hidden_states.shape[:2]
-        # a new prompt: CIS starts over at the first decode step, in buffers allocated (or reset)
-        # now, outside any compiled decode step, so that the step only mutates them in place and a
-        # compiled step keeps seeing the same buffers from one generate() call to the next
-        if self.cis and self.runtime.selector is None:
-            self._cis_state(batch, hidden_states.device).reset()
-        else:
-            self.state = None
-        if q_len == 1 or not (self.psaw_prefill or self.etf):
+        q_len = hidden_states.shape[1]
+        if self.runtime.is_decoding(q_len) or q_len == 1 or not (self.psaw_prefill or self.etf):
             return
         geom = self.runtime.geometry
         sink = self.runtime.resolved.config.budget.sink
-        real = geom.query_real_index()
+        real = geom.query_real_index(q_len)
         if self.psaw_prefill:
             win_lo = psaw_window_start_tensor(real + 1, self.psaw_fraction, sink)
         else:
@@ -128,33 +112,19 @@ class PrHSLayer:
 
     # ------------------------------------------------------------------ decode
 
-    def _cis_state(self, batch: int, device: torch.device) -> CISLayerState:
-        if self.state is None or not self.state.matches(batch, self.runtime.num_heads, self.runtime.head_dim, device):
-            self._allocate_cis_state(batch, device)
-        return self.state
-
-    @torch.compiler.disable
-    def _allocate_cis_state(self, batch: int, device: torch.device) -> None:
-        # eager even inside a compiled forward: the buffers must live outside any CUDA graph pool
-        p = self.decode_params
-        set_size = dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius)
-        self.state = CISLayerState(
-            batch, self.runtime.num_heads, self.runtime.head_dim, self.runtime.resolved.config.cis.block_size, set_size, device
-        )
+    def _dense(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
+        dense = sdpa_attention_forward if self.runtime.passthrough else gqa_sdpa_attention_forward
+        return dense(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
     def _decode(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
+        """One decode step: ``select → sparse attention → telemetry``, or the PSAW window, or dense."""
         geom = self.runtime.geometry
         telemetry = self.runtime.telemetry
         q = query[:, :, 0, :]
         selector = self.runtime.selector
-        if selector is not None or self.cis:
-            ops = self.runtime.decode_ops(query.device)
-            if selector is not None:
-                sel = selector.select(self.index, q, key, value, geom, self.decode_params, scaling)
-                out = ops.sparse_decode_attention(q, key, value, geom.pad, sel.idx, sel.count, scaling)
-            else:
-                state = self._cis_state(query.shape[0], query.device)
-                out, sel = cis_decode_step(q, key, value, geom, state, self.decode_params, scaling, ops)
+        if selector is not None:
+            sel = selector.select(self.index, q, key, value, geom, self.decode_params, scaling)
+            out = self.runtime.ops_for(query.device).sparse_decode_attention(q, key, value, geom.pad, sel.idx, sel.count, scaling)
             if telemetry is not None:
                 telemetry.record_decode(self.index, geom.t_last, sel.count, sel.retrieved, sel.active)
                 if telemetry.oracle:
@@ -173,7 +143,7 @@ class PrHSLayer:
             telemetry.record_decode(
                 self.index, t, t[:, None].expand(-1, query.shape[1]), None, torch.zeros_like(t, dtype=torch.bool)
             )
-        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+        return self._dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
 
     def _record_oracle(self, q, key, geom: SequenceGeometry, sel, scaling) -> None:
         """Full attention of the same queries, compared with the selected sets (telemetry.oracle)."""
@@ -203,10 +173,10 @@ class PrHSLayer:
             scaling = query.shape[-1] ** -0.5
         if self.runtime.geometry is None:
             raise RuntimeError("PrHS attention was called outside a forward of the patched model's decoder layers")
-        if self.runtime.decoding:
+        if self.runtime.is_decoding(query.shape[2]):
             return self._decode(module, query, key, value, attention_mask, dropout, scaling, kwargs)
         if self.runtime.selector is not None:
             self.runtime.selector.observe_prefill(self.index, query, key, self.runtime.geometry, scaling)
         if self.plan is not None:
             return self._prefill(query, key, value, scaling)
-        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+        return self._dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from .backends import decode_ops, prefill_function
+from .backends import pick_decode_ops, prefill_function
 from .config import ResolvedConfig
 from .geometry import SequenceGeometry, check_layout, geometry_from_mask
 from .layer import PrHSLayer
@@ -26,12 +26,18 @@ class PrHSRuntime:
         c = resolved.config
         self.telemetry = Telemetry(resolved.num_layers, num_heads, c.telemetry.oracle) if c.telemetry.enabled else None
         self.layers = [PrHSLayer(self, i) for i in range(resolved.num_layers)]
-        self.selector = make_selector(resolved, num_heads) if c.baseline.name is not None else None
+        # the decode selector: a baseline that baseline.name names, else CIS if it is on, else none
+        self.selector = make_selector(resolved, num_heads, self.ops_for)
+        # a config that changes nothing keeps transformers' own dense path (the unpatched model's bits)
+        self.passthrough = self.selector is None and not any(
+            layer.psaw_prefill or layer.etf or layer.window_decode for layer in self.layers
+        )
         self._ops: dict[torch.device, object] = {}
         self._prefill: dict[torch.device, Callable] = {}
         # the current forward, set by begin_forward (the first decoder layer's pre-hook)
         self.geometry: SequenceGeometry | None = None
-        self.decoding = False
+        self._decoding = False
+        self._geometry_buffers: tuple[torch.Tensor, ...] = ()
 
     def begin_forward(self, hidden_states: torch.Tensor, kwargs: dict) -> None:
         """The first decoder layer's pre-hook: this forward's geometry, computed once for all layers.
@@ -39,36 +45,57 @@ class PrHSRuntime:
         A forward is a *decode step* when it has one query row and the cache already holds tokens;
         anything else (a prompt, also a 1-token one, or a multi-token forward over a cache) is a
         prefill, after which CIS starts over. Eager forwards check the padding layout (it
-        synchronises); under ``torch.compile`` the cached length is not known on the host and a
-        1-row forward is taken as a decode step (``generate()`` runs its prefill eagerly).
+        synchronises) and decide; a forward under ``torch.compile`` is taken as a decode step of
+        the shape the last eager forward set up (``generate()`` runs its prefill eagerly; a hand-
+        compiled prefill must be followed by an eager one first).
         """
         cache = kwargs.get("past_key_values")
         batch, q_len = hidden_states.shape[:2]
         device = hidden_states.device
         mask = kwargs.get("attention_mask")
-        cached = _cached_tokens(cache)
-        self.decoding = q_len == 1 and (cached is None or cached > 0)
+        cached = _cached_tokens(cache)  # None only under torch.compile with a StaticCache
         kv_len = mask.shape[-1] if mask is not None else q_len + (cached or 0)
-        self.geometry = geometry_from_mask(mask, batch, q_len, kv_len, device)
+        geom = geometry_from_mask(mask, batch, q_len, kv_len, device)
         if not torch.compiler.is_compiling():
-            check_layout(mask, self.geometry, None if cached is None else cached + q_len - 1)
-        if not self.decoding:
+            check_layout(mask, geom, None if cached is None else cached + q_len - 1)
+            self._decoding = q_len == 1 and cached > 0
+        if not self.is_decoding(q_len):
             self.prepare(device, batch)
+        self._store_geometry(geom)
+
+    def is_decoding(self, q_len: int) -> bool:
+        """Whether the current forward (of ``q_len`` query rows) is a decode step (see :meth:`begin_forward`)."""
+        return q_len == 1 if torch.compiler.is_compiling() else self._decoding
+
+    def _store_geometry(self, geom: SequenceGeometry) -> None:
+        """Keep ``geom`` in fixed buffers (allocated per batch size and device), which later
+        forwards update in place: a compiled step then rebinds no attribute (which would make
+        its tensors extra graph outputs) and CUDA graphs see fixed addresses."""
+        buffers = self._geometry_buffers
+        if buffers and buffers[0].shape == geom.pad.shape and buffers[0].device == geom.pad.device:
+            for buffer, value in zip(buffers, (geom.pad, geom.t_last, geom.q_start)):
+                buffer.copy_(value)
+        else:
+            buffers = self._geometry_buffers = tuple(x.clone() for x in (geom.pad, geom.t_last, geom.q_start))
+            if not torch.compiler.is_compiling():
+                for buffer in buffers:
+                    torch._dynamo.mark_static_address(buffer)
+            self.geometry = SequenceGeometry(*buffers)
 
     def prepare(self, device: torch.device, batch: int) -> None:
         """At a prefill of ``batch`` sequences (eager): pick the backends and allocate the telemetry
         counters for ``device``, so that a compiled decode step that follows only looks them up."""
-        if self.selector is not None or self.resolved.config.cis.enabled:
-            self.decode_ops(device)
+        if self.selector is not None:
+            self.ops_for(device)
         if any(layer.psaw_prefill or layer.etf for layer in self.layers):
             self.prefill_function(device)
         if self.telemetry is not None:
             self.telemetry.prepare(device, batch)
 
-    def decode_ops(self, device: torch.device):
+    def ops_for(self, device: torch.device):
         """The decode ops table for ``device`` (chosen once per device)."""
         if device not in self._ops:
-            self._ops[device] = decode_ops(self.resolved.config.backend.decode, device)
+            self._ops[device] = pick_decode_ops(self.resolved.config.backend.decode, device)
         return self._ops[device]
 
     def prefill_function(self, device: torch.device) -> Callable:
@@ -78,20 +105,15 @@ class PrHSRuntime:
         return self._prefill[device]
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
-        """Follow beam search: reorder every layer's CIS state with the cache."""
-        for layer in self.layers:
-            if layer.state is not None:
-                layer.state.reorder(beam_idx)
+        """Follow beam search: reorder the selector's state (CIS anchors) with the cache."""
         if self.selector is not None:
             self.selector.reorder(beam_idx)
 
     def reset(self) -> None:
         """Forget CIS anchors and telemetry (a new, unrelated generation follows)."""
         for layer in self.layers:
-            if layer.state is not None:
-                layer.state.reset()  # in place: a compiled decode step keeps its buffers
             layer.plan = None
-        if self.selector is not None:
+        if self.selector is not None:  # in place: a compiled decode step keeps its buffers
             self.selector.reset()
         if self.telemetry is not None:
             self.telemetry.reset()

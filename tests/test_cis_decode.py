@@ -6,15 +6,28 @@ import pytest
 import torch
 
 import prhs_hf
-from prhs_hf.cis_state import CISLayerState
-from prhs_hf.decode import DecodeParams, cis_decode_step
+from prhs_hf.decode import DecodeParams
 from prhs_hf.geometry import SequenceGeometry
 from prhs_hf.kernels.compose_indices import dilated_set_reference, dilated_set_size
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS
+from prhs_hf.selectors import CISSelector
 from tiny_models import tiny_model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SMALL = {"budget": {"sink": 4, "local": 8, "topk": 16}}
+
+
+def cis_layer(p, B, H, D, block):
+    """A one-layer CIS selector on the PyTorch reference ops, set up for this shape."""
+    selector = CISSelector(1, block, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), lambda d: REFERENCE_OPS)
+    selector.setup(B, H, D, torch.device("cpu"))
+    return selector
+
+
+def cis_step(selector, q, k, v, geom, p, scale):
+    """One CIS decode step of layer 0: ``(out, selection)``, as the patched layer runs it."""
+    sel = selector.select(0, q, k, v, geom, p, scale)
+    return REFERENCE_OPS.sparse_decode_attention(q, k, v, geom.pad, sel.idx, sel.count, scale), sel
 
 
 def _attend(q, k, v, keys, scale):
@@ -89,14 +102,14 @@ def test_identical_queries_share_the_anchor_with_dilation():
     k_all = torch.randn(B, H, L0 + steps, D)
     v_all = torch.randn(B, H, L0 + steps, D)
     q = torch.randn(B, H, D)
-    state = CISLayerState(B, H, D, 4, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), torch.device("cpu"))
+    cis = cis_layer(p, B, H, D, 4)
     anchor_top = None
     for step in range(steps):
         t = L0 + step + 1
         geom = SequenceGeometry(torch.zeros(B, dtype=torch.int32), torch.tensor([t], dtype=torch.int32),
-                                torch.tensor([t - 1], dtype=torch.int32), 1)
+                                torch.tensor([t - 1], dtype=torch.int32))
         k, v = k_all[:, :, :t], v_all[:, :, :t]
-        out, sel = cis_decode_step(q, k, v, geom, state, p, 0.5, REFERENCE_OPS)
+        out, sel = cis_step(cis, q, k, v, geom, p, 0.5)
         middle = torch.arange(p.sink, t - p.local)
         for h in range(H):
             got = sel.idx[0, h, : sel.count[0, h]].tolist()
@@ -125,17 +138,18 @@ def test_dilation_is_clipped_to_the_middle_region():
     # an anchor index at the middle's edge: its neighbours outside [lo, hi) are dropped
     B, H, D = 1, 1, 4
     p = _params(tau=-1.0, topm=5, radius=2)
-    state = CISLayerState(B, H, D, 4, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), torch.device("cpu"))
+    cis = cis_layer(p, B, H, D, 4)
+    state = cis.state
     state.anchor_count.fill_(1)
     state.step.fill_(1)  # not a block start
-    state.anchor_q[0, 0, 0] = torch.tensor([1.0, 0, 0, 0])
+    state.anchor_q[0, 0, 0, 0] = torch.tensor([1.0, 0, 0, 0])
     topk = torch.tensor([[[2, 30, 16, -1, -1]]], dtype=torch.int32)
-    state.anchor_idx[0, 0, 0] = dilated_set_reference(topk, True, p.dilation_topm, p.dilation_radius)[0, 0]
+    state.anchor_idx[0, 0, 0, 0] = dilated_set_reference(topk, True, p.dilation_topm, p.dilation_radius)[0, 0]
     t = 36  # middle = [2, 33)
     geom = SequenceGeometry(torch.zeros(1, dtype=torch.int32), torch.tensor([t], dtype=torch.int32),
-                            torch.tensor([t - 1], dtype=torch.int32), 1)
+                            torch.tensor([t - 1], dtype=torch.int32))
     k = torch.randn(1, 1, t, D)
-    _, sel = cis_decode_step(torch.tensor([[[1.0, 0, 0, 0]]]), k, k, geom, state, p, 1.0, REFERENCE_OPS)
+    _, sel = cis_step(cis, torch.tensor([[[1.0, 0, 0, 0]]]), k, k, geom, p, 1.0)
     got = sel.idx[0, 0, : sel.count[0, 0]].tolist()
     assert got == [0, 1, 2, 3, 4, 14, 15, 16, 17, 18, 28, 29, 30, 31, 32, 33, 34, 35]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import prhs_hf
-from prhs_hf.cis_state import CISLayerState
+from prhs_hf.cis_state import CISState
 from tiny_models import padded_batch, tiny_model
 
 SMALL_CPE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}, "psaw": {"enabled": True},
@@ -49,7 +49,7 @@ def test_pads_are_never_selected_and_sinks_are_the_first_real_tokens():
     seen = []
     prhs_hf.patch(model, {**SMALL_CPE, "psaw": {"enabled": False}, "etf": {"enabled": False}})
     runtime = model._prhs_runtime
-    ops = runtime.decode_ops(torch.device("cpu"))
+    ops = runtime.ops_for(torch.device("cpu"))
 
     class Spy:
         def __getattr__(self, name):
@@ -91,22 +91,22 @@ def test_beam_search_reorders_the_cis_state(monkeypatch):
     prhs_hf.patch(model, SMALL_CPE)
     runtime = model._prhs_runtime
     calls = []
-    original = CISLayerState.reorder
+    original = CISState.reorder
 
     def spy(self, index):
         before = (self.anchor_q.clone(), self.anchor_idx.clone(), self.anchor_count.clone())
         original(self, index)
         calls.append(index.clone())
-        assert torch.equal(self.anchor_q, before[0][index])
-        assert torch.equal(self.anchor_idx, before[1][index])
-        assert torch.equal(self.anchor_count, before[2][index])
+        assert torch.equal(self.anchor_q, before[0][:, index])
+        assert torch.equal(self.anchor_idx, before[1][:, index])
+        assert torch.equal(self.anchor_count, before[2][:, index])
 
-    monkeypatch.setattr(CISLayerState, "reorder", spy)
+    monkeypatch.setattr(CISState, "reorder", spy)
     out = _generate(model, ids, mask, max_new_tokens=6, num_beams=3)
     prhs_hf.unpatch(model)
     assert out.shape == (2, 66)
     assert calls and all(c.shape == (6,) for c in calls)
-    assert runtime.layers[0].state.anchor_q.shape[0] == 6  # batch x beams
+    assert runtime.selector.state.anchor_q.shape[:2] == (4, 6)  # layers, batch x beams
 
 
 def test_sampling_runs():

@@ -88,7 +88,7 @@ def _got(sel, b, h):
 def _geom(slots):
     pad = torch.tensor(PADS, dtype=torch.int32)
     t = slots - pad
-    return SequenceGeometry(pad, t, t - 1, 1)
+    return SequenceGeometry(pad, t, t - 1)
 
 
 def _data(steps, layers=1, seed=0):
@@ -175,7 +175,7 @@ def test_h2o_follows_accumulated_attention(prompt):
     if prompt:
         prompt_q = torch.randn(B, HQ, L, D, generator=g)
         geom = SequenceGeometry(torch.tensor(PADS, dtype=torch.int32), torch.tensor([L - x for x in PADS], dtype=torch.int32),
-                                torch.tensor([-x for x in PADS], dtype=torch.int32), L)
+                                torch.tensor([-x for x in PADS], dtype=torch.int32))
         sel_obj.observe_prefill(0, prompt_q, ks[0][:, :, :L], geom, SCALE)
         for b in range(B):  # naive column sums of the causal softmax, by real position
             for h in range(HQ):
@@ -233,13 +233,10 @@ def test_direct_reuse_reuses_the_block_retrieval(window):
 
 
 def test_direct_reuse_is_cis_without_gate_and_dilation():
-    from prhs_hf.cis_state import CISLayerState
-    from prhs_hf.decode import cis_decode_step
-    from prhs_hf.kernels.compose_indices import dilated_set_size
-    from prhs_hf.kernels.decode_ops import REFERENCE_OPS
+    from test_cis_decode import cis_layer
 
     p = _params(topm=0)
-    state = CISLayerState(B, HQ, D, 4, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), torch.device("cpu"))
+    cis = cis_layer(p, B, HQ, D, 4)
     cis_p = DecodeParams(**{**p.__dict__, "tau": -1.0})
     ks, vs, qs = _data(9)
     reuse = DirectReuseSelector(4)
@@ -247,7 +244,7 @@ def test_direct_reuse_is_cis_without_gate_and_dilation():
         slots = S0 + step
         geom = _geom(slots)
         args = (qs[step][0], ks[0][:, :, :slots], vs[0][:, :, :slots], geom)
-        _, want = cis_decode_step(*args, state, cis_p, SCALE, REFERENCE_OPS)
+        want = cis.select(0, *args, cis_p, SCALE)
         got = reuse.select(0, *args, p, SCALE)
         assert torch.equal(got.idx, want.idx) and torch.equal(got.count, want.count)
         assert torch.equal(got.retrieved, want.retrieved & want.active[:, None])
@@ -318,7 +315,7 @@ def _swapped(selector_factory, p, steps_before=3, steps_after=3):
         slots = S0 + step
         pad = torch.tensor([PADS[0], PADS[0]], dtype=torch.int32)  # same geometry for both rows
         t = slots - pad
-        geom = SequenceGeometry(pad, t, t - 1, 1)
+        geom = SequenceGeometry(pad, t, t - 1)
         if step == steps_before:
             a.reorder(flip)
         for layer in range(2):

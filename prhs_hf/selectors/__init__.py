@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
+from ..backends import pick_decode_ops
 from ..config import ResolvedConfig
+from ..kernels.compose_indices import dilated_set_size
 from .base import Selector
+from .cis import CISSelector
 from .direct_reuse import DirectReuseSelector
 from .h2o import H2OSelector
 from .hshare import HShareSelector
@@ -17,6 +21,7 @@ from .streaming import StreamingSelector
 __all__ = [
     "Selector",
     "make_selector",
+    "CISSelector",
     "SELECTORS",
     "OracleSelector",
     "StreamingSelector",
@@ -41,9 +46,20 @@ SELECTORS: dict[str, Callable[[ResolvedConfig, int], Selector]] = {
 }
 
 
-def make_selector(resolved: ResolvedConfig, num_heads: int) -> Selector:
-    """The selector that ``baseline.name`` names (see :data:`SELECTORS`)."""
-    name = resolved.config.baseline.name
+def make_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable | None = None) -> Selector | None:
+    """The decode selector of a config: the baseline that ``baseline.name`` names (see
+    :data:`SELECTORS`), else CIS when ``cis.enabled`` (on the ops table ``ops_for(device)``,
+    by default the one ``backend.decode`` picks), else ``None`` (decode stays dense, or the
+    PSAW window)."""
+    c = resolved.config
+    if ops_for is None:
+        ops_for = partial(pick_decode_ops, c.backend.decode)
+    name = c.baseline.name
+    if name is None:
+        if not c.cis.enabled:
+            return None
+        set_size = dilated_set_size(c.budget.topk, resolved.dilation_topm, c.cis.dilation_radius)
+        return CISSelector(resolved.num_layers, c.cis.block_size, set_size, ops_for)
     try:
         factory = SELECTORS[name]
     except KeyError:

@@ -9,18 +9,16 @@ All indices are *real* indices (left padding excluded), as in docs/DECODE_PIPELI
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..decode import DecodeParams, DecodeSelection, _middle_start
+from ..decode import DecodeParams, DecodeSelection, StepFrame, step_frame
 from ..geometry import SequenceGeometry
 from ..kernels._common import gqa_group
 from ..kernels.compose_indices import compose_indices_reference
 from ..kernels.topk_retrieval import topk_retrieval_reference
 
 __all__ = [
-    "StepFrame",
+    "StepFrame",  # re-exported from prhs_hf.decode for the selectors
     "step_frame",
     "compose",
     "topk_of_scores",
@@ -30,38 +28,6 @@ __all__ = [
     "grow_last",
     "LayerStates",
 ]
-
-
-@dataclass
-class StepFrame:
-    """The regions of one decode step, per sequence (``[B]`` int32 unless noted).
-
-    Attributes:
-        t: visible real tokens (the current one included).
-        lo, hi: the middle region ``[lo, hi)``.
-        win_start: start of the always-kept tail: ``hi`` (the local window) for an active
-            sequence, ``lo`` for an inactive one, which so attends to everything visible.
-        active: ``[B]`` bool, the sequence runs a sparse step (``t > sink + local + topk``).
-    """
-
-    t: torch.Tensor
-    lo: torch.Tensor
-    hi: torch.Tensor
-    win_start: torch.Tensor
-    active: torch.Tensor
-
-    def rows(self, heads: int) -> torch.Tensor:
-        """``[B, heads]`` bool: ``active`` broadcast over the query heads."""
-        return self.active[:, None].expand(-1, heads)
-
-
-def step_frame(geom: SequenceGeometry, p: DecodeParams) -> StepFrame:
-    """The frame of a decode step, exactly as :func:`prhs_hf.decode.cis_decode_step` builds it."""
-    t = geom.t_last
-    lo = _middle_start(t, p)
-    hi = t - p.local
-    active = t > p.sink + p.local + p.topk
-    return StepFrame(t, lo, hi, torch.where(active, hi, lo), active)
 
 
 def compose(

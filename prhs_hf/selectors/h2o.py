@@ -43,7 +43,7 @@ def prefill_column_sums(
     g = Hq // Hkv
     kf = key.float()[:, :, None]  # [B, Hkv, 1, Lk, D]
     key_real = torch.arange(Lk, device=query.device)[None, :] - geom.pad.long()[:, None]  # [B, Lk]
-    rows_real = geom.query_real_index().long()  # [B, Lq]
+    rows_real = geom.query_real_index(query.shape[2]).long()  # [B, Lq]
     sums = torch.zeros(B, Hq, Lk, dtype=torch.float32, device=query.device)
     for r0 in range(0, Lq, row_chunk):
         qr = rows_real[:, r0 : r0 + row_chunk]  # [B, c]
