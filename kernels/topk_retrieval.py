@@ -111,6 +111,18 @@ def _orderable_key(x):
 
 
 @triton.jit
+def _score_range(PAD, LO, HI, b, sp, CHUNK, S, live):
+    """``(pad, start, end)``: split ``sp`` of sequence ``b``'s middle region (empty if not live)."""
+    pad = tl.load(PAD + b)
+    lo = tl.maximum(tl.load(LO + b), 0)
+    hi = tl.minimum(tl.load(HI + b), S - pad)
+    start = lo + sp * CHUNK
+    end = tl.minimum(hi, start + CHUNK)
+    end = tl.where(live, end, start)
+    return pad, start, end
+
+
+@triton.jit
 def _score_kernel(
     Q, K, PAD, LO, HI, ORDER, COUNT, KEYS,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys,
@@ -126,12 +138,7 @@ def _score_kernel(
     row = tl.load(ORDER + c, mask=live, other=0)
     b = row // H
     h = row % H
-    pad = tl.load(PAD + b)
-    lo = tl.maximum(tl.load(LO + b), 0)
-    hi = tl.minimum(tl.load(HI + b), S - pad)
-    start = lo + sp * CHUNK
-    end = tl.minimum(hi, start + CHUNK)
-    end = tl.where(live, end, start)
+    pad, start, end = _score_range(PAD, LO, HI, b, sp, CHUNK, S, live)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
@@ -175,12 +182,7 @@ def _group_score_kernel(
     gid = tl.load(GORDER + c, mask=live, other=0)
     b = gid // HKV
     kvh = gid % HKV
-    pad = tl.load(PAD + b)
-    lo = tl.maximum(tl.load(LO + b), 0)
-    hi = tl.minimum(tl.load(HI + b), S - pad)
-    start = lo + sp * CHUNK
-    end = tl.minimum(hi, start + CHUNK)
-    end = tl.where(live, end, start)
+    pad, start, end = _score_range(PAD, LO, HI, b, sp, CHUNK, S, live)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
