@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                     f"({', '.join(fetch.DATASETS)}) and print the path of the result.",
     )
     p_fetch.add_argument("name", metavar="MODEL_OR_DATASET")
+    p_fetch.add_argument("--verify", action="store_true",
+                         help="hash the cached files again even if their size and mtime are unchanged")
     p_fetch.set_defaults(func=_cmd_fetch)
 
     p_gen = sub.add_parser(
@@ -128,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes = "".join(f"\n{n}" for n in getattr(exc, "__notes__", ()))
         print(f"prhs-hf: error: {exc}{notes}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:  # a fetch's FetchInterrupted says in one line what was kept
+        print(f"prhs-hf: {str(exc) or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
-    print(fetch.fetch_any(args.name, args.cache_dir))
+    print(fetch.fetch_any(args.name, args.cache_dir, verify=args.verify))
     return 0
 
 

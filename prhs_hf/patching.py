@@ -97,7 +97,7 @@ def patch(
     check_model(model)
     previous = _uninstall(model)
     layers = decoder_layers(model)
-    resolved = cfg.resolve(len(layers))
+    resolved = cfg.resolve(len(layers), max_positions=getattr(model.config, "max_position_embeddings", None))
     runtime = PrHSRuntime(resolved, model.config.num_attention_heads, layers[0].self_attn.head_dim)
     runtime.original_attn_implementation = model.config._attn_implementation
     _install(model, runtime)

@@ -35,10 +35,13 @@ from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
 
+from prhs_hf.attention import GQA_SDPA_NAME, gqa_sdpa_attention_forward
+from prhs_hf.attention import register as register_attention
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: the name :func:`register_fair_attention` registers :func:`fair_sdpa_attention` under
-FAIR_ATTENTION = "sdpa_gqa"
+FAIR_ATTENTION = GQA_SDPA_NAME
 
 #: column labels of the dense baselines (JSON ``dense_columns``, markdown headers)
 DENSE_LABELS = {
@@ -231,29 +234,8 @@ def transformers_sdpa_attention(module, query, key, value, attention_mask, **kwa
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def fair_sdpa_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
-    dropout: float = 0.0,
-    scaling: Optional[float] = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention with ``enable_gqa=True`` also when there is a mask.
-
-    Same arguments and result as ``sdpa_attention_forward`` (query ``[B, Hq, Lq, D]``, cache
-    ``[B, Hkv, Lk, D]``, output ``[B, Lq, Hq, D]``) and the same maths; the K/V of a KV head are
-    read once for its query heads instead of being copied to each. Without a mask, for MHA or with
-    a position bias it is ``sdpa_attention_forward`` itself (which then needs no copy either).
-    """
-    if attention_mask is None or query.shape[1] == key.shape[1] or kwargs.get("position_bias") is not None:
-        return transformers_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-    )
-    return out.transpose(1, 2).contiguous(), None
+#: SDPA with ``enable_gqa=True`` also under a mask: the library's own dense path of sparse configs
+fair_sdpa_attention = gqa_sdpa_attention_forward
 
 
 def register_fair_attention() -> str:
@@ -261,11 +243,7 @@ def register_fair_attention() -> str:
 
     ``model.set_attn_implementation(register_fair_attention())`` then runs the model through it.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(FAIR_ATTENTION, fair_sdpa_attention)
-    AttentionMaskInterface.register(FAIR_ATTENTION, sdpa_mask)
+    register_attention()
     return FAIR_ATTENTION
 
 

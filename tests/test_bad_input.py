@@ -116,3 +116,10 @@ def test_telemetry_stays_readable_on_the_handle_after_the_block():
     assert report.decode_steps == 4
     with pytest.raises(ValueError, match="not patched"):
         prhs_hf.telemetry(model)
+
+
+def test_a_budget_beyond_the_models_positions_is_refused_at_patch():
+    model = tiny_model("llama", max_position_embeddings=512)
+    with pytest.raises(prhs_hf.ConfigError, match=r"budget.topk.*512"):
+        prhs_hf.patch(model, {**CIS, "budget": {"sink": 4, "local": 8, "topk": 1000}})
+    assert not prhs_hf.is_patched(model)

@@ -69,6 +69,28 @@ def test_fetch_prints_the_path(monkeypatch, tmp_path, capsys) -> None:
     assert capsys.readouterr().out.strip() == str(tmp_path / "coqa.jsonl")
 
 
+def test_ctrl_c_during_a_fetch_prints_one_line_and_exits_130(monkeypatch, capsys) -> None:
+    def interrupted(name, cache_dir=None, **kwargs):
+        raise fetch.FetchInterrupted("interrupted; the finished parts are kept and the next fetch resumes")
+
+    monkeypatch.setattr(fetch, "fetch_any", interrupted)
+    assert cli.main(["fetch", "smollm2-135m"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "prhs-hf: interrupted; the finished parts are kept and the next fetch resumes"
+
+
+def test_fetch_verify_flag_reaches_the_fetcher(monkeypatch, tmp_path, capsys) -> None:
+    seen = {}
+
+    def fake_fetch_any(name, cache_dir=None, **kwargs):
+        seen.update(kwargs)
+        return tmp_path / "model.gguf"
+
+    monkeypatch.setattr(fetch, "fetch_any", fake_fetch_any)
+    assert cli.main(["fetch", "smollm2-135m", "--verify"]) == 0
+    assert seen.get("verify") is True
+
+
 def test_fetch_unknown_name_fails_listing_the_known_ones(tmp_path, capsys) -> None:
     assert cli.main(["fetch", "llama-9000", "--cache-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err

@@ -49,6 +49,8 @@ def test_wheel_holds_the_configs_and_the_task_yamls(built) -> None:
     for path in sorted(ROOT.glob("tasks/*.yaml")):
         assert f"prhs_hf/tasks/{path.name}" in names
     assert "prhs_hf/kernels/__init__.py" in names
+    for init in sorted((ROOT / "prhs_hf").glob("*/__init__.py")):  # every subpackage ships
+        assert f"prhs_hf/{init.parent.name}/__init__.py" in names, init.parent.name
     assert not any(n.startswith(("configs/", "tasks/", "kernels/")) for n in names)  # nothing top-level but prhs_hf
 
 
