@@ -28,8 +28,19 @@ from .compose_indices import (
     dilated_set_reference,
     dilated_set_size,
 )
-from .sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
-from .topk_retrieval import topk_retrieval, topk_retrieval_reference
+from ._common import NORM_EPS
+from .sparse_decode_attention import (
+    sparse_decode_attention,
+    sparse_decode_attention_grouped,
+    sparse_decode_attention_grouped_reference,
+    sparse_decode_attention_reference,
+)
+from .topk_retrieval import (
+    topk_retrieval,
+    topk_retrieval_grouped,
+    topk_retrieval_grouped_reference,
+    topk_retrieval_reference,
+)
 
 __all__ = [
     "DecodeOps",
@@ -40,6 +51,7 @@ __all__ = [
     "cis_decode_step",
     "cis_select",
     "CISSelection",
+    "group_query",
     "DecodeStepResult",
     "dilated_set_size",
 ]
@@ -56,6 +68,9 @@ class DecodeOps:
     sparse_decode_attention: Callable
     dilated_set: Callable
     compose_from_sets: Callable
+    # group-shared selection (cis.selection: group): one set per KV head for its query heads
+    topk_retrieval_grouped: Callable
+    sparse_decode_attention_grouped: Callable
 
 
 REFERENCE_OPS = DecodeOps(
@@ -66,6 +81,8 @@ REFERENCE_OPS = DecodeOps(
     sparse_decode_attention=sparse_decode_attention_reference,
     dilated_set=dilated_set_reference,
     compose_from_sets=compose_from_sets_reference,
+    topk_retrieval_grouped=topk_retrieval_grouped_reference,
+    sparse_decode_attention_grouped=sparse_decode_attention_grouped_reference,
 )
 
 #: The Triton launchers (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), called
@@ -80,6 +97,8 @@ TRITON_OPS = DecodeOps(
     sparse_decode_attention=_via(sparse_decode_attention),
     dilated_set=_via(dilated_set),
     compose_from_sets=_via(compose_from_sets),
+    topk_retrieval_grouped=_via(topk_retrieval_grouped),
+    sparse_decode_attention_grouped=_via(sparse_decode_attention_grouped),
 )
 
 
@@ -106,13 +125,24 @@ class DecodeStepResult(NamedTuple):
 
 
 class CISSelection(NamedTuple):
-    """Outputs of :func:`cis_select`."""
+    """Outputs of :func:`cis_select`; ``H`` is ``Hq``, or ``Hkv`` with ``grouped=True``."""
 
-    best: torch.Tensor  # [B, Hq] int32 matched anchor, -1 retrieve, -2 inactive
-    new_idx: torch.Tensor  # [B, Hq, k] int32 fresh top-k of the retrieving rows
-    new_set: torch.Tensor  # [B, Hq, n] int32 their dilated sets (what to store as their anchors)
-    idx: torch.Tensor  # [B, Hq, cap] int32 composed index lists
-    count: torch.Tensor  # [B, Hq] int32
+    best: torch.Tensor  # [B, H] int32 matched anchor, -1 retrieve, -2 inactive
+    new_idx: torch.Tensor  # [B, H, k] int32 fresh top-k of the retrieving rows
+    new_set: torch.Tensor  # [B, H, n] int32 their dilated sets (what to store as their anchors)
+    idx: torch.Tensor  # [B, H, cap] int32 composed index lists
+    count: torch.Tensor  # [B, H] int32
+    match_q: torch.Tensor  # [B, H, D] or [B, Hkv, G*D]: the query the anchors are matched on
+
+
+def group_query(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``q [B, Hq, D]`` → ``[B, Hkv, G*D]``: each KV head's query heads, each normalised, side by
+    side. The cosine of two such vectors is the mean of the heads' cosines: group-shared CIS
+    matches a group's queries as one."""
+    B, H, D = q.shape
+    qf = q.float()
+    qn = qf / qf.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
+    return qn.reshape(B, kv_heads, (H // kv_heads) * D)
 
 
 def cis_select(
@@ -136,17 +166,24 @@ def cis_select(
     dil_r: int,
     cap: int,
     scale: float,
+    grouped: bool = False,
 ) -> CISSelection:
-    """SPEC §4 steps 1-4 from the anchors' dilated sets (``anchor_set [B, Hq, s, n]``, as made by
+    """SPEC §4 steps 1-4 from the anchors' dilated sets (``anchor_set [B, H, s, n]``, as made by
     ``ops.dilated_set``): match each query against its head's anchors, retrieve a fresh exact
     top-k where none is similar enough, build the retrieving rows' dilated sets once, and compose
-    every row's index list from a set without sorting."""
-    best = ops.cis_match(q, anchor_q, anchor_count, active, tau)
+    every row's index list from a set without sorting.
+
+    ``grouped=True`` (``cis.selection: group``): the rows are the KV heads; a group's queries are
+    matched as one (:func:`group_query`; ``anchor_q [B, Hkv, s, G*D]``) and retrieve one top-k,
+    ranked by the largest of the group's scores (``ops.topk_retrieval_grouped``)."""
+    match_q = group_query(q, k_cache.shape[1]) if grouped else q
+    best = ops.cis_match(match_q, anchor_q, anchor_count, active, tau)
     retrieve = best == -1
-    new_idx = ops.topk_retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
+    retrieval = ops.topk_retrieval_grouped if grouped else ops.topk_retrieval
+    new_idx = retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
     new_set = ops.dilated_set(new_idx, retrieve, dil_m, dil_r)
     idx, count = ops.compose_from_sets(t, lo, hi, win_start, best, anchor_set, new_set, sink, cap)
-    return CISSelection(best, new_idx, new_set, idx, count)
+    return CISSelection(best, new_idx, new_set, idx, count, match_q)
 
 
 def cis_decode_step(

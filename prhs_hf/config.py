@@ -103,6 +103,9 @@ class CISConfig:
     tau: float = 0.8
     dilation_topm: int | None = None  # None: floor(topk / 3)
     dilation_radius: int = 1
+    # "head": an index set per query head (the paper); "group": one per KV head, shared by the
+    # query heads of its group (ranked by the group's largest score; anchors and matching per KV head)
+    selection: str = "head"
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,8 @@ _SECTIONS: dict[str, type] = {
 }
 
 # key -> (kind, lower, upper, lower_open, nullable[, upper_open]); kind in {"int", "float", "bool", "choice", "phases"}
+CIS_SELECTIONS = ("head", "group")
+
 _RULES: dict[str, tuple] = {
     "budget.sink": ("int", 0, MAX_TOKENS, False, False),
     "budget.local": ("int", 0, MAX_TOKENS, False, False),
@@ -281,6 +286,7 @@ _RULES: dict[str, tuple] = {
     "cis.enabled": ("bool",),
     "cis.block_size": ("int", 1, MAX_TOKENS, False, False),
     "cis.tau": ("float", -1.0, MAX_TAU, False, False),
+    "cis.selection": ("choice", CIS_SELECTIONS),
     "cis.dilation_topm": ("int", 0, MAX_TOKENS, False, True),
     "cis.dilation_radius": ("int", 0, MAX_TOKENS, False, False),
     "psaw.enabled": ("bool",),

@@ -32,12 +32,22 @@ class DecodeParams:
 
 @dataclass
 class DecodeSelection:
-    """What a CIS step selected, for telemetry: index sets, their sizes, who retrieved, who was sparse."""
+    """What a selector picked for one decode step: index sets, their sizes, who retrieved, who
+    was sparse. ``H`` is ``Hq`` (a set per query head) or ``Hkv`` (one per KV head, shared by its
+    query heads: ``cis.selection: group``)."""
 
-    idx: torch.Tensor  # [B, Hq, cap] real indices, -1 padded
-    count: torch.Tensor  # [B, Hq]
-    retrieved: torch.Tensor  # [B, Hq] bool
+    idx: torch.Tensor  # [B, H, cap] real indices, -1 padded
+    count: torch.Tensor  # [B, H]
+    retrieved: torch.Tensor  # [B, H] bool
     active: torch.Tensor  # [B] bool: the sequence ran a sparse step
+
+    def per_query_head(self, heads: int) -> "DecodeSelection":
+        """The same selection with a row per query head (telemetry counts query heads)."""
+        group = heads // self.count.shape[1]
+        if group == 1:
+            return self
+        rep = lambda x: x.repeat_interleave(group, dim=1)  # noqa: E731
+        return DecodeSelection(rep(self.idx), rep(self.count), rep(self.retrieved), self.active)
 
 
 def middle_start(t: torch.Tensor, p: DecodeParams) -> torch.Tensor:

@@ -124,8 +124,11 @@ class PrHSLayer:
         selector = self.runtime.selector
         if selector is not None:
             sel = selector.select(self.index, q, key, value, geom, self.decode_params, scaling)
-            out = self.runtime.ops_for(query.device).sparse_decode_attention(q, key, value, geom.pad, sel.idx, sel.count, scaling)
+            ops = self.runtime.ops_for(query.device)
+            attend = ops.sparse_decode_attention if sel.idx.shape[1] == q.shape[1] else ops.sparse_decode_attention_grouped
+            out = attend(q, key, value, geom.pad, sel.idx, sel.count, scaling)
             if telemetry is not None:
+                sel = sel.per_query_head(q.shape[1])
                 telemetry.record_decode(self.index, geom.t_last, sel.count, sel.retrieved, sel.active)
                 if telemetry.oracle:
                     self._record_oracle(q, key, geom, sel, scaling)

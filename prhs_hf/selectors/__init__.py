@@ -59,7 +59,7 @@ def make_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable | 
         if not c.cis.enabled:
             return None
         set_size = dilated_set_size(c.budget.topk, resolved.dilation_topm, c.cis.dilation_radius)
-        return CISSelector(resolved.num_layers, c.cis.block_size, set_size, ops_for)
+        return CISSelector(resolved.num_layers, c.cis.block_size, set_size, ops_for, grouped=c.cis.selection == "group")
     try:
         factory = SELECTORS[name]
     except KeyError:

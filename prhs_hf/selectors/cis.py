@@ -25,13 +25,23 @@ __all__ = ["CISSelector"]
 
 
 class CISSelector:
-    """CIS for every layer of a model: one :class:`CISState`, set up at each prompt."""
+    """CIS for every layer of a model: one :class:`CISState`, set up at each prompt.
 
-    def __init__(self, num_layers: int, block_size: int, set_size: int, ops_for: Callable[[torch.device], DecodeOps]):
+    ``grouped=True`` (``cis.selection: group``): one index set per KV head, shared by the query
+    heads of its group; its anchors hold the group's queries side by side
+    (``decode_ops.group_query``) and a retrieval ranks keys by the group's largest score. Each KV
+    head's keys are then read once per retrieval and its selected K/V rows once per step.
+    """
+
+    def __init__(
+        self, num_layers: int, block_size: int, set_size: int, ops_for: Callable[[torch.device], DecodeOps],
+        grouped: bool = False,
+    ):
         self.num_layers = num_layers
         self.block_size = block_size
         self.set_size = set_size
         self.ops_for = ops_for
+        self.grouped = grouped
         self.state: CISState | None = None
 
     def observe_prefill(
@@ -40,6 +50,8 @@ class CISSelector:
         """A new prompt: at its first layer, the state is set up for its shape (or reset in place)."""
         if layer == 0:
             batch, heads, _, head_dim = query.shape
+            if self.grouped:  # a row per KV head, its anchors the group's queries side by side
+                heads, head_dim = key.shape[1], head_dim * (heads // key.shape[1])
             self.setup(batch, heads, head_dim, query.device)
 
     def setup(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:
@@ -74,9 +86,10 @@ class CISSelector:
             self.ops_for(q.device), q, k_cache, geom.pad, f.t, f.lo, f.hi, f.win_start,
             anchor_q, anchor_count, anchor_set, f.active,
             tau=p.tau, sink=p.sink, k=p.topk, dil_m=p.dilation_topm, dil_r=p.dilation_radius, cap=p.capacity, scale=scale,
+            grouped=self.grouped,
         )
         retrieved = sel.best == -1
-        state.record(layer, q, sel.new_set, retrieved)
+        state.record(layer, sel.match_q, sel.new_set, retrieved)
         return DecodeSelection(sel.idx, sel.count, retrieved, f.active)
 
     def reorder(self, index: torch.Tensor) -> None:
