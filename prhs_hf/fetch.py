@@ -62,6 +62,7 @@ __all__ = [
     "ModelSpec",
     "DatasetSpec",
     "cache_root",
+    "locate_model",
     "pip_download",
     "fetch_model",
     "fetch_dataset",
@@ -115,7 +116,7 @@ def _resolve_dtype(dtype: "str | torch.dtype", device: str) -> "torch.dtype":
     return value
 
 
-def _locate(name_or_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None) -> tuple[str, str | None]:
+def locate_model(name_or_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None) -> tuple[str, str | None]:
     """``(from_pretrained source, gguf_file or None)`` for a registry name, a path or a hub id."""
     text = os.fspath(name_or_path)
     if text in MODELS:
@@ -156,7 +157,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source, gguf_file = _locate(name_or_path, cache_dir)
+    source, gguf_file = locate_model(name_or_path, cache_dir)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)

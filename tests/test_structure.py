@@ -57,15 +57,7 @@ def test_the_direct_runner_lives_outside_lm_eval_and_needs_no_lm_eval() -> None:
     assert loaded == []
 
 
-def test_the_old_lm_eval_names_are_aliases_without_code() -> None:
-    """``prhs_hf.lm_eval.direct`` and friends are the moved modules themselves, not copies."""
-    import prhs_hf.accuracy.configs
-    import prhs_hf.accuracy.direct
-    import prhs_hf.accuracy.report
-    from prhs_hf.lm_eval import accuracy_configs, direct, report
-
-    assert (direct, accuracy_configs, report) == (
-        prhs_hf.accuracy.direct, prhs_hf.accuracy.configs, prhs_hf.accuracy.report)
-    for name in ("direct", "accuracy_configs", "report"):
-        tree = ast.parse((PACKAGE / "lm_eval" / f"{name}.py").read_text())
-        assert not any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in ast.walk(tree)), name
+def test_the_direct_runner_has_one_home() -> None:
+    """The moved modules live in prhs_hf/accuracy only: no alias or copy stays in lm_eval/."""
+    for name in ("direct", "accuracy_configs", "report", "configs"):
+        assert not (PACKAGE / "lm_eval" / f"{name}.py").exists(), name

@@ -89,7 +89,7 @@ def _resolve_pretrained(pretrained: Any, kwargs: dict[str, Any]) -> Any:
     ``pretrained=DIR,gguf_file=NAME`` stay as given."""
     if not isinstance(pretrained, (str, Path)) or kwargs.get("gguf_file"):
         return pretrained
-    source, gguf_file = fetch._locate(pretrained, None)  # the prhs-hf cache: $PRHS_HF_CACHE or ~/.cache/prhs_hf
+    source, gguf_file = fetch.locate_model(pretrained, None)  # the prhs-hf cache: $PRHS_HF_CACHE or ~/.cache/prhs_hf
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
     return source

@@ -1,9 +1,0 @@
-"""Moved to :mod:`prhs_hf.accuracy.configs` (the direct accuracy runner is not part of the lm-eval
-integration). This name stays an alias of that module until the last importers follow
-(``from prhs_hf.accuracy import configs``); do not add code here."""
-
-import sys
-
-from prhs_hf.accuracy import configs as _moved
-
-sys.modules[__name__] = _moved
