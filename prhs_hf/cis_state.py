@@ -65,19 +65,20 @@ class CISState:
         return self.anchor_q[layer], self.anchor_idx[layer], self.anchor_count[layer]
 
     def record(self, layer: int, q: torch.Tensor, indices: torch.Tensor, retrieved: torch.Tensor) -> None:
-        """Store ``(q / ||q||, dilated set)`` as a new anchor of each row of ``layer`` that retrieved."""
+        """Store ``(q / ||q||, dilated set)`` as a new anchor of each row of ``layer`` that retrieved.
+
+        Every row writes its slot ``anchor_count``, the first one not in use; only the rows that
+        retrieved count it. A row that did not retrieve so writes a slot that nothing reads (the
+        valid anchors are the first ``anchor_count``) and the next retrieval overwrites: no
+        read-modify-write of the old slot contents. A block of ``s`` steps takes at most ``s``
+        anchors, so the slot is always in range before ``begin_step`` clears them.
+        """
         anchor_q, anchor_idx, anchor_count = self.anchors(layer)
         b, h, s, d = anchor_q.shape
         k = anchor_idx.shape[-1]
-        slot = anchor_count.clamp(max=s - 1).long()
-        qn = torch.nn.functional.normalize(q.float(), dim=-1)
-        keep = retrieved[:, :, None]
-        q_slot = slot[:, :, None, None].expand(b, h, 1, d)
-        old_q = anchor_q.gather(2, q_slot).squeeze(2)
-        anchor_q.scatter_(2, q_slot, torch.where(keep, qn, old_q).unsqueeze(2))
-        i_slot = slot[:, :, None, None].expand(b, h, 1, k)
-        old_i = anchor_idx.gather(2, i_slot).squeeze(2)
-        anchor_idx.scatter_(2, i_slot, torch.where(keep, indices, old_i).unsqueeze(2))
+        slot = anchor_count.clamp(max=s - 1).long()[:, :, None, None]
+        anchor_q.scatter_(2, slot.expand(b, h, 1, d), torch.nn.functional.normalize(q.float(), dim=-1).unsqueeze(2))
+        anchor_idx.scatter_(2, slot.expand(b, h, 1, k), indices.unsqueeze(2))
         anchor_count.add_(retrieved.to(torch.int32))
 
     def reorder(self, index: torch.Tensor) -> None:
