@@ -104,6 +104,51 @@ def build_parser() -> argparse.ArgumentParser:
                        help="wrap the prompt in the tokenizer's chat template (default: when it has one)")
     p_gen.set_defaults(func=_cmd_generate)
 
+    from prhs_hf import calibrate as cal  # no torch at import: the defaults below are plain constants
+
+    p_cal = sub.add_parser(
+        "calibrate", parents=[cache],
+        help="choose PSAW/ETF start layers and phi/psi for a model by the attention mass they drop",
+        description="Measure, on calibration text, the attention mass that PSAW windows and ETF freezing would "
+                    "drop at every layer (one dense forward per prompt), choose the schedules that keep it under "
+                    "--target while saving the most prefill FLOPs, and write a full YAML config with the "
+                    "measured curve in comments (docs/CALIBRATE.md).",
+    )
+    p_cal.add_argument("model", metavar="MODEL",
+                       help=f"registered model ({', '.join(fetch.MODELS)}), a .gguf file, a checkpoint folder or a hub id")
+    p_cal.add_argument("--text", default=None, metavar="PATH",
+                       help=f"calibration text: a plain-text file, a .jsonl file with a \"text\" field, or a folder of "
+                            f"{', '.join(cal.TEXT_SUFFIXES)} files (required unless --dataset)")
+    p_cal.add_argument("--dataset", default=None, metavar="NAME",
+                       help=f"calibrate on a fetched data set instead ({', '.join(cal.CALIBRATION_DATASETS)}; both are "
+                            f"evaluation data, so results on them are not independent)")
+    p_cal.add_argument("--out", default=None, metavar="PATH",
+                       help="YAML to write (default: cpe_calibrated_<model>.yaml in the current folder)")
+    p_cal.add_argument("--plot", default=None, metavar="PATH",
+                       help="also plot the per-layer dropped mass to this PNG (needs the 'plots' extra: matplotlib)")
+    p_cal.add_argument("--config", default=cal.DEFAULT_CONFIG,
+                       help=f"config whose budget, CIS, alpha, gamma and backends the result keeps (default: "
+                            f"{cal.DEFAULT_CONFIG})")
+    p_cal.add_argument("--n", type=int, default=cal.DEFAULT_PROMPTS,
+                       help=f"calibration prompts (default: {cal.DEFAULT_PROMPTS})")
+    p_cal.add_argument("--length", type=int, default=cal.DEFAULT_LENGTH,
+                       help=f"tokens per prompt (default: {cal.DEFAULT_LENGTH})")
+    p_cal.add_argument("--target", type=float, default=cal.DEFAULT_TARGET,
+                       help=f"largest dropped attention mass per layer, in (0, 1) (default: {cal.DEFAULT_TARGET})")
+    p_cal.add_argument("--max-certificate", type=float, default=None,
+                       help="also bound the routing certificate g(delta) per layer (default: no bound)")
+    p_cal.add_argument("--start-layers", default=None, metavar="A:B|L1,L2,…",
+                       help="candidate start layers (default: N/4 to N-1; the paper's N/2 is always included)")
+    p_cal.add_argument("--phi", default=",".join(map(str, cal.PHI_GRID)),
+                       help="candidate PSAW rates, comma-separated (default: %(default)s)")
+    p_cal.add_argument("--psi", default=",".join(map(str, cal.PSI_GRID)),
+                       help="candidate ETF rates, comma-separated (default: %(default)s)")
+    p_cal.add_argument("--oracle-rows", type=int, default=8,
+                       help="sampled late rows per prompt and layer for beta_emp against the oracle (default: 8)")
+    p_cal.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, else float32), float32, bfloat16…")
+    p_cal.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1…")
+    p_cal.set_defaults(func=_cmd_calibrate)
+
     # Listed for --help only: main() hands `prhs-hf lm-eval ...` to lm-eval before parsing, since
     # this parser does not know lm-eval's options.
     sub.add_parser(
@@ -293,6 +338,20 @@ def _display_len(text: str) -> int:
 
 def _num(value: Any) -> str:
     return "n/a" if value is None else f"{float(value):,.1f}"
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from prhs_hf import calibrate
+
+    _status("importing torch and transformers…")
+    cal, path = calibrate.run(
+        args.model, text=args.text, dataset=args.dataset, out=args.out, plot=args.plot, config=args.config, n=args.n,
+        length=args.length, target=args.target, max_certificate=args.max_certificate, start_layers=args.start_layers,
+        phis=args.phi, psis=args.psi, oracle_rows=args.oracle_rows, dtype=args.dtype, device=args.device,
+        cache_dir=args.cache_dir, progress=True, status=_status)
+    print(cal.summary())
+    print(f"wrote {path}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,244 @@
+"""Tests of ``prhs-hf calibrate`` (prhs_hf/calibrate.py) on tiny random models, CPU only."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import prhs_hf
+from prhs_hf import calibrate as cal
+from prhs_hf import cli
+from prhs_hf.schedules import causal_pairs, psaw_window_start, visible_pairs
+
+from lm_eval_fixtures import save_tiny_checkpoint
+from tiny_models import tiny_model
+
+SINK = 4
+STORY = ("The lighthouse keeper wrote the weather in a notebook every evening, and the boats left "
+         "before dawn when the wind came from the west. ") * 12
+
+
+def _reference(model, prompts: torch.Tensor) -> list[torch.Tensor]:
+    """Full ``[n, H, L, L]`` eager attention per layer: the naive reference."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            outs = [model(input_ids=prompts[p:p + 1], output_attentions=True).attentions for p in range(len(prompts))]
+    finally:
+        model.set_attn_implementation(previous)
+    return [torch.cat([o[layer] for o in outs]).double() for layer in range(len(outs[0]))]
+
+
+def _psaw_reference(att: torch.Tensor, w: float, sink: int) -> tuple[float, float]:
+    """(all-row mean, late-row mean) of the mass on ``[sink, W(t))``, from the full matrix."""
+    length = att.shape[-1]
+    hidden = torch.zeros(length, length, dtype=torch.bool)
+    for i in range(length):
+        hidden[i, sink:max(sink, min(psaw_window_start(i + 1, w, sink), i + 1))] = True
+    per_row = (att * hidden).sum(-1)  # [n, H, L]
+    return per_row.mean().item(), per_row[..., length - length // cal.LATE_FRACTION:].mean().item()
+
+
+def _etf_reference(att: torch.Tensor, frozen_hi: int, sink: int) -> tuple[float, float]:
+    """(all-row mean, late-row mean) over the active rows ``i >= E`` of their mass on the frozen rows ``[sink, E)``."""
+    length = att.shape[-1]
+    per_row = att[..., frozen_hi:, sink:frozen_hi].sum(-1)
+    late_from = max(frozen_hi, length - length // cal.LATE_FRACTION)
+    return per_row.mean().item(), att[..., late_from:, sink:frozen_hi].sum(-1).mean().item()
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    """A 6-layer GQA 4/2 llama (max 256 positions) and a byte-level tokenizer, also saved as a checkpoint folder."""
+    from transformers import AutoTokenizer
+
+    folder = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-calibrate"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = tiny_model("llama", layers=6, vocab_size=len(tokenizer), max_position_embeddings=256)
+    model.save_pretrained(folder)  # replaces the 2-layer model, keeps the tokenizer
+    return model, tokenizer, folder
+
+
+@pytest.fixture()
+def story_file(tmp_path) -> Path:
+    path = tmp_path / "story.txt"
+    path.write_text(STORY)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------
+
+
+def test_dropped_mass_matches_a_full_matrix_reference(monkeypatch) -> None:
+    model = tiny_model("llama", layers=6)
+    grid = cal.Grid(6, (1, 2, 3, 4), (0.5, 0.7), (0.5, 0.8), 1.0, 1.0, SINK)
+    length = 72
+    prompts = torch.randint(1, 128, (2, length), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(cal, "CHUNK_ELEMENTS", 4 * length * 5)  # chunks of 5 query rows: many chunks
+    m = cal.measure(model, prompts, grid, oracle_rows=4)
+    att = _reference(model, prompts)
+    checked = 0
+    for layer in range(6):
+        for w, stat in m.psaw[layer].items():
+            rows, late = _psaw_reference(att[layer], w, SINK)
+            assert stat.rows == pytest.approx(rows, abs=1e-6) and stat.late == pytest.approx(late, abs=1e-6), (layer, w)
+            checked += 1
+        for e, stat in m.etf[layer].items():
+            rows, late = _etf_reference(att[layer], e, SINK)
+            assert stat.rows == pytest.approx(rows, abs=1e-6) and stat.late == pytest.approx(late, abs=1e-6), (layer, e)
+            checked += 1
+    assert checked > 20 and max(s.rows for s in m.psaw[5].values()) > 0.01  # the comparison is not of zeros
+
+
+def test_a_schedule_that_drops_nothing_measures_zero() -> None:
+    model = tiny_model("llama", layers=4)
+    grid = cal.Grid(4, (1, 2), (0.99999,), (0.99999,), 1.0, 1.0, SINK)
+    prompts = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    m = cal.measure(model, prompts, grid, oracle_rows=2)
+    measured = [s for layer in m.psaw for s in layer.values()]
+    assert measured and all(s.rows == 0.0 and s.late == 0.0 and s.worst_head == 0.0 for s in measured)
+    assert all(not layer for layer in m.etf)  # E = 0: nothing frozen, nothing to measure
+    flops = cal.FlopModel.from_config(model.config)
+    c = cal.evaluate(m, flops, cal.Schedule(1, 0.99999), cal.Schedule(1, 0.99999))
+    assert c.psaw_worst == 0.0 and c.etf_worst == 0.0 and c.saving == 0.0
+    assert all(b is None or abs(b) < 1e-6 for b in cal.beta_emp(m, "psaw", c.psaw))
+
+
+def test_visible_pairs_and_flops_follow_the_spec_predicate() -> None:
+    pairs = cal._Pairs(50, SINK)
+    for w, e in itertools.product((1.0, 0.9, 0.6, 0.31), (0, 3, SINK, 11, 30)):
+        assert pairs(w, e) == visible_pairs(50, w, SINK, SINK, max(e, SINK)), (w, e)
+    assert pairs(1.0, 0) == causal_pairs(50)
+    model = tiny_model("llama", layers=4)
+    f = cal.FlopModel.from_config(model.config)
+    assert (f.heads, f.kv_heads, f.head_dim, f.mlp_width) == (4, 2, 16, 96)
+    assert f.dense(50) == 4 * (4 * 16 * 4 * causal_pairs(50) + 50 * (4 * 64 * 2 * 16 + 2 * (2 * 64 * 64 + 3 * 64 * 96)))
+
+
+def test_choose_is_the_cheapest_pair_within_the_target() -> None:
+    model = tiny_model("llama", layers=6)
+    grid = cal.Grid(6, (1, 2, 3, 4, 5), (0.5, 0.7, 0.9), (0.5, 0.8), 1.0, 1.0, SINK)
+    prompts = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(3))
+    m = cal.measure(model, prompts, grid, oracle_rows=0)
+    f = cal.FlopModel.from_config(model.config)
+    target = 0.15
+    chosen = cal.choose(m, f, target)
+    options = lambda rates: [cal.OFF] + [cal.Schedule(s, r) for s in grid.start_layers for r in rates]  # noqa: E731
+    feasible = [c for p, e in itertools.product(options(grid.phis), options(grid.psis))
+                if (c := cal.evaluate(m, f, p, e)).psaw_worst <= target and c.etf_worst <= target]
+    assert chosen.flops == min(c.flops for c in feasible)
+    assert chosen.psaw_worst <= target and chosen.etf_worst <= target and chosen.saving > 0
+
+
+# --------------------------------------------------------------------------------------------
+# The whole calibration
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_chosen_config_loads_and_keeps_the_target_on_the_calibration_prompts(tiny_with_tokenizer, tmp_path) -> None:
+    model, tokenizer, _ = tiny_with_tokenizer
+    target, length, n = 0.2, 64, 2
+    result = cal.calibrate(model, tokenizer, [STORY], n=n, length=length, target=target, start_layers="1:6",
+                           phis="0.5,0.7,0.9", psis="0.5,0.8", oracle_rows=4)
+    path = tmp_path / "calibrated.yaml"
+    path.write_text(result.yaml_text())
+    config = prhs_hf.load_config(path)
+    c = result.chosen
+    assert c.psaw.enabled and c.etf.enabled and c.saving > 0  # the check below is not vacuous
+    assert (config.psaw.enabled, config.psaw.start_layer, config.psaw.phi) == (True, c.psaw.start_layer, c.psaw.rate)
+    assert (config.etf.enabled, config.etf.start_layer, config.etf.psi) == (True, c.etf.start_layer, c.etf.rate)
+    assert config.cis.enabled and config.budget == prhs_hf.load_config("cpe").budget  # the rest is the base config
+    assert set(yaml.safe_load(path.read_text())) == {"budget", "cis", "psaw", "etf", "backend", "telemetry", "baseline"}
+    resolved = config.resolve(6)
+    assert (resolved.psaw_start, resolved.etf_start) == (c.psaw.start_layer, c.etf.start_layer)
+    # an independent check on the same prompts: the full matrices, the schedules of the loaded config
+    prompts = cal.pack_prompts([STORY], tokenizer, length, n)
+    att = _reference(model, prompts)
+    sink = config.budget.sink
+    g = result.measurement.grid
+    for layer in range(6):
+        w = g.window(layer, config.psaw.start_layer, config.psaw.phi)
+        e = g.frozen(length, layer, config.etf.start_layer, config.etf.psi)
+        assert max(_psaw_reference(att[layer], w, sink)) <= target + 1e-6, layer
+        if e > sink:
+            assert max(_etf_reference(att[layer], e, sink)) <= target + 1e-6, layer
+    assert all(b is None or b >= -1e-6 for b in result.beta["psaw"] + result.beta["etf"])
+    assert any(b is not None for b in result.beta["psaw"])
+    text = path.read_text()
+    assert "# layer |" in text and text.count("\n#     ") == 6  # one comment row per layer
+    assert "predicted prefill FLOP saving" in result.summary()
+
+
+def test_pack_prompts_reads_text_jsonl_and_folders(tiny_with_tokenizer, tmp_path) -> None:
+    _, tokenizer, _ = tiny_with_tokenizer
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "alpha " * 30}) + "\n\n" + json.dumps({"text": "beta " * 30}) + "\n")
+    (tmp_path / "b.txt").write_text("gamma " * 30)
+    (tmp_path / "skip.bin").write_text("never read")
+    texts = list(cal.read_texts(tmp_path))
+    assert texts == ["alpha " * 30, "beta " * 30, "gamma " * 30]
+    prompts = cal.pack_prompts(texts, tokenizer, 100, 5)
+    assert prompts.shape == (5, 100)
+    with pytest.raises(cal.CalibrationError, match=r"--n 6 prompts of --length 100 need"):
+        cal.pack_prompts(texts, tokenizer, 100, 6)
+    (tmp_path / "bad.jsonl").write_text('{"title": "no text"}\n')
+    with pytest.raises(cal.CalibrationError, match=r"bad.jsonl:1: expected a JSON object with a \"text\""):
+        list(cal.read_texts(tmp_path / "bad.jsonl"))
+
+
+# --------------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------------
+
+
+def test_cli_writes_the_yaml_and_prints_the_saving(tiny_with_tokenizer, story_file, tmp_path, capsys) -> None:
+    _, _, folder = tiny_with_tokenizer
+    out = tmp_path / "out" / "tiny.yaml"
+    rc = cli.main(["calibrate", str(folder), "--text", str(story_file), "--n", "2", "--length", "64", "--target", "0.2",
+                   "--start-layers", "1:6", "--phi", "0.5,0.7", "--psi", "0.5,0.8", "--out", str(out), "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "predicted prefill FLOP saving" in captured.out and f"wrote {out}" in captured.out
+    assert "calibrating" in captured.err  # the progress bar
+    config = prhs_hf.load_config(out)
+    assert config.psaw.enabled or config.etf.enabled
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--text", "/no/such/calibration.txt"], "--text: no such file or folder: /no/such/calibration.txt"),
+    ([], "give the calibration text with --text PATH"),
+    (["--target", "0"], "--target: 0.0 is out of range; allowed a dropped mass in (0, 1)"),
+    (["--target", "1.5"], "--target: 1.5 is out of range; allowed a dropped mass in (0, 1)"),
+    (["--dataset", "wikitext"], "--dataset: 'wikitext' is not allowed; allowed: coqa, gsm8k"),
+])
+def test_cli_errors_before_loading_the_model(argv, message, capsys, monkeypatch) -> None:
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr("prhs_hf.fetch.load_model", no_loading)
+    assert cli.main(["calibrate", "smollm2-135m", *argv]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_a_length_beyond_the_models_positions(tiny_with_tokenizer, story_file, capsys) -> None:
+    _, _, folder = tiny_with_tokenizer
+    assert cli.main(["calibrate", str(folder), "--text", str(story_file), "--length", "512", "--device", "cpu"]) == 1
+    assert "--length: 512 is out of range for this model; allowed [10, 256]" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(story_file, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert cli.main(["calibrate", "smollm2-135m", "--text", str(story_file), "--plot", "x.png"]) == 1
+    assert "pip install 'prhs-hf[plots]'" in capsys.readouterr().err
+
+
+def test_help_lists_calibrate() -> None:
+    assert "calibrate" in cli.build_parser().format_help()
