@@ -106,6 +106,9 @@ class CISConfig:
     # "head": an index set per query head (the paper); "group": one per KV head, shared by the
     # query heads of its group (ranked by the group's largest score; anchors and matching per KV head)
     selection: str = "head"
+    # also keep the tokens that aged from the local window into the middle since the block began:
+    # an anchor taken then never scored them (at most block_size - 1 more keys per step)
+    keep_anchor_local: bool = False
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,8 @@ class PrHSConfig:
     def _index_set(self, dilation_topm: int) -> int:
         """The largest index set of a decode step: the budget plus the dilation neighbours."""
         b = self.budget
-        return b.sink + b.local + b.topk + 2 * self.cis.dilation_radius * dilation_topm
+        aged = self.cis.block_size - 1 if self.cis.enabled and self.cis.keep_anchor_local else 0
+        return b.sink + b.local + b.topk + 2 * self.cis.dilation_radius * dilation_topm + aged
 
     def _sizes_in_use(self) -> list[tuple[str, int]]:
         """The sizes in tokens that this config's decode selection reads, as ``(key, value)``."""
@@ -287,6 +291,7 @@ _RULES: dict[str, tuple] = {
     "cis.block_size": ("int", 1, MAX_TOKENS, False, False),
     "cis.tau": ("float", -1.0, MAX_TAU, False, False),
     "cis.selection": ("choice", CIS_SELECTIONS),
+    "cis.keep_anchor_local": ("bool",),
     "cis.dilation_topm": ("int", 0, MAX_TOKENS, False, True),
     "cis.dilation_radius": ("int", 0, MAX_TOKENS, False, False),
     "psaw.enabled": ("bool",),
@@ -410,7 +415,7 @@ def _check_sizes(config: PrHSConfig) -> None:
     if index_set > MAX_INDEX_SET:
         raise ConfigError(
             f"budget: the index set (budget.sink + budget.local + budget.topk + 2 * cis.dilation_radius * "
-            f"dilation_topm) is {index_set}; allowed up to {MAX_INDEX_SET}")
+            f"dilation_topm, + cis.block_size - 1 with cis.keep_anchor_local) is {index_set}; allowed up to {MAX_INDEX_SET}")
     if cis.enabled and cis.block_size * index_set > MAX_CIS_STATE:
         raise ConfigError(
             f"cis.block_size: {cis.block_size} is too large for this budget: block_size × index set = "

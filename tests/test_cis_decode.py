@@ -11,15 +11,17 @@ from prhs_hf.geometry import SequenceGeometry
 from prhs_hf.kernels.compose_indices import dilated_set_reference, dilated_set_size
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS
 from prhs_hf.selectors import CISSelector
+from conftest import triton_available
 from tiny_models import tiny_model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SMALL = {"budget": {"sink": 4, "local": 8, "topk": 16}}
 
 
-def cis_layer(p, B, H, D, block):
+def cis_layer(p, B, H, D, block, **options):
     """A one-layer CIS selector on the PyTorch reference ops, set up for this shape."""
-    selector = CISSelector(1, block, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), lambda d: REFERENCE_OPS)
+    selector = CISSelector(1, block, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), lambda d: REFERENCE_OPS,
+                           **options)
     selector.setup(B, H, D, torch.device("cpu"))
     return selector
 
@@ -187,3 +189,45 @@ def test_oracle_telemetry_is_consistent():
     assert -1e-6 <= o.beta_emp <= 0.2  # exact top-k of the middle is close to the oracle
     assert 0 < o.overlap <= 1 and 0 < o.overlap_top50 <= 1
     assert o.certificate > 0
+
+
+def test_keep_anchor_local_keeps_the_tokens_that_aged_into_the_middle_since_the_block_began():
+    torch.manual_seed(2)
+    B, H, D, L0, block = 1, 2, 8, 40, 4
+    p = _params(tau=-1.0)  # always share the block's first anchor
+    p = DecodeParams(**{**p.__dict__, "capacity": p.capacity + block - 1})
+    plain, keep = cis_layer(p, B, H, D, block), cis_layer(p, B, H, D, block, keep_anchor_local=True)
+    k_all, v_all = torch.randn(B, H, L0 + 8, D), torch.randn(B, H, L0 + 8, D)
+    for step in range(8):
+        t = L0 + step + 1
+        geom = SequenceGeometry(torch.zeros(B, dtype=torch.int32), torch.tensor([t], dtype=torch.int32),
+                                torch.tensor([t - 1], dtype=torch.int32))
+        q = torch.randn(B, H, D)
+        k, v = k_all[:, :, :t], v_all[:, :, :t]
+        _, a = cis_step(plain, q, k, v, geom, p, 0.5)
+        _, b = cis_step(keep, q, k, v, geom, p, 0.5)
+        hi, aged = t - p.local, step % block
+        for h in range(H):
+            got_plain = set(a.idx[0, h, : a.count[0, h]].tolist())
+            got_keep = set(b.idx[0, h, : b.count[0, h]].tolist())
+            assert got_keep == got_plain | set(range(hi - aged, hi))  # a superset by exactly the aged tokens
+            if aged == 0:
+                assert got_keep == got_plain  # a block start retrieves over the whole middle
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton on CUDA or TRITON_INTERPRET=1")
+def test_keep_anchor_local_in_a_model_reference_equals_triton_and_processes_more():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (2, 70))
+    runs = {}
+    for keep, backend in ((False, "torch"), (True, "torch"), (True, "triton")):
+        prhs_hf.patch(model, {**SMALL, "cis": {"tau": -1.0, "block_size": 8, "keep_anchor_local": keep},
+                              "backend": {"decode": backend, "prefill": "torch"}, "telemetry": {"enabled": True}})
+        assert model._prhs_runtime.resolved.index_capacity == 4 + 8 + 16 + 2 * 5 + (7 if keep else 0)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+        runs[keep, backend] = (out, prhs_hf.telemetry(model).processed_kv_per_step)
+        prhs_hf.unpatch(model)
+    assert torch.equal(runs[True, "torch"][0], runs[True, "triton"][0])
+    assert runs[True, "torch"][1] == pytest.approx(runs[True, "triton"][1])
+    assert runs[True, "torch"][1] > runs[False, "torch"][1]

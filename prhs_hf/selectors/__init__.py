@@ -59,7 +59,8 @@ def make_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable | 
         if not c.cis.enabled:
             return None
         set_size = dilated_set_size(c.budget.topk, resolved.dilation_topm, c.cis.dilation_radius)
-        return CISSelector(resolved.num_layers, c.cis.block_size, set_size, ops_for, grouped=c.cis.selection == "group")
+        return CISSelector(resolved.num_layers, c.cis.block_size, set_size, ops_for, grouped=c.cis.selection == "group",
+                           keep_anchor_local=c.cis.keep_anchor_local)
     try:
         factory = SELECTORS[name]
     except KeyError:

@@ -36,12 +36,14 @@ class CISSelector:
     def __init__(
         self, num_layers: int, block_size: int, set_size: int, ops_for: Callable[[torch.device], DecodeOps],
         grouped: bool = False,
+        keep_anchor_local: bool = False,
     ):
         self.num_layers = num_layers
         self.block_size = block_size
         self.set_size = set_size
         self.ops_for = ops_for
         self.grouped = grouped
+        self.keep_anchor_local = keep_anchor_local
         self.state: CISState | None = None
 
     def observe_prefill(
@@ -82,8 +84,14 @@ class CISSelector:
         p = params
         f = step_frame(geom, p)
         anchor_q, anchor_set, anchor_count = state.anchors(layer)
+        win_start = f.win_start
+        if self.keep_anchor_local:
+            # the window reaches back to where the middle ended at the block's first step: the
+            # tokens that aged out of the local window since then were in no anchor's candidates
+            since_block_start = torch.remainder(state.step - 1, self.block_size).to(torch.int32)
+            win_start = torch.minimum(f.win_start, torch.maximum(f.hi - since_block_start, f.lo))
         sel = cis_select(
-            self.ops_for(q.device), q, k_cache, geom.pad, f.t, f.lo, f.hi, f.win_start,
+            self.ops_for(q.device), q, k_cache, geom.pad, f.t, f.lo, f.hi, win_start,
             anchor_q, anchor_count, anchor_set, f.active,
             tau=p.tau, sink=p.sink, k=p.topk, dil_m=p.dilation_topm, dil_r=p.dilation_radius, cap=p.capacity, scale=scale,
             grouped=self.grouped,
