@@ -7,6 +7,8 @@ Subcommands:
   the PrHS statistics (retrieval ratio ρ̂, processed KV per step against dense, tokens/s).
 - ``lm-eval ARGS``: lm-eval's own command line with the ``prhs`` model and the local tasks
   (:mod:`prhs_hf.lm_eval.shim`).
+- ``calibrate MODEL --text PATH``: choose the PSAW/ETF start layers and φ/ψ for a model by the
+  attention mass they drop on calibration text, and write the config (:mod:`prhs_hf.calibrate`).
 
 Building the parser imports neither torch nor transformers (``prhs-hf --help`` is instant); the
 commands import them when they run.
