@@ -70,7 +70,7 @@ class PrHSLayer:
         PSAW window and ETF frozen rows for this forward."""
         self.plan = None
         q_len = hidden_states.shape[1]
-        if self.runtime.is_decoding(q_len) or q_len == 1 or not (self.psaw_prefill or self.etf):
+        if q_len == 1 or not (self.psaw_prefill or self.etf):  # a decode step, or a 1-token prompt: no plan
             return
         geom = self.runtime.geometry
         sink = self.runtime.resolved.config.budget.sink
