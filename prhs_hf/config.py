@@ -74,6 +74,8 @@ MAX_TAU = 2.0
 """Upper bound of ``cis.tau``: a cosine similarity is at most 1, so any tau above 1 never shares."""
 MAX_SEED = 2**32 - 1
 """Upper bound of ``baseline.seed``."""
+MAX_POOL_KERNEL = 1023
+"""Upper bound of ``baseline.pool_kernel`` (CertKV's SnapKV pooling; SnapKV uses 5 to 13)."""
 MAX_INDEX_SET = MAX_TOKENS
 """Upper bound of a decode step's index set: sink + local + top-k + 2 · dilation_radius · dilation_topm."""
 MAX_CIS_STATE = 2**24
@@ -148,7 +150,7 @@ class TelemetryConfig:
     oracle: bool = False
 
 
-BASELINES = ("oracle", "streaming", "h2o", "quest", "hshare", "direct_reuse", "random_expansion")
+BASELINES = ("oracle", "streaming", "h2o", "quest", "hshare", "direct_reuse", "random_expansion", "double_sparsity", "certkv")
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,12 @@ class BaselineConfig:
     Quest's page; ``share_ratio``, ``head_share_ratio`` and ``layer_share_ratio`` are HShare's
     query-, head- and layer-level sharing ratios (the fraction of decode steps, of a layer's heads
     and of the layers that reuse indices instead of retrieving; each in [0, 1)); ``seed`` seeds
-    RandomExpansion.
+    RandomExpansion. ``label_channels`` (a ``.pt`` path or null) and ``label_rank`` (r, at most the
+    head dimension) are Double Sparsity's calibrated label channels and their count per head (null:
+    chosen from each prompt; see :mod:`prhs_hf.selectors.double_sparsity`). ``window`` (the
+    observation window W: the last W prompt queries score the prompt), ``pool_kernel`` (1-D max-pool
+    of those scores; 1: none) and ``tail_slot`` (one charged tail-summary slot per KV head) are
+    CertKV's (:mod:`prhs_hf.selectors.certkv`).
     """
 
     name: str | None = None
@@ -168,6 +175,11 @@ class BaselineConfig:
     head_share_ratio: float = 0.5
     layer_share_ratio: float = 0.5
     seed: int = 0
+    label_channels: str | None = None
+    label_rank: int = 16
+    window: int = 32
+    pool_kernel: int = 5
+    tail_slot: bool = True
 
 
 @dataclass(frozen=True)
@@ -280,7 +292,7 @@ _SECTIONS: dict[str, type] = {
     "baseline": BaselineConfig,
 }
 
-# key -> (kind, lower, upper, lower_open, nullable[, upper_open]); kind in {"int", "float", "bool", "choice", "phases"}
+# key -> (kind, lower, upper, lower_open, nullable[, upper_open]); kind in {"int", "float", "bool", "choice", "phases", "path"}
 CIS_SELECTIONS = ("head", "group")
 
 _RULES: dict[str, tuple] = {
@@ -313,6 +325,11 @@ _RULES: dict[str, tuple] = {
     "baseline.head_share_ratio": ("float", 0.0, 1.0, False, False, True),
     "baseline.layer_share_ratio": ("float", 0.0, 1.0, False, False, True),
     "baseline.seed": ("int", 0, MAX_SEED, False, False),
+    "baseline.label_channels": ("path",),
+    "baseline.label_rank": ("int", 1, 1024, False, False),  # head dimensions are at most 1024
+    "baseline.window": ("int", 1, MAX_TOKENS, False, False),
+    "baseline.pool_kernel": ("int", 1, MAX_POOL_KERNEL, False, False),
+    "baseline.tail_slot": ("bool",),
 }
 
 _KIND_TEXT = {"int": "an int", "float": "a float"}
@@ -335,6 +352,10 @@ def _check_value(key: str, value: Any) -> Any:
         if value not in rule[1]:
             raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {', '.join(map(str, rule[1]))}")
         return value
+    if kind == "path":
+        if value is None or (isinstance(value, str) and value.strip()):
+            return value
+        raise ConfigError(f"{key}: expected a file path (a non-empty string) or null, got {value!r}")
     if kind == "phases":
         if isinstance(value, str):
             value = [value]
@@ -411,6 +432,9 @@ def _check_sizes(config: PrHSConfig) -> None:
     b, cis = config.budget, config.cis
     if cis.dilation_topm is not None and cis.dilation_topm > b.topk:
         raise ConfigError(f"cis.dilation_topm: {cis.dilation_topm} is out of range; allowed [0, budget.topk={b.topk}]")
+    if config.baseline.name == "certkv" and config.baseline.tail_slot and b.topk < 2:
+        raise ConfigError(f"budget.topk: {b.topk} leaves CertKV no real-token slot beside its tail slot "
+                          f"(baseline.tail_slot: true charges one per KV head); allowed >= 2, or tail_slot: false")
     index_set = config._index_set(config._dilation_topm())
     if index_set > MAX_INDEX_SET:
         raise ConfigError(

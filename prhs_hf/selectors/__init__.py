@@ -11,6 +11,7 @@ from ..kernels.compose_indices import dilated_set_size
 from .base import Selector
 from .cis import CISSelector
 from .direct_reuse import DirectReuseSelector
+from .double_sparsity import DoubleSparsitySelector
 from .h2o import H2OSelector
 from .hshare import HShareSelector
 from .oracle import OracleSelector
@@ -30,6 +31,7 @@ __all__ = [
     "HShareSelector",
     "DirectReuseSelector",
     "RandomExpansionSelector",
+    "DoubleSparsitySelector",
 ]
 
 #: ``baseline.name`` -> factory ``(resolved config, number of query heads) -> selector``.
@@ -43,6 +45,7 @@ SELECTORS: dict[str, Callable[[ResolvedConfig, int], Selector]] = {
         layer_share=r.config.baseline.layer_share_ratio),
     "direct_reuse": lambda r, h: DirectReuseSelector(r.config.cis.block_size),
     "random_expansion": lambda r, h: RandomExpansionSelector(r.config.cis.block_size, r.config.baseline.seed),
+    "double_sparsity": DoubleSparsitySelector.from_config,
 }
 
 
