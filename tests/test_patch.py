@@ -137,3 +137,20 @@ def test_telemetry_off_by_default_and_clear_error():
     prhs_hf.unpatch(model)
     with pytest.raises(ValueError, match="not patched"):
         prhs_hf.telemetry(model)
+
+
+def test_dense_attention_of_a_sparse_config_never_copies_grouped_kv(monkeypatch):
+    """Prefill layers below l_s and short sequences of a sparse config read K/V in place (enable_gqa):
+    transformers' own path would repeat_kv-copy them for every query head under the mask."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("repeat_kv called")
+
+    model = tiny_model("llama", heads=4, kv_heads=2)
+    ids, mask = _batch(length=60)
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", no_copy)
+    with torch.no_grad(), prhs_hf.patch(model, "cpe", overrides={"budget": {"sink": 4, "local": 8, "topk": 16},
+                                                                 "backend": {"prefill": "torch", "decode": "torch"}}):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert out.shape == (2, 63)
