@@ -411,6 +411,7 @@ FAMILY_STYLE = {  # family -> (legend name, colour, marker)
     "direct_reuse": ("DirectReuse", "tab:orange", "^"),
     "random_expansion": ("RandomExpansion", "tab:brown", "v"),
     "quest": ("Quest", "tab:purple", "D"),
+    "double_sparsity": ("Double Sparsity", "tab:olive", "h"),
     "h2o": ("H2O", "tab:green", "P"),
     "streaming": ("StreamingLLM", "tab:gray", "X"),
     "oracle": ("Oracle top-k", "black", "*"),
@@ -571,6 +572,7 @@ def run_schedule(run, budget: dict[str, int], args: argparse.Namespace, layers: 
         run(baseline_variant(budget, "hshare", "HShare-2 (½,½,½)", family="hshare", note="the paper's HShare-2",
                              share_ratio=0.5, head_share_ratio=0.5, layer_share_ratio=0.5))
     run(baseline_variant(budget, "quest", "Quest", page_size=args.page_size))
+    run(baseline_variant(budget, "double_sparsity", "Double Sparsity"))  # r = 16, channels from each prompt
     run(baseline_variant(budget, "h2o", "H2O"))
     run(baseline_variant(budget, "streaming", "StreamingLLM"))
     run(baseline_variant(budget, "oracle", "Oracle top-k"))

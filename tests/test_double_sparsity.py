@@ -298,3 +298,31 @@ def test_generate_with_calibrated_low_rank_channels(tmp_path):
     assert report.processed_kv_per_step == pytest.approx(budget)
     o = report.oracle
     assert o.rows == 13 * 4 * 2 * HQ and -1e-6 <= o.beta_emp <= 1 and 0 <= o.overlap_top50 <= 1
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def test_selection_quality_has_a_double_sparsity_row():
+    import argparse
+
+    from test_selection_quality import _load_script
+
+    seen = []
+
+    def run(variant):
+        seen.append(variant)
+        return {"rho_hat": 0.25, "processed_kv": sum(BUDGET.values()), "variant": variant.label}
+
+    _load_script().run_schedule(run, dict(BUDGET), argparse.Namespace(quick=True, seed=0, page_size=16), 4, HQ)
+    ds = [v for v in seen if v.config.get("baseline", {}).get("name") == "double_sparsity"]
+    assert len(ds) == 1 and ds[0].config["budget"] == BUDGET and ds[0].family == "double_sparsity"
+    prhs_hf.load_config(ds[0].config)  # a valid config
+
+
+def test_accuracy_table_has_a_ds_row_at_the_cis_budget():
+    from prhs_hf.accuracy import configs as ac
+
+    ds = ac.load_named_config(ac.named_config("ds"))
+    assert ds.baseline.name == "double_sparsity" and ds.baseline.label_rank == 16 and ds.telemetry.enabled
+    assert ds.budget == ac.load_named_config(ac.named_config("cis-s16")).budget

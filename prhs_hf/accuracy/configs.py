@@ -51,6 +51,7 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
         NamedConfig("hshare-2", "cis", {"baseline": {
             "name": "hshare", "share_ratio": 0.5, "head_share_ratio": 0.5, "layer_share_ratio": 0.5}}),
         NamedConfig("quest", "cis", {"baseline": {"name": "quest"}}),
+        NamedConfig("ds", "cis", {"baseline": {"name": "double_sparsity"}}),
         NamedConfig("h2o", "cis", {"baseline": {"name": "h2o"}}),
     )
 }
