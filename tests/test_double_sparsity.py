@@ -326,3 +326,22 @@ def test_accuracy_table_has_a_ds_row_at_the_cis_budget():
     ds = ac.load_named_config(ac.named_config("ds"))
     assert ds.baseline.name == "double_sparsity" and ds.baseline.label_rank == 16 and ds.telemetry.enabled
     assert ds.budget == ac.load_named_config(ac.named_config("cis-s16")).budget
+
+
+@pytest.mark.parametrize("kwargs", [{"cache_implementation": "static"}, {"num_beams": 3}])
+def test_static_cache_and_beam_search_follow_the_oracle_at_full_rank(kwargs):
+    """A StaticCache writes each new key at ``pad + t - 1`` of a fixed-size cache; beams reorder the label cache
+    (13 steps > local = 8: generated keys reach the middle, where a stale label row would be scored)."""
+    runs = {}
+    for name in ("double_sparsity", "oracle"):
+        model, rec = _patched(name)
+        ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(2))
+        mask = torch.ones_like(ids)
+        ids[1, :4], mask[1, :4] = 0, 0
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, **kwargs)
+        prhs_hf.unpatch(model)
+        runs[name] = (out, rec.calls)
+    (out, calls), (out_o, calls_o) = runs["double_sparsity"], runs["oracle"]
+    assert torch.equal(out, out_o) and len(calls) == len(calls_o) == 13 * 4
+    assert all(torch.equal(a[1].idx, o[1].idx) for a, o in zip(calls, calls_o))
