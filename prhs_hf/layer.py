@@ -65,14 +65,15 @@ class PrHSLayer:
 
     # ------------------------------------------------------------------ prefill
 
-    def plan_prefill(self, hidden_states: torch.Tensor) -> None:
+    def plan_prefill(self, hidden_states: torch.Tensor, device: torch.device | None = None) -> None:
         """Decoder-layer pre-hook (after :meth:`PrHSRuntime.begin_forward`): decide this layer's
-        PSAW window and ETF frozen rows for this forward."""
+        PSAW window and ETF frozen rows for this forward, on ``device``, where the layer runs
+        (default: that of ``hidden_states``; a ``device_map`` hook moves them after this hook)."""
         self.plan = None
         q_len = hidden_states.shape[1]
         if q_len == 1 or not (self.psaw_prefill or self.etf):  # a decode step, or a 1-token prompt: no plan
             return
-        geom = self.runtime.geometry
+        geom = self.runtime.geometry_on(hidden_states.device if device is None else device)
         sink = self.runtime.resolved.config.budget.sink
         real = geom.query_real_index(q_len)
         if self.psaw_prefill:
@@ -118,7 +119,7 @@ class PrHSLayer:
 
     def _decode(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
         """One decode step: ``select → sparse attention → telemetry``, or the PSAW window, or dense."""
-        geom = self.runtime.geometry
+        geom = self.runtime.geometry_on(query.device)
         telemetry = self.runtime.telemetry
         q = query[:, :, 0, :]
         selector = self.runtime.selector
@@ -179,7 +180,7 @@ class PrHSLayer:
         if self.runtime.is_decoding(query.shape[2]):
             return self._decode(module, query, key, value, attention_mask, dropout, scaling, kwargs)
         if self.runtime.selector is not None:
-            self.runtime.selector.observe_prefill(self.index, query, key, self.runtime.geometry, scaling)
+            self.runtime.selector.observe_prefill(self.index, query, key, self.runtime.geometry_on(query.device), scaling)
         if self.plan is not None:
             return self._prefill(query, key, value, scaling)
         return self._dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)

@@ -25,7 +25,7 @@ from .row_skip import install_row_skip, remove_row_skip
 from .runtime import PrHSRuntime
 from .stats import TelemetryReport
 
-__all__ = ["PatchHandle", "patch", "unpatch", "is_patched", "telemetry", "reset"]
+__all__ = ["PatchHandle", "patch", "unpatch", "is_patched", "telemetry", "reset", "local_heads"]
 
 SUPPORTED_CACHES = (DynamicCache, StaticCache)
 _RUNTIME = "_prhs_runtime"
@@ -48,9 +48,10 @@ class PatchHandle:
     def config(self) -> PrHSConfig:
         return self.runtime.resolved.config
 
-    def telemetry(self) -> TelemetryReport:
-        """The statistics of this patch's runs (also after the ``with`` block)."""
-        return _report(self.runtime)
+    def telemetry(self, reduce: bool = False) -> TelemetryReport:
+        """The statistics of this patch's runs (also after the ``with`` block); ``reduce``: as
+        :func:`telemetry`."""
+        return _report(self.runtime, reduce)
 
     def __enter__(self) -> "PatchHandle":
         return self
@@ -75,9 +76,20 @@ def _make_pre_hook(layer, first: bool):
         if first:
             _check_cache(kwargs.get("past_key_values"))
             layer.runtime.begin_forward(hidden, kwargs)
-        layer.plan_prefill(hidden)
+        layer.plan_prefill(hidden, _execution_device(module, hidden))
 
     return hook
+
+
+def _execution_device(module: nn.Module, hidden: torch.Tensor) -> torch.device:
+    """Where ``module`` runs: the execution device of accelerate's hook (a ``device_map``; it moves
+    the inputs only after the forward pre-hooks), else where its input is."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", (hook,)):
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    return hidden.device
 
 
 def patch(
@@ -98,10 +110,46 @@ def patch(
     previous = _uninstall(model)
     layers = decoder_layers(model)
     resolved = cfg.resolve(len(layers), max_positions=getattr(model.config, "max_position_embeddings", None))
-    runtime = PrHSRuntime(resolved, model.config.num_attention_heads, layers[0].self_attn.head_dim)
+    heads, _ = local_heads(layers[0].self_attn, model.config)
+    runtime = PrHSRuntime(resolved, heads, layers[0].self_attn.head_dim)
+    runtime.reduce_group = _tensor_parallel_group(model)
     runtime.original_attn_implementation = model.config._attn_implementation
     _install(model, runtime)
     return PatchHandle(model, runtime, previous)
+
+
+def local_heads(attn: nn.Module, config) -> tuple[int, int]:
+    """``(query heads, KV heads)`` that the attention module ``attn`` computes in this process.
+
+    Without tensor parallelism these are the config's; under transformers' tensor parallelism
+    (``tp_plan="auto"``: ``q_proj``/``k_proj`` sharded colwise, by heads) a rank holds the share of
+    the rows its local tensors have. Raises ``ValueError`` where a rank would hold part of a head
+    (the tp size must divide ``num_key_value_heads``, and so ``num_attention_heads``).
+    """
+    counts = []
+    for proj, key in ((attn.q_proj, "num_attention_heads"), (getattr(attn, "k_proj", None), "num_key_value_heads")):
+        total = getattr(config, key, None) or config.num_attention_heads
+        weight = getattr(proj, "weight", None)
+        local = weight.to_local() if hasattr(weight, "to_local") else weight  # a DTensor under tensor parallelism
+        if local is None or local.shape[0] == weight.shape[0]:
+            counts.append(total)
+            continue
+        shards = weight.shape[0] // local.shape[0]
+        if total % shards or weight.shape[0] % local.shape[0]:
+            raise ValueError(
+                f"PrHS under tensor parallelism needs whole heads on every rank: {key}={total} is not divisible by "
+                f"the tensor parallel size {shards} (use a tp size that divides num_key_value_heads)"
+            )
+        counts.append(total // shards)
+    return counts[0], counts[1]
+
+
+def _tensor_parallel_group(model: nn.Module):
+    """The process group of the model's tensor parallel ranks (``None`` without tensor parallelism)."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None or (getattr(model, "_tp_size", None) or 1) <= 1:
+        return None
+    return (mesh["tp"] if mesh.ndim > 1 else mesh).get_group()
 
 
 def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
@@ -163,15 +211,20 @@ def _runtime(model: nn.Module) -> PrHSRuntime:
     return runtime
 
 
-def telemetry(model: nn.Module) -> TelemetryReport:
-    """The statistics of a patched model since patching or :func:`reset` (config ``telemetry.enabled``)."""
-    return _report(_runtime(model))
+def telemetry(model: nn.Module, reduce: bool = False) -> TelemetryReport:
+    """The statistics of a patched model since patching or :func:`reset` (config ``telemetry.enabled``).
+
+    Under tensor parallelism each rank counts only its own heads; ``reduce=True`` combines the
+    ranks' counters (a collective: every rank of the model's tensor parallel group must call it)
+    into the figures of the whole model. Without tensor parallelism ``reduce`` changes nothing.
+    """
+    return _report(_runtime(model), reduce)
 
 
-def _report(runtime: PrHSRuntime) -> TelemetryReport:
+def _report(runtime: PrHSRuntime, reduce: bool = False) -> TelemetryReport:
     if runtime.telemetry is None:
         raise ValueError("telemetry is off: patch with telemetry: {enabled: true}")
-    return runtime.telemetry.report()
+    return runtime.telemetry.report(group=runtime.reduce_group if reduce else None)
 
 
 def reset(model: nn.Module) -> None:

@@ -38,6 +38,8 @@ class PrHSRuntime:
         self.geometry: SequenceGeometry | None = None
         self._decoding = False
         self._geometry_buffers: tuple[torch.Tensor, ...] = ()
+        # the tensor parallel ranks' process group that telemetry(reduce=True) reduces over (patch sets it)
+        self.reduce_group = None
 
     def begin_forward(self, hidden_states: torch.Tensor, kwargs: dict) -> None:
         """The first decoder layer's pre-hook: this forward's geometry, computed once for all layers.
@@ -62,6 +64,14 @@ class PrHSRuntime:
         if not self.is_decoding(q_len):
             self.prepare(device, batch)
         self._store_geometry(geom)
+
+    def geometry_on(self, device: torch.device) -> SequenceGeometry:
+        """The current forward's geometry on ``device``: the buffers themselves on the first
+        layer's device, a copy for a layer that a ``device_map`` puts on another one."""
+        geom = self.geometry
+        if geom is None or geom.pad.device == device:
+            return geom
+        return SequenceGeometry(*(x.to(device, non_blocking=True) for x in (geom.pad, geom.t_last, geom.q_start)))
 
     def is_decoding(self, q_len: int) -> bool:
         """Whether the current forward (of ``q_len`` query rows) is a decode step (see :meth:`begin_forward`)."""

@@ -128,9 +128,15 @@ class Telemetry:
             self._allocate("stage", shape, device, torch.int32)
         return self._t["stage"]
 
+    def _home(self, device: torch.device) -> torch.device:
+        """Where the counters live: where they were first prepared, else ``device``."""
+        buffer = self._t.get("decode_steps")
+        return device if buffer is None else buffer.device
+
     def _acc(self, name: str, value: torch.Tensor, layer: int | None = None) -> None:
         if name not in self._t:
-            self._allocate(name, (self.num_layers,) if layer is not None else (1,), value.device)
+            self._allocate(name, (self.num_layers,) if layer is not None else (1,), self._home(value.device))
+        value = value.to(self._t[name].device)
         # add_(), not +=: rebinding a dict item is a side effect a compiled step would replay
         if layer is None:
             self._t[name].add_(value)
@@ -151,12 +157,21 @@ class Telemetry:
         compiled step each is a kernel).
         """
         batch, heads = processed.shape
-        self.prepare(t.device)
-        stage = self._stage(batch, t.device)
+        if heads != self.num_heads:
+            raise ValueError(
+                f"telemetry counts {self.num_heads} query heads per layer, layer {layer} has {heads} "
+                "(under tensor parallelism patch the sharded model, whose ranks hold their share of the heads)"
+            )
+        # the counters stay where they were prepared (the first layer's device): a layer on another
+        # device (device_map) copies its maps over instead of moving them all
+        home = self._home(t.device)
+        self.prepare(home)
+        stage = self._stage(batch, home)
         sparse = active[:, None].expand(batch, heads)
         fresh = torch.zeros_like(sparse) if retrieved is None else retrieved & sparse
         stage[layer].copy_(torch.stack([processed.to(torch.int32), fresh.to(torch.int32), sparse.to(torch.int32)]))
         if layer == self.num_layers - 1:
+            t = t.to(home)
             per_layer = stage.sum(2, dtype=torch.float64)  # [L, 3, Hq]
             self._t["processed"].add_(per_layer[:, 0].sum(-1))
             self._t["retrievals"].add_(per_layer[:, 1])
@@ -184,9 +199,19 @@ class Telemetry:
         for buffer in self._t.values():
             buffer.zero_()
 
-    def report(self) -> TelemetryReport:
-        """Read the counters (one synchronisation) into a :class:`TelemetryReport`."""
+    def report(self, group=None) -> TelemetryReport:
+        """Read the counters (one synchronisation) into a :class:`TelemetryReport`.
+
+        ``group``: a ``torch.distributed`` process group of tensor parallel ranks, each holding
+        its share of every layer's query heads (contiguous, in rank order), that all call this
+        together: the counters over rows and heads are summed across the ranks, the per-head
+        retrievals concatenated in head order, and the per-sequence counters (decode steps, ETF
+        prefill rows) kept, as every rank saw the same sequences. ``None``: this process's own.
+        """
         v = {k: x.cpu() for k, x in self._t.items()}
+        heads = self.num_heads
+        if group is not None:
+            v, heads = _reduce_across_ranks(self._t, group), heads * torch.distributed.get_world_size(group)
         zeros = torch.zeros(self.num_layers, dtype=torch.float64)
         rows, processed, dense = v.get("rows", zeros), v.get("processed", zeros), v.get("dense", zeros)
         sparse_rows = v.get("sparse_rows", zeros)
@@ -200,7 +225,6 @@ class Telemetry:
             for i in cis_layers:
                 per_layer_ratio[i] = float(retrievals[i].sum() / sparse_rows[i])
         n_rows = float(rows.sum())
-        heads = self.num_heads
         oracle = None
         if "o_rows" in v and float(v["o_rows"]) > 0:
             n = float(v["o_rows"])
@@ -229,3 +253,25 @@ class Telemetry:
             prefill_rows_frozen=v.get("prefill_frozen", zeros).long().tolist(),
             oracle=oracle,
         )
+
+
+#: counters of the rows (sequence x head) a rank computed: summed over tensor parallel ranks
+_SUMMED = ("processed", "dense", "rows", "sparse_rows") + ORACLE_COUNTERS
+
+
+def _reduce_across_ranks(counters: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
+    """The counters of all ranks of ``group`` on the CPU (see :meth:`Telemetry.report`): a sum
+    where the ranks counted disjoint heads, the per-head retrievals side by side, the rest as is."""
+    world = torch.distributed.get_world_size(group)
+    out = {}
+    for name in sorted(counters):  # the same order on every rank: the collectives pair up
+        x = counters[name]
+        if name in _SUMMED:
+            x = x.clone()
+            torch.distributed.all_reduce(x, group=group)
+        elif name == "retrievals":  # [L, H_local] -> [L, world * H_local]
+            parts = [torch.empty_like(x) for _ in range(world)]
+            torch.distributed.all_gather(parts, x.contiguous(), group=group)
+            x = torch.cat(parts, dim=1)
+        out[name] = x.cpu()
+    return out
