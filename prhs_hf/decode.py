@@ -34,12 +34,15 @@ class DecodeParams:
 class DecodeSelection:
     """What a selector picked for one decode step: index sets, their sizes, who retrieved, who
     was sparse. ``H`` is ``Hq`` (a set per query head) or ``Hkv`` (one per KV head, shared by its
-    query heads: ``cis.selection: group``)."""
+    query heads: ``cis.selection: group``). ``tail``, when set, is one synthetic key/value per row
+    attended beside ``idx`` with logit ``scale * q·key + log_mass`` (CertKV's tail-summary slot;
+    ``log_mass = -inf``: none); ``count`` then includes the slot where it is charged."""
 
     idx: torch.Tensor  # [B, H, cap] real indices, -1 padded
     count: torch.Tensor  # [B, H]
     retrieved: torch.Tensor  # [B, H] bool
     active: torch.Tensor  # [B] bool: the sequence ran a sparse step
+    tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # key, value [B, H, D]; log_mass [B, H]
 
     def per_query_head(self, heads: int) -> "DecodeSelection":
         """The same selection with a row per query head (telemetry counts query heads)."""

@@ -19,6 +19,7 @@ from .attention import gqa_sdpa_attention_forward
 from .decode import DecodeParams, window_decode_step
 from .geometry import SequenceGeometry
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
+from .selectors._common import attend_with_tail
 
 __all__ = ["PrHSLayer", "PrefillPlan"]
 
@@ -127,7 +128,10 @@ class PrHSLayer:
             sel = selector.select(self.index, q, key, value, geom, self.decode_params, scaling)
             ops = self.runtime.ops_for(query.device)
             attend = ops.sparse_decode_attention if sel.idx.shape[1] == q.shape[1] else ops.sparse_decode_attention_grouped
-            out = attend(q, key, value, geom.pad, sel.idx, sel.count, scaling)
+            if sel.tail is None:
+                out = attend(q, key, value, geom.pad, sel.idx, sel.count, scaling)
+            else:  # a synthetic tail pair beside the indices (CertKV): exact PyTorch softmax
+                out = attend_with_tail(q, key, value, geom.pad, sel.idx, sel.tail, scaling)
             if telemetry is not None:
                 sel = sel.per_query_head(q.shape[1])
                 telemetry.record_decode(self.index, geom.t_last, sel.count, sel.retrieved, sel.active)

@@ -9,6 +9,7 @@ from ..backends import pick_decode_ops
 from ..config import ResolvedConfig
 from ..kernels.compose_indices import dilated_set_size
 from .base import Selector
+from .certkv import CertKVSelector
 from .cis import CISSelector
 from .direct_reuse import DirectReuseSelector
 from .double_sparsity import DoubleSparsitySelector
@@ -32,6 +33,7 @@ __all__ = [
     "DirectReuseSelector",
     "RandomExpansionSelector",
     "DoubleSparsitySelector",
+    "CertKVSelector",
 ]
 
 #: ``baseline.name`` -> factory ``(resolved config, number of query heads) -> selector``.
@@ -46,6 +48,8 @@ SELECTORS: dict[str, Callable[[ResolvedConfig, int], Selector]] = {
     "direct_reuse": lambda r, h: DirectReuseSelector(r.config.cis.block_size),
     "random_expansion": lambda r, h: RandomExpansionSelector(r.config.cis.block_size, r.config.baseline.seed),
     "double_sparsity": DoubleSparsitySelector.from_config,
+    "certkv": lambda r, h: CertKVSelector(r.config.baseline.window, r.config.baseline.pool_kernel,
+                                          r.config.baseline.tail_slot),
 }
 
 

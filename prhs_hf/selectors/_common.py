@@ -24,6 +24,8 @@ __all__ = [
     "topk_of_scores",
     "retrieve_topk",
     "set_probabilities",
+    "gather_rows",
+    "attend_with_tail",
     "to_real",
     "grow_last",
     "LayerStates",
@@ -85,21 +87,61 @@ def to_real(x: torch.Tensor, pad: torch.Tensor, fill: float = 0.0) -> torch.Tens
     return torch.where(inside, out, torch.full_like(out, fill))
 
 
+def gather_rows(cache: torch.Tensor, pad: torch.Tensor, idx: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, heads, cap, D]`` fp32 rows of ``cache [B, Hkv, S, D]`` at the real indices ``idx``.
+
+    ``idx`` is ``[B, heads, cap]`` or ``[B, Hkv, cap]`` (one set per KV head, repeated over its
+    query heads); ``-1`` entries read slot ``pad`` (mask them).
+    """
+    B, Hkv, S = cache.shape[:3]
+    if idx.shape[1] != heads:
+        idx = idx.repeat_interleave(heads // idx.shape[1], dim=1)
+    g = gqa_group(heads, Hkv)
+    slots = (pad.long().view(B, 1, 1) + idx.long().clamp_min(0)).clamp(0, S - 1)
+    b_ix = torch.arange(B, device=cache.device).view(B, 1, 1)
+    h_ix = (torch.arange(heads, device=cache.device) // g).view(1, heads, 1)
+    return cache[b_ix, h_ix, slots].float()
+
+
 def set_probabilities(
     q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, sel: DecodeSelection, scale: float
 ) -> torch.Tensor:
     """``[B, Hq, cap]`` fp32 softmax of ``q`` over its selected keys (the sparse attention's weights; 0 after ``count``)."""
-    B, Hq, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    g = gqa_group(Hq, Hkv)
-    slots = (pad.long().view(B, 1, 1) + sel.idx.long().clamp_min(0)).clamp(0, S - 1)
-    b_ix = torch.arange(B, device=q.device).view(B, 1, 1)
-    h_ix = (torch.arange(Hq, device=q.device) // g).view(1, Hq, 1)
-    keys = k_cache[b_ix, h_ix, slots].float()  # [B, Hq, cap, D]
+    keys = gather_rows(k_cache, pad, sel.idx, q.shape[1])  # [B, Hq, cap, D]
     scores = (keys * q.float().unsqueeze(2)).sum(-1) * scale
     valid = torch.arange(sel.idx.shape[-1], device=q.device) < sel.count.long().unsqueeze(-1)
     probs = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
     return torch.where(valid, probs, torch.zeros_like(probs))
+
+
+def attend_with_tail(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor, idx: torch.Tensor,
+    tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float,
+) -> torch.Tensor:
+    """``[B, Hq, D]`` exact softmax attention of ``q`` over the keys ``idx`` plus one synthetic pair.
+
+    The keys are the cache rows at the real indices ``idx [B, H, cap]`` (``H`` is ``Hq`` or
+    ``Hkv``; ``-1`` = none); ``tail = (key [B, H, D], value [B, H, D], log_mass [B, H])`` adds a
+    key whose logit is ``scale * q·key + log_mass`` (``-inf``: no tail). Computed in fp32, returned
+    in ``q``'s dtype. This is the attention of a CertKV selection (its tail-summary slot).
+    """
+    heads = q.shape[1]
+    tk, tv, lm = tail
+    if tk.shape[1] != heads:
+        g = heads // tk.shape[1]
+        tk, tv, lm = (x.repeat_interleave(g, dim=1) for x in (tk, tv, lm))
+    qf = q.float()
+    keys = gather_rows(k_cache, pad, idx, heads)
+    values = gather_rows(v_cache, pad, idx, heads)
+    valid = idx >= 0
+    if valid.shape[1] != heads:
+        valid = valid.repeat_interleave(heads // valid.shape[1], dim=1)
+    scores = ((keys * qf.unsqueeze(2)).sum(-1) * scale).masked_fill(~valid, float("-inf"))
+    synthetic = (tk.float() * qf).sum(-1) * scale + lm.float()  # [B, Hq]
+    probs = torch.softmax(torch.cat([scores, synthetic.unsqueeze(-1)], dim=-1), dim=-1)
+    probs = torch.nan_to_num(probs)  # a row with no key at all (never on a decode step): 0, not NaN
+    out = (probs[..., :-1, None] * values).sum(-2) + probs[..., -1:] * tv.float()
+    return out.to(q.dtype)
 
 
 def grow_last(x: torch.Tensor, size: int, fill: float = 0.0) -> torch.Tensor:
