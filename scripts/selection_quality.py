@@ -413,6 +413,7 @@ FAMILY_STYLE = {  # family -> (legend name, colour, marker)
     "quest": ("Quest", "tab:purple", "D"),
     "double_sparsity": ("Double Sparsity", "tab:olive", "h"),
     "h2o": ("H2O", "tab:green", "P"),
+    "certkv": ("CertKV", "tab:pink", "p"),
     "streaming": ("StreamingLLM", "tab:gray", "X"),
     "oracle": ("Oracle top-k", "black", "*"),
 }
@@ -574,6 +575,7 @@ def run_schedule(run, budget: dict[str, int], args: argparse.Namespace, layers: 
     run(baseline_variant(budget, "quest", "Quest", page_size=args.page_size))
     run(baseline_variant(budget, "double_sparsity", "Double Sparsity"))  # r = 16, channels from each prompt
     run(baseline_variant(budget, "h2o", "H2O"))
+    run(baseline_variant(budget, "certkv", "CertKV"))  # W = 32, max-pool 5, tail slot
     run(baseline_variant(budget, "streaming", "StreamingLLM"))
     run(baseline_variant(budget, "oracle", "Oracle top-k"))
 

@@ -53,6 +53,7 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
         NamedConfig("quest", "cis", {"baseline": {"name": "quest"}}),
         NamedConfig("ds", "cis", {"baseline": {"name": "double_sparsity"}}),
         NamedConfig("h2o", "cis", {"baseline": {"name": "h2o"}}),
+        NamedConfig("certkv", "cis", {"baseline": {"name": "certkv"}}),
     )
 }
 
