@@ -9,6 +9,8 @@ Subcommands:
   (:mod:`prhs_hf.lm_eval.shim`).
 - ``calibrate MODEL --text PATH``: choose the PSAW/ETF start layers and φ/ψ for a model by the
   attention mass they drop on calibration text, and write the config (:mod:`prhs_hf.calibrate`).
+- ``ruler prepare``: generate the offline RULER long-context suite with a model's tokenizer, as
+  JSONL for both engines (:mod:`prhs_hf.long_context`, ``docs/LONG_CONTEXT.md``).
 
 Building the parser imports neither torch nor transformers (``prhs-hf --help`` is instant); the
 commands import them when they run.
@@ -151,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_cal.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1…")
     p_cal.set_defaults(func=_cmd_calibrate)
 
+    _add_ruler(sub, cache)
+
     # Listed for --help only: main() hands `prhs-hf lm-eval ...` to lm-eval before parsing, since
     # this parser does not know lm-eval's options.
     sub.add_parser(
@@ -182,6 +186,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _add_ruler(sub: Any, cache: argparse.ArgumentParser) -> None:
+    """``prhs-hf ruler prepare``: the long-context suite's data (no torch or lm-eval at parse time)."""
+    from prhs_hf import long_context as lc
+
+    p_ruler = sub.add_parser("ruler", help="the offline RULER long-context suite (prepare its data)",
+                             description="The offline RULER suite (docs/LONG_CONTEXT.md).")
+    ruler_sub = p_ruler.add_subparsers(dest="ruler_command", required=True, metavar="ACTION")
+    p_prep = ruler_sub.add_parser(
+        "prepare", parents=[cache], help="generate the suite's JSONL with a model's tokenizer",
+        description="Generate RULER examples with lm-eval 0.4.13's generators and the model's own tokenizer "
+                    "(the tokenizer only is loaded), one JSONL per task and length plus ruler_manifest.json, "
+                    "for `scripts/run_accuracy.py --tasks ruler --data-dir OUT` and the lm-eval tasks "
+                    "ruler_<task>_local. Deterministic by --seed.",
+    )
+    p_prep.add_argument("--model", default=fetch.DEFAULT_MODEL,
+                        help=f"whose tokenizer: registered model ({', '.join(fetch.MODELS)}), a .gguf file, a "
+                             f"checkpoint folder or a hub id (default: {fetch.DEFAULT_MODEL})")
+    p_prep.add_argument("--tasks", default="all",
+                        help=f"comma list of {', '.join(lc.RULER_TASKS)}, or all (default: all)")
+    p_prep.add_argument("--lengths", default=",".join(map(str, lc.LENGTHS)),
+                        help="comma list of target lengths in tokens, 4096 or 4k (default: %(default)s)")
+    p_prep.add_argument("--n", type=int, default=lc.DEFAULT_N,
+                        help=f"examples per task and length (default: {lc.DEFAULT_N})")
+    p_prep.add_argument("--seed", type=int, default=lc.DEFAULT_SEED, help=f"(default: {lc.DEFAULT_SEED})")
+    p_prep.add_argument("--out", required=True, metavar="DIR", help="folder for the JSONL files and the manifest")
+    p_prep.set_defaults(func=_cmd_ruler_prepare)
+
+
 # --------------------------------------------------------------------------------------------
 # fetch
 # --------------------------------------------------------------------------------------------
@@ -189,6 +221,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
     print(fetch.fetch_any(args.name, args.cache_dir, verify=args.verify))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# ruler
+# --------------------------------------------------------------------------------------------
+
+
+def _cmd_ruler_prepare(args: argparse.Namespace) -> int:
+    from prhs_hf import long_context as lc
+
+    tasks, lengths = lc.parse_tasks(args.tasks), lc.parse_lengths(args.lengths)
+    if args.n < 1:
+        raise ValueError(f"--n must be at least 1, got {args.n}")
+    from transformers import AutoTokenizer
+
+    source, gguf_file = fetch.locate_model(args.model, args.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
+
+    def wrote(path: Path, rows: list[dict[str, Any]]) -> None:
+        tokens = [r["prompt_tokens"] for r in rows]
+        print(f"prhs-hf: {path}: {len(rows)} rows, prompt tokens {min(tokens)}-{max(tokens)}", file=sys.stderr)
+
+    try:
+        manifest = lc.write_prepared(args.out, tokenizer, tasks, lengths, args.n, seed=args.seed,
+                                     tokenizer_name=str(args.model), cache_dir=args.cache_dir, on_file=wrote)
+    except ImportError as exc:
+        print(f"prhs-hf: error: {exc}", file=sys.stderr)
+        return 1
+    print(manifest)
     return 0
 
 

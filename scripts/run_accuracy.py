@@ -2,7 +2,9 @@
 """The PrHS accuracy table: GSM8K and CoQA for a list of PrHS configs on one model.
 
 Tasks (``--tasks``, default ``gsm8k,coqa``): ``gsm8k`` (zero-shot chat prompt), ``gsm8k_cot``
-(lm-eval's 8-shot ``gsm8k-cot`` prompt, 726–891 Qwen2.5 tokens: PrHS at a longer context) and ``coqa``.
+(lm-eval's 8-shot ``gsm8k-cot`` prompt, 726–891 Qwen2.5 tokens: PrHS at a longer context) and ``coqa``;
+the long-context suite ``ruler_<task>_<length>`` (files prepared by ``prhs-hf ruler prepare`` in
+``--data-dir``; ``ruler`` = every prepared file there; docs/LONG_CONTEXT.md).
 
 Two engines, one set of prompts and one scoring code (``prhs_hf.lm_eval.prompts`` / ``.metrics``):
 
@@ -63,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1…")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--limit", type=int, default=None, help="first N examples of each task (default: all)")
-    p.add_argument("--tasks", default="gsm8k,coqa", help=f"comma list of {', '.join(direct.DIRECT_TASKS)}")
+    p.add_argument("--tasks", default="gsm8k,coqa",
+                   help=f"comma list of {', '.join(direct.DIRECT_TASKS)}, ruler_<task>_<length> or ruler (every "
+                        f"RULER file prepared in --data-dir)")
     p.add_argument("--configs", default=",".join(accuracy_configs.DEFAULT_CONFIGS),
                    help="comma list of named configs (" + ", ".join(accuracy_configs.ACCURACY_CONFIGS)
                         + ") or YAML paths; default all")
@@ -108,7 +112,8 @@ class DirectEngine:
     def _load(self, task: DirectTask, limit: int | None) -> list[dict[str, Any]]:
         key = (task.dataset, limit)
         if key not in self._docs:
-            self._docs[key] = load_rows(task.dataset, self.data_dir, limit)
+            self._docs[key] = (task.load(self.data_dir, limit) if task.load is not None
+                               else load_rows(task.dataset, self.data_dir, limit))
         return self._docs[key]
 
     def run(self, config: NamedConfig, task: DirectTask, limit: int | None, bar: tqdm) -> tuple[Row, list[dict]]:
@@ -138,6 +143,8 @@ class LmEvalEngine:
                          prhs_config=accuracy_configs.ACCURACY_CONFIGS["dense"].base)
         self.task_manager = ple.task_manager(include_defaults=False,
                                              metadata={"data_dir": data_dir} if data_dir else None)
+        self._task_managers: dict[str, Any] = {}  # per task with metadata of its own (a RULER length)
+        self.data_dir = data_dir
         self.gen_kwargs = {"max_gen_toks": max_new_tokens} if max_new_tokens else None
 
     def run(self, config: NamedConfig, task: DirectTask, limit: int | None, bar: tqdm) -> tuple[Row, list[dict]]:
@@ -145,11 +152,21 @@ class LmEvalEngine:
 
         cfg = self.lm.configure(config.base, config.overrides)
         start = time.perf_counter()
-        res = lm_eval.simple_evaluate(model=self.lm, tasks=[task.lm_eval_task], task_manager=self.task_manager,
+        manager = self.task_manager
+        if task.lm_eval_metadata:
+            import prhs_hf.lm_eval as ple
+
+            if task.name not in self._task_managers:
+                meta = {**({"data_dir": self.data_dir} if self.data_dir else {}), **task.lm_eval_metadata}
+                self._task_managers[task.name] = ple.task_manager(include_defaults=False, metadata=meta)
+            manager = self._task_managers[task.name]
+        res = lm_eval.simple_evaluate(model=self.lm, tasks=[task.lm_eval_task], task_manager=manager,
                                       limit=limit, apply_chat_template=task.chat,
                                       gen_kwargs=self.gen_kwargs, bootstrap_iters=0, verbosity="WARNING")
         seconds = time.perf_counter() - start
         metrics = _lm_eval_metrics(res["results"][task.lm_eval_task])
+        if task.lm_eval_metadata:  # a RULER length: lm-eval's per-length metrics repeat the overall one
+            metrics = {k: v for k, v in metrics.items() if not k.isdigit()}
         n = int(res["n-samples"][task.lm_eval_task]["effective"])
         telemetry = self.lm.prhs_telemetry.get(task.lm_eval_task, {}).get("generate_until", {})
         return Row.from_telemetry(config.name, task.name, metrics, n, seconds, 0, telemetry, cfg.to_dict()), []
@@ -174,7 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the table; returns the exit status (0 also when ``--max-seconds`` left rows for ``--resume``)."""
     args = build_parser().parse_args(argv)
     wall = time.perf_counter()
-    tasks = [direct.DIRECT_TASKS[t.strip()] for t in args.tasks.split(",") if t.strip()]
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    names = [n for t in names for n in (direct.ruler_task_names(args.data_dir) if t == "ruler" else [t])]
+    tasks = [direct.task_named(t) for t in names]
     configs = [accuracy_configs.named_config(c.strip()) for c in args.configs.split(",") if c.strip()]
     device = _device(args.device)
     if args.threads:

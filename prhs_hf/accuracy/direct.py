@@ -17,6 +17,9 @@ its own), greedy, new tokens decoded without special tokens.
 - ``coqa``: lm-eval's completion prompt (no chat template), scored ``em``/``f1`` on the first line.
   Generation stops once that line is complete (:func:`prhs_hf.lm_eval.prompts.coqa_answer_done`), which cannot
   change the answer lm-eval would score from its up to 256 tokens.
+- ``ruler_<task>_<length>`` (:func:`task_named`): a RULER task of :mod:`prhs_hf.long_context` at one
+  prepared length, read from ``ruler_<task>_<length>.jsonl`` in the data folder; completion prompt
+  (``input`` then ``gen_prefix``), lm-eval's ``max_gen_toks``, no stop string, ``string_match_all``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DirectTask", "DIRECT_TASKS", "DirectResult", "build_prompt", "generate", "evaluate"]
+__all__ = ["DirectTask", "DIRECT_TASKS", "DirectResult", "task_named", "ruler_task_names", "build_prompt", "generate",
+           "evaluate"]
 
 Doc = Mapping[str, Any]
 
@@ -43,7 +47,9 @@ class DirectTask:
     ``lm_eval_task`` names the task in ``tasks/`` that does the same through lm-eval (with
     ``--apply_chat_template`` when ``chat``). ``until``: lm-eval's stop strings; generation stops
     once one appears and the text is cut before the first one (as lm-eval's ``generate_until``).
-    ``done``: another early stop that must not change the score.
+    ``done``: another early stop that must not change the score. ``load(data_dir, limit)``: how the
+    docs are read (None: the registered data set ``dataset`` through :func:`prhs_hf.lm_eval.data.load_rows`).
+    ``lm_eval_metadata``: task metadata the lm-eval task needs besides ``data_dir``.
     """
 
     name: str
@@ -55,6 +61,8 @@ class DirectTask:
     lm_eval_task: str
     done: Callable[[str], bool] | None = None
     until: tuple[str, ...] = ()
+    load: Callable[[str | None, int | None], list[dict[str, Any]]] | None = None
+    lm_eval_metadata: Mapping[str, Any] | None = None
 
     def finished(self) -> Callable[[str], bool] | None:
         """When a row's generation may stop: ``done``, or one of ``until`` has appeared (None: never early)."""
@@ -84,6 +92,43 @@ DIRECT_TASKS: dict[str, DirectTask] = {
     "coqa": DirectTask("coqa", "coqa", chat=False, max_new_tokens=256, prompt=prompts.coqa_prompt,
                        score=_score_coqa, lm_eval_task="coqa_local", done=prompts.coqa_answer_done),
 }
+
+
+def _ruler_direct_task(name: str) -> DirectTask | None:
+    """``ruler_<task>_<length>`` as a :class:`DirectTask`, or None if ``name`` is not of that form."""
+    from prhs_hf import long_context as lc
+
+    head, sep, length = name.rpartition("_")
+    if not (sep and length.isdigit() and head.startswith("ruler_") and head[len("ruler_"):] in lc.RULER_TASKS):
+        return None
+    task, n = lc.RULER_TASKS[head[len("ruler_"):]], int(length)
+    return DirectTask(name, task.direct_name(n), chat=False, max_new_tokens=task.max_new_tokens,
+                      prompt=lc.prompt_text, score=lc.score, lm_eval_task=task.lm_eval_task,
+                      load=lambda data_dir, limit: lc.load_prepared(task, [n], data_dir, limit),
+                      lm_eval_metadata={"max_seq_lengths": [n]})
+
+
+def task_named(name: str) -> DirectTask:
+    """The task ``name``: one of :data:`DIRECT_TASKS`, or ``ruler_<task>_<length>`` (a RULER task of
+    :data:`prhs_hf.long_context.RULER_TASKS` at a prepared length)."""
+    task = DIRECT_TASKS.get(name) or _ruler_direct_task(name)
+    if task is None:
+        from prhs_hf import long_context as lc
+
+        raise ValueError(f"unknown task {name!r}; known: {', '.join(DIRECT_TASKS)}, ruler_<task>_<length> with task "
+                         f"one of {', '.join(lc.RULER_TASKS)}, or ruler (every prepared file in the data folder)")
+    return task
+
+
+def ruler_task_names(data_dir: str | None = None) -> list[str]:
+    """``ruler_<task>_<length>`` of every RULER file prepared in ``data_dir`` (or ``$PRHS_HF_DATA_DIR``)."""
+    from prhs_hf import long_context as lc
+
+    names = [task.direct_name(length) for task, length in lc.prepared(data_dir)]
+    if not names:
+        raise FileNotFoundError(f"no RULER file (ruler_<task>_<length>.jsonl) in {lc.data_folder(data_dir)}; "
+                                f"prepare them with `prhs-hf ruler prepare --model NAME --out DIR`")
+    return names
 
 
 @dataclass
