@@ -231,3 +231,22 @@ def test_keep_anchor_local_in_a_model_reference_equals_triton_and_processes_more
     assert torch.equal(runs[True, "torch"][0], runs[True, "triton"][0])
     assert runs[True, "torch"][1] == pytest.approx(runs[True, "triton"][1])
     assert runs[True, "torch"][1] > runs[False, "torch"][1]
+
+
+def test_a_model_split_across_devices_gets_one_state_per_device():
+    """device_map: each device's layers keep their anchors on that device (here the CPU and 'meta')."""
+    p = _params(tau=-1.0)
+    cis = CISSelector(4, 4, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), lambda d: REFERENCE_OPS)
+    B, H, D = 1, 2, 8
+    for layer, device in enumerate(["cpu", "cpu", "meta", "meta"]):
+        cis.observe_prefill(layer, torch.zeros(B, H, 3, D, device=device), torch.zeros(B, H, 3, D, device=device), None, 1.0)
+    assert {str(d): s.anchor_q.shape[0] for d, s in cis.states.items()} == {"cpu": 2, "meta": 2}
+    assert cis._slot[3] == (torch.device("meta"), 1)
+    t = 40
+    geom = SequenceGeometry(torch.zeros(B, dtype=torch.int32), torch.tensor([t], dtype=torch.int32),
+                            torch.tensor([t - 1], dtype=torch.int32))
+    k = torch.randn(B, H, t, D)
+    for layer in (0, 1):  # the CPU layers decode on the CPU state; layer 0 opened its step
+        cis_step_layer = cis.select(layer, torch.randn(B, H, D), k, k, geom, p, 1.0)
+        assert bool(cis_step_layer.retrieved.all())
+    assert int(cis.states[torch.device("cpu")].step) == 1 and int(cis.states[torch.device("cpu")].anchor_count.sum()) == 4

@@ -25,7 +25,8 @@ __all__ = ["CISSelector"]
 
 
 class CISSelector:
-    """CIS for every layer of a model: one :class:`CISState`, set up at each prompt.
+    """CIS for every layer of a model: the anchors in one :class:`CISState` per device (one for the
+    whole model unless ``device_map`` splits it), set up at each prompt.
 
     ``grouped=True`` (``cis.selection: group``): one index set per KV head, shared by the query
     heads of its group; its anchors hold the group's queries side by side
@@ -44,46 +45,75 @@ class CISSelector:
         self.ops_for = ops_for
         self.grouped = grouped
         self.keep_anchor_local = keep_anchor_local
-        self.state: CISState | None = None
+        self.states: dict[torch.device, CISState] = {}
+        # layer -> (its device, its index in that device's state), fixed at each prefill
+        self._slot: dict[int, tuple[torch.device, int]] = {}
+        self._prompt_devices: dict[int, torch.device] = {}
+
+    @property
+    def state(self) -> CISState | None:
+        """The state of layer 0's device (the only one unless ``device_map`` splits the model)."""
+        slot = self._slot.get(0)
+        return None if slot is None else self.states[slot[0]]
 
     def observe_prefill(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
     ) -> None:
-        """A new prompt: at its first layer, the state is set up for its shape (or reset in place)."""
+        """A new prompt: once its last layer has been seen, the state of every device that holds
+        layers is set up for its shape (or reset in place)."""
         if layer == 0:
+            self._prompt_devices = {}
+        self._prompt_devices[layer] = query.device
+        if layer == self.num_layers - 1:
             batch, heads, _, head_dim = query.shape
             if self.grouped:  # a row per KV head, its anchors the group's queries side by side
                 heads, head_dim = key.shape[1], head_dim * (heads // key.shape[1])
-            self.setup(batch, heads, head_dim, query.device)
+            self._setup_layers(batch, heads, head_dim, self._prompt_devices)
 
     def setup(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:
-        """Buffers for decode steps of this shape; existing ones of the right shape are reset in
-        place, so that a compiled step keeps seeing the same addresses from one generate() call
-        to the next."""
-        if self.state is None or not self.state.matches(self.num_layers, batch, heads, head_dim, device):
-            self._allocate(batch, heads, head_dim, device)
-        else:
-            self.state.reset()
+        """Buffers for decode steps of this shape with every layer on ``device``."""
+        self._setup_layers(batch, heads, head_dim, dict.fromkeys(range(self.num_layers), device))
+
+    def _setup_layers(self, batch: int, heads: int, head_dim: int, devices: dict[int, torch.device]) -> None:
+        """One state per device for the layers on it; existing ones of the right shape are reset
+        in place, so that a compiled step keeps seeing the same addresses from one generate()
+        call to the next."""
+        if sorted(devices) != list(range(self.num_layers)):
+            raise RuntimeError(f"CIS saw the prefill of layers {sorted(devices)} of {self.num_layers}")
+        per_device: dict[torch.device, list[int]] = {}
+        for layer in range(self.num_layers):
+            per_device.setdefault(devices[layer], []).append(layer)
+        self._slot = {layer: (dev, i) for dev, layers in per_device.items() for i, layer in enumerate(layers)}
+        for dev, layers in per_device.items():
+            state = self.states.get(dev)
+            if state is None or not state.matches(len(layers), batch, heads, head_dim, dev):
+                self._allocate(dev, len(layers), batch, heads, head_dim)
+            else:
+                state.reset()
+        for dev in [d for d in self.states if d not in per_device]:
+            del self.states[dev]
 
     @torch.compiler.disable
-    def _allocate(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:
+    def _allocate(self, device: torch.device, layers: int, batch: int, heads: int, head_dim: int) -> None:
         # eager even inside a compiled forward: the buffers must live outside any CUDA graph pool
-        self.state = CISState(self.num_layers, batch, heads, head_dim, self.block_size, self.set_size, device)
+        self.states[device] = CISState(layers, batch, heads, head_dim, self.block_size, self.set_size, device)
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         geom: SequenceGeometry, params: DecodeParams, scale: float,
     ) -> DecodeSelection:
         """One decode step of ``layer`` for ``q [B, Hq, D]`` (SPEC §4 steps 1-4); the first layer
-        opens the step for all."""
-        state = self.state
-        if state is None:
+        of each device's state opens the step for its layers."""
+        slot = self._slot.get(layer)
+        if slot is None:
             raise RuntimeError("CIS decode step before any prefill: run the prompt through the patched model first")
-        if layer == 0:
+        device, local = slot
+        state = self.states[device]
+        if local == 0:
             state.begin_step()
         p = params
         f = step_frame(geom, p)
-        anchor_q, anchor_set, anchor_count = state.anchors(layer)
+        anchor_q, anchor_set, anchor_count = state.anchors(local)
         win_start = f.win_start
         if self.keep_anchor_local:
             # the window reaches back to where the middle ended at the block's first step: the
@@ -97,15 +127,15 @@ class CISSelector:
             grouped=self.grouped,
         )
         retrieved = sel.best == -1
-        state.record(layer, sel.match_q, sel.new_set, retrieved)
+        state.record(local, sel.match_q, sel.new_set, retrieved)
         return DecodeSelection(sel.idx, sel.count, retrieved, f.active)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Follow beam search."""
-        if self.state is not None:
-            self.state.reorder(index)
+        for state in self.states.values():
+            state.reorder(index)
 
     def reset(self) -> None:
         """Forget the anchors (the buffers stay)."""
-        if self.state is not None:
-            self.state.reset()
+        for state in self.states.values():
+            state.reset()
