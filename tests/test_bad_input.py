@@ -123,3 +123,12 @@ def test_a_budget_beyond_the_models_positions_is_refused_at_patch():
     with pytest.raises(prhs_hf.ConfigError, match=r"budget.topk.*512"):
         prhs_hf.patch(model, {**CIS, "budget": {"sink": 4, "local": 8, "topk": 1000}})
     assert not prhs_hf.is_patched(model)
+
+
+def test_a_patch_that_raises_leaves_the_patch_in_force():
+    model = tiny_model("llama", max_position_embeddings=512)
+    with prhs_hf.patch(model, CIS) as handle:
+        with pytest.raises(prhs_hf.ConfigError, match="budget.topk"):
+            prhs_hf.patch(model, {**CIS, "budget": {"sink": 4, "local": 8, "topk": 1000}})
+        assert model._prhs_runtime is handle.runtime
+    assert not prhs_hf.is_patched(model)
