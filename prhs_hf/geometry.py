@@ -32,6 +32,10 @@ class SequenceGeometry:
     t_last: torch.Tensor
     q_start: torch.Tensor
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(pad, t_last, q_start)``."""
+        return self.pad, self.t_last, self.q_start
+
     def query_real_index(self, q_len: int) -> torch.Tensor:
         """``[B, Lq]`` int32 real index of each of the ``q_len`` query rows."""
         rows = torch.arange(q_len, device=self.pad.device, dtype=torch.int32)

@@ -37,7 +37,6 @@ class PrHSRuntime:
         # the current forward, set by begin_forward (the first decoder layer's pre-hook)
         self.geometry: SequenceGeometry | None = None
         self._decoding = False
-        self._geometry_buffers: tuple[torch.Tensor, ...] = ()
         # the tensor parallel ranks' process group that telemetry(reduce=True) reduces over (patch sets it)
         self.reduce_group = None
 
@@ -71,7 +70,7 @@ class PrHSRuntime:
         geom = self.geometry
         if geom is None or geom.pad.device == device:
             return geom
-        return SequenceGeometry(*(x.to(device, non_blocking=True) for x in (geom.pad, geom.t_last, geom.q_start)))
+        return SequenceGeometry(*(x.to(device, non_blocking=True) for x in geom.tensors()))
 
     def is_decoding(self, q_len: int) -> bool:
         """Whether the current forward (of ``q_len`` query rows) is a decode step (see :meth:`begin_forward`)."""
@@ -81,16 +80,16 @@ class PrHSRuntime:
         """Keep ``geom`` in fixed buffers (allocated per batch size and device), which later
         forwards update in place: a compiled step then rebinds no attribute (which would make
         its tensors extra graph outputs) and CUDA graphs see fixed addresses."""
-        buffers = self._geometry_buffers
-        if buffers and buffers[0].shape == geom.pad.shape and buffers[0].device == geom.pad.device:
-            for buffer, value in zip(buffers, (geom.pad, geom.t_last, geom.q_start)):
+        kept = self.geometry
+        if kept is not None and kept.pad.shape == geom.pad.shape and kept.pad.device == geom.pad.device:
+            for buffer, value in zip(kept.tensors(), geom.tensors()):
                 buffer.copy_(value)
         else:
-            buffers = self._geometry_buffers = tuple(x.clone() for x in (geom.pad, geom.t_last, geom.q_start))
+            kept = SequenceGeometry(*(x.clone() for x in geom.tensors()))
             if not torch.compiler.is_compiling():
-                for buffer in buffers:
+                for buffer in kept.tensors():
                     torch._dynamo.mark_static_address(buffer)
-            self.geometry = SequenceGeometry(*buffers)
+            self.geometry = kept
 
     def prepare(self, device: torch.device, batch: int) -> None:
         """At a prefill of ``batch`` sequences (eager): pick the backends and allocate the telemetry
