@@ -91,15 +91,22 @@ TOPK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("B,Hq,Hkv,D,S,k,frac", TOPK_CASES)
-def test_gpu_topk_exact_on_quantised_data(B, Hq, Hkv, D, S, k, frac):
-    g = torch.Generator(device=DEV).manual_seed(2)
+def quantised_topk_case(B, Hq, Hkv, D, S, k, frac, seed):
+    """bf16 queries and keys on a quantised grid (scores exact in any summation order), ragged
+    left-padded sequences with the last one's middle shorter than ``k``, and a ``frac`` of the
+    rows retrieving: ``(q, k_cache, pad, lo, hi, retrieve, scale)``."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
     q = quantised((B, Hq, D), torch.bfloat16, g)
     kc = quantised((B, Hkv, S, D), torch.bfloat16, g)
     pad, t, lo, hi = ragged_geometry(B, S, 64, 256, g)
     hi[-1] = lo[-1] + k // 2  # a middle shorter than k
     retrieve = retrieving_rows(B, Hq, frac, g)
-    scale = 1 / math.sqrt(D)
+    return q, kc, pad, lo, hi, retrieve, 1 / math.sqrt(D)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,k,frac", TOPK_CASES)
+def test_gpu_topk_exact_on_quantised_data(B, Hq, Hkv, D, S, k, frac):
+    q, kc, pad, lo, hi, retrieve, scale = quantised_topk_case(B, Hq, Hkv, D, S, k, frac, seed=2)
     out = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale)
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, scale)
     assert torch.equal(out, ref)
@@ -279,13 +286,7 @@ GQA_TOPK_CASES = [
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,k,frac", GQA_TOPK_CASES)
 def test_gpu_topk_every_path_exact_on_quantised_data(B, Hq, Hkv, D, S, k, frac):
     """Group-aware scoring and the split select (and the old paths) give the reference."""
-    g = torch.Generator(device=DEV).manual_seed(20)
-    q = quantised((B, Hq, D), torch.bfloat16, g)
-    kc = quantised((B, Hkv, S, D), torch.bfloat16, g)
-    pad, t, lo, hi = ragged_geometry(B, S, 64, 256, g)
-    hi[-1] = lo[-1] + k // 2  # a middle shorter than k
-    retrieve = retrieving_rows(B, Hq, frac, g)
-    scale = 1 / math.sqrt(D)
+    q, kc, pad, lo, hi, retrieve, scale = quantised_topk_case(B, Hq, Hkv, D, S, k, frac, seed=20)
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, scale)
     for score in SCORE_MODES:
         for select in SELECT_MODES:
