@@ -166,8 +166,12 @@ def test_accuracy_configs_keep_their_meaning(tmp_path, monkeypatch):
     assert on["dense"] == (False, False, False)
     assert on["cpe"] == (True, True, True)
     assert on["cpe-no-etf"] == (True, True, False) and on["cpe-no-psaw"] == (True, False, True)
-    for name in ("cis-s8", "cis-s16", "cis-s20", "cis*", "cis-t0.6", "cis-t0.7", "hshare-1", "hshare-2", "quest", "h2o"):
+    for name in ("cis-s8", "cis-s16", "cis-s20", "cis*", "cis-t0.6", "cis-t0.7", "cis-t0.7-local", "cis-group",
+                 "cis-group-t0.7-local", "hshare-1", "hshare-2", "quest", "h2o"):
         assert on[name] == (True, False, False), name
+    local, group = (ac.load_named_config(ac.ACCURACY_CONFIGS[n]).cis for n in ("cis-t0.7-local", "cis-group-t0.7-local"))
+    assert (local.tau, local.keep_anchor_local, local.selection) == (0.7, True, "head")
+    assert (group.tau, group.keep_anchor_local, group.selection) == (0.7, True, "group")
 
 
 def test_only_a_bare_name_resolves_to_a_shipped_config(tmp_path, monkeypatch):
