@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, else float32), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1…")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-tokens", type=int, default=None,
+                   help="direct engine: also at most this many padded prompt tokens per batch (long prompts get "
+                        "smaller batches; default: no limit)")
     p.add_argument("--limit", type=int, default=None, help="first N examples of each task (default: all)")
     p.add_argument("--tasks", default="gsm8k,coqa",
                    help=f"comma list of {', '.join(direct.DIRECT_TASKS)}, ruler_<task>_<length> or ruler (every "
@@ -104,9 +107,10 @@ class DirectEngine:
     """Patch the model with the config, then generate and score with ``prhs_hf.accuracy.direct``."""
 
     def __init__(self, model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", batch_size: int,
-                 data_dir: str | None, max_new_tokens: int | None):
+                 data_dir: str | None, max_new_tokens: int | None, batch_tokens: int | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.data_dir, self.max_new_tokens = batch_size, data_dir, max_new_tokens
+        self.batch_tokens = batch_tokens
         self._docs: dict[tuple[str, int | None], list[dict[str, Any]]] = {}
 
     def _load(self, task: DirectTask, limit: int | None) -> list[dict[str, Any]]:
@@ -123,7 +127,7 @@ class DirectEngine:
             prhs_hf.reset(self.model)
             bar.reset(total=len(docs))
             result = direct.evaluate(self.model, self.tokenizer, task, docs, self.batch_size, self.max_new_tokens,
-                                     on_batch=bar.update)
+                                     on_batch=bar.update, batch_tokens=self.batch_tokens)
             telemetry = prhs_hf.telemetry(self.model).as_dict()
         row = Row.from_telemetry(config.name, task.name, result.metrics, result.n, result.seconds, result.new_tokens,
                                  telemetry, cfg.to_dict())
@@ -203,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {
         "command": shlex.join(["scripts/run_accuracy.py", *(sys.argv[1:] if argv is None else argv)]),
         "model": args.model, "engine": args.engine, "dtype": args.dtype, "device": device,
-        "batch_size": args.batch_size, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size, "batch_tokens": args.batch_tokens, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "tasks": [t.name for t in tasks], "configs": [c.name for c in configs],
         "environment": report.environment(device),
     }
@@ -218,8 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = time.perf_counter()
     model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=device)
     meta["load_seconds"] = round(time.perf_counter() - load_start, 1)
-    engine_cls = DirectEngine if args.engine == "direct" else LmEvalEngine
-    engine: Engine = engine_cls(model, tokenizer, args.batch_size, args.data_dir, args.max_new_tokens)
+    if args.engine == "direct":
+        engine: Engine = DirectEngine(model, tokenizer, args.batch_size, args.data_dir, args.max_new_tokens,
+                                      args.batch_tokens)
+    else:
+        if args.batch_tokens is not None:
+            raise SystemExit("--batch-tokens: only the direct engine batches by tokens; lm-eval batches by --batch-size")
+        engine = LmEvalEngine(model, tokenizer, args.batch_size, args.data_dir, args.max_new_tokens)
 
     longest: dict[str, float] = {}  # per task, the longest row so far: the estimate for the next one
     for r in rows.values():

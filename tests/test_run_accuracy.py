@@ -208,3 +208,33 @@ def test_gpu_plan_keeps_given_configs_and_fits_one_piece_in_one_call() -> None:
     assert len(calls) == 1 and calls[0].carry == [".xfer/models/m/MANIFEST.json", ".xfer/models/m/m.gguf.000"]
     assert "piece 1/1 ok" in calls[0].command
     assert calls[0].command.endswith("gpu_join_and_eval.sh m --configs=dense --limit 5")
+
+
+def test_batches_bound_the_padded_prompt_tokens() -> None:
+    """Long prompts get smaller batches: 32k-token RULER prompts at the GSM8K batch size do not fit a GPU."""
+    lengths = [100, 4000, 32000, 16000, 16000, 120, 32000]
+    assert direct.batches(lengths, batch_size=4) == [[2, 6, 3, 4], [1, 5, 0]]
+    got = direct.batches(lengths, batch_size=4, batch_tokens=40000)
+    assert got == [[2], [6], [3, 4], [1, 5, 0]]
+    assert sorted(i for b in got for i in b) == list(range(len(lengths)))
+    assert direct.batches([50000, 10], batch_size=8, batch_tokens=40000) == [[0], [1]]  # too long: alone
+    for bad in ({"batch_size": 0}, {"batch_size": 2, "batch_tokens": 0}):
+        with pytest.raises(ValueError, match="batch_"):
+            direct.batches(lengths, **bad)
+
+
+def test_batch_tokens_reaches_the_direct_engine(checkpoint, data_dir, tmp_path, monkeypatch) -> None:
+    sizes: list[int] = []
+    real = direct.generate
+
+    def counting(model, tokenizer, texts, *args, **kwargs):
+        sizes.append(len(texts))
+        return real(model, tokenizer, texts, *args, **kwargs)
+
+    monkeypatch.setattr(direct, "generate", counting)
+    out = tmp_path / "acc.json"
+    assert run_accuracy.main(_args(checkpoint, data_dir, out, "--configs", "dense", "--tasks", "coqa", "--limit", "3",
+                                   "--batch-tokens", "1")) == 0
+    report = json.loads(out.read_text())
+    assert report["meta"]["batch_tokens"] == 1 and report["rows"][0]["n"] == 3
+    assert sizes == [1, 1, 1]  # --batch-size 2 alone would give [2, 1]

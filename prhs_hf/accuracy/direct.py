@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DirectTask", "DIRECT_TASKS", "DirectResult", "task_named", "ruler_task_names", "build_prompt", "generate",
+__all__ = ["DirectTask", "DIRECT_TASKS", "DirectResult", "batches", "task_named", "ruler_task_names", "build_prompt", "generate",
            "evaluate"]
 
 Doc = Mapping[str, Any]
@@ -204,10 +204,31 @@ def generate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", tex
     return tokenizer.batch_decode(new, skip_special_tokens=True), n_new
 
 
+def batches(lengths: Sequence[int], batch_size: int, batch_tokens: int | None = None) -> list[list[int]]:
+    """Doc indices in generation batches: longest prompts first, at most ``batch_size`` docs a batch
+    and, with ``batch_tokens``, at most that many padded prompt tokens (docs x the batch's longest
+    prompt; a prompt longer than ``batch_tokens`` goes alone)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: expected >= 1")
+    if batch_tokens is not None and batch_tokens < 1:
+        raise ValueError(f"batch_tokens={batch_tokens}: expected >= 1 or None")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out: list[list[int]] = []
+    b = 0
+    while b < len(order):
+        size = batch_size
+        if batch_tokens is not None:
+            size = max(1, min(size, batch_tokens // max(1, lengths[order[b]])))
+        out.append(order[b:b + size])
+        b += size
+    return out
+
+
 def evaluate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", task: DirectTask, docs: Sequence[Doc],
              batch_size: int, max_new_tokens: int | None = None,
-             on_batch: Callable[[int], None] | None = None) -> DirectResult:
-    """Generate for every doc (longest prompts first, ``batch_size`` at a time) and score them.
+             on_batch: Callable[[int], None] | None = None, batch_tokens: int | None = None) -> DirectResult:
+    """Generate for every doc (longest prompts first, :func:`batches` of ``batch_size`` docs and at most
+    ``batch_tokens`` padded prompt tokens) and score them.
 
     ``on_batch(n)`` is called after each batch with the number of docs done in it (a progress bar).
     The result's ``metrics`` are the means of the per-doc scores, ``samples`` the per-doc records in
@@ -215,13 +236,11 @@ def evaluate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", tas
     """
     texts = [build_prompt(tokenizer, task, doc) for doc in docs]
     lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    order = sorted(range(len(docs)), key=lambda i: -lengths[i])
     generations: list[str] = [""] * len(docs)
     new_tokens = 0
     limit = task.max_new_tokens if max_new_tokens is None else max_new_tokens
     start = time.perf_counter()
-    for b in range(0, len(order), max(1, batch_size)):
-        batch = order[b:b + max(1, batch_size)]
+    for batch in batches(lengths, batch_size, batch_tokens):
         outs, n_new = generate(model, tokenizer, [texts[i] for i in batch], limit, task.finished())
         new_tokens += n_new
         for i, text in zip(batch, outs):
