@@ -198,10 +198,17 @@ def test_gpu_join_script_joins_and_exports_from_the_stage(tmp_path) -> None:
     bin_dir = Path(sys.executable).parent  # this venv's python3 first on PATH
     assert (bin_dir / "python3").is_file()
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PRHS_STAGE": str(stage),
-           "PRHS_GPU_WORK": str(work), "OUT": str(tmp_path / "out"), "PYTHONPATH": ""}
+           "PRHS_GPU_WORK": str(work), "OUT": str(tmp_path / "out"), "PYTHONPATH": "",
+           "PRHS_CALIBRATE": "--n 1 --length 48 --oracle-rows 2", "PRHS_CALIBRATE_TARGETS": "0.01 0.5"}
     r = subprocess.run(["bash", str(TOOLS / "gpu_join_and_eval.sh"), "tiny", "--limit", "1"], cwd=tmp_path,
                        capture_output=True, text=True, env=env, timeout=600)
     log = r.stdout + r.stderr
     assert "joined " in log and "exported " in log, log
     assert (work / "tiny.gguf").read_bytes() == gguf.read_bytes()
     assert (work / "ckpt-tiny" / "config.json").is_file()
+    for target in ("0.01", "0.5"):  # step 3b: one calibrated config per target, loadable, back in $OUT
+        cal = work / "results" / f"cpe_calibrated_tiny_t{target}.yaml"
+        assert cal.is_file(), log
+        assert (tmp_path / "out" / cal.name).is_file()
+        import prhs_hf
+        assert prhs_hf.load_config(cal).psaw is not None

@@ -15,7 +15,7 @@
 #    checkout (kernels/ as prhs_hf.kernels, as the editable install does);
 # 2. joins the pieces into one GGUF, checking every sha256 (tools/gpu_transfer.py join);
 # 3. exports it once as a plain HF checkpoint in bfloat16 (GGUF dequantisation takes minutes, the
-#    checkpoint loads in seconds);
+#    checkpoint loads in seconds); with PRHS_CALIBRATE set, then calibrates PSAW/ETF once (3b below);
 # 4. runs scripts/run_accuracy.py --engine direct on CUDA with the staged data, resuming
 #    $WORK/results/accuracy.json and stopping before a row that would overrun this call
 #    (PRHS_CALL_BUDGET_S, default 560 s of the device's 600 s);
@@ -92,6 +92,23 @@ if [ ! -f "$CKPT/config.json" ]; then
   echo "exported $CKPT in $((SECONDS - start)) s"
 fi
 
+# 3b. calibrate once per target, when PRHS_CALIBRATE holds `prhs-hf calibrate` options (e.g. "--n 4
+# --length 16384") and PRHS_CALIBRATE_TARGETS the dropped-mass targets (default "0.01"): PSAW/ETF
+# schedules chosen on Python's own standard-library source (on every machine, and not any
+# evaluation's text), written to $WORK/results/cpe_calibrated_${NAME}_t<target>.yaml; pass those
+# paths in --configs.
+if [ -n "${PRHS_CALIBRATE:-}" ]; then
+  STDLIB=$($PY -c "import json, os; print(os.path.dirname(os.path.dirname(json.__file__)))")
+  for target in ${PRHS_CALIBRATE_TARGETS:-0.01}; do
+    CAL=$WORK/results/cpe_calibrated_${NAME}_t$target.yaml
+    [ -f "$CAL" ] && continue
+    start=$SECONDS
+    # shellcheck disable=SC2086  # the options are meant to split
+    $PY -m prhs_hf calibrate "$CKPT" --text "$STDLIB" $PRHS_CALIBRATE --target "$target" --out "$CAL.partial" \
+      && mv "$CAL.partial" "$CAL" && echo "calibrated in $((SECONDS - start)) s: $CAL"
+  done
+fi
+
 # 4. evaluate (resumable; arguments given later win over these defaults). A script file puts its
 # own folder (scripts/), not the working directory, first on sys.path, so no -P is needed here.
 left=$((BUDGET - SECONDS))
@@ -100,6 +117,6 @@ python3 scripts/run_accuracy.py --engine direct --model "$CKPT" --device cuda --
 
 # 5. results back
 # (every report in $WORK/results: a run given its own --out there comes back too)
-cp "$WORK"/results/*.json "$WORK"/results/*.md "$OUT"/ 2>/dev/null || true
+cp "$WORK"/results/*.json "$WORK"/results/*.md "$WORK"/results/*.yaml "$OUT"/ 2>/dev/null || true
 for f in "$WORK"/results/*.samples.jsonl; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done
 exit "${status:-0}"
