@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""The long-context table and plots from a RULER accuracy run (issue 13, docs/LONG_CONTEXT.md).
+
+Input: the report of ``scripts/run_accuracy.py --tasks ruler_<task>_<length>,…`` (its JSON and, with
+``--save-samples``, its ``.samples.jsonl[.gz]``) and the folder the rows were prepared in
+(``prhs-hf ruler prepare``: the needles' depths). Output, beside ``--out``:
+
+- ``<out>.json``: rows per (config, task, length) with the score, n, ρ̂, KV per decode step and the
+  row's time; per (config, length) the mean over tasks; per (config, depth bin) the share of needles
+  found (needle tasks, from the saved generations); plus the command, GPU and versions of the run;
+- ``<out>.md``: the same as tables (tasks × lengths, one column per config);
+- ``<out>_length.png`` and ``<out>_depth.png`` (with matplotlib, the ``plots`` extra): accuracy vs
+  length and vs needle depth, one line per config.
+
+Example::
+
+    python scripts/ruler_report.py --results docs/results/ruler_qwen1.5b_raw.json \\
+        --data-dir data/ruler-qwen1.5b --out docs/results/ruler_qwen1.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import shlex
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from prhs_hf import long_context as lc
+
+DEPTH_BINS = 10
+_NAME = re.compile(r"^ruler_(?P<task>.+)_(?P<length>\d+)$")
+
+
+def split_task(name: str) -> tuple[str, int] | None:
+    """``ruler_<task>_<length>`` as ``(task, length)``; None for any other task name."""
+    m = _NAME.match(name)
+    if not m or m["task"] not in lc.RULER_TASKS:
+        return None
+    return m["task"], int(m["length"])
+
+
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    """The saved generations (``.samples.jsonl`` or its ``.gz``); none when neither exists."""
+    for p in (path, Path(f"{path}.gz")):
+        if p.is_file():
+            opener = gzip.open if p.suffix == ".gz" else open
+            with opener(p, "rt", encoding="utf-8") as fh:
+                return [json.loads(line) for line in fh if line.strip()]
+    return []
+
+
+def needle_hits(samples: Iterable[Mapping[str, Any]], data_dir: str | Path) -> list[dict[str, Any]]:
+    """One record per expected answer of the needle tasks: config, task, length, depth, found."""
+    docs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    out = []
+    for s in samples:
+        parsed = split_task(str(s.get("task", "")))
+        if parsed is None:
+            continue
+        key = parsed
+        if key not in docs:
+            docs[key] = lc.load_prepared(key[0], [key[1]], data_dir)
+        doc = docs[key][int(s["index"])]
+        depths = doc.get("depths")
+        if not depths:
+            continue  # vt, cwe, fwe: no needle
+        pred = lc.postprocess_pred(str(s["generation"])).lower()
+        for answer, depth in zip(doc["outputs"], depths):
+            out.append({"config": s["config"], "task": key[0], "length": key[1], "depth": float(depth),
+                        "found": str(answer).lower() in pred})
+    return out
+
+
+def summarize(rows: Sequence[Mapping[str, Any]], hits: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per-row table, per-(config, length) means over tasks, per-(config, depth bin) needle recall."""
+    table = []
+    for r in rows:
+        parsed = split_task(str(r["task"]))
+        if parsed is None or r.get("status", "ok") != "ok":
+            continue
+        (metric, value), = [(k, v) for k, v in r["metrics"].items()][:1]
+        table.append({"config": r["config"], "task": parsed[0], "length": parsed[1], "metric": metric,
+                      "score": float(value), "n": int(r["n"]), "rho_hat": r.get("rho_hat"),
+                      "processed_kv_per_step": r.get("processed_kv_per_step"),
+                      "dense_kv_per_step": r.get("dense_kv_per_step"), "seconds": r.get("seconds")})
+    by_length: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for t in table:
+        by_length[(t["config"], t["length"])].append(t)
+    means = [{"config": c, "length": n, "tasks": len(ts), "mean_score": sum(t["score"] for t in ts) / len(ts),
+              "examples": sum(t["n"] for t in ts), "seconds": sum(t["seconds"] or 0.0 for t in ts)}
+             for (c, n), ts in sorted(by_length.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
+    bins: dict[tuple[str, int], list[bool]] = defaultdict(list)
+    for h in hits:
+        b = min(DEPTH_BINS - 1, int(h["depth"] * DEPTH_BINS))
+        bins[(h["config"], b)].append(bool(h["found"]))
+    depth = [{"config": c, "depth_from": b / DEPTH_BINS, "depth_to": (b + 1) / DEPTH_BINS, "needles": len(v),
+              "found": sum(v) / len(v)} for (c, b), v in sorted(bins.items())]
+    return {"rows": table, "by_length": means, "by_depth": depth}
+
+
+def _configs(table: Sequence[Mapping[str, Any]]) -> list[str]:
+    seen: list[str] = []
+    for t in table:
+        if t["config"] not in seen:
+            seen.append(t["config"])
+    return seen
+
+
+def render_markdown(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
+    """Tasks × lengths with a column per config; then the means per length and the recall per depth."""
+    table = summary["rows"]
+    configs = _configs(table)
+    cell = {(t["config"], t["task"], t["length"]): t for t in table}
+    env = meta.get("environment", {})
+    lines = ["# RULER (offline subset, docs/LONG_CONTEXT.md)", "",
+             f"- run: `{meta.get('command', '?')}`",
+             f"- model: {meta.get('model', '?')}; GPU: {env.get('gpu') or 'none'}; torch {env.get('torch', '?')}, "
+             f"transformers {env.get('versions', {}).get('transformers', '?')}; date {env.get('date', '?')}",
+             f"- report: `{meta.get('report_command', '?')}`", "",
+             "Score: lm-eval's string_match_all (share of the expected strings found), n examples per cell. "
+             "ρ̂: share of sparse (step, layer, head) that ran a top-k retrieval; KV: keys attended per layer, "
+             "head and decode step.", "",
+             "| task | length | n | " + " | ".join(configs) + " |",
+             "|---|---|---|" + "---|" * len(configs)]
+    keys = sorted({(t["task"], t["length"]) for t in table}, key=lambda k: (list(lc.RULER_TASKS).index(k[0]), k[1]))
+    for task, length in keys:
+        ns = {cell[(c, task, length)]["n"] for c in configs if (c, task, length) in cell}
+        vals = [f"{cell[(c, task, length)]['score']:.3f}" if (c, task, length) in cell else "—" for c in configs]
+        lines.append(f"| {task} | {length} | {'/'.join(map(str, sorted(ns)))} | " + " | ".join(vals) + " |")
+    lines += ["", "Mean over the tasks run at each length (tasks, examples):", "",
+              "| config | length | tasks | examples | mean score | seconds | ρ̂ | KV/step (dense) |", "|---|---|---|---|---|---|---|---|"]
+    for m in summary["by_length"]:
+        ts = [t for t in table if t["config"] == m["config"] and t["length"] == m["length"]]
+        rho = [t["rho_hat"] for t in ts if t["rho_hat"] is not None]
+        kv = [t["processed_kv_per_step"] for t in ts if t["processed_kv_per_step"] is not None]
+        dense = [t["dense_kv_per_step"] for t in ts if t["dense_kv_per_step"] is not None]
+        lines.append(f"| {m['config']} | {m['length']} | {m['tasks']} | {m['examples']} | {m['mean_score']:.3f} | "
+                     f"{m['seconds']:.0f} | {f'{100 * sum(rho) / len(rho):.1f} %' if rho else '—'} | "
+                     f"{f'{sum(kv) / len(kv):.0f} ({sum(dense) / len(dense):.0f})' if kv and dense else '—'} |")
+    if summary["by_depth"]:
+        lines += ["", "Needles found by depth in the haystack (needle tasks, all lengths):", "",
+                  "| config | depth | needles | found |", "|---|---|---|---|"]
+        for d in summary["by_depth"]:
+            lines.append(f"| {d['config']} | {d['depth_from']:.1f}–{d['depth_to']:.1f} | {d['needles']} | {d['found']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: Mapping[str, Any], out: Path) -> list[Path]:
+    """Accuracy vs length and vs depth (PNG); nothing without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("ruler_report: matplotlib is not installed (the 'plots' extra): no plots", file=sys.stderr)
+        return []
+    written = []
+    for name, series, x, y, xlabel in (
+            ("length", summary["by_length"], "length", "mean_score", "prompt length (tokens)"),
+            ("depth", summary["by_depth"], "depth_from", "found", "needle depth in the haystack (bin start)")):
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for config in _configs(series):
+            pts = [(s[x], s[y]) for s in series if s["config"] == config]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=config)
+        if name == "length":
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("score" if name == "length" else "share of needles found")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        path = out.with_name(f"{out.name}_{name}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", required=True, type=Path, help="run_accuracy.py's JSON report")
+    ap.add_argument("--samples", type=Path, default=None,
+                    help="its saved generations (default: <results>.samples.jsonl[.gz])")
+    ap.add_argument("--data-dir", required=True, help="the folder the RULER rows were prepared in")
+    ap.add_argument("--out", required=True, type=Path, help="output path without suffix")
+    args = ap.parse_args(argv)
+    report = json.loads(args.results.read_text())
+    samples = read_samples(args.samples or args.results.with_suffix(".samples.jsonl"))
+    summary = summarize(report["rows"], needle_hits(samples, args.data_dir))
+    if not summary["rows"]:
+        raise SystemExit(f"{args.results}: no RULER row (ruler_<task>_<length>) with status ok")
+    meta = {**report.get("meta", {}), "report_command": shlex.join(["scripts/ruler_report.py", *(sys.argv[1:] if argv is None else argv)])}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, **summary}, indent=1) + "\n")
+    md = render_markdown(summary, meta)
+    args.out.with_suffix(".md").write_text(md)
+    print(md)
+    for p in plot(summary, args.out):
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
