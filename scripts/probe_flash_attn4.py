@@ -1,0 +1,578 @@
+#!/usr/bin/env python
+"""Probe of flash-attn-4 (CuTe DSL) on this GPU (issue 15): does it import, and how fast is it,
+dense and block-sparse on the PSAW/ETF tiles of ``configs/cpe.yaml``.
+
+Stages, each in its own ``try``/``except`` (a failure leaves the other stages' rows and its own
+error text, with the full traceback, in the JSON):
+
+1. ``import``: ``import flash_attn.cute`` (and ``cutlass``); versions of FA4 and its stack, the
+   CUDA flavour of the CuTe DSL that was loaded (``_cutlass_ir.cu{N}``), the driver's CUDA.
+2. ``dense``: causal forward, bf16, batch 1, 32 query heads (32 and 8 KV heads), d 128, at 4k,
+   16k, 32k: FA4 ``flash_attn_func(causal=True)``, SDPA (flash backend; the reference), our Triton
+   prefill kernel with a dense-equivalent pattern and FlexAttention (compiled); max error vs SDPA
+   and median time (``_bench_common.median_ms``: ``triton.testing.do_bench``).
+3. ``sparse``: the PSAW+ETF pattern of the config at depth ``--depth`` (1.0: the deepest layer's
+   window and frozen rows, as the ``u = 1`` rows of ``bench_prefill``), run through FA4's
+   block-sparse forward: :func:`fa4_block_sparse` turns the schedule into FA4's
+   ``BlockSparseTensorsTorch`` (128 x 128 tiles: skipped, full, and partial tiles for which a
+   CuTe ``mask_mod`` applies the exact SPEC §3 predicate), checked against
+   :func:`prefill_attention_reference` (up to ``--ref-max-len``; past it against our kernel) and
+   timed next to our kernel and FlexAttention with the same pattern.
+
+Writes ``<out>.json`` (rows with named fields, metadata, errors) and ``<out>.md`` (default
+``docs/results/probe_flash_attn4``). FA4 compiles each variant on first use (about 4 variants);
+``--fa4-cache`` keeps the compiled kernels on disk for a second run. ``--budget-s`` skips the
+optional columns (FlexAttention, the fp32 reference) once the run is past it.
+
+    PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages python scripts/probe_flash_attn4.py
+    python scripts/probe_flash_attn4.py --contexts 4096 --skip-flex     # quick look
+
+Exit status: 0 all stages ran, 1 some stage or column failed (see ``errors``), 2 no CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+import _bench_common as common
+import bench_prefill as bp  # the pattern of a depth, the kernel arguments, the config reader, tables
+
+from prhs_hf import schedules as sched  # noqa: E402  (bench_prefill put the kernels in place)
+from prhs_hf.kernels.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
+
+REPO = common.REPO
+#: FA4's SM90 forward tile for d 128 (``_tile_size_fwd_sm90``); the sparse block size FA4 is given
+FA4_BLOCK = (128, 128)
+#: distributions whose versions the import stage records (``importlib.metadata`` names)
+FA4_DISTRIBUTIONS = (
+    "flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core",
+    "nvidia-cutlass-dsl-libs-cu13", "nvidia-cutlass-dsl-libs-cu12", "quack-kernels", "apache-tvm-ffi",
+    "torch-c-dlpack-ext", "cuda-bindings", "cuda-pathfinder", "protobuf", "einops",
+)
+
+
+@dataclass
+class Report:
+    """Everything the probe measured: metadata, one row per measurement, the errors."""
+
+    meta: dict[str, Any]
+    fa4: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def error(self, where: str, exc: BaseException) -> str:
+        """Record ``exc`` (message and full traceback) under ``where``; print both; return the one-line message."""
+        msg = f"{type(exc).__name__}: {exc}".strip()
+        tb = traceback.format_exc()
+        self.errors.append({"where": where, "error": msg, "traceback": tb})
+        print(f"  [error] {where}: {msg}\n{tb}", flush=True)
+        return msg.splitlines()[0][:300] if msg else type(exc).__name__
+
+
+# ----------------------------------------------------------------------------- tile mask -> FA4
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor) -> torch.Tensor:
+    """Length of ``[a, b) ∩ [c0, c1)`` elementwise (0 when empty)."""
+    return (torch.minimum(b, c1) - torch.maximum(a, c0)).clamp(min=0)
+
+
+def visible_per_block(
+    win_lo: torch.Tensor, sink: int, frozen_lo: int, frozen_hi: int, kv_len: int, block_m: int, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Visible (query, key) pairs of every ``block_m x block_n`` tile of a batch-1, unpadded prefill.
+
+    ``win_lo [Lq]`` is the PSAW window start of each row (real index ``i`` = row), ``[frozen_lo,
+    frozen_hi)`` the ETF-frozen rows. An active row ``i`` sees ``[0, s) ∪ [max(win, s), i + 1)``
+    with ``s = min(sink, i + 1)``: the same keys as :func:`prefill_visibility`, as two disjoint
+    intervals, so no ``Lq x Lk`` mask is built (``Lq x n_blocks`` counts). Returns ``(pairs
+    [M, N], capacity [M, N])``, capacity being the tile's real rows x real columns.
+    """
+    dev = win_lo.device
+    lq = win_lo.shape[0]
+    i = torch.arange(lq, device=dev, dtype=torch.int64)
+    win = win_lo.to(device=dev, dtype=torch.int64)
+    active = (i < frozen_lo) | (i >= frozen_hi)
+    s = torch.clamp(i + 1, max=sink)
+    n_blocks = -(-kv_len // block_n)
+    c0 = (torch.arange(n_blocks, device=dev, dtype=torch.int64) * block_n)[None, :]
+    c1 = torch.clamp(c0 + block_n, max=kv_len)
+    zero = torch.zeros_like(i)
+    per_row = _overlap(zero[:, None], s[:, None], c0, c1) + _overlap(torch.maximum(win, s)[:, None], (i + 1)[:, None], c0, c1)
+    per_row = per_row * active[:, None]
+    m_blocks = -(-lq // block_m)
+    padded = torch.zeros(m_blocks * block_m, n_blocks, dtype=torch.int64, device=dev)
+    padded[:lq] = per_row
+    pairs = padded.view(m_blocks, block_m, n_blocks).sum(dim=1)
+    rows = torch.clamp(lq - torch.arange(m_blocks, device=dev) * block_m, max=block_m)
+    capacity = rows[:, None] * (c1 - c0)
+    return pairs, capacity
+
+
+def block_kinds(pairs: torch.Tensor, capacity: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
+    """Tile kinds from :func:`visible_per_block`: 0 skipped, 1 partial (needs the mask), 2 full.
+
+    A tile is full only when it is a whole ``block_m x block_n`` tile with every pair visible; a
+    ragged edge tile with pairs is partial (the mask is exact there, full would not be).
+    """
+    full = (pairs == capacity) & (capacity == block_m * block_n)
+    kinds = torch.where(pairs > 0, 1, 0)
+    return torch.where(full, 2, kinds).to(torch.int8)
+
+
+def _ordered(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(count [1, 1, M], indices [1, 1, M, N])`` int32 of the selected columns per row, ascending, packed left."""
+    count = sel.sum(dim=-1).to(torch.int32)
+    order = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count[None, None].contiguous(), order[None, None].contiguous()
+
+
+def fa4_block_sparse(
+    win_lo: torch.Tensor,
+    sink: int,
+    frozen_lo: int,
+    frozen_hi: int,
+    kv_len: int,
+    block: tuple[int, int] = FA4_BLOCK,
+) -> dict[str, Any]:
+    """The PSAW/ETF schedule of a batch-1 prefill as FA4's block-sparse tensors (FlexAttention's layout).
+
+    Returns ``mask_block_cnt``/``mask_block_idx`` (partial tiles: the kernel applies the mask_mod),
+    ``full_block_cnt``/``full_block_idx`` (tiles run without a mask), shaped ``[1, 1, M]`` and
+    ``[1, 1, M, N]`` int32 (one pattern for every head), ``block_size``, and ``kinds [M, N]``
+    (0 skipped, 1 partial, 2 full) for the statistics and the tests. Pass the four tensors and
+    ``block_size`` to ``flash_attn.cute.block_sparsity.BlockSparseTensorsTorch``.
+    """
+    bm, bn = block
+    pairs, capacity = visible_per_block(win_lo, sink, frozen_lo, frozen_hi, kv_len, bm, bn)
+    kinds = block_kinds(pairs, capacity, bm, bn)
+    mask_cnt, mask_idx = _ordered(kinds == 1)
+    full_cnt, full_idx = _ordered(kinds == 2)
+    return dict(mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt, full_block_idx=full_idx,
+                block_size=(bm, bn), kinds=kinds)
+
+
+def block_stats(kinds: torch.Tensor) -> dict[str, int]:
+    """How many tiles of the ``M x N`` grid are partial, full and skipped (above the diagonal too)."""
+    total = kinds.numel()
+    return {
+        "tiles": total,
+        "tiles_partial": int((kinds == 1).sum()),
+        "tiles_full": int((kinds == 2).sum()),
+        "tiles_skipped": int((kinds == 0).sum()),
+    }
+
+
+# ----------------------------------------------------------------------------- FA4 import
+
+
+def _add_cutlass_dsl_path() -> Optional[str]:
+    """Put ``nvidia_cutlass_dsl/dsl_packages`` on ``sys.path`` if the wheel is found but its ``.pth`` was not run.
+
+    ``pip install --target DIR`` plus ``PYTHONPATH=DIR`` skips ``nvidia_cutlass_dsl_packages.pth``
+    (``.pth`` files run only in site directories), so ``import cutlass`` fails without this.
+    Returns the added path, or None.
+    """
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        path = os.path.join(root, "dsl_packages")
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.insert(0, path)
+            return path
+    return None
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _driver_cuda() -> str:
+    """The driver's CUDA version (``cuDriverGetVersion``), e.g. ``"13.0"``; the CuTe DSL picks its cu12/cu13 flavour by it."""
+    try:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(v)) == 0:
+            return f"{v.value // 1000}.{(v.value % 1000) // 10}"
+        return "cuDriverGetVersion failed"
+    except OSError as exc:
+        return f"no libcuda.so.1 ({exc})"
+
+
+def import_fa4(report: Report) -> Any:
+    """Stage 1: import ``flash_attn.cute``; record versions, the DSL flavour, or the full traceback. Returns the module or None."""
+    info: dict[str, Any] = {"driver_cuda": _driver_cuda(), "versions": {d: _dist_version(d) for d in FA4_DISTRIBUTIONS}}
+    info["sys_path_added"] = _add_cutlass_dsl_path()
+    report.fa4 = info
+    t0 = time.perf_counter()
+    try:
+        fa4 = importlib.import_module("flash_attn.cute")
+        importlib.import_module("flash_attn.cute.interface")
+        importlib.import_module("flash_attn.cute.block_sparsity")
+    except BaseException as exc:  # noqa: BLE001 - ImportError, RuntimeError of the DSL loader, SystemExit of a native lib...
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        info["ok"] = False
+        info["error"] = report.error("import flash_attn.cute", exc)
+        if isinstance(exc, ModuleNotFoundError) and exc.name in ("cutlass", "cuda", "cuda.bindings", "google"):
+            report.notes.append(f"{exc.name} is missing: the CuTe DSL needs nvidia-cutlass-dsl-libs-core (cutlass), "
+                                "cuda-bindings (cuda) and protobuf (google) on the path; with pip --target also "
+                                "<target>/nvidia_cutlass_dsl/dsl_packages (its .pth does not run)")
+        report.rows.append(dict(stage="import", impl="fa4", ok=False, error=info["error"]))
+        return None
+    info["ok"] = True
+    info["import_s"] = round(time.perf_counter() - t0, 2)
+    info["flash_attn_cute_version"] = getattr(fa4, "__version__", "unknown")
+    ir = sys.modules.get("cutlass._mlir._mlir_libs._cutlass_ir")
+    info["cutlass_ir"] = os.path.basename(getattr(ir, "__file__", "") or "?")
+    try:
+        from cutlass.base_dsl.version_info import CUDA_VERSION
+
+        info["cutlass_dsl_cuda"] = f"{CUDA_VERSION.major}.{CUDA_VERSION.minor}"
+    except Exception as exc:  # noqa: BLE001
+        info["cutlass_dsl_cuda"] = f"unknown ({type(exc).__name__})"
+    info["cute_dsl_libs"] = os.environ.get("CUTE_DSL_LIBS")
+    report.rows.append(dict(stage="import", impl="fa4", ok=True, error=None))
+    print(f"  flash_attn.cute imported in {info['import_s']} s: {json.dumps(info, default=str)}", flush=True)
+    return fa4
+
+
+def make_fa4_mask_mod() -> Callable:
+    """The SPEC §3 predicate as a CuTe ``mask_mod`` for FA4's partial tiles (batch 1, no padding).
+
+    ``aux_tensors = [win_lo int32 [Lq], params int32 [3] = (sink, frozen_lo, frozen_hi)]``: the
+    values live in tensors, not in the closure, so one compiled kernel serves every length and
+    depth. Same rule as :func:`prefill_attention.prefill_visibility` (which FA4 cannot call).
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import utils
+
+    @cute.jit
+    def psaw_etf_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        win_lo = aux_tensors[0]
+        params = aux_tensors[1]
+        win = utils.scalar_to_ssa(win_lo[m_idx[0]], cutlass.Int32)
+        sink = utils.scalar_to_ssa(params[0], cutlass.Int32)
+        f_lo = utils.scalar_to_ssa(params[1], cutlass.Int32)
+        f_hi = utils.scalar_to_ssa(params[2], cutlass.Int32)
+        active = (m_idx < f_lo) | (m_idx >= f_hi)
+        return active & (n_idx <= m_idx) & ((n_idx < sink) | (n_idx >= win))
+
+    return psaw_etf_mask
+
+
+# ----------------------------------------------------------------------------- runners
+
+
+def _sdpa_flash(q, k, v, gqa: bool) -> Callable[[], torch.Tensor]:
+    """SDPA causal, flash backend only, ``[B, L, H, D]`` out."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    return run
+
+
+def _fa4_call(fa4_kwargs: dict[str, Any], qb, kb, vb) -> Callable[[], torch.Tensor]:
+    from flash_attn.cute import flash_attn_func
+
+    def run():
+        res = flash_attn_func(qb, kb, vb, **fa4_kwargs)
+        return res[0] if isinstance(res, tuple) else res
+
+    return run
+
+
+def _max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max())
+
+
+class Probe:
+    """The measuring loop's state: device, report, deadline of the optional columns, FA4 first-call times."""
+
+    def __init__(self, report: Report, device: torch.device, budget_s: float, t_start: float):
+        self.report, self.device, self.budget_s, self.t_start = report, device, budget_s, t_start
+        self.fa4_variants_seen: set[str] = set()
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.t_start > self.budget_s
+
+    def measure(self, base: dict[str, Any], impl: str, make: Callable[[], Callable[[], torch.Tensor]],
+                ref: Optional[torch.Tensor], ref_name: Optional[str], check: Optional[Callable] = None,
+                variant: Optional[str] = None) -> Optional[torch.Tensor]:
+        """One row: build the call, run it once (timed as ``first_call_s``: FA4's compile), compare, time it."""
+        row = dict(base, impl=impl, ms=None, max_abs_err=None, reference=ref_name, first_call_s=None, ok=False, error=None)
+        out = None
+        try:
+            fn = make()
+            t0 = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            row["first_call_s"] = round(time.perf_counter() - t0, 3)
+            if variant is not None:
+                row["fa4_variant"] = variant
+                row["fa4_compiled_here"] = variant not in self.fa4_variants_seen
+                self.fa4_variants_seen.add(variant)
+            if ref is not None:
+                row["max_abs_err"] = _max_err(out, ref)
+            if check is not None:
+                row.update(check(out))
+            row["ms"] = common.median_ms(fn, self.device).ms
+            row["ok"] = True
+        except Exception as exc:  # noqa: BLE001 - the row keeps the error, the probe goes on
+            row["error"] = self.report.error(f"{base.get('stage')} {impl} L={base.get('context')} Hkv={base.get('kv_heads')}", exc)
+            out = None
+            try:  # a sticky CUDA error (an illegal address) raises here again: keep the first message
+                torch.cuda.synchronize()
+                gc.collect()
+                torch.cuda.empty_cache()
+            except Exception as again:  # noqa: BLE001
+                row["error"] += f" (then: {type(again).__name__}: {str(again)[:200]})"
+        self.report.rows.append(row)
+        print("  " + ", ".join(f"{k}={bp._fmt(v)}" for k, v in row.items() if k != "error"), flush=True)
+        return out
+
+    def skipped(self, base: dict[str, Any], impl: str, why: str) -> None:
+        self.report.rows.append(dict(base, impl=impl, ms=None, max_abs_err=None, ok=False, error=f"skipped: {why}"))
+
+
+def _inputs(L: int, hq: int, hkv: int, d: int, device: torch.device, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed + L + 7 * hkv)
+    q = torch.randn(1, hq, L, d, device=device, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, hkv, L, d, device=device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, hkv, L, d, device=device, dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def _flex(q, k, v, L, s, args, scale):
+    from prhs_hf.kernels.flex_prefill import build_prefill_block_mask, flex_attention_with_mask
+
+    pad, q_start, win_lo, flo, fhi = args
+    block_mask = build_prefill_block_mask(pad, q_start, win_lo, s.sink, flo, fhi, L)  # not timed
+    return lambda: flex_attention_with_mask(q, k, v, block_mask, scale)
+
+
+def stage_dense(p: Probe, fa4: Any, contexts: list[int], heads: list[tuple[int, int]], d: int, s, with_flex: bool) -> None:
+    """Stage 2: dense causal forward of every implementation at every length and head layout."""
+    scale = d**-0.5
+    for L in contexts:
+        for hq, hkv in heads:
+            print(f"(dense) L={L} Hq={hq} Hkv={hkv}", flush=True)
+            base = dict(stage="dense", context=L, q_heads=hq, kv_heads=hkv, head_dim=d)
+            q, k, v = _inputs(L, hq, hkv, d, p.device)
+            ref_b = p.measure(base, "sdpa_flash", lambda: _sdpa_flash(q, k, v, hkv != hq), None, None)
+            if ref_b is None and hkv != hq:  # flash SDPA without enable_gqa: K/V copied to every query head
+                g = hq // hkv
+                kr, vr = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+                ref_b = p.measure(base, "sdpa_flash_repeat_kv", lambda: _sdpa_flash(q, kr, vr, False), None, None)
+                del kr, vr
+            ref = None if ref_b is None else ref_b.transpose(1, 2)  # [B, L, H, D]
+            rname = None if ref is None else "sdpa_flash"
+            if fa4 is not None:
+                qb, kb, vb = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                kw = dict(softmax_scale=scale, causal=True)
+                p.measure(base, "fa4", lambda: _fa4_call(kw, qb, kb, vb), ref, rname, variant=f"dense causal G={hq // hkv}")
+                del qb, kb, vb
+            else:
+                p.skipped(base, "fa4", "flash_attn.cute did not import (see the import stage)")
+            dense = bp.Pattern(0.0, "dense", 1.0, s.sink)
+            args = bp.kernel_args(L, dense, s, p.device)
+            p.measure(base, "ours_triton", lambda: (lambda: prefill_attention(q, k, v, args[0], args[1], args[2], s.sink, args[3], args[4], scale)), ref, rname)
+            if with_flex and not p.over_budget():
+                p.measure(base, "flex", lambda: _flex(q, k, v, L, s, args, scale), ref, rname)
+            elif with_flex:
+                p.skipped(base, "flex", "over --budget-s")
+            del q, k, v, ref, ref_b
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def stage_sparse(p: Probe, fa4: Any, contexts: list[int], heads: list[tuple[int, int]], d: int, s, depth: float,
+                 with_flex: bool, ref_max_len: int) -> None:
+    """Stage 3: the PSAW+ETF pattern at ``depth`` through FA4 block-sparse, our kernel and Flex."""
+    scale = d**-0.5
+    mask_mod = None
+    if fa4 is not None:
+        try:
+            mask_mod = make_fa4_mask_mod()
+        except Exception as exc:  # noqa: BLE001
+            p.report.error("sparse: building the CuTe mask_mod", exc)
+    for L in contexts:
+        pat = bp.make_pattern(L, depth, "both", s)
+        pad, q_start, win_lo, flo, fhi = args = bp.kernel_args(L, pat, s, p.device)
+        pairs = sched.visible_pairs(L, pat.w, s.sink, s.sink, pat.frozen_hi)
+        sparse = fa4_block_sparse(win_lo[0], s.sink, s.sink, pat.frozen_hi, L)
+        stats = block_stats(sparse["kinds"])
+        frozen = torch.zeros(L, dtype=torch.bool, device=p.device)
+        frozen[s.sink:pat.frozen_hi] = True
+        for hq, hkv in heads:
+            print(f"(sparse) L={L} Hq={hq} Hkv={hkv} depth={depth} w={pat.w:.4f} frozen_hi={pat.frozen_hi} {stats}", flush=True)
+            base = dict(stage="sparse", context=L, q_heads=hq, kv_heads=hkv, head_dim=d, depth=depth,
+                        window_fraction=round(pat.w, 6), frozen_rows=max(0, pat.frozen_hi - s.sink),
+                        visible_fraction=round(pairs / sched.causal_pairs(L), 6), **stats)
+            q, k, v = _inputs(L, hq, hkv, d, p.device, seed=1)
+            kargs = (q, k, v, pad, q_start, win_lo, s.sink, flo, fhi, scale)
+            ours = p.measure(base, "ours_triton", lambda: (lambda: prefill_attention(*kargs)), None, None)
+            ref, rname = ours, "ours_triton"
+            if L <= ref_max_len and not p.over_budget():
+                try:
+                    ref, rname = prefill_attention_reference(*kargs), "reference_fp32"
+                    if ours is not None:
+                        p.report.rows[-1]["max_abs_err"] = _max_err(ours, ref)
+                        p.report.rows[-1]["reference"] = rname
+                except Exception as exc:  # noqa: BLE001
+                    p.report.error(f"sparse reference L={L}", exc)
+
+            def check(out, ref=ref):
+                if ref is None:
+                    return {}
+                err = (out.float() - ref.float()).abs().amax(dim=(0, 2, 3))  # per row
+                return {"max_abs_err_active_rows": float(err[~frozen].max()),
+                        "max_abs_frozen_rows": float(out[:, frozen].float().abs().max()) if bool(frozen.any()) else 0.0}
+
+            if fa4 is not None and mask_mod is not None:
+                from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+                qb, kb, vb = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                bst = BlockSparseTensorsTorch(
+                    mask_block_cnt=sparse["mask_block_cnt"], mask_block_idx=sparse["mask_block_idx"],
+                    full_block_cnt=sparse["full_block_cnt"], full_block_idx=sparse["full_block_idx"],
+                    block_size=sparse["block_size"],
+                )
+                aux = [win_lo[0].contiguous(), torch.tensor([s.sink, s.sink, pat.frozen_hi], dtype=torch.int32, device=p.device)]
+                kw = dict(softmax_scale=scale, causal=False, mask_mod=mask_mod, aux_tensors=aux, block_sparse_tensors=bst,
+                          pack_gqa=hq != hkv)
+                p.measure(base, "fa4_block_sparse", lambda: _fa4_call(kw, qb, kb, vb), ref, rname, check=check,
+                          variant=f"block-sparse mask_mod G={hq // hkv}")
+                del qb, kb, vb
+            else:
+                p.skipped(base, "fa4_block_sparse", "flash_attn.cute or its mask_mod is not available (see errors)")
+            if with_flex and not p.over_budget():
+                p.measure(base, "flex", lambda: _flex(q, k, v, L, s, args, scale), ref, rname, check=check)
+            elif with_flex:
+                p.skipped(base, "flex", "over --budget-s")
+            del q, k, v, ref, ours
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- output
+
+
+ROW_COLUMNS = ("stage", "context", "q_heads", "kv_heads", "impl", "ms", "max_abs_err", "reference", "first_call_s", "ok",
+               "max_abs_err_active_rows", "max_abs_frozen_rows", "visible_fraction", "tiles_partial", "tiles_full",
+               "tiles_skipped")
+
+
+def render_markdown(r: Report) -> str:
+    m = r.meta
+    head = (
+        f"# flash-attn-4 probe (issue 15)\n\n- command: `{m['command']}`\n- GPU: {m['gpu']}\n- date: {m['date']}\n"
+        f"- commit: {m['git_commit']}\n- versions: {', '.join(f'{k} {v}' for k, v in m['versions'].items())}\n"
+        f"- FA4 stack: {', '.join(f'{k} {v}' for k, v in r.fa4.get('versions', {}).items())}\n"
+        f"- driver CUDA {r.fa4.get('driver_cuda')}, CuTe DSL flavour {r.fa4.get('cutlass_ir', 'n/a')} "
+        f"(CUDA {r.fa4.get('cutlass_dsl_cuda', 'n/a')}), flash_attn.cute imported: {r.fa4.get('ok')}\n\n"
+        "Times are medians in ms (`triton.testing.do_bench`); `max_abs_err` against `reference`; "
+        "`first_call_s` includes FA4's JIT compile where `fa4_compiled_here`.\n\n"
+    )
+    rows = [{c: row.get(c) for c in ROW_COLUMNS} for row in r.rows if row.get("stage") != "import"]
+    parts = [head, bp.markdown_table(rows) if rows else "(no measurement rows)\n"]
+    if r.errors:
+        parts.append("\n## Errors\n\n" + "".join(f"- {e['where']}: `{e['error'].splitlines()[0][:300] if e['error'] else ''}`\n"
+                                               for e in r.errors))
+        parts.append("\nFirst traceback:\n\n```\n" + r.errors[0]["traceback"][-4000:] + "```\n")
+    if r.notes:
+        parts.append("\n## Notes\n\n" + "".join(f"- {n}\n" for n in r.notes))
+    return "".join(parts)
+
+
+def write_report(r: Report, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(asdict(r), indent=2, default=str) + "\n")
+    out.with_suffix(".md").write_text(render_markdown(r))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}", flush=True)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "probe_flash_attn4", help="output path without suffix")
+    ap.add_argument("--config", type=Path, default=REPO / "configs" / "cpe.yaml", help="PrHS config of the PSAW/ETF schedule")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
+    ap.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8], help="KV heads of the 32 query heads (32: MHA, 8: GQA)")
+    ap.add_argument("--depth", type=float, default=1.0, help="layer depth u in [0, 1] of the sparse pattern (1: deepest)")
+    ap.add_argument("--ref-max-len", type=int, default=16384, help="longest context checked against the fp32 reference")
+    ap.add_argument("--skip-flex", action="store_true", help="no FlexAttention column")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="skip optional columns (Flex, reference) past this")
+    ap.add_argument("--fa4-cache", default="/tmp/fa4_cute_cache", help="FA4 disk cache of compiled kernels ('' for none)")
+    return ap.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    if args.fa4_cache:  # read by flash_attn.cute.cache_utils at import time
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", args.fa4_cache)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    meta = common.run_metadata(device, argv)
+    report = Report(meta=meta)
+    print("(import) flash_attn.cute", flush=True)
+    fa4 = import_fa4(report)
+    meta["versions"]["flash_attn_4"] = report.fa4["versions"]["flash-attn-4"]
+    if not cuda:
+        msg = "no CUDA device: this probe needs an NVIDIA GPU (FA4's SM90 path: H100/H200); only the import stage ran"
+        print(msg, file=sys.stderr, flush=True)
+        report.notes.append(msg)
+        write_report(report, args.out)
+        return 2
+    s = bp.schedule_from_config(args.config)
+    bp._raise_dynamo_limits()
+    heads = [(32, h) for h in args.kv_heads]
+    p = Probe(report, device, args.budget_s, t_start)
+    for name, fn in (
+        ("dense", lambda: stage_dense(p, fa4, args.contexts, heads, 128, s, not args.skip_flex)),
+        ("sparse", lambda: stage_sparse(p, fa4, args.contexts, heads, 128, s, args.depth, not args.skip_flex, args.ref_max_len)),
+    ):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the other stage still runs
+            report.error(f"stage {name}", exc)
+            gc.collect()
+            torch.cuda.empty_cache()
+    report.notes.append(f"schedule from {args.config.name}: {asdict(s)}; FA4 sparse tiles {FA4_BLOCK}")
+    report.notes.append(f"total wall time {time.perf_counter() - t_start:.0f} s")
+    print("\n" + render_markdown(report))
+    write_report(report, args.out)
+    return 1 if report.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
