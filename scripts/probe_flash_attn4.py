@@ -499,7 +499,9 @@ def render_markdown(r: Report) -> str:
         "Times are medians in ms (`triton.testing.do_bench`); `max_abs_err` against `reference`; "
         "`first_call_s` includes FA4's JIT compile where `fa4_compiled_here`.\n\n"
     )
-    rows = [{c: row.get(c) for c in ROW_COLUMNS} for row in r.rows if row.get("stage") != "import"]
+    rows = [{**{c: row.get(c) for c in ROW_COLUMNS},
+             "error": (row.get("error") or "").replace("|", "/").replace("\n", " ")[:100] or None}
+            for row in r.rows if row.get("stage") != "import"]
     parts = [head, bp.markdown_table(rows) if rows else "(no measurement rows)\n"]
     if r.errors:
         parts.append("\n## Errors\n\n" + "".join(f"- {e['where']}: `{e['error'].splitlines()[0][:300] if e['error'] else ''}`\n"
