@@ -28,6 +28,7 @@ __all__ = [
     "compact_rows",
     "SCORE_MODES",
     "SELECT_MODES",
+    "STOP_POINTS",
 ]
 
 # Design (H200: the cost is reading the K rows of the middle region, bandwidth bound):
@@ -60,10 +61,18 @@ __all__ = [
 
 #: Scoring kernels of :func:`topk_retrieval` (``_score=``): the group-aware default, the old one.
 SCORE_MODES = ("group", "row")
-#: Selection kernels (``_select=``): one program per row (default), split radix select.
-SELECT_MODES = ("row", "split")
+#: Selection kernels (``_select=``): one program per row (default), split radix select with
+#: 11-bit digits and rank compares, split radix select with 8-bit digits and a merge finish,
+#: the same with a per-row register sort finish.
+SELECT_MODES = ("row", "split", "radix8", "radix8_sort")
+#: Where ``_stop_after=`` may stop (probe breakdowns): "passes"/"collect" stop inside the
+#: select (every select mode), "blocksort" after the first merge step (``"radix8"`` only).
+STOP_POINTS = ("compact", "score", "passes", "collect", "blocksort", "select")
 
-_RADIX_BINS = 2048  # 11-bit digits: bits [21, 32), [10, 21), [0, 10) in three passes
+#: Digit bits and passes of the split selects: 11/11/10-bit digits (bits [21, 32), [10, 21),
+#: [0, 10)) or four 8-bit ones.
+_SPLIT_DIGITS = {"split": (11, 3), "radix8": (8, 4), "radix8_sort": (8, 4)}
+_MERGE_BLOCK = 256  # candidates per block of the merge finish
 _RANK_BLOCK = 64  # candidates ranked per program of _rank_scatter_kernel
 _RANK_TILE = 256  # candidates compared per step
 
@@ -238,7 +247,7 @@ def _group_score_kernel(
 def _select_kernel(
     KEYS, CAND, OUT, PAD, LO, HI, ORDER, COUNT,
     stride_keys, S, K,
-    H: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    H: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, STOP: tl.constexpr = 0,
 ):
     """Default select (``_select="row"``): exact top-K of one retrieving row's keys in one program:
     radix refinement, collect, sort.
@@ -249,6 +258,10 @@ def _select_kernel(
     while the candidates (above + equal) overflow the K_PAD buffer; at full depth the equal keys
     are exact ties, of which the ``krem`` lowest indices are taken. The candidates are then
     collected in index order and sorted by (key desc, index asc) in registers.
+
+    STOP (probe breakdown only; 0 = the whole select): 1 stops after the radix passes (one
+    int32 of their result is stored to OUT[row, 0] so they are not optimised away), 2 after
+    the collect (no sort, OUT not written).
     """
     c = tl.program_id(0)
     live = c < tl.load(COUNT)
@@ -290,60 +303,61 @@ def _select_kernel(
                 n_eq = tl.sum(tl.where(bins == d, hist, 0), axis=0)
                 prefix = prefix * 256 + d.to(tl.int64)
                 depth = depth * 0 + (p + 1)
-        shift = (32 - 8 * depth).to(tl.int64)
-        take_eq = tl.where(depth == 4, krem, n_eq)
-        # Collect, in index order: keys above the prefix, and take_eq of the keys equal to it.
-        taken = kk * 0
-        eq_seen = kk * 0
-        cand_base = CAND + c * K_PAD
-        for n0 in range(lo, hi, BLOCK):
-            j = n0 + offs
-            m = j < hi
-            key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
-            top = (key + 2147483648) >> shift
-            eq = (m & (top == prefix)).to(tl.int32)
-            eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
-            sel = ((m & (top > prefix)) | ((eq != 0) & (eq_rank < take_eq))).to(tl.int32)
-            pos = taken + tl.cumsum(sel, axis=0) - sel
-            packed = (key << 32) | (2147483647 - j).to(tl.int64)
-            tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < K_PAD))
-            taken += tl.sum(sel, axis=0)
-            eq_seen += tl.sum(eq, axis=0)
-        tl.debug_barrier()
-        offs_k = tl.arange(0, K_PAD)
-        x = tl.load(cand_base + offs_k, mask=offs_k < taken, other=-9223372036854775808)
-        x = tl.sort(x, descending=True)
-        idx = (2147483647 - (x & 4294967295)).to(tl.int32)
-        idx = tl.where(offs_k < kk, idx, -1)
-        tl.store(OUT + row * K + offs_k, idx, mask=offs_k < K)
+        if STOP == 1:
+            tl.store(OUT + row * K, (prefix + krem + n_eq).to(tl.int32))
+        else:
+            shift = (32 - 8 * depth).to(tl.int64)
+            take_eq = tl.where(depth == 4, krem, n_eq)
+            # Collect, in index order: keys above the prefix, and take_eq of the keys equal to it.
+            taken = kk * 0
+            eq_seen = kk * 0
+            cand_base = CAND + c * K_PAD
+            for n0 in range(lo, hi, BLOCK):
+                j = n0 + offs
+                m = j < hi
+                key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
+                top = (key + 2147483648) >> shift
+                eq = (m & (top == prefix)).to(tl.int32)
+                eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
+                sel = ((m & (top > prefix)) | ((eq != 0) & (eq_rank < take_eq))).to(tl.int32)
+                pos = taken + tl.cumsum(sel, axis=0) - sel
+                packed = (key << 32) | (2147483647 - j).to(tl.int64)
+                tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < K_PAD))
+                taken += tl.sum(sel, axis=0)
+                eq_seen += tl.sum(eq, axis=0)
+            if STOP == 0:
+                tl.debug_barrier()
+                _sort_store(cand_base, taken, kk, OUT + row * K, K, K_PAD)
 
 
-# ----------------------------------------------------------------------------- split select
+# ----------------------------------------------------------------------------- split selects
 
 
 @triton.jit
-def _radix_state(HIST_ROW, NPASS: tl.constexpr, kk, n, K_PAD: tl.constexpr):
-    """Prefix after the first NPASS passes of a row, from its summed histograms.
+def _radix_state(HIST_ROW, NPASS: tl.constexpr, kk, n, K_PAD: tl.constexpr, W: tl.constexpr,
+                 BINS: tl.constexpr):
+    """Prefix after the first NPASS passes of a row, from its summed histograms (W-bit
+    digits from the top, the last one narrower when W does not divide 32; BINS = 2^W).
 
     Returns ``(prefix, krem, n_eq, depth)``: after ``depth`` passes the keys whose top bits
     exceed ``prefix`` are all in the top-kk, and ``krem`` of the ``n_eq`` keys equal to it are
     needed. A pass is applied only while the candidates (above + equal) overflow K_PAD (the
     same test the pass kernel used to decide whether to fill that histogram).
     """
-    bins = tl.arange(0, 2048)
+    bins = tl.arange(0, BINS)
     krem = kk
     n_eq = n
     prefix = (kk * 0).to(tl.int64)
     depth = kk * 0
     for p in tl.static_range(NPASS):
         if kk - krem + n_eq > K_PAD:
-            hist = tl.load(HIST_ROW + p * 2048 + bins)
+            hist = tl.load(HIST_ROW + p * BINS + bins)
             gt = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # matching, larger digit
             ge = gt + hist
             d = tl.max(tl.where((gt < krem) & (ge >= krem), bins, -1), axis=0)
             krem = krem - tl.sum(tl.where(bins == d, gt, 0), axis=0)
             n_eq = tl.sum(tl.where(bins == d, hist, 0), axis=0)
-            prefix = (prefix << (11 - p // 2)) + d.to(tl.int64)  # digit widths 11, 11, 10
+            prefix = (prefix << min(W, 32 - W * p)) + d.to(tl.int64)  # digit p's width
             depth = depth * 0 + (p + 1)
     return prefix, krem, n_eq, depth
 
@@ -363,68 +377,83 @@ def _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H: tl.constexpr):
 
 
 @triton.jit
-def _radix_pass_kernel(
-    KEYS, HIST, PAD, LO, HI, ORDER, COUNT, stride_keys, S, K, CHUNK,
-    H: tl.constexpr, P: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Pass P of the split select for one chunk of one row: the histogram of digit P of the
-    chunk's keys that match the prefix of passes < P, added atomically to HIST[row, P]."""
-    c = tl.program_id(0)
-    ch = tl.program_id(1)
+def _radix_pass_chunk(KEYS, HIST, PAD, LO, HI, ORDER, COUNT, c, ch, stride_keys, S, K, CHUNK,
+                      H: tl.constexpr, P: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                      W: tl.constexpr, BINS: tl.constexpr, NP: tl.constexpr):
+    """Pass P for chunk ``ch`` of compact row ``c``: the histogram of digit P of the chunk's
+    keys that match the prefix of passes < P, added atomically to HIST[row, P]."""
     live, row, lo, hi, kk = _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H)
-    hist_row = HIST + row.to(tl.int64) * (3 * 2048)
+    hist_row = HIST + row.to(tl.int64) * (NP * BINS)
     start = lo + ch * CHUNK
     end = tl.minimum(hi, start + CHUNK)
     if start < end:
-        prefix, krem, n_eq, depth = _radix_state(hist_row, P, kk, hi - lo, K_PAD)
+        prefix, krem, n_eq, depth = _radix_state(hist_row, P, kk, hi - lo, K_PAD, W, BINS)
         if kk - krem + n_eq > K_PAD:
-            lo_b = 21 - 11 * P + P // 2  # pass P resolves bits [lo_b, hi_b): [21,32) [10,21) [0,10)
-            hi_b = 32 - 11 * P
+            hi_b: tl.constexpr = 32 - W * P  # pass P resolves bits [lo_b, hi_b)
+            lo_b: tl.constexpr = max(hi_b - W, 0)
             key_base = KEYS + row.to(tl.int64) * stride_keys
             offs = tl.arange(0, BLOCK)
-            bins = tl.arange(0, 2048)
-            hist = tl.zeros([2048], dtype=tl.int32)
+            bins = tl.arange(0, BINS)
+            hist = tl.zeros([BINS], dtype=tl.int32)
             for n0 in range(start, end, BLOCK):
                 j = n0 + offs
                 m = j < end
                 u = tl.load(key_base + j, mask=m, other=0).to(tl.int64) + 2147483648
                 match = m & ((u >> hi_b) == prefix)
                 digit = tl.where(match, (u >> lo_b) & ((1 << (hi_b - lo_b)) - 1), 0).to(tl.int32)
-                hist += tl.histogram(digit, 2048)
+                hist += tl.histogram(digit, BINS)
                 # the non-matching lanes went to bin 0: take them out again
                 miss = BLOCK - tl.sum(match.to(tl.int32), axis=0)
                 hist -= tl.where(bins == 0, miss, 0)
-            tl.atomic_add(hist_row + P * 2048 + bins, hist, mask=hist != 0)
+            tl.atomic_add(hist_row + P * BINS + bins, hist, mask=hist != 0)
 
 
 @triton.jit
-def _radix_collect_kernel(
-    KEYS, HIST, TAKEN, CAND, PAD, LO, HI, ORDER, COUNT, stride_keys, S, K, CHUNK,
-    H: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+def _radix_pass_kernel(
+    KEYS, HIST, PAD, LO, HI, ORDER, COUNT, stride_keys, S, K, CHUNK, NCH,
+    H: tl.constexpr, P: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    W: tl.constexpr, BINS: tl.constexpr, NP: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    """Candidates of one chunk of one row (keys above the final prefix, and the needed keys
-    equal to it), packed as (key << 32 | ~index), appended to CAND[c] at an atomic offset."""
-    c = tl.program_id(0)
-    ch = tl.program_id(1)
+    """Pass P of a split select. Grid (rows, chunks), or PERSISTENT: a fixed grid of programs
+    striding over the live (row, chunk) items (count x NCH, read on the device), so that the
+    ~94 % of rows that do not retrieve cost no programs."""
+    if PERSISTENT:
+        for w in range(tl.program_id(0), tl.load(COUNT) * NCH, tl.num_programs(0)):
+            _radix_pass_chunk(KEYS, HIST, PAD, LO, HI, ORDER, COUNT, w // NCH, w % NCH,
+                              stride_keys, S, K, CHUNK, H, P, K_PAD, BLOCK, W, BINS, NP)
+    else:
+        _radix_pass_chunk(KEYS, HIST, PAD, LO, HI, ORDER, COUNT, tl.program_id(0), tl.program_id(1),
+                          stride_keys, S, K, CHUNK, H, P, K_PAD, BLOCK, W, BINS, NP)
+
+
+@triton.jit
+def _radix_collect_chunk(
+    KEYS, HIST, TAKEN, CAND, PAD, LO, HI, ORDER, COUNT, c, ch, stride_keys, S, K, CHUNK,
+    H: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr,
+    BINS: tl.constexpr, NP: tl.constexpr,
+):
+    """Candidates of chunk ``ch`` of compact row ``c`` (keys above the final prefix, and the
+    needed keys equal to it), packed as (key << 32 | ~index), appended to CAND[c] at an
+    atomic offset."""
     live, row, lo, hi, kk = _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H)
     start = lo + ch * CHUNK
     end = tl.minimum(hi, start + CHUNK)
     if start < end:
-        hist_row = HIST + row.to(tl.int64) * (3 * 2048)
-        prefix, krem, n_eq, depth = _radix_state(hist_row, 3, kk, hi - lo, K_PAD)
-        shift = tl.where(depth == 0, 32, tl.where(depth == 1, 21, tl.where(depth == 2, 10, 0))).to(tl.int64)
+        hist_row = HIST + row.to(tl.int64) * (NP * BINS)
+        prefix, krem, n_eq, depth = _radix_state(hist_row, NP, kk, hi - lo, K_PAD, W, BINS)
+        shift = tl.maximum(32 - W * depth, 0).to(tl.int64)
         key_base = KEYS + row.to(tl.int64) * stride_keys
         offs = tl.arange(0, BLOCK)
         # Exact ties at full depth that overflow: take the krem lowest indices, so count the
         # equal keys before this chunk (only then; it is a rescan of the earlier chunks).
         eq_seen = kk * 0
-        if depth == 3:
+        if depth == NP:
             if krem < n_eq:
                 for n0 in range(lo, start, BLOCK):
                     j = n0 + offs
                     key = tl.load(key_base + j, mask=j < start, other=0).to(tl.int64)
                     eq_seen += tl.sum(((j < start) & (key + 2147483648 == prefix)).to(tl.int32), axis=0)
-        take_eq = tl.where(depth == 3, krem, n_eq)
+        take_eq = tl.where(depth == NP, krem, n_eq)
         cand_base = CAND + c.to(tl.int64) * K_PAD
         for n0 in range(start, end, BLOCK):
             j = n0 + offs
@@ -440,6 +469,30 @@ def _radix_collect_kernel(
             packed = (key << 32) | (2147483647 - j).to(tl.int64)
             tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < K_PAD))
             eq_seen += tl.sum(eq, axis=0)
+
+
+@triton.jit
+def _radix_collect_kernel(
+    KEYS, HIST, TAKEN, CAND, PAD, LO, HI, ORDER, COUNT, stride_keys, S, K, CHUNK, NCH,
+    H: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr,
+    BINS: tl.constexpr, NP: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    """Collect of a split select; grid as :func:`_radix_pass_kernel`."""
+    if PERSISTENT:
+        for w in range(tl.program_id(0), tl.load(COUNT) * NCH, tl.num_programs(0)):
+            _radix_collect_chunk(KEYS, HIST, TAKEN, CAND, PAD, LO, HI, ORDER, COUNT, w // NCH, w % NCH,
+                                 stride_keys, S, K, CHUNK, H, K_PAD, BLOCK, W, BINS, NP)
+    else:
+        _radix_collect_chunk(KEYS, HIST, TAKEN, CAND, PAD, LO, HI, ORDER, COUNT,
+                             tl.program_id(0), tl.program_id(1),
+                             stride_keys, S, K, CHUNK, H, K_PAD, BLOCK, W, BINS, NP)
+
+
+@triton.jit
+def _live_taken(TAKEN, row, live, K_PAD: tl.constexpr):
+    """Candidates collected for a row (0 for a row that does not retrieve: its TAKEN entry is
+    never zeroed)."""
+    return tl.where(live, tl.minimum(tl.load(TAKEN + row), K_PAD), 0)
 
 
 @triton.jit
@@ -468,6 +521,83 @@ def _rank_scatter_kernel(
                 rank += tl.sum((y[None, :] > x[:, None]).to(tl.int32), axis=1)
             idx = (2147483647 - (x & 4294967295)).to(tl.int32)
             tl.store(out_row + rank, idx, mask=(offs_c < taken) & (rank < kk))
+
+
+@triton.jit
+def _sort_store(cand_base, taken, kk, out_row, K, K_PAD: tl.constexpr):
+    """The ``taken`` packed candidates at ``cand_base`` sorted in registers (descending: score
+    desc, index asc), their indices written to ``out_row[:kk]``, -1 to ``out_row[kk:K]``."""
+    offs_k = tl.arange(0, K_PAD)
+    x = tl.load(cand_base + offs_k, mask=offs_k < taken, other=-9223372036854775808)
+    x = tl.sort(x, descending=True)
+    idx = (2147483647 - (x & 4294967295)).to(tl.int32)
+    idx = tl.where(offs_k < kk, idx, -1)
+    tl.store(out_row + offs_k, idx, mask=offs_k < K)
+
+
+@triton.jit
+def _row_sort_kernel(
+    CAND, TAKEN, OUT, PAD, LO, HI, ORDER, COUNT, S, K,
+    H: tl.constexpr, K_PAD: tl.constexpr,
+):
+    """Finish of ``_select="radix8_sort"``: one program per row sorts its candidates (as the
+    row select does after its collect); a row that does not retrieve gets -1."""
+    c = tl.program_id(0)
+    live, row, lo, hi, kk = _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H)
+    taken = _live_taken(TAKEN, row, live, K_PAD)
+    _sort_store(CAND + c.to(tl.int64) * K_PAD, taken, kk, OUT + row.to(tl.int64) * K, K, K_PAD)
+
+
+@triton.jit
+def _block_sort_kernel(
+    CAND, TAKEN, PAD, LO, HI, ORDER, COUNT, S, K, NBLK,
+    H: tl.constexpr, K_PAD: tl.constexpr, MB: tl.constexpr,
+):
+    """Merge finish, step 1: each block of MB candidates of a live row sorted in place
+    (descending; INT64_MIN after the last candidate). Persistent grid over count x NBLK."""
+    for w in range(tl.program_id(0), tl.load(COUNT) * NBLK, tl.num_programs(0)):
+        c = w // NBLK
+        blk = w % NBLK
+        live, row, lo, hi, kk = _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H)
+        taken = _live_taken(TAKEN, row, live, K_PAD)
+        if blk * MB < taken:
+            offs = blk * MB + tl.arange(0, MB)
+            cand = CAND + c.to(tl.int64) * K_PAD + offs
+            x = tl.load(cand, mask=offs < taken, other=-9223372036854775808)
+            tl.store(cand, tl.sort(x, descending=True))
+
+
+@triton.jit
+def _merge_rank_kernel(
+    CAND, TAKEN, OUT, PAD, LO, HI, ORDER, COUNT, S, K,
+    H: tl.constexpr, K_PAD: tl.constexpr, MB: tl.constexpr, LOG_MB: tl.constexpr,
+):
+    """Merge finish, step 2, grid (rows, blocks of MB output slots / candidates): the rank of
+    each candidate of sorted block ``blk`` is the number of larger candidates in every sorted
+    block (a branchless binary search per block: LOG_MB + 1 gathers; all packed values differ,
+    so within its own block that is its position), written to OUT[row, rank] when rank < kk.
+    Output slots [kk, K) of the block get -1 (a row that does not retrieve: all of them)."""
+    c = tl.program_id(0)
+    blk = tl.program_id(1)
+    live, row, lo, hi, kk = _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H)
+    offs_c = blk * MB + tl.arange(0, MB)
+    out_row = OUT + row.to(tl.int64) * K
+    tl.store(out_row + offs_c, tl.full([MB], -1, tl.int32), mask=(offs_c >= kk) & (offs_c < K))
+    taken = _live_taken(TAKEN, row, live, K_PAD)
+    if blk * MB < taken:
+        cand_base = CAND + c.to(tl.int64) * K_PAD
+        x = tl.load(cand_base + offs_c, mask=offs_c < taken, other=-9223372036854775808)
+        rank = tl.zeros([MB], dtype=tl.int32)
+        for b0 in range(0, taken, MB):
+            cnt = tl.zeros([MB], dtype=tl.int32)  # sorted block b0: entries > x are a prefix
+            for s in tl.static_range(LOG_MB + 1):
+                half = MB >> s  # MB, MB/2, ..., 1 (a constexpr)
+                probe = cnt + (half - 1)
+                y = tl.load(cand_base + b0 + probe, mask=probe < MB, other=-9223372036854775808)
+                cnt = tl.where(y > x, cnt + half, cnt)
+            rank += cnt
+        idx = (2147483647 - (x & 4294967295)).to(tl.int32)
+        tl.store(out_row + rank, idx, mask=(offs_c < taken) & (rank < kk))
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -525,6 +655,11 @@ def _select_chunk(S: int) -> int:
     return min(1024, next_pow2(S, 16))
 
 
+def _persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent select grid: 4 per SM (they stride over the live items)."""
+    return 4 * num_sms(device)
+
+
 def _check_mode(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r}: expected one of {allowed}")
@@ -540,7 +675,9 @@ def _retrieve(
     require_triton(q, k_cache)
     _check_mode("_score", score, SCORE_MODES)
     _check_mode("_select", select, SELECT_MODES)
-    _check_mode("_stop_after", stop_after, ("compact", "score", "select"))
+    _check_mode("_stop_after", stop_after, STOP_POINTS)
+    if stop_after == "blocksort" and select != "radix8":
+        raise ValueError(f"_stop_after='blocksort' needs _select='radix8', got _select={select!r}")
     if grouped and score != "group":
         raise ValueError("_score='row' has no group-shared variant: use _score='group'")
     B, Hq, D = q.shape
@@ -563,10 +700,11 @@ def _retrieve(
         gorder, gcount = order, count
     if stop_after == "compact":
         return out
-    split = select == "split"
+    split = select != "row"
+    w, np_ = _SPLIT_DIGITS[select] if split else (8, 4)
+    bins = 1 << w
     keys = torch.empty((R, S), dtype=torch.int32, device=q.device)
-    hist_size = 3 * _RADIX_BINS
-    hist = torch.empty((R, hist_size) if split else (1,), dtype=torch.int32, device=q.device)
+    hist = torch.empty((R, np_ * bins) if split else (1,), dtype=torch.int32, device=q.device)
     taken = torch.empty((R,) if split else (1,), dtype=torch.int32, device=q.device)
     block_d = next_pow2(D, 16)
     # expected live score items: about 1 retrieving row in 16 (CIS at s = 16), capped
@@ -582,7 +720,7 @@ def _retrieve(
             HKV=Hkv, GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             AGG_MAX=grouped,
             IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
-            ZERO_SCRATCH=split, ZROWS=1 if grouped else group, HIST_PASSES=3, HIST_BINS=_RADIX_BINS,
+            ZERO_SCRATCH=split, ZROWS=1 if grouped else group, HIST_PASSES=np_, HIST_BINS=bins,
             num_warps=4, num_stages=3,
         )
     else:
@@ -607,25 +745,53 @@ def _retrieve(
             keys, cand, out, pad, lo, hi, order, count,
             keys.stride(0), S, k,
             H=H, K_PAD=k_pad, BLOCK=min(1024, next_pow2(S, 16)),
+            STOP={"passes": 1, "collect": 2}.get(stop_after, 0),
             num_warps=8 if k_pad >= 1024 else 4,
         )
         return out
     sel_chunk = _select_chunk(S)
     nch = triton.cdiv(S, sel_chunk)
-    for p in range(3):
-        _radix_pass_kernel[(R, nch)](
-            keys, hist, pad, lo, hi, order, count, keys.stride(0), S, k, sel_chunk,
-            H=H, P=p, K_PAD=k_pad, BLOCK=sel_chunk, num_warps=4,
+    persistent = select != "split"  # the measured split path keeps its (rows, chunks) grid
+    grid = (min(R * nch, _persistent_programs(q.device)),) if persistent else (R, nch)
+    for p in range(np_):
+        _radix_pass_kernel[grid](
+            keys, hist, pad, lo, hi, order, count, keys.stride(0), S, k, sel_chunk, nch,
+            H=H, P=p, K_PAD=k_pad, BLOCK=sel_chunk, W=w, BINS=bins, NP=np_, PERSISTENT=persistent,
+            num_warps=4,
         )
-    _radix_collect_kernel[(R, nch)](
-        keys, hist, taken, cand, pad, lo, hi, order, count, keys.stride(0), S, k, sel_chunk,
-        H=H, K_PAD=k_pad, BLOCK=sel_chunk, num_warps=4,
+    if stop_after == "passes":
+        return out
+    _radix_collect_kernel[grid](
+        keys, hist, taken, cand, pad, lo, hi, order, count, keys.stride(0), S, k, sel_chunk, nch,
+        H=H, K_PAD=k_pad, BLOCK=sel_chunk, W=w, BINS=bins, NP=np_, PERSISTENT=persistent,
+        num_warps=4,
     )
-    block_c = min(_RANK_BLOCK, k_pad)
-    _rank_scatter_kernel[(R, triton.cdiv(max(k_pad, k), block_c))](
-        cand, taken, out, pad, lo, hi, order, count, S, k,
-        H=H, K_PAD=k_pad, BLOCK_C=block_c, BLOCK_T=_RANK_TILE, num_warps=4,
-    )
+    if stop_after == "collect":
+        return out
+    if select == "split":
+        block_c = min(_RANK_BLOCK, k_pad)
+        _rank_scatter_kernel[(R, triton.cdiv(max(k_pad, k), block_c))](
+            cand, taken, out, pad, lo, hi, order, count, S, k,
+            H=H, K_PAD=k_pad, BLOCK_C=block_c, BLOCK_T=_RANK_TILE, num_warps=4,
+        )
+    elif select == "radix8_sort":
+        _row_sort_kernel[(R,)](
+            cand, taken, out, pad, lo, hi, order, count, S, k,
+            H=H, K_PAD=k_pad, num_warps=8 if k_pad >= 1024 else 4,
+        )
+    else:  # radix8: merge finish
+        mb = min(_MERGE_BLOCK, k_pad)
+        nblk = k_pad // mb  # k_pad >= k, both powers of two
+        _block_sort_kernel[(min(R * nblk, _persistent_programs(q.device)),)](
+            cand, taken, pad, lo, hi, order, count, S, k, nblk,
+            H=H, K_PAD=k_pad, MB=mb, num_warps=4,
+        )
+        if stop_after == "blocksort":
+            return out
+        _merge_rank_kernel[(R, nblk)](
+            cand, taken, out, pad, lo, hi, order, count, S, k,
+            H=H, K_PAD=k_pad, MB=mb, LOG_MB=mb.bit_length() - 1, num_warps=4,
+        )
     return out
 
 
