@@ -9,6 +9,15 @@ Also prints the bytes each moves and the implied bandwidth.
 
     python scripts/probe_gqa_kernels.py                    # H200: the shape above
     python scripts/probe_gqa_kernels.py --retrieve-frac 0.25 --hq 12 --hkv 2
+    python scripts/probe_gqa_kernels.py --select-only      # issue 12 item 4: the select table only
+
+Select table (printed after the main one; CUDA: ``do_bench_cudagraph``, so launch overhead is
+not counted): for B16/16k 32/8, B16/16k 32/32 and the Qwen 12/2 shape at B32/16k, each select
+mode of :data:`SELECT_MODES` after group scoring, timed to each stop point of
+:data:`STOP_POINTS`; the columns are differences of those times in us: ``passes`` (radix
+histogram passes), ``collect`` (candidate collect), ``finish`` (sort / rank-scatter / merge),
+``sel`` (the whole select = pipeline - scoring), ``blocksort`` (``radix8``: the block sorts, part
+of finish), ``exact`` (output equal to the row select's).
     TRITON_INTERPRET=1 python scripts/probe_gqa_kernels.py --quick   # CPU smoke run (a test)
 """
 
@@ -29,18 +38,74 @@ from prhs_hf.kernels.sparse_decode_attention import (  # noqa: E402
     sparse_decode_attention,
     sparse_decode_attention_grouped,
 )
-from prhs_hf.kernels.topk_retrieval import topk_retrieval, topk_retrieval_grouped  # noqa: E402
+from prhs_hf.kernels.topk_retrieval import (  # noqa: E402
+    SELECT_MODES,
+    topk_retrieval,
+    topk_retrieval_grouped,
+)
 
 
-def _time_ms(fn: Callable[[], object], cuda: bool) -> float:
+def _time_ms(fn: Callable[[], object], cuda: bool, graph: bool = False) -> float:
     if cuda:
         import triton.testing
 
+        if graph:  # replayed CUDA graph: GPU time without the Python launch overhead
+            return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
         return float(triton.testing.do_bench(fn, warmup=25, rep=100))
     fn()  # interpreter: one warm call, one timed
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
+
+
+def _budget_k(S: int) -> int:
+    """k of the CIS budget 1/8 (scripts/bench_decode_attention.py: budget())."""
+    n = S // 8
+    sink, local = max(8, n // 32), n // 8
+    return 3 * (n - sink - local) // 5
+
+
+def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda: bool) -> list[dict]:
+    """Select time of every select mode, split into stages (see the module docstring)."""
+    dev = torch.device("cuda" if cuda else "cpu")
+    stops = ("score", "passes", "collect", "blocksort", "select")
+    print(f"\nselect stages, us (group scoring, {'CUDA graph replay' if cuda else 'CPU interpreter: not timings'}), "
+          f"retrieving fraction {frac:.4f}")
+    print(f"| {'shape':24s} | {'select':11s} | {'sel':>7s} | {'passes':>7s} | {'collect':>7s} | "
+          f"{'finish':>7s} | {'blocksort':>9s} | {'score':>7s} | exact |")
+    print(f"|{'-' * 26}|{'-' * 13}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 11}|{'-' * 9}|-------|")
+    rows = []
+    for B, S, Hq, Hkv, D in shapes:
+        k = _budget_k(S)
+        g = torch.Generator(device=dev).manual_seed(1)
+        q = torch.randn(B, Hq, D, generator=g, device=dev).to(torch.bfloat16)
+        kc = torch.randn(B, Hkv, S, D, generator=g, device=dev).to(torch.bfloat16)
+        pad = torch.zeros(B, dtype=torch.int32, device=dev)
+        n = S // 8
+        lo = torch.full((B,), max(8, n // 32), dtype=torch.int32, device=dev)
+        hi = torch.full((B,), S - n // 8, dtype=torch.int32, device=dev)
+        retrieve = torch.rand(B, Hq, generator=g, device=dev) < frac
+        retrieve[0, 0] = True
+        scale = 1 / math.sqrt(D)
+        tag = f"B{B} {S // 1024}k {Hq}/{Hkv} r{int(retrieve.sum())}"
+        base = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select="row")
+        for select in SELECT_MODES:
+            t = {}
+            for stop in stops:
+                if stop == "blocksort" and select != "radix8":
+                    continue
+                t[stop] = _time_ms(lambda stop=stop: topk_retrieval(
+                    q, kc, pad, lo, hi, retrieve, k, scale, _select=select, _stop_after=stop), cuda, graph=True)
+            exact = torch.equal(topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select), base)
+            us = {"sel": t["select"] - t["score"], "passes": t["passes"] - t["score"],
+                  "collect": t["collect"] - t["passes"], "finish": t["select"] - t["collect"],
+                  "blocksort": t["blocksort"] - t["collect"] if "blocksort" in t else float("nan"),
+                  "score": t["score"]}
+            us = {key: v * 1e3 for key, v in us.items()}
+            print(f"| {tag:24s} | {select:11s} | {us['sel']:7.1f} | {us['passes']:7.1f} | {us['collect']:7.1f} | "
+                  f"{us['finish']:7.1f} | {us['blocksort']:9.1f} | {us['score']:7.1f} | {str(exact):5s} |")
+            rows.append({"name": f"select {tag} {select}", "ms": t["select"], "stages_us": us, "exact": exact})
+    return rows
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -53,16 +118,24 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--retrieve-frac", type=float, default=1 / 16,
                     help="fraction of query rows that retrieve (CIS-16: about 1/16)")
+    ap.add_argument("--select-only", action="store_true", help="only the select stage table")
+    ap.add_argument("--no-select", action="store_true", help="skip the select stage table")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
+    if args.quick:
+        select_shapes = [(1, 1100, 2, 1, 16)]  # two select chunks
+    else:
+        select_shapes = [(16, 16384, 32, 8, 128), (16, 16384, 32, 32, 128), (32, 16384, 12, 2, 128)]
+    if args.select_only:
+        return select_table(select_shapes, args.retrieve_frac, cuda)
     if args.quick:
         B, S, Hq, Hkv, D = 2, 256, 8, 2, 32
     else:
         B, S, Hq, Hkv, D = args.batch, args.ctx, args.hq, args.hkv, args.head_dim
     n = S // 8  # budget 1/8 (scripts/bench_decode_attention.py: budget())
     sink, local = max(8, n // 32), n // 8
-    k = 3 * (n - sink - local) // 5
+    k = _budget_k(S)
     cap = sink + local + k + 2 * (k // 3)
     G = Hq // Hkv
     dtype = torch.bfloat16
@@ -88,7 +161,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     groups = int(retrieve_g.sum())
     kbytes = mid * D * esz
     cases = []
-    for score, select in (("row", "row"), ("row", "split"), ("group", "row"), ("group", "split")):
+    for score, select in (("row", "row"), ("row", "split"), ("group", "row"), ("group", "split"),
+                          ("group", "radix8"), ("group", "radix8_sort")):
         tag = {("row", "row"): " (old)", ("group", "row"): " (default)"}.get((score, select), "")
         cases.append((f"retrieval {score}/{select}{tag}",
                       lambda score=score, select=select: topk_retrieval(
@@ -110,6 +184,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         ms = _time_ms(fn, cuda)
         out.append({"name": name, "ms": ms, "bytes": nbytes})
         print(f"| {name:32s} | {ms:8.4f} | {nbytes / 1e6:8.2f} | {nbytes / ms / 1e6:7.0f} |")
+    if not args.no_select:
+        out += select_table(select_shapes, args.retrieve_frac, cuda)
     return out
 
 
