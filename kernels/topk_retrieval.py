@@ -57,6 +57,12 @@ __all__ = [
 #      exactly the reference's order, whatever order the atomics appended them in.
 #      `_select_kernel` (``_select="row"``, the default): one program per row does all of it
 #      serially (8-bit radix passes, collect, register sort); latency bound.
+#      ``_select="radix8"`` (issue 12 item 4, opt-in until measured): the same split kernels with
+#      8-bit digits (256-bin histograms, 4 passes, each a no-op once resolved) on persistent grids
+#      (4 programs per SM striding over the live (row, chunk) items), then `_block_sort_kernel`
+#      (blocks of 256 candidates sorted in place) and `_merge_rank_kernel` (rank = sum over the
+#      sorted blocks of a binary-search count of larger candidates). ``"radix8_sort"``: the same
+#      passes and collect, then one register sort per row (`_row_sort_kernel`).
 # Everything is fixed-shape (grids depend on B, Hq, Hkv, S, k only), no host synchronisation.
 
 #: Scoring kernels of :func:`topk_retrieval` (``_score=``): the group-aware default, the old one.
@@ -815,14 +821,16 @@ def topk_retrieval(
     sequence chunks; each group's keys are read once for all its retrieving heads; programs
     past the device-side count exit at once), then the select (default ``"row"``: one program
     per row; ``"split"``: 3 histogram passes, a collect and a rank-scatter on grids rows x
-    chunks, exact too but slower on the H200 so far, see docs/notes/decode_tuning.md).
+    chunks, exact too but slower on the H200 so far, see docs/notes/decode_tuning.md;
+    ``"radix8"`` / ``"radix8_sort"``: 8-bit passes and the collect on persistent grids, then a
+    block sort + merge rank / one register sort per row).
     Scratch: ``[B*Hq, S]`` int32 keys, ``[B*Hq, ~1.125 k]`` int64 candidates (split select:
     also ``[B*Hq, 6144]`` int32 histograms).
 
     Args and result as :func:`topk_retrieval_reference`. Private switches (benchmarks and
     tests): ``_score`` in :data:`SCORE_MODES` (``"row"``: the old per-row scoring),
     ``_select`` in :data:`SELECT_MODES` (``"split"``: the split radix select);
-    ``_stop_after`` (``"compact"``, ``"score"``) returns the unfinished output after that stage.
+    ``_stop_after`` in :data:`STOP_POINTS` returns the unfinished output after that stage.
     """
     return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=False,
                      score=_score, select=_select, stop_after=_stop_after)
