@@ -8,7 +8,8 @@ and what is allowed.
 
 Sections you leave out are **off**. ``cis``, ``psaw`` and ``etf`` are on when their section is
 present (unless it says ``enabled: false``) and off when it is left out, so ``{cis: {tau: 0.7}}``
-is CIS alone; ``baseline`` is off unless ``baseline.name`` is set; ``telemetry`` is off unless
+is CIS alone; ``baseline`` is off unless ``baseline.name`` is set; ``early_select`` (EarlySelectKV on
+CIS or Quest) is on when present; ``telemetry`` is off unless
 ``telemetry.enabled: true``; ``budget`` and ``backend`` fall back to neutral defaults (8 sink + 32
 local + 88 top-k; ``auto`` backends). An empty mapping, ``None`` or a bare :class:`PrHSConfig` is
 therefore dense (nothing on). The paper's settings live in the shipped files, which spell out
@@ -46,6 +47,8 @@ __all__ = [
     "TelemetryConfig",
     "BaselineConfig",
     "BASELINES",
+    "EarlySelectConfig",
+    "EARLY_SELECT_TAPS",
     "PrHSConfig",
     "ResolvedConfig",
     "load_config",
@@ -182,6 +185,27 @@ class BaselineConfig:
     tail_slot: bool = True
 
 
+EARLY_SELECT_TAPS = ("early", "mid")
+EARLY_SELECT_APPLIES_TO = ("CIS (a cis section, no baseline.name)", "baseline.name: quest")
+MAX_EARLY_SELECT_RANK = 2**16
+"""Upper bound of ``early_select.rank`` (the model's ``W_q`` bounds it further when patched)."""
+
+
+@dataclass(frozen=True)
+class EarlySelectConfig:
+    """EarlySelectKV (:mod:`prhs_hf.selectors.early_select`): layer ℓ+1's indices from a proxy query.
+
+    On when the section is present (unless ``enabled: false``), for the selector in force: CIS
+    (ES-CIS) or ``baseline.name: quest`` (ES-Quest). ``tap`` is the hidden state the proxy is built
+    from: ``early`` (entering layer ℓ) or ``mid`` (after layer ℓ's attention residual); ``rank``
+    null projects it with layer ℓ+1's exact ``W_q``, an int ``r`` with the rank-``r`` SVD of it.
+    """
+
+    enabled: bool = True
+    tap: str = "mid"
+    rank: int | None = None
+
+
 @dataclass(frozen=True)
 class PrHSConfig:
     """A whole PrHS configuration, as read from YAML (``null`` values still unresolved).
@@ -197,6 +221,7 @@ class PrHSConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
+    early_select: EarlySelectConfig = field(default_factory=lambda: EarlySelectConfig(enabled=False))
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data (YAML-serialisable)."""
@@ -290,6 +315,7 @@ _SECTIONS: dict[str, type] = {
     "backend": BackendConfig,
     "telemetry": TelemetryConfig,
     "baseline": BaselineConfig,
+    "early_select": EarlySelectConfig,
 }
 
 # key -> (kind, lower, upper, lower_open, nullable[, upper_open]); kind in {"int", "float", "bool", "choice", "phases", "path"}
@@ -330,6 +356,9 @@ _RULES: dict[str, tuple] = {
     "baseline.window": ("int", 1, MAX_TOKENS, False, False),
     "baseline.pool_kernel": ("int", 1, MAX_POOL_KERNEL, False, False),
     "baseline.tail_slot": ("bool",),
+    "early_select.enabled": ("bool",),
+    "early_select.tap": ("choice", EARLY_SELECT_TAPS),
+    "early_select.rank": ("int", 1, MAX_EARLY_SELECT_RANK, False, True),
 }
 
 _KIND_TEXT = {"int": "an int", "float": "a float"}
@@ -435,6 +464,11 @@ def _check_sizes(config: PrHSConfig) -> None:
     if config.baseline.name == "certkv" and config.baseline.tail_slot and b.topk < 2:
         raise ConfigError(f"budget.topk: {b.topk} leaves CertKV no real-token slot beside its tail slot "
                           f"(baseline.tail_slot: true charges one per KV head); allowed >= 2, or tail_slot: false")
+    es = config.early_select
+    if es.enabled and not (config.baseline.name == "quest" or (config.baseline.name is None and cis.enabled)):
+        selector = f"baseline.name: {config.baseline.name}" if config.baseline.name else "no selector (cis is off)"
+        raise ConfigError(f"early_select: applies to {' or '.join(EARLY_SELECT_APPLIES_TO)}; this config has "
+                          f"{selector} (remove the early_select section or set early_select.enabled: false)")
     index_set = config._index_set(config._dilation_topm())
     if index_set > MAX_INDEX_SET:
         raise ConfigError(

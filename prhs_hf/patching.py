@@ -3,8 +3,9 @@
 Patching selects the ``"prhs"`` attention implementation (registered with transformers'
 ``AttentionInterface`` and ``AttentionMaskInterface``), attaches a :class:`~prhs_hf.layer.PrHSLayer`
 to every attention module, adds one forward pre-hook per decoder layer (the PSAW/ETF prefill
-plan), wraps ``q_proj``/``o_proj``/``mlp`` of ETF layers so frozen rows are not computed, and
-lets beam search reorder the CIS state. Unpatching removes all of it and restores the original
+plan), wraps ``q_proj``/``o_proj``/``mlp`` of ETF layers so frozen rows are not computed, registers
+the hooks a selector asks for (``selector.attach(layers)``: EarlySelectKV's taps), and lets beam
+search reorder the CIS state. Unpatching removes all of it and restores the original
 attention implementation; patching twice replaces the first patch, and leaving the `with` block of the
 second puts the first back (nested blocks nest).
 """
@@ -166,6 +167,9 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
             for module in (decoder_layer.self_attn.q_proj, decoder_layer.self_attn.o_proj, decoder_layer.mlp):
                 install_row_skip(module, prhs_layer.active_rows)
                 runtime.wrapped.append(module)
+    attach = getattr(runtime.selector, "attach", None)  # a selector with hooks of its own (EarlySelectKV's taps)
+    if attach is not None:
+        runtime.hooks.extend(attach(decoder_layers(model)))
     model.set_attn_implementation(attention.ATTENTION_NAME)
 
     def reorder_cache(cache, beam_idx):

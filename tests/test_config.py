@@ -60,6 +60,11 @@ def test_dense_config_switches_everything_off():
         ({"baseline": {"layer_share_ratio": 1}}, "baseline.layer_share_ratio"),
         ({"baseline": {"layer_share_ratio": None}}, "baseline.layer_share_ratio"),
         ({"baseline": {"layer_share_ratio": float("nan")}}, "baseline.layer_share_ratio"),
+        ({"cis": {}, "early_select": {"tap": "late"}}, "early_select.tap"),
+        ({"cis": {}, "early_select": {"rank": 0}}, "early_select.rank"),
+        ({"cis": {}, "early_select": {"rank": 2**16 + 1}}, "early_select.rank"),
+        ({"cis": {}, "early_select": {"enabled": 1}}, "early_select.enabled"),
+        ({"baseline": {"name": "streaming"}, "early_select": {}}, "early_select"),
     ],
 )
 def test_bad_values_name_the_key(data, key):
@@ -167,7 +172,8 @@ def test_accuracy_configs_keep_their_meaning(tmp_path, monkeypatch):
     assert on["cpe"] == (True, True, True)
     assert on["cpe-no-etf"] == (True, True, False) and on["cpe-no-psaw"] == (True, False, True)
     for name in ("cis-s8", "cis-s16", "cis-s20", "cis*", "cis-t0.6", "cis-t0.7", "cis-t0.7-local", "cis-group",
-                 "cis-group-t0.7-local", "hshare-1", "hshare-2", "quest", "h2o"):
+                 "cis-group-t0.7-local", "hshare-1", "hshare-2", "quest", "h2o", "es-quest", "es-quest-r256", "es-cis",
+                 "es-cis-early", "es-cis-r256"):
         assert on[name] == (True, False, False), name
     local, group = (ac.load_named_config(ac.ACCURACY_CONFIGS[n]).cis for n in ("cis-t0.7-local", "cis-group-t0.7-local"))
     assert (local.tau, local.keep_anchor_local, local.selection) == (0.7, True, "head")

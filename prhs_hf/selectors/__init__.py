@@ -13,6 +13,7 @@ from .certkv import CertKVSelector
 from .cis import CISSelector
 from .direct_reuse import DirectReuseSelector
 from .double_sparsity import DoubleSparsitySelector
+from .early_select import EarlySelectSelector
 from .h2o import H2OSelector
 from .hshare import HShareSelector
 from .oracle import OracleSelector
@@ -34,6 +35,7 @@ __all__ = [
     "RandomExpansionSelector",
     "DoubleSparsitySelector",
     "CertKVSelector",
+    "EarlySelectSelector",
 ]
 
 #: ``baseline.name`` -> factory ``(resolved config, number of query heads) -> selector``.
@@ -57,7 +59,17 @@ def make_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable | 
     """The decode selector of a config: the baseline that ``baseline.name`` names (see
     :data:`SELECTORS`), else CIS when ``cis.enabled`` (on the ops table ``ops_for(device)``,
     by default the one ``backend.decode`` picks), else ``None`` (decode stays dense, or the
-    PSAW window)."""
+    PSAW window). With an ``early_select`` section the selector (CIS or Quest) is wrapped in an
+    :class:`EarlySelectSelector` (its taps are attached by :func:`prhs_hf.patch`)."""
+    c = resolved.config
+    selector = _base_selector(resolved, num_heads, ops_for)
+    es = c.early_select
+    if selector is None or not es.enabled:
+        return selector
+    return EarlySelectSelector(selector, es.tap, es.rank, fidelity=c.telemetry.enabled and c.telemetry.oracle)
+
+
+def _base_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable | None) -> Selector | None:
     c = resolved.config
     if ops_for is None:
         ops_for = partial(pick_decode_ops, c.backend.decode)
