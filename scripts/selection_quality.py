@@ -26,10 +26,17 @@ RandomExpansion (``round(1/ρ̂)``) and HShare's three sharing ratios (the combi
 ``(n_h/H)(n_l/N)/P`` is nearest, preferring per-level keep fractions near 1/2); a second
 DirectReuse row raises ``topk`` to match CIS's processed KV (the paper's "+~1/6").
 
-Writes ``docs/results/selection_quality.{json,md}`` and PNG plots there. Example::
+EarlySelectKV (``early_select``): ES-Quest and ES-CIS rows (the tap, and a low-rank ``W_q`` of
+``--es-rank``), and per layer the proxy's fidelity (the top-k overlap of the proxy's and the real
+query's exact top-k sets, and the real query's attention mass on ``sink ∪ S ∪ local`` for the
+proxy's ``S`` over that of the real query's; :meth:`EarlySelectSelector.fidelity`).
+``--schedule early_select`` runs only Quest, CIS-main, the ES rows and the oracle.
+
+Writes ``docs/results/<--name>.{json,md}`` (default ``selection_quality``) and PNG plots there. Example::
 
     python scripts/selection_quality.py --prompts 4 --max-new-tokens 64            # CPU, smollm2-135m
     python scripts/selection_quality.py --model qwen2.5-coder-1.5b --device cuda --dtype bfloat16 --prompts 32
+    python scripts/selection_quality.py --schedule early_select --name selection_quality_early_select --prompts 2
 """
 
 from __future__ import annotations
@@ -252,6 +259,18 @@ def baseline_variant(budget, name: str, label: str, family: str | None = None, n
     return Variant(label, family or name, cfg, note=note, extra=dict(baseline))
 
 
+def es_variant(budget, base: str, tap: str, rank: int | None = None, page_size: int = 16) -> Variant:
+    """EarlySelectKV on ``base`` (``"quest"`` or ``"cis"``: CIS-main's s = 16, τ = 0.8) with the proxy of ``tap``."""
+    cfg = base_config(budget)
+    if base == "quest":
+        cfg["baseline"] = {"name": "quest", "page_size": page_size}
+    else:
+        cfg["cis"] = {"enabled": True, "block_size": 16, "tau": 0.8}
+    cfg["early_select"] = {"tap": tap, "rank": rank}
+    label = f"ES-{'Quest' if base == 'quest' else 'CIS'} {tap}" + ("" if rank is None else f" r={rank}")
+    return Variant(label, f"es_{base}", cfg, extra={"tap": tap, "rank": rank or "exact W_q"})
+
+
 def match_hshare(target: float, layers: int, heads: int) -> dict[str, float]:
     """HShare's ``baseline.share_ratio`` / ``head_share_ratio`` / ``layer_share_ratio`` whose ρ̂
     ``(n_h/H)(n_l/N)/P`` is nearest ``target``.
@@ -294,6 +313,8 @@ def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, dev
             top1.append((l_sp.argmax(-1) == l_dense.argmax(-1)).float().mean().item())
         report = rt.telemetry.report()
         cells = rt.telemetry.cells
+        fidelity = getattr(rt.selector, "fidelity", None)
+        fidelity = None if fidelity is None else fidelity()
     finally:
         prhs_hf.unpatch(model)
     o = report.oracle
@@ -320,6 +341,8 @@ def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, dev
         "oracle_rows": o.rows,
         "seconds": time.perf_counter() - start,
     }
+    if fidelity is not None:
+        row["fidelity"] = fidelity
     return row
 
 
@@ -395,6 +418,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     for r in rows:
         settings = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["settings"].items())
         lines.append(f"- **{r['variant']}**: {settings or '—'}{'; ' + r['note'] if r['note'] else ''}")
+    lines += fidelity_lines(rows)
     lines += ["", "Targets:", "", *targets(rows), "",
               "Definitions: ρ̂ retrievals per (head, layer, sparse step); KV/step keys attended per head and "
               "layer; β_emp = τ*_N − τ_S against the budget-matched top-N oracle of full attention (N = |S|); "
@@ -405,12 +429,42 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
+def fidelity_lines(rows: list[dict]) -> list[str]:
+    """The per-layer proxy fidelity of the EarlySelectKV rows as a Markdown table (none: no lines)."""
+    es = [r for r in rows if r.get("fidelity")]
+    if not es:
+        return []
+    by_layer = [{f["layer"]: f for f in r["fidelity"]} for r in es]
+    layers = sorted(set().union(*by_layer))
+    lines = ["", "Proxy fidelity per layer (EarlySelectKV; layer 0 selects with its real query): top-k overlap "
+             "|S_proxy ∩ S_real| / |S_real| of the exact top-k middle sets / retained mass (the real query's "
+             "attention mass on sink ∪ S_proxy ∪ local over that on sink ∪ S_real ∪ local); mean over active "
+             "(head, step) rows.", "",
+             "| layer | " + " | ".join(r["variant"] for r in es) + " |", "|---|" + "---|" * len(es)]
+    for layer in layers:
+        cells = []
+        for fid in by_layer:
+            f = fid.get(layer)
+            cells.append("n/a" if f is None else f"{f['topk_overlap']:.3f} / {_fmt(f['retained'], '{:.4f}')}")
+        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+    means = []
+    for fid in by_layer:
+        fs = list(fid.values())
+        ret = [f["retained"] for f in fs if f["retained"] is not None]
+        means.append(f"{sum(f['topk_overlap'] for f in fs) / len(fs):.3f} / "
+                     f"{sum(ret) / len(ret):.4f}" if ret else "n/a")
+    lines.append("| mean | " + " | ".join(means) + " |")
+    return lines
+
+
 FAMILY_STYLE = {  # family -> (legend name, colour, marker)
     "cis": ("CIS", "tab:blue", "o"),
     "hshare": ("HShare", "tab:red", "s"),
     "direct_reuse": ("DirectReuse", "tab:orange", "^"),
     "random_expansion": ("RandomExpansion", "tab:brown", "v"),
     "quest": ("Quest", "tab:purple", "D"),
+    "es_quest": ("ES-Quest", "indigo", "d"),
+    "es_cis": ("ES-CIS", "tab:cyan", "o"),
     "double_sparsity": ("Double Sparsity", "tab:olive", "h"),
     "h2o": ("H2O", "tab:green", "P"),
     "certkv": ("CertKV", "tab:pink", "p"),
@@ -425,6 +479,8 @@ def _short(row: dict) -> str:
     if row["family"] == "cis":
         return f"s{st['block_size']} τ{st['tau']}"
     if row["family"] in ("direct_reuse", "random_expansion"):
+        return row["variant"].split(" ", 1)[1]
+    if row["family"].startswith("es_"):
         return row["variant"].split(" ", 1)[1]
     if row["family"] == "hshare":
         return "matched" if "matched_to" in st else row["variant"].split(" ", 1)[-1]
@@ -573,10 +629,28 @@ def run_schedule(run, budget: dict[str, int], args: argparse.Namespace, layers: 
         run(baseline_variant(budget, "hshare", "HShare-2 (½,½,½)", family="hshare", note="the paper's HShare-2",
                              share_ratio=0.5, head_share_ratio=0.5, layer_share_ratio=0.5))
     run(baseline_variant(budget, "quest", "Quest", page_size=args.page_size))
+    run_early_select(run, budget, args)
     run(baseline_variant(budget, "double_sparsity", "Double Sparsity"))  # r = 16, channels from each prompt
     run(baseline_variant(budget, "h2o", "H2O"))
     run(baseline_variant(budget, "certkv", "CertKV"))  # W = 32, max-pool 5, tail slot
     run(baseline_variant(budget, "streaming", "StreamingLLM"))
+    run(baseline_variant(budget, "oracle", "Oracle top-k"))
+
+
+def run_early_select(run, budget: dict[str, int], args: argparse.Namespace) -> None:
+    """The EarlySelectKV rows: ES-Quest and ES-CIS at the mid tap (with ``--quick``, only those),
+    else also at the early tap and with a rank ``--es-rank`` ``W_q``."""
+    taps = [("mid", None)] if args.quick else [("mid", None), ("early", None), ("mid", args.es_rank)]
+    for base in ("quest", "cis"):
+        for tap, rank in taps:
+            run(es_variant(budget, base, tap, rank, args.page_size))
+
+
+def run_early_select_schedule(run, budget: dict[str, int], args: argparse.Namespace) -> None:
+    """``--schedule early_select``: the ES rows beside their bases (Quest, CIS-main) and the oracle."""
+    run(baseline_variant(budget, "quest", "Quest", page_size=args.page_size))
+    run(cis_variant(budget, 16, 0.8, "CIS-main"))
+    run_early_select(run, budget, args)
     run(baseline_variant(budget, "oracle", "Oracle top-k"))
 
 
@@ -598,6 +672,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--topk", type=int, default=88)
     ap.add_argument("--page-size", type=int, default=16, help="Quest page size")
     ap.add_argument("--seed", type=int, default=0, help="RandomExpansion seed")
+    ap.add_argument("--es-rank", type=int, default=64, help="rank of the low-rank W_q of the EarlySelectKV rows")
+    ap.add_argument("--schedule", choices=("full", "early_select"), default="full",
+                    help="every selector, or only Quest, CIS-main, the EarlySelectKV rows and the oracle")
+    ap.add_argument("--name", default="selection_quality", help="file name (stem) of the report and its plots")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 24 steps, fewer CIS settings (a smoke run)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
     ap.add_argument("--replot", metavar="JSON", default=None,
@@ -647,6 +725,8 @@ def main(argv=None) -> int:
         "continuation": args.continuation,
         "max_new_tokens": args.max_new_tokens,
         "budget": budget,
+        "schedule": args.schedule,
+        "es_rank": args.es_rank,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "prhs_hf": prhs_hf.__version__, "python": platform.python_version(), "git": _git_commit()},
@@ -654,9 +734,9 @@ def main(argv=None) -> int:
 
     def save() -> None:
         meta["mean_context"] = rows[0]["mean_context"]
-        (out_dir / "selection_quality.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2),
-                                                         encoding="utf-8")
-        write_markdown(out_dir / "selection_quality.md", meta, rows)
+        (out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2),
+                                                    encoding="utf-8")
+        write_markdown(out_dir / f"{args.name}.md", meta, rows)
 
     def run(variant: Variant) -> dict:
         row = run_variant(model, variant, prompts, dense, args.device)
@@ -668,12 +748,15 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return row
 
-    run_schedule(run, budget, args, model.config.num_hidden_layers, model.config.num_attention_heads)
+    if args.schedule == "early_select":
+        run_early_select_schedule(run, budget, args)
+    else:
+        run_schedule(run, budget, args, model.config.num_hidden_layers, model.config.num_attention_heads)
 
-    meta["plots"] = write_plots(out_dir, rows)
+    meta["plots"] = write_plots(out_dir, rows, prefix=args.name)
     save()
     print("\n".join(targets(rows)), file=sys.stderr)
-    print(f"wrote {out_dir / 'selection_quality.json'}, .md and {len(meta['plots'])} plots", file=sys.stderr)
+    print(f"wrote {out_dir / (args.name + '.json')}, .md and {len(meta['plots'])} plots", file=sys.stderr)
     return 0
 
 

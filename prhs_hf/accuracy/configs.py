@@ -13,7 +13,10 @@ CPE (CIS + PSAW, CIS + ETF). The baselines replace CIS in decode with the same
 8/32/88 budget through ``baseline.name``. HShare appears at the paper's two settings of (query,
 head, layer) sharing ratios: ``hshare-1`` (1/2, 1/4, 1/4: ρ̂ = 1/2 · 3/4 · 3/4 ≈ 28.1 %) and
 ``hshare-2`` (1/2, 1/2, 1/2: ρ̂ = 12.5 %), as ``baseline.share_ratio`` / ``head_share_ratio`` /
-``layer_share_ratio``. Anything else given as a name is a YAML path.
+``layer_share_ratio``. EarlySelectKV (``early_select``) appears on Quest and on CIS (s = 16, τ = 0.8):
+``es-quest`` and ``es-cis`` (the mid tap, layer ℓ+1's exact ``W_q``), ``es-cis-early`` (the early tap)
+and ``es-quest-r256`` / ``es-cis-r256`` (the mid tap through a rank-256 SVD of ``W_q``). Anything else
+given as a name is a YAML path.
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
         NamedConfig("streaming", "cis", {"baseline": {"name": "streaming"}}),
         NamedConfig("h2o", "cis", {"baseline": {"name": "h2o"}}),
         NamedConfig("certkv", "cis", {"baseline": {"name": "certkv"}}),
+        NamedConfig("es-quest", "cis", {"baseline": {"name": "quest"}, "early_select": {"tap": "mid"}}),
+        NamedConfig("es-quest-r256", "cis", {"baseline": {"name": "quest"}, "early_select": {"tap": "mid", "rank": 256}}),
+        NamedConfig("es-cis", "cis", {"early_select": {"tap": "mid"}}),
+        NamedConfig("es-cis-early", "cis", {"early_select": {"tap": "early"}}),
+        NamedConfig("es-cis-r256", "cis", {"early_select": {"tap": "mid", "rank": 256}}),
     )
 }
 
