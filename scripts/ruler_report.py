@@ -194,15 +194,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="output path without suffix")
     args = ap.parse_args(argv)
     report = json.loads(args.results.read_text())
-    samples = read_samples(args.samples or args.results.with_suffix(".samples.jsonl"))
+    samples = read_samples(args.samples or args.results.with_name(f"{args.results.stem}.samples.jsonl"))
     summary = summarize(report["rows"], needle_hits(samples, args.data_dir))
     if not summary["rows"]:
         raise SystemExit(f"{args.results}: no RULER row (ruler_<task>_<length>) with status ok")
     meta = {**report.get("meta", {}), "report_command": shlex.join(["scripts/ruler_report.py", *(sys.argv[1:] if argv is None else argv)])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, **summary}, indent=1) + "\n")
+    args.out.with_name(f"{args.out.name}.json").write_text(json.dumps({"meta": meta, **summary}, indent=1) + "\n")
     md = render_markdown(summary, meta)
-    args.out.with_suffix(".md").write_text(md)
+    args.out.with_name(f"{args.out.name}.md").write_text(md)
     print(md)
     for p in plot(summary, args.out):
         print(f"wrote {p}")

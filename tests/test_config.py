@@ -1,3 +1,4 @@
+import dataclasses
 import re
 from pathlib import Path
 
@@ -44,6 +45,8 @@ def test_dense_config_switches_everything_off():
         ({"budget": {"topk": "88"}}, "budget.topk"),
         ({"cis": {"enabled": "yes"}}, "cis.enabled"),
         ({"cis": {"block_size": 0}}, "cis.block_size"),
+        ({"cis": {"tail_slot": 1}}, "cis.tail_slot"),
+        ({"cis": {"tail_slot": True}, "baseline": {"name": "h2o"}}, "cis.tail_slot"),
         ({"psaw": {"phi": 0.0}}, "psaw.phi"),
         ({"psaw": {"phi": 1.5}}, "psaw.phi"),
         ({"psaw": {"phases": ["prefill", "train"]}}, "psaw.phases"),
@@ -171,13 +174,16 @@ def test_accuracy_configs_keep_their_meaning(tmp_path, monkeypatch):
     assert on["dense"] == (False, False, False)
     assert on["cpe"] == (True, True, True)
     assert on["cpe-no-etf"] == (True, True, False) and on["cpe-no-psaw"] == (True, False, True)
-    for name in ("cis-s8", "cis-s16", "cis-s20", "cis*", "cis-t0.6", "cis-t0.7", "cis-t0.7-local", "cis-group",
+    for name in ("cis-s8", "cis-s16", "cis-s20", "cis*", "cis-t0.6", "cis-t0.7", "cis-t0.7-local", "cis-group", "cis-tail",
                  "cis-group-t0.7-local", "hshare-1", "hshare-2", "quest", "h2o", "es-quest", "es-quest-r256", "es-cis",
                  "es-cis-early", "es-cis-r256"):
         assert on[name] == (True, False, False), name
     local, group = (ac.load_named_config(ac.ACCURACY_CONFIGS[n]).cis for n in ("cis-t0.7-local", "cis-group-t0.7-local"))
     assert (local.tau, local.keep_anchor_local, local.selection) == (0.7, True, "head")
     assert (group.tau, group.keep_anchor_local, group.selection) == (0.7, True, "group")
+    tail, s16 = (ac.load_named_config(ac.ACCURACY_CONFIGS[n]) for n in ("cis-tail", "cis-s16"))
+    assert tail.cis.tail_slot and not s16.cis.tail_slot
+    assert tail == dataclasses.replace(s16, cis=dataclasses.replace(s16.cis, tail_slot=True))
 
 
 def test_only_a_bare_name_resolves_to_a_shipped_config(tmp_path, monkeypatch):
@@ -269,3 +275,9 @@ def test_yaml_syntax_errors_name_the_file_and_line(tmp_path):
 def test_type_messages_use_the_right_article(data, text):
     with pytest.raises(ConfigError, match=re.escape(text)):
         load_config(data)
+
+
+def test_calibrated_qwen_config_is_cis_alone():
+    """What the H200 calibration at a 1 % target found for Qwen2.5-Coder-1.5B (no PSAW/ETF schedule
+    passes at every layer), so its RULER rows are cis-s16's; a change to either file shows here."""
+    assert load_config("cpe_qwen2.5-coder-1.5b") == load_config("cis")

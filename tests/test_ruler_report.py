@@ -48,16 +48,16 @@ def run(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_report_tables_and_depth_recall(run, tmp_path) -> None:
     results, data = run
-    out = tmp_path / "out" / "ruler"
+    out = tmp_path / "out" / "ruler_qwen1.5b"  # a dot in the name: not a suffix to replace
     assert ruler_report.main(["--results", str(results), "--data-dir", str(data), "--out", str(out)]) == 0
-    got = json.loads(out.with_suffix(".json").read_text())
+    got = json.loads((out.parent / "ruler_qwen1.5b.json").read_text())
     assert {(r["config"], r["task"], r["length"]) for r in got["rows"]} == {
         ("dense", "niah_single_2", 4096), ("cpe", "niah_single_2", 4096), ("dense", "vt", 4096), ("cpe", "vt", 4096)}
     means = {(m["config"], m["length"]): m["mean_score"] for m in got["by_length"]}
     assert means == {("dense", 4096): 1.0, ("cpe", 4096): 0.25}
     depth = {(d["config"], d["depth_from"]): (d["needles"], d["found"]) for d in got["by_depth"]}
     assert depth == {("dense", 0.0): (1, 1.0), ("dense", 0.9): (1, 1.0), ("cpe", 0.0): (1, 0.0), ("cpe", 0.9): (1, 1.0)}
-    md = out.with_suffix(".md").read_text()
+    md = (out.parent / "ruler_qwen1.5b.md").read_text()
     assert "| niah_single_2 | 4096 | 2 | 1.000 | 0.500 |" in md and "gsm8k" not in md
 
 
