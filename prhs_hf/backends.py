@@ -10,7 +10,7 @@ from .kernels import decode_ops as ops
 from .kernels import prefill_attention as pa
 from .kernels._common import HAS_TRITON, interpreting
 
-__all__ = ["pick_decode_ops", "prefill_function", "triton_usable"]
+__all__ = ["dense_prefill_function", "pick_decode_ops", "prefill_function", "triton_usable"]
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -36,10 +36,31 @@ def pick_decode_ops(name: str, device: torch.device) -> ops.DecodeOps:
 
 
 def prefill_function(name: str, device: torch.device) -> Callable:
-    """The sparse prefill attention for ``backend.prefill`` (same signature for every backend)."""
+    """The sparse prefill attention for ``backend.prefill`` (same signature for every backend).
+
+    ``flash`` (FlashAttention-4, opt-in: ``auto`` does not pick it) raises here, naming the key and
+    the install, unless ``flash_attn.cute`` imports and ``device`` is an sm90/sm100 GPU.
+    """
     choice = _pick(name, device, "backend.prefill")
     if choice == "flex":
         from .kernels.flex_prefill import flex_prefill_attention
 
         return flex_prefill_attention
+    if choice == "flash":
+        from .kernels.flash_prefill import flash_prefill_attention, require_flash_attn
+
+        require_flash_attn(device)
+        return flash_prefill_attention
     return pa.prefill_attention if choice == "triton" else pa.prefill_attention_reference
+
+
+def dense_prefill_function(name: str, device: torch.device) -> Callable | None:
+    """The dense causal prefill of layers without a PSAW/ETF plan for ``backend.prefill``, or None
+    (dense SDPA). Only ``flash`` has one (:func:`~prhs_hf.kernels.flash_prefill.flash_dense_prefill_attention`:
+    ``(q, k, v, pad, q_start, scale, *, no_mask)``); it raises like :func:`prefill_function` where FA4 cannot run."""
+    if name != "flash":
+        return None
+    from .kernels.flash_prefill import flash_dense_prefill_attention, require_flash_attn
+
+    require_flash_attn(device)
+    return flash_dense_prefill_attention

@@ -2,7 +2,8 @@
 
 A :class:`PrHSLayer` is attached to each attention module as ``module._prhs_layer`` by
 :func:`prhs_hf.patch`. The registered attention function hands every call to it; it routes
-prefill to the dense SDPA path (untouched layers) or to the sparse prefill backend, and decode
+prefill to the dense SDPA path (untouched layers; FA4's dense forward under ``backend.prefill: flash``)
+or to the sparse prefill backend, and decode
 to the decode selector (CIS or a baseline) and sparse attention, the PSAW window, or dense SDPA.
 Dense calls read grouped K/V in place (``attention.gqa_sdpa_attention_forward``) unless the config
 changes nothing at all, which keeps transformers' own path and so the unpatched model's bits.
@@ -16,6 +17,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import gqa_sdpa_attention_forward
+from .backends import dense_prefill_function
 from .decode import DecodeParams, window_decode_step
 from .geometry import SequenceGeometry
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
@@ -187,4 +189,10 @@ class PrHSLayer:
             self.runtime.selector.observe_prefill(self.index, query, key, self.runtime.geometry_on(query.device), scaling)
         if self.plan is not None:
             return self._prefill(query, key, value, scaling)
+        if query.shape[2] > 1 and not self.runtime.passthrough:  # a dense prefill layer of a sparse config
+            dense_prefill = dense_prefill_function(self.runtime.resolved.config.backend.prefill, query.device)
+            if dense_prefill is not None:
+                geom = self.runtime.geometry_on(query.device)
+                out = dense_prefill(query, key, value, geom.pad, geom.q_start, scaling, no_mask=attention_mask is None)
+                return out, None
         return self._dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)

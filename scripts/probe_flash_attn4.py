@@ -13,9 +13,10 @@ error text, with the full traceback, in the JSON):
    and median time (``_bench_common.median_ms``: ``triton.testing.do_bench``).
 3. ``sparse``: the PSAW+ETF pattern of the config at depth ``--depth`` (1.0: the deepest layer's
    window and frozen rows, as the ``u = 1`` rows of ``bench_prefill``), run through FA4's
-   block-sparse forward: :func:`fa4_block_sparse` turns the schedule into FA4's
-   ``BlockSparseTensorsTorch`` (128 x 128 tiles: skipped, full, and partial tiles for which a
-   CuTe ``mask_mod`` applies the exact SPEC §3 predicate), checked against
+   block-sparse forward exactly as ``backend.prefill: flash`` runs it (``prhs_hf.kernels.flash_prefill``:
+   ``fa4_block_sparse`` turns the schedule into FA4's block-sparse tensors, 128 x 128 tiles on
+   sm90: skipped, full, and partial tiles for which the CuTe ``prefill_mask_mod`` applies the
+   exact SPEC §3 predicate; ``flash_attention_with_plan`` calls FA4), checked against
    :func:`prefill_attention_reference` (up to ``--ref-max-len``; past it against our kernel) and
    timed next to our kernel and FlexAttention with the same pattern.
 
@@ -34,9 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import sys
@@ -52,11 +51,19 @@ import _bench_common as common
 import bench_prefill as bp  # the pattern of a depth, the kernel arguments, the config reader, tables
 
 from prhs_hf import schedules as sched  # noqa: E402  (bench_prefill put the kernels in place)
+from prhs_hf.kernels.flash_prefill import (  # noqa: E402  (the route's conversion, mask_mod and FA4 call)
+    add_cutlass_dsl_path,
+    fa4_block_size,
+    fa4_block_sparse,
+    flash_attention_with_plan,
+    flash_causal_attention,
+    import_flash_attn,
+    mask_aux_tensors,
+    prefill_mask_mod,
+)
 from prhs_hf.kernels.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
 
 REPO = common.REPO
-#: FA4's SM90 forward tile for d 128 (``_tile_size_fwd_sm90``); the sparse block size FA4 is given
-FA4_BLOCK = (128, 128)
 #: distributions whose versions the import stage records (``importlib.metadata`` names)
 FA4_DISTRIBUTIONS = (
     "flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core",
@@ -87,86 +94,6 @@ class Report:
 # ----------------------------------------------------------------------------- tile mask -> FA4
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor) -> torch.Tensor:
-    """Length of ``[a, b) ∩ [c0, c1)`` elementwise (0 when empty)."""
-    return (torch.minimum(b, c1) - torch.maximum(a, c0)).clamp(min=0)
-
-
-def visible_per_block(
-    win_lo: torch.Tensor, sink: int, frozen_lo: int, frozen_hi: int, kv_len: int, block_m: int, block_n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Visible (query, key) pairs of every ``block_m x block_n`` tile of a batch-1, unpadded prefill.
-
-    ``win_lo [Lq]`` is the PSAW window start of each row (real index ``i`` = row), ``[frozen_lo,
-    frozen_hi)`` the ETF-frozen rows. An active row ``i`` sees ``[0, s) ∪ [max(win, s), i + 1)``
-    with ``s = min(sink, i + 1)``: the same keys as :func:`prefill_visibility`, as two disjoint
-    intervals, so no ``Lq x Lk`` mask is built (``Lq x n_blocks`` counts). Returns ``(pairs
-    [M, N], capacity [M, N])``, capacity being the tile's real rows x real columns.
-    """
-    dev = win_lo.device
-    lq = win_lo.shape[0]
-    i = torch.arange(lq, device=dev, dtype=torch.int64)
-    win = win_lo.to(device=dev, dtype=torch.int64)
-    active = (i < frozen_lo) | (i >= frozen_hi)
-    s = torch.clamp(i + 1, max=sink)
-    n_blocks = -(-kv_len // block_n)
-    c0 = (torch.arange(n_blocks, device=dev, dtype=torch.int64) * block_n)[None, :]
-    c1 = torch.clamp(c0 + block_n, max=kv_len)
-    zero = torch.zeros_like(i)
-    per_row = _overlap(zero[:, None], s[:, None], c0, c1) + _overlap(torch.maximum(win, s)[:, None], (i + 1)[:, None], c0, c1)
-    per_row = per_row * active[:, None]
-    m_blocks = -(-lq // block_m)
-    padded = torch.zeros(m_blocks * block_m, n_blocks, dtype=torch.int64, device=dev)
-    padded[:lq] = per_row
-    pairs = padded.view(m_blocks, block_m, n_blocks).sum(dim=1)
-    rows = torch.clamp(lq - torch.arange(m_blocks, device=dev) * block_m, max=block_m)
-    capacity = rows[:, None] * (c1 - c0)
-    return pairs, capacity
-
-
-def block_kinds(pairs: torch.Tensor, capacity: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
-    """Tile kinds from :func:`visible_per_block`: 0 skipped, 1 partial (needs the mask), 2 full.
-
-    A tile is full only when it is a whole ``block_m x block_n`` tile with every pair visible; a
-    ragged edge tile with pairs is partial (the mask is exact there, full would not be).
-    """
-    full = (pairs == capacity) & (capacity == block_m * block_n)
-    kinds = torch.where(pairs > 0, 1, 0)
-    return torch.where(full, 2, kinds).to(torch.int8)
-
-
-def _ordered(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(count [1, 1, M], indices [1, 1, M, N])`` int32 of the selected columns per row, ascending, packed left."""
-    count = sel.sum(dim=-1).to(torch.int32)
-    order = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return count[None, None].contiguous(), order[None, None].contiguous()
-
-
-def fa4_block_sparse(
-    win_lo: torch.Tensor,
-    sink: int,
-    frozen_lo: int,
-    frozen_hi: int,
-    kv_len: int,
-    block: tuple[int, int] = FA4_BLOCK,
-) -> dict[str, Any]:
-    """The PSAW/ETF schedule of a batch-1 prefill as FA4's block-sparse tensors (FlexAttention's layout).
-
-    Returns ``mask_block_cnt``/``mask_block_idx`` (partial tiles: the kernel applies the mask_mod),
-    ``full_block_cnt``/``full_block_idx`` (tiles run without a mask), shaped ``[1, 1, M]`` and
-    ``[1, 1, M, N]`` int32 (one pattern for every head), ``block_size``, and ``kinds [M, N]``
-    (0 skipped, 1 partial, 2 full) for the statistics and the tests. Pass the four tensors and
-    ``block_size`` to ``flash_attn.cute.block_sparsity.BlockSparseTensorsTorch``.
-    """
-    bm, bn = block
-    pairs, capacity = visible_per_block(win_lo, sink, frozen_lo, frozen_hi, kv_len, bm, bn)
-    kinds = block_kinds(pairs, capacity, bm, bn)
-    mask_cnt, mask_idx = _ordered(kinds == 1)
-    full_cnt, full_idx = _ordered(kinds == 2)
-    return dict(mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt, full_block_idx=full_idx,
-                block_size=(bm, bn), kinds=kinds)
-
-
 def block_stats(kinds: torch.Tensor) -> dict[str, int]:
     """How many tiles of the ``M x N`` grid are partial, full and skipped (above the diagonal too)."""
     total = kinds.numel()
@@ -179,24 +106,6 @@ def block_stats(kinds: torch.Tensor) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- FA4 import
-
-
-def _add_cutlass_dsl_path() -> Optional[str]:
-    """Put ``nvidia_cutlass_dsl/dsl_packages`` on ``sys.path`` if the wheel is found but its ``.pth`` was not run.
-
-    ``pip install --target DIR`` plus ``PYTHONPATH=DIR`` skips ``nvidia_cutlass_dsl_packages.pth``
-    (``.pth`` files run only in site directories), so ``import cutlass`` fails without this.
-    Returns the added path, or None.
-    """
-    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for root in spec.submodule_search_locations:
-        path = os.path.join(root, "dsl_packages")
-        if os.path.isdir(path) and path not in sys.path:
-            sys.path.insert(0, path)
-            return path
-    return None
 
 
 def _dist_version(name: str) -> str:
@@ -223,20 +132,19 @@ def _driver_cuda() -> str:
 def import_fa4(report: Report) -> Any:
     """Stage 1: import ``flash_attn.cute``; record versions, the DSL flavour, or the full traceback. Returns the module or None."""
     info: dict[str, Any] = {"driver_cuda": _driver_cuda(), "versions": {d: _dist_version(d) for d in FA4_DISTRIBUTIONS}}
-    info["sys_path_added"] = _add_cutlass_dsl_path()
+    info["sys_path_added"] = add_cutlass_dsl_path()
     report.fa4 = info
     t0 = time.perf_counter()
     try:
-        fa4 = importlib.import_module("flash_attn.cute")
-        importlib.import_module("flash_attn.cute.interface")
-        importlib.import_module("flash_attn.cute.block_sparsity")
-    except BaseException as exc:  # noqa: BLE001 - ImportError, RuntimeError of the DSL loader, SystemExit of a native lib...
+        fa4 = import_flash_attn()  # the route's import: its error names the cause and the install
+    except BaseException as exc:  # noqa: BLE001 - the RuntimeError of a failed import, SystemExit of a native lib...
         if isinstance(exc, KeyboardInterrupt):
             raise
         info["ok"] = False
         info["error"] = report.error("import flash_attn.cute", exc)
-        if isinstance(exc, ModuleNotFoundError) and exc.name in ("cutlass", "cuda", "cuda.bindings", "google"):
-            report.notes.append(f"{exc.name} is missing: the CuTe DSL needs nvidia-cutlass-dsl-libs-core (cutlass), "
+        cause = exc.__cause__
+        if isinstance(cause, ModuleNotFoundError) and cause.name in ("cutlass", "cuda", "cuda.bindings", "google"):
+            report.notes.append(f"{cause.name} is missing: the CuTe DSL needs nvidia-cutlass-dsl-libs-core (cutlass), "
                                 "cuda-bindings (cuda) and protobuf (google) on the path; with pip --target also "
                                 "<target>/nvidia_cutlass_dsl/dsl_packages (its .pth does not run)")
         report.rows.append(dict(stage="import", impl="fa4", ok=False, error=info["error"]))
@@ -258,31 +166,6 @@ def import_fa4(report: Report) -> Any:
     return fa4
 
 
-def make_fa4_mask_mod() -> Callable:
-    """The SPEC §3 predicate as a CuTe ``mask_mod`` for FA4's partial tiles (batch 1, no padding).
-
-    ``aux_tensors = [win_lo int32 [Lq], params int32 [3] = (sink, frozen_lo, frozen_hi)]``: the
-    values live in tensors, not in the closure, so one compiled kernel serves every length and
-    depth. Same rule as :func:`prefill_attention.prefill_visibility` (which FA4 cannot call).
-    """
-    import cutlass
-    import cutlass.cute as cute
-    from flash_attn.cute import utils
-
-    @cute.jit
-    def psaw_etf_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        win_lo = aux_tensors[0]
-        params = aux_tensors[1]
-        win = utils.scalar_to_ssa(win_lo[m_idx[0]], cutlass.Int32)
-        sink = utils.scalar_to_ssa(params[0], cutlass.Int32)
-        f_lo = utils.scalar_to_ssa(params[1], cutlass.Int32)
-        f_hi = utils.scalar_to_ssa(params[2], cutlass.Int32)
-        active = (m_idx < f_lo) | (m_idx >= f_hi)
-        return active & (n_idx <= m_idx) & ((n_idx < sink) | (n_idx >= win))
-
-    return psaw_etf_mask
-
-
 # ----------------------------------------------------------------------------- runners
 
 
@@ -297,14 +180,9 @@ def _sdpa_flash(q, k, v, gqa: bool) -> Callable[[], torch.Tensor]:
     return run
 
 
-def _fa4_call(fa4_kwargs: dict[str, Any], qb, kb, vb) -> Callable[[], torch.Tensor]:
-    from flash_attn.cute import flash_attn_func
-
-    def run():
-        res = flash_attn_func(qb, kb, vb, **fa4_kwargs)
-        return res[0] if isinstance(res, tuple) else res
-
-    return run
+def _fa4_dense(qb, kb, vb, scale: float) -> Callable[[], torch.Tensor]:
+    """The route's dense causal FA4 call on ``[B, L, H, D]`` tensors (passed as HF-layout views)."""
+    return lambda: flash_causal_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), scale)
 
 
 def _max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -394,8 +272,7 @@ def stage_dense(p: Probe, fa4: Any, contexts: list[int], heads: list[tuple[int, 
             rname = None if ref is None else "sdpa_flash"
             if fa4 is not None:
                 qb, kb, vb = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-                kw = dict(softmax_scale=scale, causal=True)
-                p.measure(base, "fa4", lambda: _fa4_call(kw, qb, kb, vb), ref, rname, variant=f"dense causal G={hq // hkv}")
+                p.measure(base, "fa4", lambda: _fa4_dense(qb, kb, vb, scale), ref, rname, variant=f"dense causal G={hq // hkv}")
                 del qb, kb, vb
             else:
                 p.skipped(base, "fa4", "flash_attn.cute did not import (see the import stage)")
@@ -418,15 +295,16 @@ def stage_sparse(p: Probe, fa4: Any, contexts: list[int], heads: list[tuple[int,
     mask_mod = None
     if fa4 is not None:
         try:
-            mask_mod = make_fa4_mask_mod()
+            mask_mod = prefill_mask_mod()
         except Exception as exc:  # noqa: BLE001
             p.report.error("sparse: building the CuTe mask_mod", exc)
+    block = fa4_block_size(torch.cuda.get_device_capability(p.device), d)
     for L in contexts:
         pat = bp.make_pattern(L, depth, "both", s)
         pad, q_start, win_lo, flo, fhi = args = bp.kernel_args(L, pat, s, p.device)
         pairs = sched.visible_pairs(L, pat.w, s.sink, s.sink, pat.frozen_hi)
-        sparse = fa4_block_sparse(win_lo[0], s.sink, s.sink, pat.frozen_hi, L)
-        stats = block_stats(sparse["kinds"])
+        plan = fa4_block_sparse(pad, q_start, win_lo, s.sink, flo, fhi, L, block)
+        stats = block_stats(plan.kinds)
         frozen = torch.zeros(L, dtype=torch.bool, device=p.device)
         frozen[s.sink:pat.frozen_hi] = True
         for hq, hkv in heads:
@@ -455,18 +333,13 @@ def stage_sparse(p: Probe, fa4: Any, contexts: list[int], heads: list[tuple[int,
                         "max_abs_frozen_rows": float(out[:, frozen].float().abs().max()) if bool(frozen.any()) else 0.0}
 
             if fa4 is not None and mask_mod is not None:
-                from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+                qb, kb, vb = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, L, H, D], as FA4 was timed first
+                aux = mask_aux_tensors(pad, q_start, win_lo, s.sink, flo, fhi)
 
-                qb, kb, vb = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-                bst = BlockSparseTensorsTorch(
-                    mask_block_cnt=sparse["mask_block_cnt"], mask_block_idx=sparse["mask_block_idx"],
-                    full_block_cnt=sparse["full_block_cnt"], full_block_idx=sparse["full_block_idx"],
-                    block_size=sparse["block_size"],
-                )
-                aux = [win_lo[0].contiguous(), torch.tensor([s.sink, s.sink, pat.frozen_hi], dtype=torch.int32, device=p.device)]
-                kw = dict(softmax_scale=scale, causal=False, mask_mod=mask_mod, aux_tensors=aux, block_sparse_tensors=bst,
-                          pack_gqa=hq != hkv)
-                p.measure(base, "fa4_block_sparse", lambda: _fa4_call(kw, qb, kb, vb), ref, rname, check=check,
+                def run(qb=qb, kb=kb, vb=vb, aux=aux):  # the route's FA4 call, on views in the HF layout
+                    return flash_attention_with_plan(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), plan, aux, scale)
+
+                p.measure(base, "fa4_block_sparse", lambda: run, ref, rname, check=check,
                           variant=f"block-sparse mask_mod G={hq // hkv}")
                 del qb, kb, vb
             else:
@@ -569,7 +442,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             report.error(f"stage {name}", exc)
             gc.collect()
             torch.cuda.empty_cache()
-    report.notes.append(f"schedule from {args.config.name}: {asdict(s)}; FA4 sparse tiles {FA4_BLOCK}")
+    block = fa4_block_size(torch.cuda.get_device_capability(device), 128)
+    report.notes.append(f"schedule from {args.config.name}: {asdict(s)}; FA4 sparse tiles {block}")
     report.notes.append(f"total wall time {time.perf_counter() - t_start:.0f} s")
     print("\n" + render_markdown(report))
     write_report(report, args.out)
