@@ -114,6 +114,9 @@ class CISConfig:
     # also keep the tokens that aged from the local window into the middle since the block began:
     # an anchor taken then never scored them (at most block_size - 1 more keys per step)
     keep_anchor_local: bool = False
+    # CertKV's tail-summary slot on top of CIS: one slot of each row's top-k budget holds a synthetic
+    # key/value for the middle tokens its index set leaves out (prhs_hf/selectors/cis.py)
+    tail_slot: bool = False
 
 
 @dataclass(frozen=True)
@@ -330,6 +333,7 @@ _RULES: dict[str, tuple] = {
     "cis.tau": ("float", -1.0, MAX_TAU, False, False),
     "cis.selection": ("choice", CIS_SELECTIONS),
     "cis.keep_anchor_local": ("bool",),
+    "cis.tail_slot": ("bool",),
     "cis.dilation_topm": ("int", 0, MAX_TOKENS, False, True),
     "cis.dilation_radius": ("int", 0, MAX_TOKENS, False, False),
     "psaw.enabled": ("bool",),
@@ -464,6 +468,13 @@ def _check_sizes(config: PrHSConfig) -> None:
     if config.baseline.name == "certkv" and config.baseline.tail_slot and b.topk < 2:
         raise ConfigError(f"budget.topk: {b.topk} leaves CertKV no real-token slot beside its tail slot "
                           f"(baseline.tail_slot: true charges one per KV head); allowed >= 2, or tail_slot: false")
+    if cis.enabled and cis.tail_slot:
+        if config.baseline.name is not None:
+            raise ConfigError(f"cis.tail_slot: applies to CIS (no baseline.name); this config has baseline.name: "
+                              f"{config.baseline.name} (set cis.tail_slot: false, or baseline.tail_slot for certkv)")
+        if b.topk < 2:
+            raise ConfigError(f"budget.topk: {b.topk} leaves CIS no real-token slot beside its tail slot "
+                              f"(cis.tail_slot: true charges one per row); allowed >= 2, or cis.tail_slot: false")
     es = config.early_select
     if es.enabled and not (config.baseline.name == "quest" or (config.baseline.name is None and cis.enabled)):
         selector = f"baseline.name: {config.baseline.name}" if config.baseline.name else "no selector (cis is off)"

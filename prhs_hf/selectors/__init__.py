@@ -77,9 +77,10 @@ def _base_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable |
     if name is None:
         if not c.cis.enabled:
             return None
-        set_size = dilated_set_size(c.budget.topk, resolved.dilation_topm, c.cis.dilation_radius)
+        kept = c.budget.topk - (1 if c.cis.tail_slot else 0)  # the tail slot is charged to the top-k
+        set_size = dilated_set_size(kept, resolved.dilation_topm, c.cis.dilation_radius)
         return CISSelector(resolved.num_layers, c.cis.block_size, set_size, ops_for, grouped=c.cis.selection == "group",
-                           keep_anchor_local=c.cis.keep_anchor_local)
+                           keep_anchor_local=c.cis.keep_anchor_local, tail_slot=c.cis.tail_slot)
     try:
         factory = SELECTORS[name]
     except KeyError:

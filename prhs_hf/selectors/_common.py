@@ -26,6 +26,10 @@ __all__ = [
     "set_probabilities",
     "gather_rows",
     "attend_with_tail",
+    "window_scores",
+    "tail_moments",
+    "tail_log_mass",
+    "tail_summary",
     "to_real",
     "grow_last",
     "LayerStates",
@@ -123,7 +127,8 @@ def attend_with_tail(
     The keys are the cache rows at the real indices ``idx [B, H, cap]`` (``H`` is ``Hq`` or
     ``Hkv``; ``-1`` = none); ``tail = (key [B, H, D], value [B, H, D], log_mass [B, H])`` adds a
     key whose logit is ``scale * q·key + log_mass`` (``-inf``: no tail). Computed in fp32, returned
-    in ``q``'s dtype. This is the attention of a CertKV selection (its tail-summary slot).
+    in ``q``'s dtype. This is the attention of a CertKV selection (its tail-summary slot) and of CIS
+    with ``cis.tail_slot`` (:func:`tail_summary`).
     """
     heads = q.shape[1]
     tk, tv, lm = tail
@@ -142,6 +147,104 @@ def attend_with_tail(
     probs = torch.nan_to_num(probs)  # a row with no key at all (never on a decode step): 0, not NaN
     out = (probs[..., :-1, None] * values).sum(-2) + probs[..., -1:] * tv.float()
     return out.to(q.dtype)
+
+
+def window_scores(
+    q_win: torch.Tensor, q_pos: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SnapKV's observation-window attention: ``(π [B, Hkv, S] by real index, logits [B, Hq, W, S] by cache slot)``.
+
+    ``q_win [B, Hq, W, D]`` are window queries at real positions ``q_pos [B, W]`` (``< 0``: none);
+    each sees the real keys ``0..q_pos``. ``π`` sums the causal softmax over the window rows and
+    averages it over the query heads of each KV head (fp32, real-indexed: ``π[..., j]`` is real
+    token ``j``); ``logits`` are the scaled scores by cache slot, ``-inf`` where not visible.
+    """
+    B, Hq, W, D = q_win.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    g = gqa_group(Hq, Hkv)
+    kf = k_cache.float()[:, :, None]  # [B, Hkv, 1, S, D]
+    qf = q_win.float().reshape(B, Hkv, g, W, D)
+    logits = torch.matmul(qf, kf.transpose(-1, -2)).reshape(B, Hq, W, S) * scale
+    real = torch.arange(S, device=k_cache.device)[None, :] - pad.long()[:, None]  # [B, S]
+    visible = (real[:, None, :] >= 0) & (real[:, None, :] <= q_pos.long()[:, :, None]) & (q_pos[:, :, None] >= 0)
+    logits = logits.masked_fill(~visible[:, None], float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(logits, dim=-1))  # a padding row (no key): 0
+    pi = probs.sum(2).reshape(B, Hkv, g, S).mean(2)
+    return to_real(pi, pad), logits
+
+
+def tail_moments(
+    pi: torch.Tensor, x: torch.Tensor, omitted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(m, x*, m·M_2)`` of the omitted tokens: their mass ``Σ π``, the ``π``-weighted mean of
+    ``x [B, H, S, D]`` and ``Σ π ‖x − x*‖²`` (all real-indexed; ``x* = 0`` where ``m = 0``)."""
+    w = torch.where(omitted, pi, torch.zeros_like(pi))
+    m = w.sum(-1)
+    mean = (w[..., None] * x).sum(-2) / m.clamp_min(1e-30)[..., None]
+    spread = (w * ((x - mean[..., None, :]) ** 2).sum(-1)).sum(-1)
+    return m, mean, spread
+
+
+def tail_log_mass(
+    logits: torch.Tensor, omitted: torch.Tensor, q_win: torch.Tensor, q_pos: torch.Tensor, tail_k: torch.Tensor,
+    pad: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """``[B, Hkv]`` β: the mean over the window queries (and a KV head's query heads) of the
+    omitted tokens' log-partition minus the synthetic key's logit; ``-inf`` where nothing is omitted.
+
+    ``logits [B, Hq, W, S]`` by cache slot (``-inf`` where not visible), ``omitted [B, Hkv, S]`` by
+    real index, ``q_win [B, Hq, W, D]`` at real positions ``q_pos [B, W]``, ``tail_k [B, Hkv, D]``.
+    """
+    B, Hq, W, S = logits.shape
+    Hkv = omitted.shape[1]
+    g = Hq // Hkv
+    real_logits = to_real(logits, pad, fill=float("-inf"))
+    om = omitted.repeat_interleave(g, dim=1)[:, :, None]  # [B, Hq, 1, S]
+    lse = torch.logsumexp(real_logits.masked_fill(~om, float("-inf")), dim=-1)  # [B, Hq, W]
+    syn = (q_win.float() * tail_k.repeat_interleave(g, dim=1)[:, :, None]).sum(-1) * scale  # [B, Hq, W]
+    ok = torch.isfinite(lse) & (q_pos[:, None, :] >= 0)
+    diff = torch.where(ok, lse - syn, torch.zeros_like(lse))
+    n = ok.sum(-1).reshape(B, Hkv, g).sum(-1)
+    beta = diff.sum(-1).reshape(B, Hkv, g).sum(-1) / n.clamp_min(1)
+    return torch.where(n > 0, beta, torch.full_like(beta, float("-inf")))
+
+
+def tail_summary(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor, t: torch.Tensor,
+    lo: torch.Tensor, end: torch.Tensor, members: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tail-summary pair of the middle tokens ``[lo, end)`` that ``members`` leaves out, under ``q``.
+
+    CertKV's synthetic slot with the decode query as its one-row observation window (CIS + tail,
+    ``cis.tail_slot``): with ``π`` the softmax of ``q [B, Hq, D]`` (real position ``t - 1``) over its
+    visible keys and ``E = [lo, end) \\ members`` the omitted tokens, ``key = Σ_E π k / Σ_E π``,
+    ``value`` likewise and ``log_mass = log Σ_E exp(scale q·k_j) − scale q·key``, so that the logit
+    ``scale q·key + log_mass`` carries exactly ``E``'s softmax mass for ``q``
+    (:func:`tail_moments`, :func:`tail_log_mass`).
+
+    ``members [B, H, n]`` are real indices (``-1`` = none); ``H = Hq`` gives a pair per query head,
+    ``H = Hkv`` one per KV head (its group's ``π`` averaged and ``log_mass`` the mean over the group,
+    as CertKV's). ``lo``, ``end``, ``t`` are ``[B]``. Returns fp32 ``(key [B, H, D], value [B, H, D],
+    log_mass [B, H])``; ``log_mass = -inf`` where ``E`` is empty.
+    """
+    B, Hq, _ = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    H = members.shape[1]
+    kc, vc = k_cache, v_cache
+    if H == Hq and Hq != Hkv:  # a pair per query head: each reads its KV head's rows
+        kc, vc = (x.repeat_interleave(gqa_group(Hq, Hkv), dim=1) for x in (k_cache, v_cache))
+    pos = (t.long() - 1)[:, None]
+    q_win = q.float()[:, :, None]
+    pi, logits = window_scores(q_win, pos, kc, pad, scale)  # [B, H, S] real; [B, Hq, 1, S] by slot
+    real = torch.arange(S, device=q.device)
+    middle = (real[None, :] >= lo.long()[:, None]) & (real[None, :] < end.long()[:, None])  # [B, S]
+    slots = torch.where((members >= 0) & (members < S), members.long(), S)
+    kept = torch.zeros(B, H, S + 1, dtype=torch.bool, device=q.device).scatter_(-1, slots, True)[..., :S]
+    omitted = middle[:, None] & ~kept
+    kr, vr = (to_real(x.float().movedim(-1, -2), pad).movedim(-1, -2) for x in (kc, vc))
+    _, key, _ = tail_moments(pi, kr, omitted)
+    _, value, _ = tail_moments(pi, vr, omitted)
+    return key, value, tail_log_mass(logits, omitted, q_win, pos, key, pad, scale)
 
 
 def grow_last(x: torch.Tensor, size: int, fill: float = 0.0) -> torch.Tensor:

@@ -45,37 +45,12 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ..kernels._common import gqa_group
-from ._common import LayerStates, compose, step_frame, to_real
+from ._common import LayerStates, compose, step_frame, tail_log_mass, tail_moments, to_real, window_scores
 
 __all__ = ["CertKVSelector", "window_scores", "allocate_budget", "FLOOR_FRACTION"]
 
 FLOOR_FRACTION = 0.2
 """§4.1's per-head floor: ``b_h >= max(1, ⌊0.2 B_real / H⌋)``."""
-
-
-def window_scores(
-    q_win: torch.Tensor, q_pos: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """SnapKV's observation-window attention: ``(π [B, Hkv, S], logits [B, Hq, W, S])`` by real index.
-
-    ``q_win [B, Hq, W, D]`` are window queries at real positions ``q_pos [B, W]`` (``< 0``: none);
-    each sees the real keys ``0..q_pos``. ``π`` sums the causal softmax over the window rows and
-    averages it over the query heads of each KV head (fp32, real-indexed: ``π[..., j]`` is real
-    token ``j``); ``logits`` are the scaled scores by cache slot, ``-inf`` where not visible.
-    """
-    B, Hq, W, D = q_win.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    g = gqa_group(Hq, Hkv)
-    kf = k_cache.float()[:, :, None]  # [B, Hkv, 1, S, D]
-    qf = q_win.float().reshape(B, Hkv, g, W, D)
-    logits = torch.matmul(qf, kf.transpose(-1, -2)).reshape(B, Hq, W, S) * scale
-    real = torch.arange(S, device=k_cache.device)[None, :] - pad.long()[:, None]  # [B, S]
-    visible = (real[:, None, :] >= 0) & (real[:, None, :] <= q_pos.long()[:, :, None]) & (q_pos[:, :, None] >= 0)
-    logits = logits.masked_fill(~visible[:, None], float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(logits, dim=-1))  # a padding row (no key): 0
-    pi = probs.sum(2).reshape(B, Hkv, g, S).mean(2)
-    return to_real(pi, pad), logits
 
 
 def allocate_budget(
@@ -163,7 +138,7 @@ class CertKVSelector(LayerStates):
         total = Hkv * (p.topk - (1 if self.tail_slot else 0))
         vr = to_real(v_cache.float().movedim(-1, -2), geom.pad).movedim(-1, -2)  # [B, Hkv, S, D] real
         even = torch.clamp(n_cand, max=total // Hkv)[:, None]
-        dispersion = _tail_moments(pi, vr, cand[:, None] & (rank >= even[..., None]))[2]
+        dispersion = tail_moments(pi, vr, cand[:, None] & (rank >= even[..., None]))[2]
         budget = allocate_budget(dispersion, total, n_cand, self.floor_fraction)  # [B, Hkv]
         width = max(1, int(budget.max()))
         keep = order[..., :width]
@@ -172,9 +147,9 @@ class CertKVSelector(LayerStates):
         if self.tail_slot:
             omitted = cand[:, None] & (rank >= budget[..., None])  # [B, Hkv, S] by real index
             kr = to_real(k_cache.float().movedim(-1, -2), geom.pad).movedim(-1, -2)
-            _, tail_k, _ = _tail_moments(pi, kr, omitted)
-            _, tail_v, _ = _tail_moments(pi, vr, omitted)
-            log_mass = _log_mass(logits, omitted, st["q"], st["pos"], tail_k, geom.pad, scale)
+            _, tail_k, _ = tail_moments(pi, kr, omitted)
+            _, tail_v, _ = tail_moments(pi, vr, omitted)
+            log_mass = tail_log_mass(logits, omitted, st["q"], st["pos"], tail_k, geom.pad, scale)
             st.update(tail_k=tail_k, tail_v=tail_v, log_mass=log_mass)
         self.widths[layer] = width
         st.pop("q")
@@ -218,39 +193,3 @@ class CertKVSelector(LayerStates):
         super().reset()
         self.widths.clear()
         self.planned.clear()
-
-
-def _tail_moments(
-    pi: torch.Tensor, x: torch.Tensor, omitted: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(m, x*, m·M_2)`` of the omitted tokens: their mass ``Σ π``, the ``π``-weighted mean of
-    ``x [B, H, S, D]`` and ``Σ π ‖x − x*‖²`` (all real-indexed; ``x* = 0`` where ``m = 0``)."""
-    w = torch.where(omitted, pi, torch.zeros_like(pi))
-    m = w.sum(-1)
-    mean = (w[..., None] * x).sum(-2) / m.clamp_min(1e-30)[..., None]
-    spread = (w * ((x - mean[..., None, :]) ** 2).sum(-1)).sum(-1)
-    return m, mean, spread
-
-
-def _log_mass(
-    logits: torch.Tensor, omitted: torch.Tensor, q_win: torch.Tensor, q_pos: torch.Tensor, tail_k: torch.Tensor,
-    pad: torch.Tensor, scale: float,
-) -> torch.Tensor:
-    """``[B, Hkv]`` β: the mean over the window queries (and a KV head's query heads) of the
-    omitted tokens' log-partition minus the synthetic key's logit; ``-inf`` where nothing is omitted.
-
-    ``logits [B, Hq, W, S]`` by cache slot (``-inf`` where not visible), ``omitted [B, Hkv, S]`` by
-    real index, ``q_win [B, Hq, W, D]`` at real positions ``q_pos [B, W]``, ``tail_k [B, Hkv, D]``.
-    """
-    B, Hq, W, S = logits.shape
-    Hkv = omitted.shape[1]
-    g = Hq // Hkv
-    real_logits = to_real(logits, pad, fill=float("-inf"))
-    om = omitted.repeat_interleave(g, dim=1)[:, :, None]  # [B, Hq, 1, S]
-    lse = torch.logsumexp(real_logits.masked_fill(~om, float("-inf")), dim=-1)  # [B, Hq, W]
-    syn = (q_win.float() * tail_k.repeat_interleave(g, dim=1)[:, :, None]).sum(-1) * scale  # [B, Hq, W]
-    ok = torch.isfinite(lse) & (q_pos[:, None, :] >= 0)
-    diff = torch.where(ok, lse - syn, torch.zeros_like(lse))
-    n = ok.sum(-1).reshape(B, Hkv, g).sum(-1)
-    beta = diff.sum(-1).reshape(B, Hkv, g).sum(-1) / n.clamp_min(1)
-    return torch.where(n > 0, beta, torch.full_like(beta, float("-inf")))

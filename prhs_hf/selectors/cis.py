@@ -8,6 +8,37 @@ otherwise it retrieves a fresh exact top-k and becomes an anchor. The set is
 PSAW leaves visible). The steps run on the ops table of the device (PyTorch reference or Triton
 kernels, ``prhs_hf.kernels.decode_ops``); the state of every layer lives in one
 :class:`~prhs_hf.cis_state.CISState`. No host synchronisation: the step can be graph-captured.
+
+CIS + tail (``cis.tail_slot: true``, issue 15): CertKV's tail-summary slot on top of CIS. Each
+row's budget is charged one slot, exactly as CertKV's: a retrieval keeps the top ``k - 1`` middle
+tokens and the row attends, beside its index set, to one synthetic key/value
+(:func:`~prhs_hf.selectors._common.tail_summary`) that summarises the middle tokens the set leaves
+out, so an active step processes ``sink + (k - 1) + 1 + local`` keys as CIS's ``sink + k + local``
+(the synthetic slot is counted in ``count`` wherever it carries mass).
+
+How the tail is estimated in decode, and why so: its moments need the query's scores over the
+whole middle, which only a *retrieval* computes. So the tail is computed when a row retrieves,
+from its own (exact) softmax: ``key``/``value`` the softmax-weighted means of the omitted tokens'
+keys/values and ``log_mass`` the log of their softmax mass over the synthetic key's logit. Two
+pairs are made, for the two sets the anchor serves:
+
+- the retrieving row's own step attends to its undilated top ``k - 1``; its pair summarises the
+  rest of ``[lo, min(hi, win_start))``. For one query per row (``selection: head``) this step is
+  then *exact* full attention over what it sees (the pair carries the omitted mass exactly);
+- its sharers attend to the anchor's dilated set, so the pair stored with the anchor summarises
+  the middle minus the dilated set (a dilation neighbour is never both attended and in the tail).
+
+A sharing row reuses its anchor's stored pair, the approximation CIS already makes for the
+indices: it is the anchor's summary, not the sharer's, and covers the middle of the anchor's step
+(tokens that aged out of the local window since are in neither, unless ``keep_anchor_local``
+keeps them in the window; with PSAW on in decode a few tokens the window has since hidden may stay
+in the summary, at most ``(1 - w_l)(s - 1)`` per block). With ``selection: group`` the pair is one
+per KV head, the group's softmax averaged (CertKV's convention). Cost: the summary reads the
+middle's keys *and values* of a retrieving row, where a plain retrieval reads only keys; here it
+runs in PyTorch for every row (masked to the retrieving ones, no host synchronisation), on the
+reference and on the Triton decode ops alike, and the attention with the pair is
+:func:`~prhs_hf.selectors._common.attend_with_tail` (PyTorch). A fused kernel (the retrieval pass
+accumulating ``Σ e^s k``, ``Σ e^s v``, ``Σ e^s`` and subtracting the kept set's share) is not built.
 """
 
 from __future__ import annotations
@@ -19,7 +50,9 @@ import torch
 from ..cis_state import CISState
 from ..decode import DecodeParams, DecodeSelection, step_frame
 from ..geometry import SequenceGeometry
-from ..kernels.decode_ops import DecodeOps, cis_select
+from ..kernels.compose_indices import SET_NONE
+from ..kernels.decode_ops import CISSelection, DecodeOps, cis_select
+from ._common import tail_summary
 
 __all__ = ["CISSelector"]
 
@@ -32,12 +65,18 @@ class CISSelector:
     heads of its group; its anchors hold the group's queries side by side
     (``decode_ops.group_query``) and a retrieval ranks keys by the group's largest score. Each KV
     head's keys are then read once per retrieval and its selected K/V rows once per step.
+
+    ``tail_slot=True`` (``cis.tail_slot``): retrievals keep ``k - 1`` middle tokens (``set_size``
+    is then ``dilated_set_size(k - 1, m, r)``) and every active row attends to one tail-summary pair
+    besides (see the module docstring); the pairs of the anchors are kept per device beside the
+    :class:`CISState` (``[L, B, H, s, D]``).
     """
 
     def __init__(
         self, num_layers: int, block_size: int, set_size: int, ops_for: Callable[[torch.device], DecodeOps],
         grouped: bool = False,
         keep_anchor_local: bool = False,
+        tail_slot: bool = False,
     ):
         self.num_layers = num_layers
         self.block_size = block_size
@@ -45,6 +84,9 @@ class CISSelector:
         self.ops_for = ops_for
         self.grouped = grouped
         self.keep_anchor_local = keep_anchor_local
+        self.tail_slot = tail_slot
+        # per device: the anchors' tail pairs (key, value [L, B, H, s, D] fp32, log_mass [L, B, H, s])
+        self.tails: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.states: dict[torch.device, CISState] = {}
         # layer -> (its device, its index in that device's state), fixed at each prefill
         self._slot: dict[int, tuple[torch.device, int]] = {}
@@ -92,6 +134,7 @@ class CISSelector:
                 state.reset()
         for dev in [d for d in self.states if d not in per_device]:
             del self.states[dev]
+            self.tails.pop(dev, None)
 
     @torch.compiler.disable
     def _allocate(self, device: torch.device, layers: int, batch: int, heads: int, head_dim: int) -> None:
@@ -120,20 +163,84 @@ class CISSelector:
             # tokens that aged out of the local window since then were in no anchor's candidates
             since_block_start = torch.remainder(state.step - 1, self.block_size).to(torch.int32)
             win_start = torch.minimum(f.win_start, torch.maximum(f.hi - since_block_start, f.lo))
+        k = p.topk - 1 if self.tail_slot else p.topk  # the tail slot is charged to the top-k budget
         sel = cis_select(
             self.ops_for(q.device), q, k_cache, geom.pad, f.t, f.lo, f.hi, win_start,
             anchor_q, anchor_count, anchor_set, f.active,
-            tau=p.tau, sink=p.sink, k=p.topk, dil_m=p.dilation_topm, dil_r=p.dilation_radius, cap=p.capacity, scale=scale,
+            tau=p.tau, sink=p.sink, k=k, dil_m=p.dilation_topm, dil_r=p.dilation_radius, cap=p.capacity, scale=scale,
             grouped=self.grouped,
         )
         retrieved = sel.best == -1
+        tail = None
+        if self.tail_slot:
+            tail = self._tail_step(device, local, q, k_cache, v_cache, geom, f.t, f.lo,
+                                   torch.minimum(f.hi, win_start), sel, anchor_count, p, scale)
         state.record(local, sel.match_q, sel.new_set, retrieved)
-        return DecodeSelection(sel.idx, sel.count, retrieved, f.active)
+        if tail is None:
+            return DecodeSelection(sel.idx, sel.count, retrieved, f.active)
+        charged = torch.isfinite(tail[2])
+        return DecodeSelection(sel.idx, sel.count + charged.to(sel.count.dtype), retrieved, f.active, tail)
+
+    def _tail_step(
+        self, device: torch.device, local: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        geom: SequenceGeometry, t: torch.Tensor, lo: torch.Tensor, end: torch.Tensor, sel: CISSelection,
+        anchor_count: torch.Tensor, p: DecodeParams, scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's tail pair of every row (``log_mass = -inf``: none): a retrieving row's own
+        summary of ``[lo, end)`` minus its top-k, a sharing row its anchor's; a retrieving row also
+        stores, as its anchor's, the summary of ``[lo, end)`` minus its dilated set."""
+        B, H = sel.best.shape
+        own = tail_summary(q, k_cache, v_cache, geom.pad, t, lo, end, sel.new_idx, scale)
+        if p.dilation_radius > 0 and p.dilation_topm > 0:
+            members = torch.where(sel.new_set != SET_NONE, torch.div(sel.new_set, 2, rounding_mode="floor"), -1)
+            stored = tail_summary(q, k_cache, v_cache, geom.pad, t, lo, end, members, scale)
+        else:
+            stored = own
+        keys, values, masses = self._tail_buffers(device, B, H, k_cache.shape[-1])
+        tk, tv, tm = keys[local], values[local], masses[local]  # [B, H, s, D], [B, H, s]
+        D, s = tk.shape[-1], tk.shape[2]
+        best = sel.best.clamp_min(0).long()[:, :, None]
+        shared = (tk.gather(2, best[..., None].expand(B, H, 1, D)).squeeze(2),
+                  tv.gather(2, best[..., None].expand(B, H, 1, D)).squeeze(2),
+                  tm.gather(2, best).squeeze(2))
+        # the slot the new anchor takes (CISState.record: the first free one; rows that did not
+        # retrieve write a slot nothing reads)
+        slot = anchor_count.clamp(max=s - 1).long()[:, :, None]
+        tk.scatter_(2, slot[..., None].expand(B, H, 1, D), stored[0].unsqueeze(2))
+        tv.scatter_(2, slot[..., None].expand(B, H, 1, D), stored[1].unsqueeze(2))
+        tm.scatter_(2, slot, stored[2].unsqueeze(2))
+        retrieved = (sel.best == -1)
+        none = torch.full_like(own[2], float("-inf"))
+        log_mass = torch.where(retrieved, own[2], torch.where(sel.best >= 0, shared[2], none))
+        pick = retrieved[..., None]
+        return torch.where(pick, own[0], shared[0]), torch.where(pick, own[1], shared[1]), log_mass
+
+    def _tail_buffers(self, device: torch.device, batch: int, heads: int, dim: int):
+        """The anchors' tail pairs on ``device`` (allocated when missing or of another shape)."""
+        layers = self.states[device].anchor_q.shape[0]
+        shape = (layers, batch, heads, self.block_size, dim)
+        buffers = self.tails.get(device)
+        if buffers is None or tuple(buffers[0].shape) != shape:
+            buffers = self._allocate_tails(device, shape)
+        return buffers
+
+    @torch.compiler.disable
+    def _allocate_tails(self, device: torch.device, shape: tuple[int, ...]):
+        # eager even inside a compiled forward, as the CIS state; only slots below anchor_count are read
+        keys = torch.zeros(shape, dtype=torch.float32, device=device)
+        masses = torch.full(shape[:-1], float("-inf"), dtype=torch.float32, device=device)
+        buffers = self.tails[device] = (keys, torch.zeros_like(keys), masses)
+        for buffer in buffers:
+            torch._dynamo.mark_static_address(buffer)
+        return buffers
 
     def reorder(self, index: torch.Tensor) -> None:
         """Follow beam search."""
         for state in self.states.values():
             state.reorder(index)
+        for buffers in self.tails.values():
+            for buffer in buffers:
+                buffer.copy_(buffer.index_select(1, index.to(buffer.device)))
 
     def reset(self) -> None:
         """Forget the anchors (the buffers stay)."""
