@@ -8,7 +8,9 @@ indices (on Qwen2.5-Coder-1.5B the paper's τ = 0.8 retrieves at ρ̂ ≈ 20 % o
 the 10 % the accuracy target is stated at). ``cis-t0.7-local`` adds ``cis.keep_anchor_local`` (the
 tokens that aged out of the local window since the anchor was taken, which it never scored);
 ``cis-group`` and ``cis-group-t0.7-local`` use ``cis.selection: group`` (one index set per KV head,
-shared by its query heads). ``cpe-no-etf`` and ``cpe-no-psaw`` are the ablations of
+shared by its query heads). ``cis-tail`` is ``cis-s16`` with ``cis.tail_slot`` (one slot of the
+top-k holds a synthetic key/value for what the index set leaves out, CertKV's tail-summary slot).
+``cpe-no-etf`` and ``cpe-no-psaw`` are the ablations of
 CPE (CIS + PSAW, CIS + ETF). The baselines replace CIS in decode with the same
 8/32/88 budget through ``baseline.name``. HShare appears at the paper's two settings of (query,
 head, layer) sharing ratios: ``hshare-1`` (1/2, 1/4, 1/4: ρ̂ = 1/2 · 3/4 · 3/4 ≈ 28.1 %) and
@@ -51,6 +53,7 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
         NamedConfig("cis-t0.7", "cis", {"cis": {"block_size": 16, "tau": 0.7}}),
         NamedConfig("cis-t0.7-local", "cis", {"cis": {"block_size": 16, "tau": 0.7, "keep_anchor_local": True}}),
         NamedConfig("cis-group", "cis", {"cis": {"block_size": 16, "selection": "group"}}),
+        NamedConfig("cis-tail", "cis", {"cis": {"block_size": 16, "tail_slot": True}}),
         NamedConfig("cis-group-t0.7-local", "cis", {"cis": {
             "block_size": 16, "tau": 0.7, "selection": "group", "keep_anchor_local": True}}),
         NamedConfig("cpe", "cpe"),
