@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 PHASES = ("prefill", "decode")
-PREFILL_BACKENDS = ("auto", "torch", "triton", "flex")
+PREFILL_BACKENDS = ("auto", "torch", "triton", "flex", "flash")  # flash: FlashAttention-4, opt-in (auto never picks it)
 DECODE_BACKENDS = ("auto", "torch", "triton")
 
 MAX_TOKENS = 2**20

@@ -1,0 +1,256 @@
+"""``backend.prefill: flash`` on the CPU (issue 15): the schedule -> FA4 block-sparse conversion
+against a dense mask of the SPEC §3 predicate (padded and chunked batches too), an emulation of
+FA4's block-sparse execution (skipped / full / masked tiles) against the reference, the error
+paths (no CUDA, no flash_attn, an unsupported GPU, fp32), config validation and the dispatch.
+The FA4 kernel itself runs in tests/test_flash_prefill_gpu.py."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import prhs_hf
+from prhs_hf import schedules as sched
+from prhs_hf.backends import dense_prefill_function, prefill_function
+from prhs_hf.config import ConfigError, load_config
+from prhs_hf.kernels import flash_prefill as fp
+from prhs_hf.kernels.prefill_attention import prefill_attention_reference, prefill_visibility
+from test_kernels_prefill import Case
+from tiny_models import padded_batch, tiny_model
+
+
+def _schedule(L: int, w: float, sink: int) -> torch.Tensor:
+    return sched.psaw_window_start_tensor(torch.arange(1, L + 1), w, sink)
+
+
+def _dense_visibility(pad, q_start, win_lo, sink, flo, fhi, kv_len) -> torch.Tensor:
+    """``[B, Lq, Lk]`` bool: may query row ``r`` see cache slot ``s``, straight from the predicate."""
+    B, L = win_lo.shape
+    i = q_start[:, None, None] + torch.arange(L)[None, :, None]
+    j = torch.arange(kv_len)[None, None, :] - pad[:, None, None]
+    return prefill_visibility(i, j, win_lo[:, :, None], sink, flo[:, None, None], fhi[:, None, None])
+
+
+def _dense_kinds(vis: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
+    """Tile kinds of a dense ``[B, Lq, Lk]`` mask (0 skipped, 1 partial, 2 full)."""
+    B, L, kv_len = vis.shape
+    M, N = -(-L // bm), -(-kv_len // bn)
+    kinds = torch.zeros(B, M, N, dtype=torch.int8)
+    for b in range(B):
+        for m in range(M):
+            for n in range(N):
+                tile = vis[b, m * bm:(m + 1) * bm, n * bn:(n + 1) * bn]
+                if tile.any():
+                    kinds[b, m, n] = 2 if tile.all() and tile.shape == (bm, bn) else 1
+    return kinds
+
+
+def _unpadded(L: int, w: float, sink: int, flo: int, fhi: int):
+    t = lambda x: torch.tensor([x], dtype=torch.int32)  # noqa: E731
+    return t(0), t(0), _schedule(L, w, sink)[None], sink, t(flo), t(fhi)
+
+
+CASES = [
+    # L, kv_len, w, sink, frozen_lo, frozen_hi, block
+    (256, 256, 0.7, 8, 8, 8, (32, 32)),  # PSAW only
+    (300, 300, 0.7, 8, 8, 150, (32, 16)),  # PSAW + ETF, ragged last tiles
+    (256, 256, 1.0, 8, 8, 8, (64, 32)),  # dense-equivalent: causal tiles only
+    (200, 200, 0.5, 40, 40, 120, (16, 16)),  # a sink wider than a tile, frozen rows across tiles
+    (130, 130, 0.9, 0, 0, 0, (32, 32)),  # no sink
+]
+
+#: batched cases of the prefill contract (test_kernels_prefill.Case): padding, chunked prefill, GQA
+BATCHED = [
+    Case("left_padding", B=3, Lq=71, pads=(0, 3, 19), w=0.7, frozen=((4, 30), (4, 9), (4, 4))),
+    Case("chunked_prefill", B=2, Lq=41, prefix=30, pads=(0, 6), w=0.5),
+    Case("padding_rows_whole_tiles", B=2, Lq=96, pads=(0, 40), sink=8, w=0.6, frozen=((8, 50), (8, 20))),
+    Case("gqa_psaw_etf", Hq=6, Hkv=2, Lq=90, w=0.5, frozen=((4, 40),)),
+    Case("all_rows_frozen", sink=0, Lq=33, frozen=((0, 33),)),
+    Case("dense_pattern_padded", B=2, Lq=50, pads=(0, 13), sink=0),
+]
+
+
+def _check_plan(got: fp.FlashBlockSparse, want: torch.Tensor, block) -> None:
+    assert torch.equal(got.kinds, want)
+    assert got.block_size == block
+    B, M, N = want.shape
+    for name, kind in (("mask", 1), ("full", 2)):
+        cnt, idx = getattr(got, f"{name}_block_cnt"), getattr(got, f"{name}_block_idx")
+        assert cnt.dtype == idx.dtype == torch.int32 and cnt.is_contiguous() and idx.is_contiguous()
+        assert tuple(cnt.shape) == (B, 1, M) and tuple(idx.shape) == (B, 1, M, N)
+        for b in range(B):
+            for m in range(M):
+                cols = (want[b, m] == kind).nonzero().flatten().to(torch.int32)
+                assert int(cnt[b, 0, m]) == cols.numel()
+                assert torch.equal(idx[b, 0, m, : cols.numel()], cols)  # ascending, packed left
+
+
+@pytest.mark.parametrize("L,kv_len,w,sink,flo,fhi,block", CASES)
+def test_block_sparse_tensors_match_the_dense_mask(L, kv_len, w, sink, flo, fhi, block):
+    args = _unpadded(L, w, sink, flo, fhi)
+    got = fp.fa4_block_sparse(*args, kv_len, block)
+    _check_plan(got, _dense_kinds(_dense_visibility(*args, kv_len), *block), block)
+
+
+@pytest.mark.parametrize("block", [(32, 32), (16, 32), (64, 16)])
+@pytest.mark.parametrize("case", BATCHED, ids=lambda c: c.name)
+def test_block_sparse_tensors_of_padded_batches_match_the_dense_mask(case, block):
+    _, k, _, pad, q_start, win_lo, sink, flo, fhi, _ = case.tensors()
+    got = fp.fa4_block_sparse(pad, q_start, win_lo, sink, flo, fhi, k.shape[2], block)
+    vis = _dense_visibility(pad, q_start, win_lo, sink, flo, fhi, k.shape[2])
+    _check_plan(got, _dense_kinds(vis, *block), block)
+
+
+def test_padding_slots_and_rows_are_skipped():
+    case = BATCHED[2]  # pads (0, 40): sequence 1's slots 0..39 and rows 0..39 are padding
+    _, k, _, pad, q_start, win_lo, sink, flo, fhi, _ = case.tensors()
+    kinds = fp.fa4_block_sparse(pad, q_start, win_lo, sink, flo, fhi, k.shape[2], (16, 16)).kinds
+    assert bool((kinds[1, :, :2] == 0).all()) and bool((kinds[1, :2] == 0).all())
+    assert bool((kinds[0, :, 0] > 0).any())  # the unpadded sequence's sinks
+    assert int(kinds[1, 2, 2]) == 1  # the tile holding the first real row and slot (40): partial
+
+
+@pytest.mark.parametrize("L,w,sink,fhi", [(257, 0.7, 8, 100), (512, 0.6, 4, 4)])
+def test_visible_pairs_per_tile_sum_to_the_schedule(L, w, sink, fhi):
+    pairs, capacity = fp.visible_per_block(*_unpadded(L, w, sink, sink, fhi), L, 64, 32)
+    assert int(pairs.sum()) == sched.visible_pairs(L, w, sink, sink, fhi)
+    assert bool((pairs <= capacity).all())
+
+
+def _emulate_block_sparse(q, k, v, plan: fp.FlashBlockSparse, pad, q_start, win_lo, sink, flo, fhi, scale):
+    """FA4's block-sparse forward in PyTorch: only the listed tiles are computed, full tiles
+    without a mask, partial tiles with the mask_mod's predicate (in slot coordinates, as the CuTe
+    mask_mod evaluates it); a row that sees nothing is zero."""
+    B, Hq, Lq, D = q.shape
+    G = Hq // k.shape[1]
+    Lk = k.shape[2]
+    bm, bn = plan.block_size
+    kk, vv = k.repeat_interleave(G, 1).double(), v.repeat_interleave(G, 1).double()
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), kk) * scale
+    keep = torch.zeros(B, Lq, Lk, dtype=torch.bool)
+    vis = _dense_visibility(pad, q_start, win_lo, sink, flo, fhi, Lk)
+    for b in range(B):
+        for m in range(plan.kinds.shape[1]):
+            rows = slice(m * bm, (m + 1) * bm)
+            for name, masked in (("full", False), ("mask", True)):
+                cnt = int(getattr(plan, f"{name}_block_cnt")[b, 0, m])
+                for n in getattr(plan, f"{name}_block_idx")[b, 0, m, :cnt].tolist():
+                    cols = slice(n * bn, (n + 1) * bn)
+                    keep[b, rows, cols] = vis[b, rows, cols] if masked else True
+    scores = scores.masked_fill(~keep[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bhkd->bqhd", probs, vv).float()
+
+
+@pytest.mark.parametrize("case", BATCHED, ids=lambda c: c.name)
+def test_emulated_block_sparse_execution_equals_the_reference(case):
+    """Full tiles run unmasked, skipped tiles not at all: the result is still exact."""
+    args = case.tensors(seed=3)
+    q, k, v, pad, q_start, win_lo, sink, flo, fhi, scale = args
+    plan = fp.fa4_block_sparse(pad, q_start, win_lo, sink, flo, fhi, k.shape[2], (16, 16))
+    assert bool((plan.kinds != 1).any())  # skipped or full tiles: not everything goes through the mask
+    out = _emulate_block_sparse(q, k, v, plan, pad, q_start, win_lo, sink, flo, fhi, scale)
+    torch.testing.assert_close(out, prefill_attention_reference(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_mask_aux_tensors_carry_the_geometry():
+    _, _, _, pad, q_start, win_lo, sink, flo, fhi, _ = BATCHED[0].tensors()
+    win, geo = fp.mask_aux_tensors(pad, q_start, win_lo, sink, flo, fhi)
+    assert win.dtype == geo.dtype == torch.int32 and win.is_contiguous() and geo.is_contiguous()
+    assert torch.equal(win, win_lo)
+    assert torch.equal(geo, torch.stack([pad, q_start, flo, fhi, torch.full_like(pad, sink)], dim=1))
+
+
+@pytest.mark.parametrize("cap,d,want", [((9, 0), 128, (128, 128)), ((9, 0), 64, (128, 128)), ((9, 0), 256, (128, 64)),
+                                        ((10, 0), 128, (256, 128))])
+def test_block_size_per_gpu(cap, d, want):
+    assert fp.fa4_block_size(cap, d) == want
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_no_cuda_device_is_refused_with_the_key_and_the_alternatives():
+    with pytest.raises(RuntimeError, match=r"backend.prefill: flash.*NVIDIA GPU.*triton, flex, torch or auto"):
+        fp.require_flash_attn(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="backend.prefill: flash"):
+        prefill_function("flash", torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="backend.prefill: flash"):
+        dense_prefill_function("flash", torch.device("cpu"))
+
+
+def test_missing_flash_attn_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn.cute -> ImportError
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    with pytest.raises(RuntimeError) as info:
+        fp.import_flash_attn()
+    msg = str(info.value)
+    for text in ("backend.prefill: flash", "flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl==4.8.1",
+                 "nvidia-cutlass-dsl-libs-cu13", "CUDA 13 driver", "dsl_packages", "triton, flex, torch or auto"):
+        assert text in msg, text
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 9), (12, 0)])
+def test_an_unsupported_gpu_is_refused(cap):
+    with pytest.raises(RuntimeError, match=r"backend.prefill: flash.*sm90/sm100.*%d\.%d" % cap):
+        fp.check_flash_capability(cap)
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (10, 0), (10, 3)])
+def test_sm90_and_sm100_are_accepted(cap):
+    fp.check_flash_capability(cap)
+
+
+def test_fp32_and_odd_head_sizes_are_refused_not_cast():
+    with pytest.raises(ValueError, match=r"backend.prefill: flash.*fp16/bf16.*float32"):
+        fp.check_flash_inputs(torch.zeros(1, 2, 3, 64))
+    with pytest.raises(ValueError, match=r"backend.prefill: flash.*head sizes"):
+        fp.check_flash_inputs(torch.zeros(1, 2, 3, 20, dtype=torch.bfloat16))
+    fp.check_flash_inputs(torch.zeros(1, 2, 3, 128, dtype=torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------- config and dispatch
+
+
+def test_config_accepts_flash_and_lists_it_in_the_error():
+    assert load_config(None, {"backend": {"prefill": "flash"}}).backend.prefill == "flash"
+    with pytest.raises(ConfigError, match=r"backend.prefill: 'flash4' is not allowed; allowed: .*flex, flash"):
+        load_config(None, {"backend": {"prefill": "flash4"}})
+
+
+def test_auto_never_picks_flash():
+    for name in ("auto", "triton", "torch", "flex"):
+        assert dense_prefill_function(name, torch.device("cpu")) is None
+    assert prefill_function("auto", torch.device("cpu")) is not fp.flash_prefill_attention
+
+
+CPE = {"budget": {"sink": 4, "local": 8, "topk": 8}, "psaw": {"enabled": True}, "etf": {"enabled": True}}
+
+
+@pytest.mark.parametrize("config", [CPE, {"budget": {"sink": 4, "local": 8, "topk": 8}, "cis": {"block_size": 4}}],
+                         ids=["psaw_etf_layers", "dense_prefill_layers_only"])
+def test_the_first_prefill_on_the_cpu_raises_naming_the_key(config):
+    model = tiny_model("llama")
+    ids, mask = padded_batch([20, 13])
+    prhs_hf.patch(model, config, overrides={"backend": {"prefill": "flash"}})
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match="backend.prefill: flash"):
+            model(ids, attention_mask=mask)
+    finally:
+        prhs_hf.unpatch(model)
+
+
+def test_dense_config_with_flash_keeps_the_unpatched_path():
+    """A config that changes nothing never reaches FA4 (so it runs anywhere, bit-equal)."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch([20, 13])
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        prhs_hf.patch(model, "dense", overrides={"backend": {"prefill": "flash"}})
+        try:
+            got = model(ids, attention_mask=mask).logits
+        finally:
+            prhs_hf.unpatch(model)
+    assert torch.equal(got, want)
