@@ -32,11 +32,19 @@ query's exact top-k sets, and the real query's attention mass on ``sink ∪ S �
 proxy's ``S`` over that of the real query's; :meth:`EarlySelectSelector.fidelity`).
 ``--schedule early_select`` runs only Quest, CIS-main, the ES rows and the oracle.
 
+CIS + tail (``cis.tail_slot``): CIS-main with CertKV's tail-summary slot, one of its top-k slots a
+synthetic key/value for what the index set leaves out (same processed KV per step). Its β_emp and
+overlaps compare its ``k - 1`` real middle tokens (the synthetic pair is no token) with the oracle
+of the same size; the output errors show what the pair adds. ``--schedule cis_tail`` runs only
+CIS-main, CIS + tail, both at s = 1 (every step retrieves: there the tail step is exact attention
+for a query head) and the oracle.
+
 Writes ``docs/results/<--name>.{json,md}`` (default ``selection_quality``) and PNG plots there. Example::
 
     python scripts/selection_quality.py --prompts 4 --max-new-tokens 64            # CPU, smollm2-135m
     python scripts/selection_quality.py --model qwen2.5-coder-1.5b --device cuda --dtype bfloat16 --prompts 32
     python scripts/selection_quality.py --schedule early_select --name selection_quality_early_select --prompts 2
+    python scripts/selection_quality.py --schedule cis_tail --name selection_quality_cis_tail --prompts 2
 """
 
 from __future__ import annotations
@@ -242,11 +250,13 @@ def base_config(budget: dict[str, int]) -> dict[str, Any]:
             "telemetry": {"enabled": True, "oracle": True}}
 
 
-def cis_variant(budget, s: int, tau: float, label: str | None = None) -> Variant:
-    """CIS alone at block size ``s`` and threshold ``tau``."""
+def cis_variant(budget, s: int, tau: float, label: str | None = None, tail: bool = False) -> Variant:
+    """CIS alone at block size ``s`` and threshold ``tau`` (``tail``: with ``cis.tail_slot``)."""
     cfg = base_config(budget)
-    cfg["cis"] = {"enabled": True, "block_size": s, "tau": tau}
-    return Variant(label or f"CIS s={s} τ={tau}", "cis", cfg, extra={"block_size": s, "tau": tau})
+    cfg["cis"] = {"enabled": True, "block_size": s, "tau": tau, "tail_slot": tail}
+    extra = {"block_size": s, "tau": tau, **({"tail_slot": True} if tail else {})}
+    return Variant(label or f"CIS s={s} τ={tau}" + (" + tail" if tail else ""), "cis_tail" if tail else "cis", cfg,
+                   extra=extra)
 
 
 def baseline_variant(budget, name: str, label: str, family: str | None = None, note: str = "", **baseline) -> Variant:
@@ -459,6 +469,7 @@ def fidelity_lines(rows: list[dict]) -> list[str]:
 
 FAMILY_STYLE = {  # family -> (legend name, colour, marker)
     "cis": ("CIS", "tab:blue", "o"),
+    "cis_tail": ("CIS + tail", "navy", "o"),
     "hshare": ("HShare", "tab:red", "s"),
     "direct_reuse": ("DirectReuse", "tab:orange", "^"),
     "random_expansion": ("RandomExpansion", "tab:brown", "v"),
@@ -476,7 +487,7 @@ FAMILY_STYLE = {  # family -> (legend name, colour, marker)
 def _short(row: dict) -> str:
     """A point label: CIS rows by (s, τ), the others by what distinguishes rows of one family."""
     st = row["settings"]
-    if row["family"] == "cis":
+    if row["family"] in ("cis", "cis_tail"):
         return f"s{st['block_size']} τ{st['tau']}"
     if row["family"] in ("direct_reuse", "random_expansion"):
         return row["variant"].split(" ", 1)[1]
@@ -615,6 +626,7 @@ def run_schedule(run, budget: dict[str, int], args: argparse.Namespace, layers: 
     ``--quick``, for the CIS row of lowest ρ̂ (the aggressive operating point).
     """
     main_cis = run(cis_variant(budget, 16, 0.8, "CIS-main"))
+    run(cis_variant(budget, 16, 0.8, "CIS + tail", tail=True))
     cis_rows = [main_cis]
     cis_grid = [(8, 0.8), (32, 0.8), (16, 0.6), (16, 0.7), (16, 0.9)] if not args.quick else [(8, 0.8)]
     for s, tau in cis_grid:
@@ -654,6 +666,15 @@ def run_early_select_schedule(run, budget: dict[str, int], args: argparse.Namesp
     run(baseline_variant(budget, "oracle", "Oracle top-k"))
 
 
+def run_cis_tail_schedule(run, budget: dict[str, int], args: argparse.Namespace) -> None:
+    """``--schedule cis_tail``: CIS-main and CIS + tail, both also at s = 1 (every step retrieves), and the oracle."""
+    run(cis_variant(budget, 16, 0.8, "CIS-main"))
+    run(cis_variant(budget, 16, 0.8, "CIS + tail", tail=True))
+    run(cis_variant(budget, 1, 0.8, "CIS s=1"))
+    run(cis_variant(budget, 1, 0.8, "CIS s=1 + tail", tail=True))
+    run(baseline_variant(budget, "oracle", "Oracle top-k"))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=fetch.DEFAULT_MODEL, help="registry name, .gguf, checkpoint folder or hub id")
@@ -673,8 +694,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16, help="Quest page size")
     ap.add_argument("--seed", type=int, default=0, help="RandomExpansion seed")
     ap.add_argument("--es-rank", type=int, default=64, help="rank of the low-rank W_q of the EarlySelectKV rows")
-    ap.add_argument("--schedule", choices=("full", "early_select"), default="full",
-                    help="every selector, or only Quest, CIS-main, the EarlySelectKV rows and the oracle")
+    ap.add_argument("--schedule", choices=("full", "early_select", "cis_tail"), default="full",
+                    help="every selector; or only Quest, CIS-main, the EarlySelectKV rows and the oracle; or only "
+                         "CIS-main, CIS + tail (s = 16 and s = 1) and the oracle")
     ap.add_argument("--name", default="selection_quality", help="file name (stem) of the report and its plots")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 24 steps, fewer CIS settings (a smoke run)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
@@ -750,6 +772,8 @@ def main(argv=None) -> int:
 
     if args.schedule == "early_select":
         run_early_select_schedule(run, budget, args)
+    elif args.schedule == "cis_tail":
+        run_cis_tail_schedule(run, budget, args)
     else:
         run_schedule(run, budget, args, model.config.num_hidden_layers, model.config.num_attention_heads)
 

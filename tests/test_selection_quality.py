@@ -44,6 +44,9 @@ def test_quick_run_on_local_data(tmp_path) -> None:
     assert oracle["rho_hat"] == 1 and rows["StreamingLLM"]["rho_hat"] == 0
     assert 0 < cis["rho_hat"] <= 1 and 0 <= cis["overlap_top50"] <= 1
     assert "CIS-main β_emp" in (out / "selection_quality.md").read_text()
+    tail = rows["CIS + tail"]  # cis.tail_slot beside CIS-main, within CIS's index capacity (4 + 8 + 16 + 2 * 5)
+    assert tail["family"] == "cis_tail" and tail["settings"]["tail_slot"] is True
+    assert 4 + 8 + 16 <= tail["processed_kv"] <= 4 + 8 + 16 + 10 and 0 < tail["rho_hat"] <= 1
 
     # --replot measures nothing: it draws the saved report's plots beside it, named after it
     import importlib.util as _util
