@@ -296,13 +296,21 @@ def mask_aux_tensors(
     sink: int,
     frozen_lo: torch.Tensor,
     frozen_hi: torch.Tensor,
+    rows: int | None = None,
 ) -> list[torch.Tensor]:
-    """The aux tensors of :func:`prefill_mask_mod`: ``[win_lo int32 [B, Lq], geo int32 [B, 5]]``,
-    ``geo[b] = (pad, q_start, frozen_lo, frozen_hi, sink)``, contiguous on ``win_lo``'s device."""
+    """The aux tensors of :func:`prefill_mask_mod`: ``[win_lo int32 [B, rows], geo int32 [B, 5]]``,
+    ``geo[b] = (pad, q_start, frozen_lo, frozen_hi, sink)``, contiguous on ``win_lo``'s device.
+
+    ``rows`` (default ``Lq``) pads ``win_lo`` with its last column up to whole query tiles, so
+    that the mask_mod never reads past it in the ragged last tile (those rows are discarded).
+    """
     dev = win_lo.device
+    win = _int32(win_lo, dev)
+    if rows is not None and rows > win.shape[1]:
+        win = torch.cat([win, win[:, -1:].expand(-1, rows - win.shape[1])], dim=1)
     sink_col = torch.full_like(_int32(pad, dev), int(sink))
     geo = torch.stack([_int32(x, dev) for x in (pad, q_start, frozen_lo, frozen_hi)] + [sink_col], dim=1)
-    return [_int32(win_lo, dev).contiguous(), geo.contiguous()]
+    return [win.contiguous(), geo.contiguous()]
 
 
 @functools.lru_cache(maxsize=None)
@@ -382,7 +390,9 @@ def flash_prefill_attention(
     require_flash_attn(q.device)
     block = fa4_block_size(torch.cuda.get_device_capability(q.device), D)
     plan = fa4_block_sparse(pad, q_start, win_lo, sink, frozen_lo, frozen_hi, Lk, block)
-    return flash_attention_with_plan(q, k, v, plan, mask_aux_tensors(pad, q_start, win_lo, sink, frozen_lo, frozen_hi), scale)
+    rows = plan.kinds.shape[1] * block[0]
+    aux = mask_aux_tensors(pad, q_start, win_lo, sink, frozen_lo, frozen_hi, rows)
+    return flash_attention_with_plan(q, k, v, plan, aux, scale)
 
 
 def flash_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -161,6 +161,9 @@ def test_mask_aux_tensors_carry_the_geometry():
     assert win.dtype == geo.dtype == torch.int32 and win.is_contiguous() and geo.is_contiguous()
     assert torch.equal(win, win_lo)
     assert torch.equal(geo, torch.stack([pad, q_start, flo, fhi, torch.full_like(pad, sink)], dim=1))
+    padded, _ = fp.mask_aux_tensors(pad, q_start, win_lo, sink, flo, fhi, rows=96)  # whole 32-row tiles
+    assert padded.shape == (3, 96) and padded.is_contiguous() and torch.equal(padded[:, :71], win_lo)
+    assert bool((padded[:, 71:] == win_lo[:, -1:]).all())
 
 
 @pytest.mark.parametrize("cap,d,want", [((9, 0), 128, (128, 128)), ((9, 0), 64, (128, 128)), ((9, 0), 256, (128, 64)),
