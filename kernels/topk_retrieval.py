@@ -55,9 +55,10 @@ __all__ = [
 #      candidate's rank is the number of larger packed candidates (they are all distinct), and
 #      the ones ranked below k are written there: descending score, ties by ascending index,
 #      exactly the reference's order, whatever order the atomics appended them in.
-#      `_select_kernel` (``_select="row"``, the default): one program per row does all of it
-#      serially (8-bit radix passes, collect, register sort); latency bound.
-#      ``_select="radix8"`` (issue 12 item 4, opt-in until measured): the same split kernels with
+#      `_select_kernel` (``_select="row"``, the default until 2026-12-01): one program per row does
+#      all of it serially (8-bit radix passes, collect, register sort); latency bound.
+#      ``_select="radix8"`` (the default: measured on the H200, B16/16k 32/8, 37 retrieving rows,
+#      54 vs 100 us for "row", same output; docs/notes/decode_tuning.md): the same split kernels with
 #      8-bit digits (256-bin histograms, 4 passes, each a no-op once resolved) on persistent grids
 #      (4 programs per SM striding over the live (row, chunk) items), then `_block_sort_kernel`
 #      (blocks of 256 candidates sorted in place) and `_merge_rank_kernel` (rank = sum over the
@@ -67,9 +68,9 @@ __all__ = [
 
 #: Scoring kernels of :func:`topk_retrieval` (``_score=``): the group-aware default, the old one.
 SCORE_MODES = ("group", "row")
-#: Selection kernels (``_select=``): one program per row (default), split radix select with
+#: Selection kernels (``_select=``): one program per row, split radix select with
 #: 11-bit digits and rank compares, split radix select with 8-bit digits and a merge finish,
-#: the same with a per-row register sort finish.
+#: the same with a per-row register sort finish. The default is ``"radix8"`` (fastest measured).
 SELECT_MODES = ("row", "split", "radix8", "radix8_sort")
 #: Where ``_stop_after=`` may stop (probe breakdowns): "passes"/"collect" stop inside the
 #: select (every select mode), "blocksort" after the first merge step (``"radix8"`` only).
@@ -255,7 +256,7 @@ def _select_kernel(
     stride_keys, S, K,
     H: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, STOP: tl.constexpr = 0,
 ):
-    """Default select (``_select="row"``): exact top-K of one retrieving row's keys in one program:
+    """One-program select (``_select="row"``): exact top-K of one retrieving row's keys in one program:
     radix refinement, collect, sort.
 
     Keys are viewed as u = key + 2^31 in [0, 2^32) (int64). After ``depth`` radix passes of 8
@@ -813,17 +814,17 @@ def topk_retrieval(
     *,
     _stop_after: str = "select",
     _score: str = "group",
-    _select: str = "row",
+    _select: str = "radix8",
 ) -> torch.Tensor:
     """Triton top-k retrieval: work only for retrieving rows, exact order, no host sync.
 
     Launches: row + group compaction (1 program), group-aware scoring (grid live KV groups x
     sequence chunks; each group's keys are read once for all its retrieving heads; programs
-    past the device-side count exit at once), then the select (default ``"row"``: one program
-    per row; ``"split"``: 3 histogram passes, a collect and a rank-scatter on grids rows x
-    chunks, exact too but slower on the H200 so far, see docs/notes/decode_tuning.md;
-    ``"radix8"`` / ``"radix8_sort"``: 8-bit passes and the collect on persistent grids, then a
-    block sort + merge rank / one register sort per row).
+    past the device-side count exit at once), then the select (default ``"radix8"``: 8-bit passes
+    and the collect on persistent grids, then a block sort + merge rank, 54 us for 37 rows x 16k
+    on the H200; ``"row"``: one program per row, 100 us there; ``"split"``: 11-bit passes and a
+    rank-scatter, 149 us; ``"radix8_sort"``: radix8's passes, then one register sort per row,
+    169 us; all exact, see docs/notes/decode_tuning.md).
     Scratch: ``[B*Hq, S]`` int32 keys, ``[B*Hq, ~1.125 k]`` int64 candidates (split select:
     also ``[B*Hq, 6144]`` int32 histograms).
 
@@ -847,7 +848,7 @@ def topk_retrieval_grouped(
     scale: float,
     *,
     _stop_after: str = "select",
-    _select: str = "row",
+    _select: str = "radix8",
 ) -> torch.Tensor:
     """Triton group-shared top-k retrieval: one index list per KV head (no host sync).
 

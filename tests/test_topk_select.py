@@ -207,3 +207,20 @@ def test_select_kernels_compile_for_sm90():
                          cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "compiled 11" in res.stdout
+
+
+@needs_triton
+@pytest.mark.parametrize("k", [2049, 4096])
+def test_default_select_is_radix8_and_exact_beyond_the_one_program_buffer(k):
+    """The default select (radix8 since the H200 measurement) at cpe_longbench's top-k (4096): a
+    2900-key run of exact ties straddles k, so the candidates overflow any 2048 buffer."""
+    import inspect
+
+    assert inspect.signature(topk_retrieval).parameters["_select"].default == "radix8"
+    assert inspect.signature(topk_retrieval_grouped).parameters["_select"].default == "radix8"
+    q, kc, pad, lo, hi = _case(1, 2, 1, 16, 6000, [3], [5987], seed=5, levels=3)
+    kc[0, 0, 100:3000] = kc[0, 0, 100]
+    ret = torch.tensor([[True, False]])
+    want = topk_retrieval_reference(q, kc, pad, lo, hi, ret, k, 0.25)
+    got = topk_retrieval(*_dev(q, kc, pad, lo, hi, ret), k, 0.25)
+    assert torch.equal(got.cpu(), want)
