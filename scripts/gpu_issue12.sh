@@ -13,6 +13,8 @@
 #            background while the tests run (its cache stays in ~/.cache/flashinfer);
 #   tests    pytest -m gpu tests/test_kernels_decode_gpu.py tests/test_model_gpu.py;
 #   op       scripts/bench_decode_attention.py, all shapes (issue 12's first, JSON after each);
+#   fa4      (not in the default STEPS) flash-attn-4 from the wheels in $FA4_WHEELS, then
+#            tests/test_flash_prefill_gpu.py and scripts/probe_flash_attn4.py (issue 15);
 #   e2e      scripts/bench_e2e_decode.py, static mode, E2E_CASES x E2E_CONFIGS, E2E_TOKENS new
 #            tokens (JSON after each cell), with the time left before DEADLINE_S.
 #
@@ -103,6 +105,24 @@ if [ -n "$FI_PID" ]; then
   stamp "waiting for FlashInfer's JIT build"
   wait "$FI_PID"; RC[flashinfer_warm]=$?
   cat /tmp/flashinfer_warm.log
+fi
+
+if want fa4; then
+  # flash-attn-4 (issue 15): the wheels staged in $FA4_WHEELS (default /tmp/fa4w: flash_attn_4 4.0.0b36,
+  # nvidia_cutlass_dsl + libs-base/libs-core/libs-cu13 4.8.1, quack_kernels, torch_c_dlpack_ext, einops,
+  # apache_tvm_ffi, and cuda_bindings/cuda_pathfinder/protobuf where the machine lacks them; the 92 MB
+  # cu13 wheel travels split in two carries and is joined first), then the route's GPU tests and the probe
+  stamp "fa4: install, tests/test_flash_prefill_gpu.py, probe_flash_attn4.py"
+  W=${FA4_WHEELS:-/tmp/fa4w}
+  timeout -k 5 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4site "$W"/*.whl
+  RC[fa4_install]=$?
+  FA4_PATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+  PYTHONPATH=$FA4_PATH:$PYTHONPATH timeout -k 10 240 $PY -m pytest -q -rs -m gpu -p no:cacheprovider \
+    --junitxml="$OUT/pytest_fa4.xml" tests/test_flash_prefill_gpu.py
+  RC[fa4_tests]=$?
+  mkdir -p "$OUT/fa4"
+  PYTHONPATH=$FA4_PATH:$PYTHONPATH timeout -k 10 200 python3 scripts/probe_flash_attn4.py --out "$OUT/fa4/probe_flash_attn4"
+  RC[fa4_probe]=$?
 fi
 
 if want op; then
