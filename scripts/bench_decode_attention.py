@@ -31,6 +31,18 @@ launchers ``topk_retrieval_grouped`` and ``sparse_decode_attention_grouped`` are
 same inputs when ``prhs_hf.kernels`` has them (``grouped_*_status`` otherwise; an error calling
 them is recorded as ``grouped_*_error``).
 
+``ds`` (Double Sparsity, the paper's Table IV/V baseline, ``kernels/ds_decode.py``): every row
+scores every step, nothing shared: the query's r label channels (``--ds-rank``, default 16, the
+paper's label rank; one set per KV head, from the step's |q| x |k| channel statistic, which the
+timing does not depend on) against a label cache ``[B, Hkv, S, r]`` kept beside the KV cache
+(``topk_retrieval`` with every row flagged: label scoring + exact top-k), then ``compose_indices``
+(sink + top-k + local, no dilation) and the same ``sparse_decode_attention`` as CIS. DS gets
+CIS's per-row capacity: top-k = cap - sink - local (``ds_k``). Its stages (``ds_stage_*``): query
+gather, label scoring (with the row compaction), select, compose, attention; ``ds_topk_recall``:
+the share of the exact top-``ds_k`` it selects; ``ds_max_abs_diff``: vs the dense PyTorch DS step
+(``ds_decode_step_reference``). The label-cache append of the new token is not timed (nor is the
+KV append of any column).
+
 Stage breakdown of the CIS-16 step (each stage replayed alone on the step's own inputs): match,
 retrieval (compact / score / select), dilated set, compose, attention, glue; gap = step - sum.
 Each row states the target (issue 12: CIS-16 >= 5x the fastest dense for MHA, >= 3x for GQA)
@@ -39,7 +51,7 @@ and, when it is missed, the largest stage.
 Keys are Gaussian with "hot spans" (runs of 64 tokens aligned with a per-head direction that
 the queries share), so that top-k sets are clustered as in real attention.
 
-Usage: ``python scripts/bench_decode_attention.py [--quick] [--out DIR]``.
+Usage: ``python scripts/bench_decode_attention.py [--quick] [--ds-rank R] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -67,8 +79,10 @@ import _bench_common as common  # noqa: E402
 from prhs_hf.kernels.cis_match import cis_match  # noqa: E402
 from prhs_hf.kernels.compose_indices import compose_from_sets, compose_indices, dilated_set  # noqa: E402
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step  # noqa: E402
+from prhs_hf.kernels.ds_decode import ds_decode_step, ds_decode_step_reference, ds_query_labels  # noqa: E402
 from prhs_hf.kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
 from prhs_hf.kernels.topk_retrieval import topk_retrieval  # noqa: E402
+from prhs_hf.selectors.double_sparsity import label_keys, top_channels  # noqa: E402
 
 TAU = 0.8
 SPAN = 64  # hot-span length (tokens)
@@ -76,7 +90,9 @@ TARGET_MHA = 5.0  # issue 12: CIS-16 step at least this many times faster than t
 TARGET_GQA = 3.0  # ... and for GQA shapes
 STAGES = ("match", "retrieval", "dilated_set", "compose", "attention", "glue")
 DENSE = tuple(common.DENSE_LABELS)  # transformers, sdpa_gqa, flash_packed, flashinfer
-PRHS_COLUMNS = ("flex", "sparse", "cis8", "cis16", "cis16_topk", "ref16")
+PRHS_COLUMNS = ("flex", "sparse", "cis8", "cis16", "cis16_topk", "ref16", "ds")
+DS_RANK = 16  # Double Sparsity's label channels per head (the paper's r)
+DS_STAGES = ("gather", "label_score", "select", "compose", "attention")
 CIS_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cis.yaml"
 
 #: the group-aware launchers another part of issue 12 adds: (module, name) in prhs_hf.kernels
@@ -365,7 +381,63 @@ def grouped_columns(x: dict, sh: Shape, res, bud: Budget, s: int, time_it: Calla
             print(f"    {key} failed: {row[f'{key}_error']}", flush=True)
 
 
-def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launchers: dict) -> dict:
+def ds_label_channels(x: dict, sh: Shape, r: int) -> torch.Tensor:
+    """``[Hkv, r]`` int64 label channels per KV head, ascending: the largest mean |q_c| x mean |k_c|
+    (the group's queries of the step, the cache's keys). A stand-in for DS's offline calibration:
+    which channels are chosen changes the selection, not the time of the step."""
+    G = sh.Hq // sh.Hkv
+    q_abs = x["q"].float().abs().view(sh.B, sh.Hkv, G, sh.D).mean(dim=(0, 2))
+    k_abs = x["k_cache"].float().abs().mean(dim=(0, 2))  # [Hkv, D]
+    return top_channels(q_abs * k_abs, r).sort(dim=-1).values
+
+
+def ds_columns(x: dict, sh: Shape, bud: Budget, r: int, time_it: Callable, row: dict) -> None:
+    """The Double Sparsity step (``ds_*``) and its stages, into ``row``.
+
+    Label cache ``[B, Hkv, S, r]`` (one set of channels per KV head, DS's layout), every row
+    scoring and selecting at every step, top-k = cap - sink - local, the CIS attention kernel.
+    """
+    q, kc, vc, pad, lo, hi, t, scale = (x[n] for n in ("q", "k_cache", "v_cache", "pad", "lo", "hi", "t", "scale"))
+    B, Hq, Hkv = sh.B, sh.Hq, sh.Hkv
+    ds_k = bud.cap - bud.sink - bud.local
+    channels = ds_label_channels(x, sh, r)
+    label = label_keys(kc, channels[None].expand(B, Hkv, r)).contiguous()  # [B, Hkv, S, r]
+    q_channels = channels.repeat_interleave(Hq // Hkv, dim=0).contiguous()  # [Hq, r]
+    geo = (label, q_channels, pad, t, lo, hi, hi, x["active"])
+    kw = dict(sink=bud.sink, k=ds_k, scale=scale)
+
+    def step():
+        return ds_decode_step(q, kc, vc, *geo, cap=bud.cap, **kw)
+
+    res = step()
+    row.update(ds_rank=r, ds_k=ds_k, ds_label_heads=Hkv, ds_avg_kv_per_head=float(res.count.float().mean()))
+    row["ds_label_cache_bytes"] = label.numel() * label.element_size()
+    _, want = ds_decode_step_reference(q, kc, vc, *geo, **kw)
+    row["ds_max_abs_diff"] = (res.out.float() - want).abs().max().item()
+    del want
+    everyone = x["active"].view(B, 1).expand(B, Hq)
+    exact = topk_retrieval(q, kc, pad, lo, hi, everyone, ds_k, scale)
+    picked = flex_pattern(res.sel, (res.sel >= 0).sum(-1), sh.ctx)  # [B, Hq, S] membership
+    exact_valid = exact >= 0
+    hit = picked.gather(2, exact.long().clamp_min(0)) & exact_valid
+    row["ds_topk_recall"] = float(hit.sum()) / max(1, int(exact_valid.sum()))
+    row["ds_ms"], row["ds_timing"] = time_it(step)
+    q_label = ds_query_labels(q, q_channels)
+
+    def retrieval(stop="select"):
+        return topk_retrieval(q_label, label, pad, lo, hi, everyone, ds_k, scale, _stop_after=stop)
+
+    row["ds_stage_gather_ms"] = time_it(lambda: ds_query_labels(q, q_channels))[0]
+    row["ds_stage_label_score_ms"] = time_it(lambda: retrieval("score"))[0]  # compaction + label scores
+    row["ds_stage_retrieval_ms"] = time_it(retrieval)[0]  # label scoring + select
+    row["ds_stage_select_ms"] = row["ds_stage_retrieval_ms"] - row["ds_stage_label_score_ms"]
+    row["ds_stage_compose_ms"] = time_it(
+        lambda: compose_indices(t, lo, hi, hi, res.sel, False, bud.sink, 0, 0, bud.cap))[0]
+    row["ds_stage_attention_ms"] = time_it(lambda: sparse_decode_attention(q, kc, vc, pad, res.idx, res.count, scale))[0]
+    row["ds_stage_sum_ms"] = sum(row[f"ds_stage_{st}_ms"] for st in DS_STAGES)
+
+
+def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launchers: dict, ds_rank: int = DS_RANK) -> dict:
     cuda = dev.type == "cuda"
     bud = shape_budget(sh)
     x = make_inputs(sh, bud, dev, dtype)
@@ -447,6 +519,7 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
     row["cis16_topk_ms"], row["cis16_topk_timing"] = time_it(steps[16][3])
     row["ref16_ms"], row["ref16_timing"] = time_it(lambda: step16(REFERENCE_OPS))
     grouped_columns(x, sh, res16, bud, 16, time_it, launchers, row)
+    ds_columns(x, sh, bud, ds_rank, time_it, row)
     row.update(stage_breakdown(x, bud, steps[16], row["sparse_ms"], time_it))
 
     elem = kc.element_size()
@@ -463,6 +536,7 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
         row[f"{col}_speedup_vs_{base.removesuffix('_ms')}"] = (row[base] / v) if v else None
     if row["flex_ms"]:
         row["cis16_speedup_vs_flex"] = row["flex_ms"] / row["cis16_ms"]
+    row["cis16_speedup_vs_ds"] = row["ds_ms"] / row["cis16_ms"]
     want = TARGET_GQA if sh.Hq != sh.Hkv else TARGET_MHA
     row["cis16_target_speedup"] = want
     row["cis16_target_ms"] = best / want if best else None
@@ -530,7 +604,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     head = (
         "| B | ctx | Hq/Hkv | budget sink/local/k/m | avg KV/head | transformers sdpa (repeat_kv) | SDPA gqa+mask "
         "| SDPA flash packed | FlashInfer | fastest dense | flex ms (blocks) | sparse ms | CIS-8 step | CIS-16 step "
-        "| ref step | CIS-16 vs fastest dense | CIS-16 vs flex | grouped retrieval / sparse ms | sparse GB/s (% copy) |"
+        "| ref step | DS step (r, top-k) | CIS-16 vs fastest dense | DS vs fastest dense | CIS-16 vs DS | CIS-16 vs flex "
+        "| grouped retrieval / sparse ms | sparse GB/s (% copy) |"
     )
     lines = [
         f"Decode attention latency (median ms), {meta['gpu']}, torch {v['torch']}, triton {v['triton']}, "
@@ -551,7 +626,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {r['avg_kv_per_head']:.0f} | " + " | ".join(fmt(r[f"dense_{n}_ms"]) for n in DENSE)
             + f" | {r['fastest_dense'] or 'n/a'} | {fmt(r['flex_ms'])}{blocks} "
             f"| {fmt(r['sparse_ms'])} | {fmt(r['cis8_ms'])} | {fmt(r['cis16_ms'])} | {fmt(r['ref16_ms'])} "
-            f"| {fmt(r['cis16_speedup_vs_fastest_dense'], '.2f')} | {fmt(r.get('cis16_speedup_vs_flex'), '.2f')} "
+            f"| {fmt(r['ds_ms'])} (r={r['ds_rank']}, k={r['ds_k']}) "
+            f"| {fmt(r['cis16_speedup_vs_fastest_dense'], '.2f')} | {fmt(r['ds_speedup_vs_fastest_dense'], '.2f')} "
+            f"| {fmt(r['cis16_speedup_vs_ds'], '.2f')} | {fmt(r.get('cis16_speedup_vs_flex'), '.2f')} "
             f"| {fmt(r['grouped_retrieval_ms'])} / {fmt(r['grouped_sparse_ms'])} "
             f"| {r['sparse_GBps']:.0f} ({fmt(bw_pct, '.0f')}%) |"
         )
@@ -581,6 +658,26 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"({fmt(r['stage16_topk_compose_ms'])}, {fmt(r['stage16_topk_glue_ms'])}) | {tgt} "
             f"| {r['cis16_largest_stage']} |"
         )
+    head3 = (
+        "| B | ctx | Hq/Hkv | r | top-k | avg KV/head | label cache MB | query gather | label scoring | select "
+        "| compose | attention | sum | DS step | gap | top-k recall | max abs diff vs PyTorch DS |"
+    )
+    lines += [
+        "",
+        "Double Sparsity step (median ms; every row scores and selects every step; label cache [B, Hkv, S, r]; "
+        "top-k = cap - sink - local; each stage replayed alone; recall: share of the exact top-k selected).",
+        "",
+        head3,
+        "|" + "|".join(["---"] * (head3.count("|") - 1)) + "|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['B']} | {r['ctx']} | {r['Hq']}/{r['Hkv']} | {r['ds_rank']} | {r['ds_k']} | {r['ds_avg_kv_per_head']:.0f} "
+            f"| {r['ds_label_cache_bytes'] / 2**20:.1f} | "
+            + " | ".join(fmt(r[f"ds_stage_{st}_ms"]) for st in DS_STAGES)
+            + f" | {fmt(r['ds_stage_sum_ms'])} | {fmt(r['ds_ms'])} | {fmt(r['ds_ms'] - r['ds_stage_sum_ms'])} "
+            f"| {r['ds_topk_recall']:.3f} | {r['ds_max_abs_diff']:.2e} |"
+        )
     notes = sorted({f"{k}: {r[k]}" for r in rows for k in r if k.endswith(("_status", "_error")) and r[k] not in ("measured", "available")})
     if notes:
         lines += ["", "Columns not measured, and errors:", ""] + [f"- {n}" for n in notes]
@@ -590,8 +687,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the issue's shapes only (GPU); without CUDA always a tiny shape")
+    ap.add_argument("--ds-rank", type=int, default=DS_RANK,
+                    help=f"Double Sparsity's label channels per head, 1 to the head size (default {DS_RANK})")
     ap.add_argument("--out", default="docs/results", help="output folder (bench_decode_attention.json + .md)")
     args = ap.parse_args(argv)
+    plan = shapes(args.quick or not torch.cuda.is_available(), torch.cuda.is_available())
+    if not all(1 <= args.ds_rank <= sh.D for sh in plan):
+        ap.error(f"--ds-rank {args.ds_rank}: allowed 1 to the head size ({min(sh.D for sh in plan)} in this run)")
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16
@@ -605,6 +707,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         speedups="against the fastest dense column measured in the same row (fastest_dense)",
         targets={"mha": TARGET_MHA, "gqa": TARGET_GQA},
         grouped_launchers={k: status for k, (_, status) in launchers.items()},
+        ds=dict(rank=args.ds_rank, label_heads="Hkv", k="cap - sink - local",
+                step="label gather, topk_retrieval on the label cache (every row), compose_indices, sparse_decode_attention"),
     )
     if not cuda:
         print("no CUDA: smoke test through TRITON_INTERPRET=1 (flash, flex and FlashInfer columns n/a)", flush=True)
@@ -622,7 +726,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "bench_decode_attention.json"
     rows: list[dict] = []
-    plan = shapes(args.quick or not cuda, cuda)
     for sh in common.progress(plan, "decode operator"):
         b = shape_budget(sh)
         print(
@@ -631,7 +734,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             flush=True,
         )
         try:
-            rows.append(run_shape(sh, dev, dtype, flex_fn, launchers))
+            rows.append(run_shape(sh, dev, dtype, flex_fn, launchers, args.ds_rank))
         except torch.cuda.OutOfMemoryError as exc:  # keep the other shapes
             print(f"    out of memory: {exc}", flush=True)
             continue
@@ -649,6 +752,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             + f"  (sum {fmt(r['stage16_sum_ms'])}; retrieval compact/score/select "
             f"{fmt(r['stage16_retrieval_compact_ms'])}/{fmt(r['stage16_retrieval_score_ms'])}/"
             f"{fmt(r['stage16_retrieval_select_ms'])}; top-k-anchor step {fmt(r['cis16_topk_ms'])})",
+            flush=True,
+        )
+        print(
+            f"    DS step (r={r['ds_rank']}, k={r['ds_k']}) {fmt(r['ds_ms'])} ms, "
+            f"{fmt(r['ds_speedup_vs_fastest_dense'], '.2f')}x the fastest dense; stages "
+            + "  ".join(f"{st} {fmt(r[f'ds_stage_{st}_ms'])}" for st in DS_STAGES)
+            + f"; top-k recall {r['ds_topk_recall']:.3f}",
             flush=True,
         )
         if r.get("cis16_limited_by"):

@@ -172,8 +172,20 @@ def test_bench_decode_attention_quick_cpu_json(tmp_path):
                 assert status.startswith("not importable") and r[f"{key}_ms"] is None
         if r["grouped_retrieval_status"] == "available":
             assert r["grouped_retrieval_equal_to_reference"] is True
+        # Double Sparsity: the step, its stages and its speedup, like the CIS columns
+        assert r["ds_rank"] == 16 and r["ds_k"] == r["cap"] - r["sink"] - r["local"]
+        assert r["ds_ms"] > 0 and r["ds_timing"] == "cpu"
+        assert math.isclose(r["ds_speedup_vs_fastest_dense"], ms / r["ds_ms"])
+        assert math.isclose(r["cis16_speedup_vs_ds"], r["ds_ms"] / r["cis16_ms"])
+        for st in ("gather", "label_score", "select", "compose", "attention"):
+            assert r[f"ds_stage_{st}_ms"] is not None, st
+        assert r["ds_max_abs_diff"] < 0.05  # bf16: the dense PyTorch DS step's output
+        assert 0.0 <= r["ds_topk_recall"] <= 1.0
+        assert r["ds_avg_kv_per_head"] == r["cap"]  # every row fills its budget (sink + top-k + local)
         if r["grouped_sparse_status"] == "available":
             assert r["grouped_sparse_max_abs_diff"] < 0.05
+    md = (tmp_path / "bench_decode_attention.md").read_text()
+    assert "DS step (r, top-k)" in md and "Double Sparsity step" in md
 
 
 @pytest.mark.slow
