@@ -127,7 +127,7 @@ fi
 
 if want op; then
   stamp "op: bench_decode_attention.py (all shapes)"
-  timeout -k 10 170 python3 scripts/bench_decode_attention.py --out "$OUT/op"
+  timeout -k 10 240 python3 scripts/bench_decode_attention.py --out "$OUT/op"
   RC[op]=$?
 fi
 
