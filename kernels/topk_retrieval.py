@@ -64,21 +64,31 @@ __all__ = [
 #      (blocks of 256 candidates sorted in place) and `_merge_rank_kernel` (rank = sum over the
 #      sorted blocks of a binary-search count of larger candidates). ``"radix8_sort"``: the same
 #      passes and collect, then one register sort per row (`_row_sort_kernel`).
+#      ``"radix8_fused"`` (opt-in, not yet measured): radix8 with pass 0 done by the score
+#      kernel on the keys in registers (each program adds its chunk's 256-bin digit-0
+#      histogram of every row it writes atomically; `_compact_kernel`, the launch before,
+#      zeroes that histogram of the compacted rows), so the select launches passes 1-3 only:
+#      one launch and one full read of the keys fewer.
 # Everything is fixed-shape (grids depend on B, Hq, Hkv, S, k only), no host synchronisation.
 
 #: Scoring kernels of :func:`topk_retrieval` (``_score=``): the group-aware default, the old one.
 SCORE_MODES = ("group", "row")
 #: Selection kernels (``_select=``): one program per row, split radix select with
 #: 11-bit digits and rank compares, split radix select with 8-bit digits and a merge finish,
-#: the same with a per-row register sort finish. The default is ``"radix8"`` (fastest measured).
-SELECT_MODES = ("row", "split", "radix8", "radix8_sort")
+#: the same with a per-row register sort finish, radix8 with its first pass's histogram built
+#: by the score kernel. The default is ``"radix8"`` (fastest measured).
+SELECT_MODES = ("row", "split", "radix8", "radix8_sort", "radix8_fused")
 #: Where ``_stop_after=`` may stop (probe breakdowns): "passes"/"collect" stop inside the
-#: select (every select mode), "blocksort" after the first merge step (``"radix8"`` only).
+#: select (every select mode), "blocksort" after the first merge step (merge finishes only).
+#: With ``"radix8_fused"``, "score" includes the pass-0 histogram built by the score kernel.
 STOP_POINTS = ("compact", "score", "passes", "collect", "blocksort", "select")
 
 #: Digit bits and passes of the split selects: 11/11/10-bit digits (bits [21, 32), [10, 21),
 #: [0, 10)) or four 8-bit ones.
-_SPLIT_DIGITS = {"split": (11, 3), "radix8": (8, 4), "radix8_sort": (8, 4)}
+_SPLIT_DIGITS = {"split": (11, 3), "radix8": (8, 4), "radix8_sort": (8, 4), "radix8_fused": (8, 4)}
+#: Selects whose pass-0 histogram is built by the score kernel, and those with the merge finish.
+_FUSED_SELECTS = ("radix8_fused",)
+_MERGE_SELECTS = ("radix8", "radix8_fused")
 _MERGE_BLOCK = 256  # candidates per block of the merge finish
 _RANK_BLOCK = 64  # candidates ranked per program of _rank_scatter_kernel
 _RANK_TILE = 256  # candidates compared per step
@@ -104,18 +114,34 @@ def _compact_into(FLAG, ORDER, COUNT, R, GROUP: tl.constexpr, GP: tl.constexpr, 
         tl.store(ORDER + (R - 1 - u), rows, mask=inb & (f == 0))
         total += tl.sum(f, axis=0)
     tl.store(COUNT, total)
+    return total
 
 
 @triton.jit
 def _compact_kernel(
-    FLAG, ORDER, COUNT, GORDER, GCOUNT, R,
+    FLAG, ORDER, COUNT, GORDER, GCOUNT, HIST, R,
     GROUP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr,
-    WITH_GROUPS: tl.constexpr,
+    WITH_GROUPS: tl.constexpr, ZERO_HIST: tl.constexpr = False, HIST_ROW: tl.constexpr = 1,
+    HIST_BINS: tl.constexpr = 1, ZB: tl.constexpr = 32,
 ):
-    """Rows (``R`` flags) and, with WITH_GROUPS, groups of GROUP consecutive rows: one launch."""
-    _compact_into(FLAG, ORDER, COUNT, R, 1, 1, BLOCK)
+    """Rows (``R`` flags) and, with WITH_GROUPS, groups of GROUP consecutive rows: one launch.
+
+    ZERO_HIST (``_select="radix8_fused"``): also zero ``HIST[row, :HIST_BINS]`` (the pass-0
+    histogram, row stride HIST_ROW) of every flagged row, ZB rows per store, so that the score
+    kernel launched after it can add into it atomically (a zeroing inside the score launch could
+    not be ordered before the other programs' atomics)."""
+    count = _compact_into(FLAG, ORDER, COUNT, R, 1, 1, BLOCK)
     if WITH_GROUPS:
         _compact_into(FLAG, GORDER, GCOUNT, R // GROUP, GROUP, GP, BLOCK_G)
+    if ZERO_HIST:
+        tl.debug_barrier()  # ORDER's stores visible to every thread of this program
+        offs_r = tl.arange(0, ZB)
+        bins = tl.arange(0, HIST_BINS)
+        for c0 in range(0, count, ZB):
+            cr = c0 + offs_r
+            rows = tl.load(ORDER + cr, mask=cr < count, other=0)
+            tl.store(HIST + rows.to(tl.int64)[:, None] * HIST_ROW + bins[None, :],
+                     tl.zeros([ZB, HIST_BINS], tl.int32), mask=(cr < count)[:, None])
 
 
 @triton.jit
@@ -124,6 +150,12 @@ def _orderable_key(x):
     x = tl.where(x == 0.0, 0.0, x)
     bits = x.to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 2147483647)
+
+
+@triton.jit
+def _digit0(key):
+    """Pass-0 digit of an orderable key: the top 8 bits of ``key + 2^31`` (int32 arithmetic)."""
+    return (key >> 24) + 128
 
 
 @triton.jit
@@ -140,14 +172,17 @@ def _score_range(PAD, LO, HI, b, sp, CHUNK, S, live):
 
 @triton.jit
 def _score_kernel(
-    Q, K, PAD, LO, HI, ORDER, COUNT, KEYS,
+    Q, K, PAD, LO, HI, ORDER, COUNT, KEYS, HIST,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys,
     scale, S, CHUNK,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FUSE_HIST: tl.constexpr = False, HIST_ROW: tl.constexpr = 1,
 ):
     """Old path (``_score="row"``): scores of one chunk of one retrieving row's middle region,
-    as order-preserving keys, into that row's scratch row."""
+    as order-preserving keys, into that row's scratch row. FUSE_HIST: the 256-bin histogram
+    of the keys' pass-0 digit, built in registers, is added atomically to ``HIST[row, :256]``
+    (zeroed by the launcher before this launch)."""
     c = tl.program_id(0)
     sp = tl.program_id(1)
     live = c < tl.load(COUNT)
@@ -160,6 +195,7 @@ def _score_kernel(
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
     k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP) * stride_kh  # > 2^31 elements ok
     key_base = KEYS + row.to(tl.int64) * stride_keys
+    hist = tl.zeros([256], dtype=tl.int32)
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         m = j < end
@@ -168,7 +204,12 @@ def _score_kernel(
             mask=m[:, None] & dmask[None, :], other=0.0,
         ).to(tl.float32)
         s = (tl.sum(kt * q[None, :], axis=1) * scale).to(tl.float32)  # fp32 even if a compiler passes scale as fp64
-        tl.store(key_base + j, _orderable_key(s), mask=m)
+        key = _orderable_key(s)
+        tl.store(key_base + j, key, mask=m)
+        if FUSE_HIST:
+            hist += tl.histogram(_digit0(key), 256, mask=m)
+    if FUSE_HIST:
+        tl.atomic_add(HIST + row.to(tl.int64) * HIST_ROW + tl.arange(0, 256), hist, mask=hist != 0)
 
 
 @triton.jit
@@ -179,7 +220,7 @@ def _group_score_kernel(
     HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, AGG_MAX: tl.constexpr, IEEE: tl.constexpr,
     ZERO_SCRATCH: tl.constexpr, ZROWS: tl.constexpr, HIST_PASSES: tl.constexpr,
-    HIST_BINS: tl.constexpr,
+    HIST_BINS: tl.constexpr, FUSE_HIST: tl.constexpr = False, GP: tl.constexpr = 2,
 ):
     """Scores of one chunk of one live KV group's middle region, for all G heads at once.
 
@@ -191,6 +232,11 @@ def _group_score_kernel(
     heads goes to the group's row ``b*Hkv + kvh``. ZERO_SCRATCH: the split program 0 of the
     group also zeroes the radix histograms and candidate counters of the rows it writes (the
     split select accumulates into them; stream order makes this happen before it starts).
+    FUSE_HIST (``_select="radix8_fused"``, 8-bit digits): the first radix pass is done here,
+    on the keys in registers: each program adds its chunk's 256-bin histogram of the pass-0
+    digit of every row it writes to ``HIST[row, 0, :]`` atomically (zeroed by the compaction
+    launch, which runs before this one); ZERO_SCRATCH then zeroes passes 1.. only. GP: rows of
+    the per-head accumulator (next_pow2(GROUP), at least 2).
     """
     c = tl.program_id(0)
     sp = tl.program_id(1)
@@ -226,10 +272,16 @@ def _group_score_kernel(
                     zr = b * (HKV * GROUP) + kvh * GROUP + g
                     zw = tl.load(FLAG + zr) != 0
                 if zw:
-                    for p in tl.static_range(HIST_PASSES):
+                    for p in tl.static_range(1 if FUSE_HIST else 0, HIST_PASSES):
                         tl.store(HIST + zr.to(tl.int64) * (HIST_PASSES * HIST_BINS) + p * HIST_BINS + offs_z,
                                  tl.zeros([HIST_BINS], tl.int32))
                     tl.store(TAKEN + zr, 0)
+    bins = tl.arange(0, 256)
+    offs_gp = tl.arange(0, GP)
+    if AGG_MAX:
+        hist = tl.zeros([256], dtype=tl.int32)
+    else:
+        hist = tl.zeros([GP, 256], dtype=tl.int32)  # row g: head g of the group
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         m = j < end
@@ -244,10 +296,31 @@ def _group_score_kernel(
         s = (s * scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]
         if AGG_MAX:
             s = tl.max(tl.where(mrow[:, None], s, float("-inf")), axis=0)
-            tl.store(KEYS + out_row * stride_keys + j, _orderable_key(s), mask=m)
+            key = _orderable_key(s)
+            tl.store(KEYS + out_row * stride_keys + j, key, mask=m)
+            if FUSE_HIST:
+                hist += tl.histogram(_digit0(key), 256, mask=m)
         else:
-            tl.store(KEYS + out_row[:, None] * stride_keys + j[None, :], _orderable_key(s),
+            key = _orderable_key(s)
+            tl.store(KEYS + out_row[:, None] * stride_keys + j[None, :], key,
                      mask=wrow[:, None] & m[None, :])
+            if FUSE_HIST:
+                for g in tl.static_range(GROUP):  # only the retrieving heads' rows
+                    sel_g = offs_m == g
+                    if tl.sum((sel_g & wrow).to(tl.int32), axis=0) != 0:
+                        key_g = tl.sum(tl.where(sel_g[:, None], key, 0), axis=0)  # [BLOCK_N]
+                        h_g = tl.histogram(_digit0(key_g), 256, mask=m)
+                        hist += tl.where(offs_gp[:, None] == g, h_g[None, :], 0)
+    if FUSE_HIST:
+        if AGG_MAX:
+            tl.atomic_add(HIST + out_row * (HIST_PASSES * HIST_BINS) + bins, hist, mask=hist != 0)
+        else:
+            head_gp = kvh * GROUP + offs_gp
+            w_gp = (offs_gp < GROUP) & (tl.load(FLAG + b * (HKV * GROUP) + head_gp,
+                                                mask=(offs_gp < GROUP) & live, other=0) != 0)
+            row_gp = (b * (HKV * GROUP) + head_gp).to(tl.int64)
+            tl.atomic_add(HIST + row_gp[:, None] * (HIST_PASSES * HIST_BINS) + bins[None, :], hist,
+                          mask=w_gp[:, None] & (hist != 0))
 
 
 @triton.jit
@@ -624,9 +697,11 @@ def compact_rows(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order, count
 
 
-def _compact(flags: torch.Tensor, group: int, with_groups: bool):
+def _compact(flags: torch.Tensor, group: int, with_groups: bool, zero_hist: torch.Tensor | None = None):
     """Rows and (optionally) groups of ``group`` consecutive rows with any flag set, in one
-    launch: ``(order, count, group_order, group_count)`` (the last two None without groups)."""
+    launch: ``(order, count, group_order, group_count)`` (the last two None without groups).
+    ``zero_hist`` ``[R, >= 256]`` int32: its first 256 entries of every flagged row are zeroed
+    in the same launch (the fused pass-0 histogram)."""
     flags = flags.reshape(-1).contiguous()
     R = flags.numel()
     order = torch.empty(R, dtype=torch.int32, device=flags.device)
@@ -637,10 +712,12 @@ def _compact(flags: torch.Tensor, group: int, with_groups: bool):
     else:
         gorder, gcount = order, count  # unused
     gp = next_pow2(group)
+    zero = zero_hist is not None
     _compact_kernel[(1,)](
-        flags, order, count, gorder, gcount, R,
+        flags, order, count, gorder, gcount, zero_hist if zero else order, R,
         GROUP=group, GP=gp, BLOCK=min(next_pow2(R, 16), 1024),
         BLOCK_G=max(16, min(next_pow2(R // group, 16), 4096 // gp)), WITH_GROUPS=with_groups,
+        ZERO_HIST=zero, HIST_ROW=zero_hist.stride(0) if zero else 1, HIST_BINS=256 if zero else 1,
     )
     return order, count, (gorder if with_groups else None), (gcount if with_groups else None)
 
@@ -683,8 +760,8 @@ def _retrieve(
     _check_mode("_score", score, SCORE_MODES)
     _check_mode("_select", select, SELECT_MODES)
     _check_mode("_stop_after", stop_after, STOP_POINTS)
-    if stop_after == "blocksort" and select != "radix8":
-        raise ValueError(f"_stop_after='blocksort' needs _select='radix8', got _select={select!r}")
+    if stop_after == "blocksort" and select not in _MERGE_SELECTS:
+        raise ValueError(f"_stop_after='blocksort' needs _select in {_MERGE_SELECTS}, got _select={select!r}")
     if grouped and score != "group":
         raise ValueError("_score='row' has no group-shared variant: use _score='group'")
     B, Hq, D = q.shape
@@ -702,16 +779,18 @@ def _retrieve(
         k_cache = k_cache.contiguous()
     flags = flags.reshape(-1).contiguous()
     by_group = score == "group"
-    order, count, gorder, gcount = _compact(flags, group, with_groups=by_group and not grouped)
+    split = select != "row"
+    fused = select in _FUSED_SELECTS  # pass 0 done by the score kernel
+    w, np_ = _SPLIT_DIGITS[select] if split else (8, 4)
+    bins = 1 << w
+    hist = torch.empty((R, np_ * bins) if split else (1,), dtype=torch.int32, device=q.device)
+    order, count, gorder, gcount = _compact(flags, group, with_groups=by_group and not grouped,
+                                            zero_hist=hist if fused and by_group else None)
     if grouped:
         gorder, gcount = order, count
     if stop_after == "compact":
         return out
-    split = select != "row"
-    w, np_ = _SPLIT_DIGITS[select] if split else (8, 4)
-    bins = 1 << w
     keys = torch.empty((R, S), dtype=torch.int32, device=q.device)
-    hist = torch.empty((R, np_ * bins) if split else (1,), dtype=torch.int32, device=q.device)
     taken = torch.empty((R,) if split else (1,), dtype=torch.int32, device=q.device)
     block_d = next_pow2(D, 16)
     # expected live score items: about 1 retrieving row in 16 (CIS at s = 16), capped
@@ -728,20 +807,20 @@ def _retrieve(
             AGG_MAX=grouped,
             IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
             ZERO_SCRATCH=split, ZROWS=1 if grouped else group, HIST_PASSES=np_, HIST_BINS=bins,
-            num_warps=4, num_stages=3,
+            FUSE_HIST=fused, GP=max(2, next_pow2(group)), num_warps=4, num_stages=3,
         )
     else:
         if split:
-            hist.zero_()
+            hist.zero_()  # all passes (the fused one too), before the score launch
             taken.zero_()
         block_n = max(16, min(128, 8192 // block_d))
         chunk = max(_score_chunk(S, live, q.device), block_n)
         _score_kernel[(R, triton.cdiv(S, chunk))](
-            q, k_cache, pad, lo, hi, order, count, keys,
+            q, k_cache, pad, lo, hi, order, count, keys, hist,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             keys.stride(0), float(scale), S, chunk,
             H=Hq, GROUP=group, D=D, BLOCK_N=block_n, BLOCK_D=block_d,
-            num_warps=4,
+            FUSE_HIST=fused, HIST_ROW=np_ * bins, num_warps=4,
         )
     if stop_after == "score":
         return out
@@ -760,7 +839,7 @@ def _retrieve(
     nch = triton.cdiv(S, sel_chunk)
     persistent = select != "split"  # the measured split path keeps its (rows, chunks) grid
     grid = (min(R * nch, _persistent_programs(q.device)),) if persistent else (R, nch)
-    for p in range(np_):
+    for p in range(1 if fused else 0, np_):  # fused: pass 0's histogram came with the scores
         _radix_pass_kernel[grid](
             keys, hist, pad, lo, hi, order, count, keys.stride(0), S, k, sel_chunk, nch,
             H=H, P=p, K_PAD=k_pad, BLOCK=sel_chunk, W=w, BINS=bins, NP=np_, PERSISTENT=persistent,
@@ -786,7 +865,7 @@ def _retrieve(
             cand, taken, out, pad, lo, hi, order, count, S, k,
             H=H, K_PAD=k_pad, num_warps=8 if k_pad >= 1024 else 4,
         )
-    else:  # radix8: merge finish
+    else:  # radix8, radix8_fused: merge finish
         mb = min(_MERGE_BLOCK, k_pad)
         nblk = k_pad // mb  # k_pad >= k, both powers of two
         _block_sort_kernel[(min(R * nblk, _persistent_programs(q.device)),)](
@@ -824,7 +903,8 @@ def topk_retrieval(
     and the collect on persistent grids, then a block sort + merge rank, 54 us for 37 rows x 16k
     on the H200; ``"row"``: one program per row, 100 us there; ``"split"``: 11-bit passes and a
     rank-scatter, 149 us; ``"radix8_sort"``: radix8's passes, then one register sort per row,
-    169 us; all exact, see docs/notes/decode_tuning.md).
+    169 us; ``"radix8_fused"``: radix8 with pass 0's histogram built by the score kernel, not yet
+    measured; all exact, see docs/notes/decode_tuning.md).
     Scratch: ``[B*Hq, S]`` int32 keys, ``[B*Hq, ~1.125 k]`` int64 candidates (split select:
     also ``[B*Hq, 6144]`` int32 histograms).
 

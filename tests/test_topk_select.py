@@ -1,8 +1,8 @@
-"""The 8-bit split selects of top-k retrieval (``_select="radix8"`` / ``"radix8_sort"``, issue 12
-item 4) against the PyTorch reference: every tie path (ties inside and across select chunks, at
+"""The 8-bit split selects of top-k retrieval (``_select="radix8"`` / ``"radix8_sort"`` /
+``"radix8_fused"``, whose pass-0 histogram is built by the score kernel; issue 12 item 4) against the PyTorch reference: every tie path (ties inside and across select chunks, at
 full radix depth), rows not retrieving, regions shorter than k and empty, left padding, several
 merge blocks, the persistent grids with fewer programs than work items, the probe's stop points,
-and that every select kernel compiles for sm_90 (so a GPU run does not die on a compile error).
+scratch that starts as garbage, and that every select kernel compiles for sm_90 (so a GPU run does not die on a compile error).
 
 Run on a CPU: ``TRITON_INTERPRET=1 pytest tests/test_topk_select.py``.
 """
@@ -32,7 +32,7 @@ DEV = torch.device(
     "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 )
 I32 = torch.int32
-NEW_MODES = ("radix8", "radix8_sort")
+NEW_MODES = ("radix8", "radix8_sort", "radix8_fused")
 
 
 def _case(B, Hq, Hkv, D, S, pads, mids, seed, levels=2):
@@ -48,6 +48,18 @@ def _case(B, Hq, Hkv, D, S, pads, mids, seed, levels=2):
 
 def _dev(*xs):
     return [x.to(DEV) for x in xs]
+
+
+def _poison_empty(monkeypatch):
+    """``torch.empty`` whose int32/int64 tensors start as garbage (7s): scratch that a kernel
+    forgets to zero shows up (fresh CPU allocations are often zero by chance)."""
+    empty = torch.empty
+
+    def poisoned(*args, **kw):
+        t = empty(*args, **kw)
+        return t.fill_(7) if t.dtype in (torch.int32, torch.int64) else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 def test_new_modes_are_listed():
@@ -139,7 +151,8 @@ def test_stop_points_run_and_are_checked():
     for select in SELECT_MODES:
         for stop in ("passes", "collect"):
             assert topk_retrieval(*args, 20, 1.0, _select=select, _stop_after=stop).shape == (1, 2, 20)
-    assert topk_retrieval(*args, 20, 1.0, _select="radix8", _stop_after="blocksort").shape == (1, 2, 20)
+    for select in ("radix8", "radix8_fused"):
+        assert topk_retrieval(*args, 20, 1.0, _select=select, _stop_after="blocksort").shape == (1, 2, 20)
     with pytest.raises(ValueError, match="blocksort"):
         topk_retrieval(*args, 20, 1.0, _select="row", _stop_after="blocksort")
     with pytest.raises(ValueError, match="_stop_after"):
@@ -224,3 +237,115 @@ def test_default_select_is_radix8_and_exact_beyond_the_one_program_buffer(k):
     want = topk_retrieval_reference(q, kc, pad, lo, hi, ret, k, 0.25)
     got = topk_retrieval(*_dev(q, kc, pad, lo, hi, ret), k, 0.25)
     assert torch.equal(got.cpu(), want)
+
+
+@needs_triton
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("select", ["radix8", "radix8_fused"])
+def test_radix8_scratch_starts_as_garbage_over_many_rows(select, grouped, monkeypatch):
+    """41 retrieving rows (more than the 32 rows that the compaction launch zeroes per store
+    for the fused pass-0 histogram), every scratch buffer filled with garbage first; per-head
+    rows under both scorings and group rows."""
+    _poison_empty(monkeypatch)
+    B, Hq, Hkv, D, S = 6, 8, 4, 4, 300
+    q, kc, pad, lo, hi = _case(B, Hq, Hkv, D, S, [0, 9, 0, 30, 2, 0], [290] * 6, 270, levels=3)
+    if grouped:
+        retrieve = torch.ones(B, Hkv, dtype=torch.bool)
+        retrieve[2, 1] = False
+        assert int(retrieve.sum()) == 23
+        ref = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, retrieve, 5, 1.0)
+        outs = [topk_retrieval_grouped(*_dev(q, kc, pad, lo, hi, retrieve), 5, 1.0, _select=select)]
+    else:
+        retrieve = torch.ones(B, Hq, dtype=torch.bool)
+        retrieve.view(-1)[::7] = False
+        assert int(retrieve.sum()) == 41
+        ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 5, 1.0)
+        outs = [topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 5, 1.0, _score=score, _select=select)
+                for score in ("group", "row")]
+    for out in outs:
+        assert torch.equal(out.cpu(), ref)
+
+
+@needs_triton
+def test_radix8_fused_exact_ties_beyond_the_one_program_buffer():
+    """The fused select on the exact-tie case of the default-select test (k = 2049: the
+    candidates overflow a 2048 buffer, the 2900 tied keys resolve only at full depth)."""
+    q, kc, pad, lo, hi = _case(1, 2, 1, 16, 6000, [3], [5987], seed=5, levels=3)
+    kc[0, 0, 100:3000] = kc[0, 0, 100]
+    ret = torch.tensor([[True, False]])
+    want = topk_retrieval_reference(q, kc, pad, lo, hi, ret, 2049, 0.25)
+    got = topk_retrieval(*_dev(q, kc, pad, lo, hi, ret), 2049, 0.25, _select="radix8_fused")
+    assert torch.equal(got.cpu(), want)
+
+
+@needs_triton
+@pytest.mark.parametrize("select", NEW_MODES)
+def test_radix8_all_scores_negative_with_partial_tiles(select):
+    """Every score negative (all pass-0 digits below the one of 0.0) and regions that end
+    inside a score tile: the masked lanes of the last tile (score 0.0 there) must not count
+    in any histogram, per-head (both scorings) and grouped."""
+    B, Hq, Hkv, D, S = 2, 4, 2, 4, 1400
+    g = torch.Generator().manual_seed(280)
+    q = torch.randint(1, 4, (B, Hq, D), generator=g).float()
+    kc = -torch.randint(1, 4, (B, Hkv, S, D), generator=g).float()
+    pad = torch.tensor([0, 11], dtype=I32)
+    lo = torch.tensor([3, 0], dtype=I32)
+    hi = torch.tensor([1390, 1377], dtype=I32)
+    retrieve = torch.tensor([[True, False, True, True], [False, True, False, False]])
+    ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 100, 1.0)
+    for score in ("group", "row"):
+        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 100, 1.0, _score=score, _select=select)
+        assert torch.equal(out.cpu(), ref), score
+    rg = torch.tensor([[True, False], [False, True]])
+    ref_g = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, rg, 100, 1.0)
+    out_g = topk_retrieval_grouped(*_dev(q, kc, pad, lo, hi, rg), 100, 1.0, _select=select)
+    assert torch.equal(out_g.cpu(), ref_g)
+
+
+_SM90_FUSED_CHECK = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from prhs_hf.kernels import topk_retrieval as tk
+
+TYPES = {"Q": "*bf16", "K": "*bf16", "FLAG": "*i1", "scale": "fp32", "S": "i32", "CHUNK": "i32", "R": "i32"}
+
+
+def compile_sm90(fn, constexprs, num_warps):
+    sig = {n: "constexpr" if n in constexprs else TYPES.get(n, "*i32" if n.isupper() else "i32")
+           for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+score = dict(D=128, BLOCK_D=128, BLOCK_N=64)
+hist = dict(HIST_PASSES=4, HIST_BINS=256, FUSE_HIST=True, ZERO_SCRATCH=True)
+kernels = [
+    (tk._compact_kernel, dict(GROUP=4, GP=4, BLOCK=512, BLOCK_G=128, WITH_GROUPS=True, ZERO_HIST=True,
+                              HIST_ROW=1024, HIST_BINS=256, ZB=32), 4),
+    (tk._score_kernel, dict(score, H=32, GROUP=4, FUSE_HIST=True, HIST_ROW=1024), 4),
+]
+for group, agg in ((4, False), (4, True), (1, False), (6, False)):  # 32/8, grouped, 32/32, Qwen 12/2
+    kernels.append((tk._group_score_kernel, dict(score, **hist, HKV=8, GROUP=group, BLOCK_M=16, AGG_MAX=agg,
+                                                 IEEE=False, ZROWS=1 if agg else group,
+                                                 GP=max(2, triton.next_power_of_2(group))), 4))
+for fn, constexprs, num_warps in kernels:
+    assert "cubin" in compile_sm90(fn, constexprs, num_warps).asm, fn.__name__
+print("compiled", len(kernels))
+"""
+
+
+@pytest.mark.skipif(not _has_cuda_backend(), reason="needs Triton with its CUDA backend (ptxas)")
+def test_fused_histogram_kernels_compile_for_sm90():
+    """The kernels that ``_select="radix8_fused"`` changes (the compaction that zeroes the pass-0
+    histogram, both score kernels building it in registers: per-head G = 4, 1, 6 and grouped)
+    compile to a cubin for sm_90 at the H200 shapes (d 128)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _SM90_FUSED_CHECK], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "compiled 6" in res.stdout
