@@ -16,8 +16,11 @@ not counted): for B16/16k 32/8, B16/16k 32/32 and the Qwen 12/2 shape at B32/16k
 mode of :data:`SELECT_MODES` after group scoring, timed to each stop point of
 :data:`STOP_POINTS`; the columns are differences of those times in us: ``passes`` (radix
 histogram passes), ``collect`` (candidate collect), ``finish`` (sort / rank-scatter / merge),
-``sel`` (the whole select = pipeline - scoring), ``blocksort`` (``radix8``: the block sorts, part
-of finish), ``exact`` (output equal to the row select's).
+``sel`` (the whole select = pipeline - scoring), ``blocksort`` (``radix8`` / ``radix8_fused``: the
+block sorts, part of finish), ``score`` (compaction + scoring; ``radix8_fused``: including the
+pass-0 histogram the score kernel builds, so its ``passes`` are passes 1-3 only), ``total`` (the
+whole retrieval: score + sel; the column to compare ``radix8_fused`` with ``radix8``), ``exact``
+(output equal to the row select's).
     TRITON_INTERPRET=1 python scripts/probe_gqa_kernels.py --quick   # CPU smoke run (a test)
 """
 
@@ -71,9 +74,9 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
     stops = ("score", "passes", "collect", "blocksort", "select")
     print(f"\nselect stages, us (group scoring, {'CUDA graph replay' if cuda else 'CPU interpreter: not timings'}), "
           f"retrieving fraction {frac:.4f}")
-    print(f"| {'shape':24s} | {'select':11s} | {'sel':>7s} | {'passes':>7s} | {'collect':>7s} | "
-          f"{'finish':>7s} | {'blocksort':>9s} | {'score':>7s} | exact |")
-    print(f"|{'-' * 26}|{'-' * 13}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 11}|{'-' * 9}|-------|")
+    print(f"| {'shape':24s} | {'select':12s} | {'sel':>7s} | {'passes':>7s} | {'collect':>7s} | "
+          f"{'finish':>7s} | {'blocksort':>9s} | {'score':>7s} | {'total':>7s} | exact |")
+    print(f"|{'-' * 26}|{'-' * 14}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 11}|{'-' * 9}|{'-' * 9}|-------|")
     rows = []
     for B, S, Hq, Hkv, D in shapes:
         k = _budget_k(S)
@@ -92,7 +95,7 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
         for select in SELECT_MODES:
             t = {}
             for stop in stops:
-                if stop == "blocksort" and select != "radix8":
+                if stop == "blocksort" and select not in ("radix8", "radix8_fused"):
                     continue
                 t[stop] = _time_ms(lambda stop=stop: topk_retrieval(
                     q, kc, pad, lo, hi, retrieve, k, scale, _select=select, _stop_after=stop), cuda, graph=True)
@@ -100,10 +103,11 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
             us = {"sel": t["select"] - t["score"], "passes": t["passes"] - t["score"],
                   "collect": t["collect"] - t["passes"], "finish": t["select"] - t["collect"],
                   "blocksort": t["blocksort"] - t["collect"] if "blocksort" in t else float("nan"),
-                  "score": t["score"]}
+                  "score": t["score"], "total": t["select"]}
             us = {key: v * 1e3 for key, v in us.items()}
-            print(f"| {tag:24s} | {select:11s} | {us['sel']:7.1f} | {us['passes']:7.1f} | {us['collect']:7.1f} | "
-                  f"{us['finish']:7.1f} | {us['blocksort']:9.1f} | {us['score']:7.1f} | {str(exact):5s} |")
+            print(f"| {tag:24s} | {select:12s} | {us['sel']:7.1f} | {us['passes']:7.1f} | {us['collect']:7.1f} | "
+                  f"{us['finish']:7.1f} | {us['blocksort']:9.1f} | {us['score']:7.1f} | {us['total']:7.1f} | "
+                  f"{str(exact):5s} |")
             rows.append({"name": f"select {tag} {select}", "ms": t["select"], "stages_us": us, "exact": exact})
     return rows
 
@@ -162,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     kbytes = mid * D * esz
     cases = []
     for score, select in (("row", "row"), ("row", "split"), ("group", "row"), ("group", "split"),
-                          ("group", "radix8"), ("group", "radix8_sort")):
+                          ("group", "radix8"), ("group", "radix8_sort"), ("group", "radix8_fused")):
         tag = {("row", "row"): " (old)", ("group", "row"): " (default)"}.get((score, select), "")
         cases.append((f"retrieval {score}/{select}{tag}",
                       lambda score=score, select=select: topk_retrieval(
