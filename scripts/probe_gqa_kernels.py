@@ -35,7 +35,10 @@ from typing import Callable, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:  # an installed prhs_hf (prhs_hf.kernels mapped from kernels/) wins over the checkout's folder,
+    import prhs_hf.kernels  # noqa: F401  which has no kernels/ inside (it shadowed /tmp/pkg on the H200)
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prhs_hf.kernels.sparse_decode_attention import (  # noqa: E402
     sparse_decode_attention,
@@ -167,7 +170,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     cases = []
     for score, select in (("row", "row"), ("row", "split"), ("group", "row"), ("group", "split"),
                           ("group", "radix8"), ("group", "radix8_sort"), ("group", "radix8_fused")):
-        tag = {("row", "row"): " (old)", ("group", "row"): " (default)"}.get((score, select), "")
+        tag = {("row", "row"): " (old)", ("group", "radix8"): " (default)"}.get((score, select), "")
         cases.append((f"retrieval {score}/{select}{tag}",
                       lambda score=score, select=select: topk_retrieval(
                           q, kc, pad, lo, hi, retrieve, k, scale, _score=score, _select=select),
