@@ -12,7 +12,7 @@ from prhs_hf.geometry import SequenceGeometry
 from prhs_hf.selectors import CertKVSelector, make_selector
 from prhs_hf.selectors._common import attend_with_tail
 from prhs_hf.selectors.certkv import allocate_budget
-from tiny_models import tiny_model
+from tiny_models import SelectionRecorder, tiny_model
 
 SCALE = 0.5
 B, HQ, HKV, D = 2, 4, 2, 8
@@ -184,26 +184,13 @@ def test_attention_with_the_tail_is_the_float64_softmax_over_kept_and_synthetic(
 # ----------------------------------------------------------------------------- on a tiny model
 
 
-class _Recorder:
-    def __init__(self, inner):
-        self.inner, self.calls = inner, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def select(self, layer, q, k_cache, v_cache, geom, params, scale):
-        sel = self.inner.select(layer, q, k_cache, v_cache, geom, params, scale)
-        self.calls.append((layer, sel, geom.t_last.clone()))
-        return sel
-
-
 BUDGET = {"sink": 2, "local": 4, "topk": 16}
 
 
 def _generate(model, ids, mask, config, steps):
     if config is not None:
         prhs_hf.patch(model, config)
-        model._prhs_runtime.selector = _Recorder(model._prhs_runtime.selector)
+        model._prhs_runtime.selector = SelectionRecorder(model._prhs_runtime.selector)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
                              output_scores=True, return_dict_in_generate=True)

@@ -14,7 +14,7 @@ from prhs_hf.kernels.decode_ops import REFERENCE_OPS
 from prhs_hf.selectors import CISSelector, make_selector
 from prhs_hf.selectors._common import attend_with_tail, tail_summary
 from conftest import triton_available
-from tiny_models import tiny_model
+from tiny_models import SelectionRecorder, tiny_model
 
 SCALE = 0.5
 B, HQ, HKV, D = 2, 4, 2, 8
@@ -186,23 +186,10 @@ def test_tail_buffers_follow_beam_reordering():
 BUDGET = {"sink": 2, "local": 4, "topk": 16}
 
 
-class _Recorder:
-    def __init__(self, inner):
-        self.inner, self.calls = inner, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def select(self, layer, q, k_cache, v_cache, geom, params, scale):
-        sel = self.inner.select(layer, q, k_cache, v_cache, geom, params, scale)
-        self.calls.append(sel)
-        return sel
-
-
 def _generate(model, ids, config, steps, beams=1):
     if config is not None:
         prhs_hf.patch(model, config)
-        model._prhs_runtime.selector = _Recorder(model._prhs_runtime.selector)
+        model._prhs_runtime.selector = SelectionRecorder(model._prhs_runtime.selector)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
                              num_beams=beams, output_scores=True, return_dict_in_generate=True)
@@ -226,7 +213,7 @@ def test_the_budget_is_cis_own_and_telemetry_counts_the_slot(selection):
     for tail in (False, True):
         _, rec, report = _generate(model, ids, _cfg(tail, dilation_radius=0, selection=selection), 10)
         runs[tail] = report
-        for sel in rec.calls:
+        for sel in rec.selections:
             assert sel.active.all() and (sel.tail is not None) == tail
             # processed KV per row: sink + topk + local, the tail slot one of the topk
             assert (sel.count == sum(BUDGET.values())).all()
@@ -243,7 +230,7 @@ def test_a_budget_covering_everything_is_dense():
     ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(2))
     dense, _, _ = _generate(model, ids, None, 8)  # t <= 2 + 4 + 16 at every step
     sparse, rec, _ = _generate(model, ids, _cfg(True), 8)
-    assert rec.calls and not any(bool(sel.active.any()) for sel in rec.calls)
+    assert rec.selections and not any(bool(sel.active.any()) for sel in rec.selections)
     assert torch.equal(sparse.sequences, dense.sequences)
     for a, b in zip(sparse.scores, dense.scores):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -257,7 +244,7 @@ def test_retrieving_every_step_with_the_tail_is_dense_beyond_the_budget():
     dense, _, _ = _generate(model, ids, None, 8)
     sparse, rec, report = _generate(model, ids, _cfg(True, tau=1.5), 8)
     plain, _, _ = _generate(model, ids, _cfg(False, tau=1.5), 8)
-    assert report.retrieval_ratio == 1.0 and all(bool(sel.active.all()) for sel in rec.calls)
+    assert report.retrieval_ratio == 1.0 and all(bool(sel.active.all()) for sel in rec.selections)
     assert torch.equal(sparse.sequences, dense.sequences)
     err = max(float((a - b).abs().max()) for a, b in zip(sparse.scores, dense.scores))
     err_plain = max(float((a - b).abs().max()) for a, b in zip(plain.scores, dense.scores))
@@ -274,7 +261,7 @@ def test_variants_run_within_the_budget_and_with_beams(options):
         cfg["psaw"] = {"enabled": True, "phases": ["decode"], "start_layer": 1, "phi": 0.5}
     out, rec, report = _generate(model, ids, cfg, 10)
     capacity = sum(BUDGET.values()) + 2 * (BUDGET["topk"] // 3) + (3 if options.get("keep_anchor_local") else 0)
-    for sel in rec.calls:
+    for sel in rec.selections:
         assert (sel.count <= (sel.idx >= 0).sum(-1) + 1).all() and (sel.count <= capacity).all()
         assert torch.isfinite(sel.tail[0]).all() and torch.isfinite(sel.tail[1]).all()
     assert all(torch.isfinite(s).all() for s in out.scores)
@@ -294,7 +281,7 @@ def test_triton_decode_ops_give_the_reference_selection_and_tail():
     (a, ra, ta), (b, rb, tb) = runs["torch"], runs["triton"]
     assert torch.equal(a.sequences, b.sequences)
     assert ta.processed_kv_per_step == tb.processed_kv_per_step and ta.retrieval_ratio == tb.retrieval_ratio
-    for x, y in zip(ra.calls, rb.calls):
+    for x, y in zip(ra.selections, rb.selections):
         assert torch.equal(x.idx, y.idx) and torch.equal(x.count, y.count)
         for u, w in zip(x.tail, y.tail):
             torch.testing.assert_close(u, w, rtol=1e-5, atol=1e-5)

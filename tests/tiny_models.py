@@ -70,3 +70,23 @@ def padded_batch(lengths, vocab: int = 128, seed: int = 0, device="cpu"):
         ids[i, L - n :] = torch.randint(1, vocab, (n,), generator=g)
         mask[i, L - n :] = 1
     return ids.to(device), mask.to(device)
+
+
+class SelectionRecorder:
+    """Wraps a patched model's selector (``model._prhs_runtime.selector``) and records each decode
+    selection: ``calls`` holds ``(layer, selection, t_last)``, ``selections`` the selections alone."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def select(self, layer, q, k_cache, v_cache, geom, params, scale):
+        sel = self.inner.select(layer, q, k_cache, v_cache, geom, params, scale)
+        self.calls.append((layer, sel, geom.t_last.clone()))
+        return sel
+
+    @property
+    def selections(self):
+        return [sel for _, sel, _ in self.calls]
