@@ -277,7 +277,8 @@ def test_type_messages_use_the_right_article(data, text):
         load_config(data)
 
 
-def test_calibrated_qwen_config_is_cis_alone():
-    """What the H200 calibration at a 1 % target found for Qwen2.5-Coder-1.5B (no PSAW/ETF schedule
-    passes at every layer), so its RULER rows are cis-s16's; a change to either file shows here."""
-    assert load_config("cpe_qwen2.5-coder-1.5b") == load_config("cis")
+@pytest.mark.parametrize("name", ["cpe_qwen2.5-coder-1.5b", "cpe_qwen2.5-coder-0.5b"])
+def test_calibrated_qwen_config_is_cis_alone(name):
+    """What calibration at a 1 % target found for both Qwen2.5-Coder models (no PSAW/ETF schedule
+    passes at every layer), so the 1.5B's RULER rows are cis-s16's; a change to a file shows here."""
+    assert load_config(name) == load_config("cis")
