@@ -17,7 +17,6 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import gqa_sdpa_attention_forward
-from .backends import dense_prefill_function
 from .decode import DecodeParams, window_decode_step
 from .geometry import SequenceGeometry
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
@@ -190,7 +189,7 @@ class PrHSLayer:
         if self.plan is not None:
             return self._prefill(query, key, value, scaling)
         if query.shape[2] > 1 and not self.runtime.passthrough:  # a dense prefill layer of a sparse config
-            dense_prefill = dense_prefill_function(self.runtime.resolved.config.backend.prefill, query.device)
+            dense_prefill = self.runtime.dense_prefill_function(query.device)
             if dense_prefill is not None:
                 geom = self.runtime.geometry_on(query.device)
                 out = dense_prefill(query, key, value, geom.pad, geom.q_start, scaling, no_mask=attention_mask is None)

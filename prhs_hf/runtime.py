@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from .backends import pick_decode_ops, prefill_function
+from .backends import dense_prefill_function, pick_decode_ops, prefill_function
 from .config import ResolvedConfig
 from .geometry import SequenceGeometry, check_layout, geometry_from_mask
 from .layer import PrHSLayer
@@ -34,6 +34,7 @@ class PrHSRuntime:
         )
         self._ops: dict[torch.device, object] = {}
         self._prefill: dict[torch.device, Callable] = {}
+        self._dense_prefill: dict[torch.device, Callable | None] = {}
         # the current forward, set by begin_forward (the first decoder layer's pre-hook)
         self.geometry: SequenceGeometry | None = None
         self._decoding = False
@@ -112,6 +113,13 @@ class PrHSRuntime:
         if device not in self._prefill:
             self._prefill[device] = prefill_function(self.resolved.config.backend.prefill, device)
         return self._prefill[device]
+
+    def dense_prefill_function(self, device: torch.device) -> Callable | None:
+        """The dense prefill attention of layers without a PSAW/ETF plan for ``device``, or None
+        (dense SDPA); chosen once per device (:func:`~prhs_hf.backends.dense_prefill_function`)."""
+        if device not in self._dense_prefill:
+            self._dense_prefill[device] = dense_prefill_function(self.resolved.config.backend.prefill, device)
+        return self._dense_prefill[device]
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Follow beam search: reorder the selector's state (CIS anchors) with the cache."""
