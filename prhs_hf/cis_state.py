@@ -27,6 +27,9 @@ class CISState:
             so sharing steps only filter it to the current middle region.
         anchor_count: ``[L, B, Hq]`` int32 number of valid anchors in the current block.
         step: ``[]`` int64 decode steps taken since the last prefill (one per forward, all layers).
+        tail_k, tail_v, tail_log_mass: with ``cis.tail_slot`` (made by :meth:`ensure_tails`, else
+            None): ``[L, B, Hq, s, D]`` fp32 each anchor's tail-summary key/value and ``[L, B, Hq, s]``
+            its log-mass (``-inf``: none), written with the anchor by :meth:`record`.
     """
 
     def __init__(
@@ -40,6 +43,30 @@ class CISState:
         for buffer in (self.anchor_q, self.anchor_idx, self.anchor_count, self.step):
             # fixed addresses: a compiled, CUDA-graph-captured decode step mutates them in place
             torch._dynamo.mark_static_address(buffer)
+        self.tail_k: torch.Tensor | None = None
+        self.tail_v: torch.Tensor | None = None
+        self.tail_log_mass: torch.Tensor | None = None
+
+    @torch.compiler.disable
+    def ensure_tails(self, dim: int) -> None:
+        """The anchors' tail-pair buffers for head size ``dim`` (kept while they fit; eager even
+        inside a compiled forward, as the state itself: they must live outside any CUDA graph pool)."""
+        if self.tail_k is not None and self.tail_k.shape[-1] == dim:
+            return
+        shape = (*self.anchor_q.shape[:-1], dim)
+        self.tail_k = torch.zeros(shape, dtype=torch.float32, device=self.anchor_q.device)
+        self.tail_v = torch.zeros_like(self.tail_k)
+        self.tail_log_mass = torch.full(shape[:-1], float("-inf"), dtype=torch.float32, device=self.anchor_q.device)
+        for buffer in (self.tail_k, self.tail_v, self.tail_log_mass):
+            torch._dynamo.mark_static_address(buffer)
+
+    def anchor_tails(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(tail_k, tail_v, tail_log_mass)`` of ``layer`` (views; after :meth:`ensure_tails`)."""
+        return self.tail_k[layer], self.tail_v[layer], self.tail_log_mass[layer]
+
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        tails = () if self.tail_k is None else (self.tail_k, self.tail_v, self.tail_log_mass)
+        return (self.anchor_q, self.anchor_idx, self.anchor_count, *tails)
 
     def matches(self, layers: int, batch: int, heads: int, head_dim: int, device: torch.device) -> bool:
         """Whether the buffers fit decode steps of this shape."""
@@ -64,8 +91,12 @@ class CISState:
         """``(anchor_q, anchor_idx, anchor_count)`` of ``layer`` (views)."""
         return self.anchor_q[layer], self.anchor_idx[layer], self.anchor_count[layer]
 
-    def record(self, layer: int, q: torch.Tensor, indices: torch.Tensor, retrieved: torch.Tensor) -> None:
-        """Store ``(q / ||q||, dilated set)`` as a new anchor of each row of ``layer`` that retrieved.
+    def record(
+        self, layer: int, q: torch.Tensor, indices: torch.Tensor, retrieved: torch.Tensor,
+        tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Store ``(q / ||q||, dilated set)`` (and, with ``tail``, its tail pair ``(key [B, H, D],
+        value [B, H, D], log_mass [B, H])``) as a new anchor of each row of ``layer`` that retrieved.
 
         Every row writes its slot ``anchor_count``, the first one not in use; only the rows that
         retrieved count it. A row that did not retrieve so writes a slot that nothing reads (the
@@ -79,10 +110,16 @@ class CISState:
         slot = anchor_count.clamp(max=s - 1).long()[:, :, None, None]
         anchor_q.scatter_(2, slot.expand(b, h, 1, d), torch.nn.functional.normalize(q.float(), dim=-1).unsqueeze(2))
         anchor_idx.scatter_(2, slot.expand(b, h, 1, k), indices.unsqueeze(2))
+        if tail is not None:
+            tail_k, tail_v, tail_log_mass = self.anchor_tails(layer)
+            dim = tail_k.shape[-1]
+            tail_k.scatter_(2, slot.expand(b, h, 1, dim), tail[0].unsqueeze(2))
+            tail_v.scatter_(2, slot.expand(b, h, 1, dim), tail[1].unsqueeze(2))
+            tail_log_mass.scatter_(2, slot[..., 0], tail[2].unsqueeze(2))
         anchor_count.add_(retrieved.to(torch.int32))
 
     def reorder(self, index: torch.Tensor) -> None:
         """Follow a beam reordering: sequence ``i`` becomes old sequence ``index[i]`` in every layer."""
         index = index.to(self.anchor_q.device)
-        for buffer in (self.anchor_q, self.anchor_idx, self.anchor_count):
+        for buffer in self._buffers():
             buffer.copy_(buffer.index_select(1, index))  # in place: addresses stay fixed

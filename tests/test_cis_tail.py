@@ -172,7 +172,7 @@ def test_tail_buffers_follow_beam_reordering():
     sel = _selector(p, 4)
     k, v, q = _cache(34)
     sel.select(0, q, k, v, _geom(34), p, SCALE)
-    stored = [x[0, :, :, 0].clone() for x in sel.tails[torch.device("cpu")]]
+    stored = [x[:, :, 0].clone() for x in sel.states[torch.device("cpu")].anchor_tails(0)]
     sel.reorder(torch.tensor([1, 0]))
     k2, v2, q2 = _cache(35, seed=5)
     second = sel.select(0, q2, k2, v2, _geom(35), p, SCALE)

@@ -30,6 +30,7 @@ __all__ = [
     "tail_moments",
     "tail_log_mass",
     "tail_summary",
+    "tail_summaries",
     "to_real",
     "grow_last",
     "LayerStates",
@@ -227,9 +228,18 @@ def tail_summary(
     as CertKV's). ``lo``, ``end``, ``t`` are ``[B]``. Returns fp32 ``(key [B, H, D], value [B, H, D],
     log_mass [B, H])``; ``log_mass = -inf`` where ``E`` is empty.
     """
+    return tail_summaries(q, k_cache, v_cache, pad, t, lo, end, [members], scale)[0]
+
+
+def tail_summaries(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor, t: torch.Tensor,
+    lo: torch.Tensor, end: torch.Tensor, member_sets: list[torch.Tensor], scale: float,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """:func:`tail_summary` of each of ``member_sets`` (all ``[B, H, n_i]`` with the same ``H``),
+    from one softmax of ``q`` over the cache: only the omitted set differs between them."""
     B, Hq, _ = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    H = members.shape[1]
+    H = member_sets[0].shape[1]
     kc, vc = k_cache, v_cache
     if H == Hq and Hq != Hkv:  # a pair per query head: each reads its KV head's rows
         kc, vc = (x.repeat_interleave(gqa_group(Hq, Hkv), dim=1) for x in (k_cache, v_cache))
@@ -238,13 +248,16 @@ def tail_summary(
     pi, logits = window_scores(q_win, pos, kc, pad, scale)  # [B, H, S] real; [B, Hq, 1, S] by slot
     real = torch.arange(S, device=q.device)
     middle = (real[None, :] >= lo.long()[:, None]) & (real[None, :] < end.long()[:, None])  # [B, S]
-    slots = torch.where((members >= 0) & (members < S), members.long(), S)
-    kept = torch.zeros(B, H, S + 1, dtype=torch.bool, device=q.device).scatter_(-1, slots, True)[..., :S]
-    omitted = middle[:, None] & ~kept
     kr, vr = (to_real(x.float().movedim(-1, -2), pad).movedim(-1, -2) for x in (kc, vc))
-    _, key, _ = tail_moments(pi, kr, omitted)
-    _, value, _ = tail_moments(pi, vr, omitted)
-    return key, value, tail_log_mass(logits, omitted, q_win, pos, key, pad, scale)
+    out = []
+    for members in member_sets:
+        slots = torch.where((members >= 0) & (members < S), members.long(), S)
+        kept = torch.zeros(B, H, S + 1, dtype=torch.bool, device=q.device).scatter_(-1, slots, True)[..., :S]
+        omitted = middle[:, None] & ~kept
+        _, key, _ = tail_moments(pi, kr, omitted)
+        _, value, _ = tail_moments(pi, vr, omitted)
+        out.append((key, value, tail_log_mass(logits, omitted, q_win, pos, key, pad, scale)))
+    return out
 
 
 def grow_last(x: torch.Tensor, size: int, fill: float = 0.0) -> torch.Tensor:

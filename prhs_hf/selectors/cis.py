@@ -52,7 +52,7 @@ from ..decode import DecodeParams, DecodeSelection, step_frame
 from ..geometry import SequenceGeometry
 from ..kernels.compose_indices import SET_NONE
 from ..kernels.decode_ops import CISSelection, DecodeOps, cis_select
-from ._common import tail_summary
+from ._common import tail_summaries
 
 __all__ = ["CISSelector"]
 
@@ -68,8 +68,8 @@ class CISSelector:
 
     ``tail_slot=True`` (``cis.tail_slot``): retrievals keep ``k - 1`` middle tokens (``set_size``
     is then ``dilated_set_size(k - 1, m, r)``) and every active row attends to one tail-summary pair
-    besides (see the module docstring); the pairs of the anchors are kept per device beside the
-    :class:`CISState` (``[L, B, H, s, D]``).
+    besides (see the module docstring); the pairs of the anchors are kept in the
+    :class:`CISState` (``tail_k``/``tail_v`` ``[L, B, H, s, D]``, ``tail_log_mass``).
     """
 
     def __init__(
@@ -85,8 +85,6 @@ class CISSelector:
         self.grouped = grouped
         self.keep_anchor_local = keep_anchor_local
         self.tail_slot = tail_slot
-        # per device: the anchors' tail pairs (key, value [L, B, H, s, D] fp32, log_mass [L, B, H, s])
-        self.tails: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.states: dict[torch.device, CISState] = {}
         # layer -> (its device, its index in that device's state), fixed at each prefill
         self._slot: dict[int, tuple[torch.device, int]] = {}
@@ -134,7 +132,6 @@ class CISSelector:
                 state.reset()
         for dev in [d for d in self.states if d not in per_device]:
             del self.states[dev]
-            self.tails.pop(dev, None)
 
     @torch.compiler.disable
     def _allocate(self, device: torch.device, layers: int, batch: int, heads: int, head_dim: int) -> None:
@@ -171,76 +168,47 @@ class CISSelector:
             grouped=self.grouped,
         )
         retrieved = sel.best == -1
-        tail = None
-        if self.tail_slot:
-            tail = self._tail_step(device, local, q, k_cache, v_cache, geom, f.t, f.lo,
-                                   torch.minimum(f.hi, win_start), sel, anchor_count, p, scale)
-        state.record(local, sel.match_q, sel.new_set, retrieved)
-        if tail is None:
+        if not self.tail_slot:
+            state.record(local, sel.match_q, sel.new_set, retrieved)
             return DecodeSelection(sel.idx, sel.count, retrieved, f.active)
+        tail, stored = self._tail_step(state, local, q, k_cache, v_cache, geom, f.t, f.lo,
+                                       torch.minimum(f.hi, win_start), sel, p, scale)
+        state.record(local, sel.match_q, sel.new_set, retrieved, stored)
         charged = torch.isfinite(tail[2])
         return DecodeSelection(sel.idx, sel.count + charged.to(sel.count.dtype), retrieved, f.active, tail)
 
     def _tail_step(
-        self, device: torch.device, local: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self, state: CISState, local: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         geom: SequenceGeometry, t: torch.Tensor, lo: torch.Tensor, end: torch.Tensor, sel: CISSelection,
-        anchor_count: torch.Tensor, p: DecodeParams, scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This step's tail pair of every row (``log_mass = -inf``: none): a retrieving row's own
-        summary of ``[lo, end)`` minus its top-k, a sharing row its anchor's; a retrieving row also
-        stores, as its anchor's, the summary of ``[lo, end)`` minus its dilated set."""
+        p: DecodeParams, scale: float,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """``(this step's tail pair of every row, the pair a retrieving row stores as its anchor's)``
+        (``log_mass = -inf``: none). A retrieving row's own pair summarises ``[lo, end)`` minus its
+        top-k, a sharing row takes its anchor's; the stored one is ``[lo, end)`` minus the dilated set."""
         B, H = sel.best.shape
-        own = tail_summary(q, k_cache, v_cache, geom.pad, t, lo, end, sel.new_idx, scale)
-        if p.dilation_radius > 0 and p.dilation_topm > 0:
-            members = torch.where(sel.new_set != SET_NONE, torch.div(sel.new_set, 2, rounding_mode="floor"), -1)
-            stored = tail_summary(q, k_cache, v_cache, geom.pad, t, lo, end, members, scale)
-        else:
-            stored = own
-        keys, values, masses = self._tail_buffers(device, B, H, k_cache.shape[-1])
-        tk, tv, tm = keys[local], values[local], masses[local]  # [B, H, s, D], [B, H, s]
-        D, s = tk.shape[-1], tk.shape[2]
+        member_sets = [sel.new_idx]
+        dilated = p.dilation_radius > 0 and p.dilation_topm > 0
+        if dilated:
+            member_sets.append(torch.where(sel.new_set != SET_NONE, torch.div(sel.new_set, 2, rounding_mode="floor"), -1))
+        own, *rest = tail_summaries(q, k_cache, v_cache, geom.pad, t, lo, end, member_sets, scale)
+        stored = rest[0] if dilated else own
+        state.ensure_tails(k_cache.shape[-1])
+        tk, tv, tm = state.anchor_tails(local)  # [B, H, s, D], [B, H, s]
+        D = tk.shape[-1]
         best = sel.best.clamp_min(0).long()[:, :, None]
         shared = (tk.gather(2, best[..., None].expand(B, H, 1, D)).squeeze(2),
                   tv.gather(2, best[..., None].expand(B, H, 1, D)).squeeze(2),
                   tm.gather(2, best).squeeze(2))
-        # the slot the new anchor takes (CISState.record: the first free one; rows that did not
-        # retrieve write a slot nothing reads)
-        slot = anchor_count.clamp(max=s - 1).long()[:, :, None]
-        tk.scatter_(2, slot[..., None].expand(B, H, 1, D), stored[0].unsqueeze(2))
-        tv.scatter_(2, slot[..., None].expand(B, H, 1, D), stored[1].unsqueeze(2))
-        tm.scatter_(2, slot, stored[2].unsqueeze(2))
         retrieved = (sel.best == -1)
         none = torch.full_like(own[2], float("-inf"))
         log_mass = torch.where(retrieved, own[2], torch.where(sel.best >= 0, shared[2], none))
         pick = retrieved[..., None]
-        return torch.where(pick, own[0], shared[0]), torch.where(pick, own[1], shared[1]), log_mass
-
-    def _tail_buffers(self, device: torch.device, batch: int, heads: int, dim: int):
-        """The anchors' tail pairs on ``device`` (allocated when missing or of another shape)."""
-        layers = self.states[device].anchor_q.shape[0]
-        shape = (layers, batch, heads, self.block_size, dim)
-        buffers = self.tails.get(device)
-        if buffers is None or tuple(buffers[0].shape) != shape:
-            buffers = self._allocate_tails(device, shape)
-        return buffers
-
-    @torch.compiler.disable
-    def _allocate_tails(self, device: torch.device, shape: tuple[int, ...]):
-        # eager even inside a compiled forward, as the CIS state; only slots below anchor_count are read
-        keys = torch.zeros(shape, dtype=torch.float32, device=device)
-        masses = torch.full(shape[:-1], float("-inf"), dtype=torch.float32, device=device)
-        buffers = self.tails[device] = (keys, torch.zeros_like(keys), masses)
-        for buffer in buffers:
-            torch._dynamo.mark_static_address(buffer)
-        return buffers
+        return (torch.where(pick, own[0], shared[0]), torch.where(pick, own[1], shared[1]), log_mass), stored
 
     def reorder(self, index: torch.Tensor) -> None:
         """Follow beam search."""
         for state in self.states.values():
             state.reorder(index)
-        for buffers in self.tails.values():
-            for buffer in buffers:
-                buffer.copy_(buffer.index_select(1, index.to(buffer.device)))
 
     def reset(self) -> None:
         """Forget the anchors (the buffers stay)."""
