@@ -20,7 +20,7 @@ from .attention import gqa_sdpa_attention_forward
 from .decode import DecodeParams, window_decode_step
 from .geometry import SequenceGeometry
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
-from .selectors._common import attend_with_tail
+from .selectors._common import attend_with_tail, visible_probabilities
 
 __all__ = ["PrHSLayer", "PrefillPlan"]
 
@@ -158,11 +158,7 @@ class PrHSLayer:
         """Full attention of the same queries, compared with the selected sets (telemetry.oracle)."""
         batch, heads, dim = q.shape
         slots = key.shape[-2]
-        k = key.repeat_interleave(heads // key.shape[1], dim=1)
-        scores = torch.einsum("bhd,bhsd->bhs", q.float(), k.float()) * scaling
-        real = torch.arange(slots, device=q.device)[None, :] - geom.pad[:, None]
-        visible = (real >= 0) & (real < geom.t_last[:, None])
-        probs = torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+        probs = visible_probabilities(q, key, geom.pad, geom.t_last, scaling)
         selected = torch.zeros(batch, heads, slots + 1, dtype=torch.bool, device=q.device)
         slot_idx = torch.where(sel.idx >= 0, sel.idx + geom.pad[:, None, None], slots).long()
         selected.scatter_(-1, slot_idx, True)

@@ -31,6 +31,7 @@ __all__ = [
     "tail_log_mass",
     "tail_summary",
     "tail_summaries",
+    "visible_probabilities",
     "to_real",
     "grow_last",
     "LayerStates",
@@ -258,6 +259,20 @@ def tail_summaries(
         _, value, _ = tail_moments(pi, vr, omitted)
         out.append((key, value, tail_log_mass(logits, omitted, q_win, pos, key, pad, scale)))
     return out
+
+
+def visible_probabilities(
+    q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, t: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``[B, Hq, S]`` fp32 full softmax attention of the decode query ``q [B, Hq, D]`` over its
+    visible keys, by cache slot: real tokens ``0 .. t - 1`` (slots ``pad .. pad + t - 1``), 0 elsewhere
+    (the oracle of ``telemetry.oracle`` and EarlySelectKV's fidelity; :func:`to_real` re-indexes it)."""
+    heads, slots = q.shape[1], k_cache.shape[-2]
+    k = k_cache.repeat_interleave(heads // k_cache.shape[1], dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.float(), k.float()) * scale
+    real = torch.arange(slots, device=q.device)[None, :] - pad[:, None]
+    visible = (real >= 0) & (real < t[:, None])
+    return torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
 
 
 def grow_last(x: torch.Tensor, size: int, fill: float = 0.0) -> torch.Tensor:

@@ -49,7 +49,7 @@ from torch import nn
 from ..config import ConfigError
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ._common import compose, retrieve_topk, set_probabilities, step_frame
+from ._common import compose, retrieve_topk, step_frame, to_real, visible_probabilities
 from .base import Selector
 
 __all__ = ["EarlySelectSelector", "QueryProjection", "TAPS", "low_rank_factors"]
@@ -230,11 +230,4 @@ class EarlySelectSelector:
 
 def full_attention(q: torch.Tensor, k_cache: torch.Tensor, geom: SequenceGeometry, scale: float) -> torch.Tensor:
     """``[B, Hq, S]`` fp32 softmax of ``q [B, Hq, D]`` over every visible token, indexed by real position."""
-    B, Hq, _ = q.shape
-    S = k_cache.shape[2]
-    t = geom.t_last.long().view(B, 1, 1)
-    every = torch.arange(S, device=q.device).expand(B, Hq, S)
-    idx = torch.where(every < t, every, -1).to(torch.int32)
-    count = t.view(B, 1).expand(B, Hq).to(torch.int32)
-    no = torch.zeros(B, Hq, dtype=torch.bool, device=q.device)
-    return set_probabilities(q, k_cache, geom.pad, DecodeSelection(idx, count, no, no[:, 0]), scale)
+    return to_real(visible_probabilities(q, k_cache, geom.pad, geom.t_last, scale), geom.pad)
