@@ -11,8 +11,9 @@
 #            from this checkout with kernels/ as prhs_hf.kernels (/tmp/pkg), as the editable
 #            install does; FlashInfer's JIT then compiles its dense decode kernels in the
 #            background while the tests run (its cache stays in ~/.cache/flashinfer);
-#   tests    pytest -m gpu tests/test_kernels_decode_gpu.py tests/test_model_gpu.py;
-#   op       scripts/bench_decode_attention.py, all shapes (issue 12's first, JSON after each);
+#   tests    pytest -m gpu: the decode and prefill kernels, the model path, the top-k select;
+#   op       scripts/bench_decode_attention.py, all shapes (issue 12's first, JSON after each), then
+#            scripts/probe_gqa_kernels.py --select-only on the 32/8 and the 12/2 shape;
 #   fa4      (not in the default STEPS) flash-attn-4 from the wheels in $FA4_WHEELS, then
 #            tests/test_flash_prefill_gpu.py and scripts/probe_flash_attn4.py (issue 15);
 #   e2e      scripts/bench_e2e_decode.py, static mode, E2E_CASES x E2E_CONFIGS, E2E_TOKENS new
@@ -96,8 +97,8 @@ fi
 
 if want tests; then
   stamp "tests: pytest -m gpu"
-  timeout -k 10 150 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml" \
-    tests/test_kernels_decode_gpu.py tests/test_model_gpu.py
+  timeout -k 10 240 $PY -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml" \
+    tests/test_kernels_decode_gpu.py tests/test_model_gpu.py tests/test_kernels_prefill_gpu.py tests/test_topk_select.py
   RC[tests]=$?
 fi
 
@@ -129,6 +130,10 @@ if want op; then
   stamp "op: bench_decode_attention.py (all shapes)"
   timeout -k 10 240 python3 scripts/bench_decode_attention.py --out "$OUT/op"
   RC[op]=$?
+  stamp "op: probe_gqa_kernels.py --select-only (32/8 B16 and 12/2 B32, 16k)"
+  timeout -k 10 90 python3 scripts/probe_gqa_kernels.py --select-only
+  timeout -k 10 90 python3 scripts/probe_gqa_kernels.py --select-only --batch 32 --hq 12 --hkv 2
+  RC[select_probe]=$?
 fi
 
 if want e2e; then
