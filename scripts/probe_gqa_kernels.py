@@ -51,6 +51,10 @@ from prhs_hf.kernels.topk_retrieval import (  # noqa: E402
 )
 
 
+#: row names of the retrieval table that tests compare: the model path's default and the first kernel
+DEFAULT_RETRIEVAL = "retrieval group/radix8 (default)"
+OLD_RETRIEVAL = "retrieval row/row (old)"
+
 def _time_ms(fn: Callable[[], object], cuda: bool, graph: bool = False) -> float:
     if cuda:
         import triton.testing
@@ -170,8 +174,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     cases = []
     for score, select in (("row", "row"), ("row", "split"), ("group", "row"), ("group", "split"),
                           ("group", "radix8"), ("group", "radix8_sort"), ("group", "radix8_fused")):
-        tag = {("row", "row"): " (old)", ("group", "radix8"): " (default)"}.get((score, select), "")
-        cases.append((f"retrieval {score}/{select}{tag}",
+        name = {("row", "row"): OLD_RETRIEVAL, ("group", "radix8"): DEFAULT_RETRIEVAL}.get(
+            (score, select), f"retrieval {score}/{select}")
+        cases.append((name,
                       lambda score=score, select=select: topk_retrieval(
                           q, kc, pad, lo, hi, retrieve, k, scale, _score=score, _select=select),
                       (rows if score == "row" else groups) * kbytes))

@@ -382,5 +382,5 @@ def test_gpu_probe_gqa_kernels_runs():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rows = {r["name"]: r["ms"] for r in mod.main([])}
-    assert rows["retrieval group/row (default)"] < rows["retrieval row/row (old)"]
+    assert rows[mod.DEFAULT_RETRIEVAL] < rows[mod.OLD_RETRIEVAL]
     assert rows["attention grouped"] < rows["attention per-head"]
