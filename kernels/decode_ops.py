@@ -112,14 +112,14 @@ def get_decode_ops(name: str) -> DecodeOps:
 
 
 class DecodeStepResult(NamedTuple):
-    """Outputs of :func:`cis_decode_step`."""
+    """Outputs of :func:`cis_decode_step`; ``H`` is ``Hq``, or ``Hkv`` with ``grouped=True``."""
 
-    best: torch.Tensor  # [B, Hq] int32 matched anchor, -1 retrieve, -2 inactive
-    new_idx: torch.Tensor  # [B, Hq, k] int32 fresh top-k of the retrieving rows
-    idx: torch.Tensor  # [B, Hq, cap] int32 composed index lists
-    count: torch.Tensor  # [B, Hq] int32
+    best: torch.Tensor  # [B, H] int32 matched anchor, -1 retrieve, -2 inactive
+    new_idx: torch.Tensor  # [B, H, k] int32 fresh top-k of the retrieving rows
+    idx: torch.Tensor  # [B, H, cap] int32 composed index lists
+    count: torch.Tensor  # [B, H] int32
     out: torch.Tensor  # [B, Hq, D] attention output
-    # [B, Hq, k + 2*r*min(m, k)] int32 dilated sets of the retrieving rows (what to store as
+    # [B, H, k + 2*r*min(m, k)] int32 dilated sets of the retrieving rows (what to store as
     # their anchors), only with ``anchor_sets=True``; else None
     new_set: Optional[torch.Tensor] = None
 
@@ -209,6 +209,7 @@ def cis_decode_step(
     cap: int,
     scale: float,
     anchor_sets: bool = False,
+    grouped: bool = False,
 ) -> DecodeStepResult:
     """The four steps chained as in SPEC §4 (stateless: the anchors are given, not updated).
 
@@ -223,13 +224,21 @@ def cis_decode_step(
     ``ops.dilated_set``); the retrieving rows' sets are built once (``result.new_set``, to be
     stored as their anchors) and every row is composed from a set without sorting. Both give
     the same ``best``, ``new_idx``, ``idx``, ``count`` and ``out``.
+
+    ``grouped=True`` (``cis.selection: group``, with ``anchor_sets=True`` only): the rows are the
+    KV heads (``anchor_q [B, Hkv, s, G*D]``, ``anchor_idx [B, Hkv, s, n]``; see :func:`cis_select`)
+    and the attention loads each selected K/V row once for its group
+    (``ops.sparse_decode_attention_grouped``); ``best``, ``idx`` and ``count`` are per KV head.
     """
+    if grouped and not anchor_sets:
+        raise ValueError("cis_decode_step: grouped=True needs anchor_sets=True (group-shared CIS stores dilated sets)")
     if anchor_sets:
         sel = cis_select(
             ops, q, k_cache, pad, t, lo, hi, win_start, anchor_q, anchor_count, anchor_idx, active,
-            tau=tau, sink=sink, k=k, dil_m=dil_m, dil_r=dil_r, cap=cap, scale=scale,
+            tau=tau, sink=sink, k=k, dil_m=dil_m, dil_r=dil_r, cap=cap, scale=scale, grouped=grouped,
         )
-        out = ops.sparse_decode_attention(q, k_cache, v_cache, pad, sel.idx, sel.count, scale)
+        attention = ops.sparse_decode_attention_grouped if grouped else ops.sparse_decode_attention
+        out = attention(q, k_cache, v_cache, pad, sel.idx, sel.count, scale)
         return DecodeStepResult(sel.best, sel.new_idx, sel.idx, sel.count, out, sel.new_set)
     best = ops.cis_match(q, anchor_q, anchor_count, active, tau)
     retrieve = best == -1

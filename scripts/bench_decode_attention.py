@@ -26,7 +26,10 @@ PrHS columns: ``flex`` (FlexAttention with a BlockMask of the step's token patte
 construction excluded); ``sparse`` (our sparse-attention kernel alone, on the step's index
 lists); ``cis8`` / ``cis16`` (the whole CIS decode step, s = 8 / 16: match + top-k retrieval for
 exactly ceil(B*Hq/s) rows, the steady-state share rate, + composition + attention; anchor-set
-path); ``cis16_topk`` (top-k anchors); ``ref16`` (PyTorch reference ops). The group-aware
+path); ``cis16_topk`` (top-k anchors); ``cis16_group`` (the whole step of group-shared CIS,
+``cis.selection: group``: one index set per KV head, matched on the group's queries, exactly
+ceil(B*Hkv/16) KV heads retrieving, one K/V read per group in the attention;
+``cis16_group_max_abs_diff`` vs the same step on the PyTorch ops); ``ref16`` (PyTorch reference ops). The group-aware
 launchers ``topk_retrieval_grouped`` and ``sparse_decode_attention_grouped`` are timed on the
 same inputs when ``prhs_hf.kernels`` has them (``grouped_*_status`` otherwise; an error calling
 them is recorded as ``grouped_*_error``).
@@ -78,10 +81,10 @@ import yaml  # noqa: E402
 import _bench_common as common  # noqa: E402
 from prhs_hf.kernels.cis_match import cis_match  # noqa: E402
 from prhs_hf.kernels.compose_indices import compose_from_sets, compose_indices, dilated_set  # noqa: E402
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step  # noqa: E402
+from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step, group_query  # noqa: E402
 from prhs_hf.kernels.ds_decode import ds_decode_step, ds_decode_step_reference, ds_query_labels  # noqa: E402
 from prhs_hf.kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
-from prhs_hf.kernels.topk_retrieval import topk_retrieval  # noqa: E402
+from prhs_hf.kernels.topk_retrieval import topk_retrieval, topk_retrieval_grouped  # noqa: E402
 from prhs_hf.selectors.double_sparsity import label_keys, top_channels  # noqa: E402
 
 TAU = 0.8
@@ -90,7 +93,7 @@ TARGET_MHA = 5.0  # issue 12: CIS-16 step at least this many times faster than t
 TARGET_GQA = 3.0  # ... and for GQA shapes
 STAGES = ("match", "retrieval", "dilated_set", "compose", "attention", "glue")
 DENSE = tuple(common.DENSE_LABELS)  # transformers, sdpa_gqa, flash_packed, flashinfer
-PRHS_COLUMNS = ("flex", "sparse", "cis8", "cis16", "cis16_topk", "ref16", "ds")
+PRHS_COLUMNS = ("flex", "sparse", "cis8", "cis16", "cis16_topk", "cis16_group", "ref16", "ds")
 DS_RANK = 16  # Double Sparsity's label channels per head (the paper's r)
 DS_STAGES = ("gather", "label_score", "select", "compose", "attention")
 CIS_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cis.yaml"
@@ -229,38 +232,41 @@ def make_inputs(sh: Shape, bud: Budget, dev: torch.device, dtype: torch.dtype, s
     )
 
 
-def make_anchors(x: dict, sh: Shape, bud: Budget, s: int, g: torch.Generator) -> tuple:
-    """Block state mid-way: s-1 anchors per head; exactly ceil(B*Hq/s) rows match none.
+def make_anchors(x: dict, sh: Shape, bud: Budget, s: int, g: torch.Generator, grouped: bool = False) -> tuple:
+    """Block state mid-way: s-1 anchors per row; exactly ceil(B*rows/s) rows match none.
 
     Every anchor slot a holds the true top-k of a query near the current one (cosine ~0.97);
     a sharing row's anchor vector at one random slot is that query's direction, the other
     anchor vectors (and all of a retrieving row's) are random directions (cosine ~0.1).
+    The rows are the query heads, or with ``grouped`` (``cis.selection: group``) the KV heads:
+    anchor vectors ``group_query`` of the group's queries, top-k by the group's largest score.
     """
-    B, Hq, D = sh.B, sh.Hq, sh.D
+    B, D = sh.B, sh.D
+    H = sh.Hkv if grouped else sh.Hq
     dev = x["q"].device
     n_anchor = max(1, s - 1)
     qf = x["q"].float()
-    everyone = torch.ones(B, Hq, dtype=torch.bool, device=dev)
+    everyone = torch.ones(B, H, dtype=torch.bool, device=dev)
+    retrieval = topk_retrieval_grouped if grouped else topk_retrieval
     near_q, near_idx = [], []
     for _ in range(s):
-        noise = torch.randn(B, Hq, D, generator=g, device=dev)
+        noise = torch.randn(B, sh.Hq, D, generator=g, device=dev)
         near = (qf + 0.25 * qf.norm(dim=-1, keepdim=True) / math.sqrt(D) * noise).to(x["q"].dtype)
-        near_q.append(near.float())
-        near_idx.append(
-            topk_retrieval(near, x["k_cache"], x["pad"], x["lo"], x["hi"], everyone, bud.k, x["scale"])
-        )
+        near_q.append(group_query(near, sh.Hkv) if grouped else near.float())
+        near_idx.append(retrieval(near, x["k_cache"], x["pad"], x["lo"], x["hi"], everyone, bud.k, x["scale"]))
     anchor_idx = torch.stack(near_idx, dim=2)
-    n_retrieve = math.ceil(B * Hq / s)
-    perm = torch.randperm(B * Hq, generator=g, device=dev)
-    retrieve = torch.zeros(B * Hq, dtype=torch.bool, device=dev)
+    n_retrieve = math.ceil(B * H / s)
+    perm = torch.randperm(B * H, generator=g, device=dev)
+    retrieve = torch.zeros(B * H, dtype=torch.bool, device=dev)
     retrieve[perm[:n_retrieve]] = True
-    slot = torch.randint(0, n_anchor, (B, Hq), generator=g, device=dev)
-    planted = torch.zeros(B, Hq, s, dtype=torch.bool, device=dev)
+    slot = torch.randint(0, n_anchor, (B, H), generator=g, device=dev)
+    planted = torch.zeros(B, H, s, dtype=torch.bool, device=dev)
     planted.scatter_(2, slot[..., None], True)
-    planted &= ~retrieve.view(B, Hq, 1)
-    anchor_q = torch.where(planted[..., None], torch.stack(near_q, dim=2), torch.randn(B, Hq, s, D, generator=g, device=dev))
+    planted &= ~retrieve.view(B, H, 1)
+    near_q = torch.stack(near_q, dim=2)
+    anchor_q = torch.where(planted[..., None], near_q, torch.randn(near_q.shape, generator=g, device=dev))
     anchor_q = anchor_q / anchor_q.norm(dim=-1, keepdim=True)
-    anchor_count = torch.full((B, Hq), n_anchor, dtype=torch.int32, device=dev)
+    anchor_count = torch.full((B, H), n_anchor, dtype=torch.int32, device=dev)
     return anchor_q, anchor_count, anchor_idx, n_retrieve
 
 
@@ -518,6 +524,7 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
     row["cis16_ms"], row["cis16_timing"] = time_it(step16)
     row["cis16_topk_ms"], row["cis16_topk_timing"] = time_it(steps[16][3])
     row["ref16_ms"], row["ref16_timing"] = time_it(lambda: step16(REFERENCE_OPS))
+    group_step_columns(x, sh, bud, g, time_it, row)
     grouped_columns(x, sh, res16, bud, 16, time_it, launchers, row)
     ds_columns(x, sh, bud, ds_rank, time_it, row)
     row.update(stage_breakdown(x, bud, steps[16], row["sparse_ms"], time_it))
@@ -550,6 +557,24 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
             f"non-attention {row['cis16_ms'] - row['stage16_attention_ms']:.3f})"
         )
     return row
+
+
+def group_step_columns(x: dict, sh: Shape, bud: Budget, g: torch.Generator, time_it: Callable, row: dict) -> None:
+    """``cis16_group``: the whole CIS-16 step with group-shared selection (one set per KV head)."""
+    q, kc, vc = x["q"], x["k_cache"], x["v_cache"]
+    aq, ac, ai, _ = make_anchors(x, sh, bud, 16, g, grouped=True)
+    sets = dilated_set(ai.view(sh.B, sh.Hkv * 16, -1), True, bud.dil_m, bud.dil_r).view(sh.B, sh.Hkv, 16, -1)
+
+    def step(ops=TRITON_OPS):
+        return cis_decode_step(ops, q, kc, vc, x["pad"], x["t"], x["lo"], x["hi"], x["hi"], aq, ac, sets, x["active"],
+                               tau=TAU, sink=bud.sink, k=bud.k, dil_m=bud.dil_m, dil_r=bud.dil_r, cap=bud.cap,
+                               scale=x["scale"], anchor_sets=True, grouped=True)
+
+    res = step()
+    row["retrieving_groups_s16"] = int((res.best == -1).sum())
+    row["cis16_group_avg_kv_per_kv_head"] = int(res.count.sum()) / (sh.B * sh.Hkv)
+    row["cis16_group_max_abs_diff"] = (res.out.float() - step(REFERENCE_OPS).out.float()).abs().max().item()
+    row["cis16_group_ms"], row["cis16_group_timing"] = time_it(step)
 
 
 def stage_breakdown(x: dict, bud: Budget, st16: tuple, attention_ms: float, time_it: Callable) -> dict:
@@ -605,7 +630,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "| B | ctx | Hq/Hkv | budget sink/local/k/m | avg KV/head | transformers sdpa (repeat_kv) | SDPA gqa+mask "
         "| SDPA flash packed | FlashInfer | fastest dense | flex ms (blocks) | sparse ms | CIS-8 step | CIS-16 step "
         "| ref step | DS step (r, top-k) | CIS-16 vs fastest dense | DS vs fastest dense | CIS-16 vs DS | CIS-16 vs flex "
-        "| grouped retrieval / sparse ms | sparse GB/s (% copy) |"
+        "| CIS-16 group step (vs fastest dense) | grouped retrieval / sparse ms | sparse GB/s (% copy) |"
     )
     lines = [
         f"Decode attention latency (median ms), {meta['gpu']}, torch {v['torch']}, triton {v['triton']}, "
@@ -629,6 +654,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {fmt(r['ds_ms'])} (r={r['ds_rank']}, k={r['ds_k']}) "
             f"| {fmt(r['cis16_speedup_vs_fastest_dense'], '.2f')} | {fmt(r['ds_speedup_vs_fastest_dense'], '.2f')} "
             f"| {fmt(r['cis16_speedup_vs_ds'], '.2f')} | {fmt(r.get('cis16_speedup_vs_flex'), '.2f')} "
+            f"| {fmt(r['cis16_group_ms'])} ({fmt(r['cis16_group_speedup_vs_fastest_dense'], '.2f')}x) "
             f"| {fmt(r['grouped_retrieval_ms'])} / {fmt(r['grouped_sparse_ms'])} "
             f"| {r['sparse_GBps']:.0f} ({fmt(bw_pct, '.0f')}%) |"
         )
@@ -744,6 +770,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             + f" -> fastest {r['fastest_dense']}\n    flex {fmt(r['flex_ms'])}  sparse {fmt(r['sparse_ms'])}  "
             f"cis8 {fmt(r['cis8_ms'])}  cis16 {fmt(r['cis16_ms'])}  ref16 {fmt(r['ref16_ms'])} ms; "
             f"CIS-16 {fmt(r['cis16_speedup_vs_fastest_dense'], '.2f')}x the fastest dense; "
+            f"group step {fmt(r['cis16_group_ms'])} ({fmt(r['cis16_group_speedup_vs_fastest_dense'], '.2f')}x); "
             f"grouped retrieval {fmt(r['grouped_retrieval_ms'])} sparse {fmt(r['grouped_sparse_ms'])}",
             flush=True,
         )

@@ -35,7 +35,7 @@ from prhs_hf.kernels.compose_indices import (
     dilated_set_reference,
     dilated_set_size,
 )
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step, get_decode_ops
+from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step, cis_select, get_decode_ops, group_query
 from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,
@@ -730,6 +730,50 @@ def test_full_decode_step_anchor_sets(dtype):
         want_set = dilated_set_reference(base[1], base[0] == -1, m, r)
         assert torch.equal(res.new_set.cpu(), want_set)
         assert (base[0] == -1).any() and (base[0] >= 0).any()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_decode_step_is_the_group_selection_then_the_grouped_attention(dtype):
+    """cis_decode_step(grouped=True): cis_select's group rows, then one K/V read per group; the
+    Triton ops give the reference's rows and output (the bench's "CIS-16 group step" column)."""
+    g = torch.Generator().manual_seed(82)
+    B, H, Hkv, D, S, s = 2, 6, 2, 16, 110, 4
+    G = H // Hkv
+    sink, local, k, m, r = 4, 8, 12, 4, 1
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    kc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    vc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    pad, t, lo, hi = geometry(S, [0, 7], [0, 0], sink, local)
+    active = t > sink + local + k
+    ws = torch.where(active, hi, lo)
+    anchors = unit_anchors(B, Hkv, s, G * D, g)
+    anchors[:, 0, 1] = group_query(q, Hkv)[:, 0] / math.sqrt(G)  # KV head 0 shares, head 1 retrieves
+    anchor_count = torch.full((B, Hkv), s, dtype=I32)
+    raw = torch.randint(-1, S, (B, Hkv * s, k), generator=g, dtype=I32)
+    cap = sink + local + k + 2 * r * m + S
+    kw = dict(tau=0.9, sink=sink, k=k, dil_m=m, dil_r=r, cap=cap, scale=D**-0.5)
+    with pytest.raises(ValueError, match="anchor_sets=True"):
+        cis_decode_step(REFERENCE_OPS, q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count,
+                        raw.view(B, Hkv, s, k), active, **kw, grouped=True)
+    base = None
+    for ops, dev in ((REFERENCE_OPS, torch.device("cpu")), (TRITON_OPS, DEV)):
+        a = [x.to(dev) for x in (q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count, raw, active)]
+        a[10] = ops.dilated_set(a[10], True, m, r).view(B, Hkv, s, -1)
+        res = cis_decode_step(ops, *a, **kw, anchor_sets=True, grouped=True)
+        got = [x.cpu() for x in res[:5]]
+        if base is None:
+            base = got
+            sel = cis_select(ops, a[0], a[1], *a[3:], **kw, grouped=True)
+            assert torch.equal(got[2], sel.idx) and got[2].shape[1] == Hkv
+            assert (got[0] == -1).any() and (got[0] >= 0).any()
+            per_head = REFERENCE_OPS.sparse_decode_attention(q, kc, vc, pad, sel.idx.repeat_interleave(G, 1),
+                                                             sel.count.repeat_interleave(G, 1), D**-0.5)
+            assert_out_close(got[4], per_head, dtype)
+            continue
+        for x, y in zip(got[:4], base[:4]):
+            assert torch.equal(x, y)
+        assert_out_close(got[4], base[4], dtype)
 
 
 # ----------------------------------------------------------------------------- GQA (issue 12)
