@@ -1,11 +1,17 @@
 """End-to-end decode throughput with generate(): fair dense vs PrHS, eager vs static cache + compile.
 
-Random-weight models in bf16 (LLaMA-2-7B shape, MHA; one GQA shape), a random prompt, then
-``--new-tokens`` greedy tokens through ``model.generate``. Decode tokens/s is measured between
-the first and the last decode step by a logits processor that synchronises and reads the clock
-(so prefill is excluded and reported apart). Static + compiled runs use
-``cache_implementation="static"`` (transformers 5.17 then compiles the decode forward by itself);
-a warm-up generate() call of the same shape runs first so compilation is not timed.
+Built-in shapes: random-weight models in bf16 (LLaMA-2-7B shape, MHA; one GQA shape) and random
+token ids. ``--model PATH --prompts FILE``: a real HF checkpoint folder (bf16 on CUDA, fp32 on the
+CPU) and real text, tokenized by the checkpoint's own tokenizer: each of the B sequences is
+exactly L tokens of the records of FILE (a .jsonl or .jsonl.gz; the text of a record is its first
+field of :data:`TEXT_FIELDS`) joined by blank lines, sequence b starting at record b mod n and
+wrapping around, so the sequences differ. Every row says ``weights`` (random / real) and
+``prompts`` (the file's name, or random ids). Then ``--new-tokens`` greedy tokens through
+``model.generate``. Decode tokens/s is measured between the first and the last decode step by a
+logits processor that synchronises and reads the clock (so prefill is excluded and reported apart).
+Static + compiled runs use ``cache_implementation="static"`` (transformers 5.17 then compiles the
+decode forward by itself); a warm-up generate() call of the same shape runs first so compilation is
+not timed.
 
 Two dense configs, run side by side: ``dense`` is transformers' SDPA path as shipped (with the
 mask a static cache needs and GQA it ``repeat_kv``-copies K/V to every query head in every
@@ -13,22 +19,30 @@ layer: "dense (transformers sdpa, repeat_kv)"); ``dense-gqa`` runs the same mode
 ``_bench_common.fair_sdpa_attention`` (registered with transformers' AttentionInterface as
 ``sdpa_gqa``: SDPA with ``enable_gqa=True`` and the mask). Every row's ``speedup_vs_fastest_dense``
 is against the faster of the dense rows of its case and mode, named in ``fastest_dense``.
+PrHS configs (:data:`CONFIGS`) are a shipped YAML plus overrides: the ``cis-*``/``cpe-*`` ones
+``configs/cpe.yaml`` with overrides, ``cis`` ``configs/cis.yaml`` and ``cpe-calibrated``
+``configs/cpe_qwen2.5-coder-1.5b.yaml`` as shipped (tau 0.8); telemetry on in all, for rho-hat.
 FlashInfer is not an end-to-end config (its decode plans on the host, outside a compiled graph);
 bench_decode_attention.py times it per layer.
 
     python scripts/bench_e2e_decode.py                   # the full table (H200: several minutes)
     python scripts/bench_e2e_decode.py --quick           # a tiny model on whatever device is here
+    python scripts/bench_e2e_decode.py --model /tmp/prhs_gpu/ckpt-qwen2.5-coder-1.5b \\
+        --prompts /tmp/data/coqa_validation.jsonl.gz --cases model:32:16384,model:32:32768 \\
+        --modes static --configs dense-gqa,dense,cis  # real weights, real text
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import logging
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -37,6 +51,7 @@ from transformers.generation.configuration_utils import CompileConfig
 
 import _bench_common as common
 import prhs_hf
+from prhs_hf.calibrate import _special_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,24 +67,45 @@ SHAPES = {
 # (shape, batch, prompt length)
 CASES = [("llama2-7b", 8, 16384), ("llama2-7b", 16, 4096), ("llama2-7b", 16, 8192), ("llama3-8b", 16, 16384)]
 QUICK_CASES = [("tiny", 2, 512)]
+#: --model's (batch, prompt length) cases: the issue's targets, and --quick's
+MODEL_CASES = [(32, 16384), (32, 32768)]
+QUICK_MODEL_CASES = [(2, 512)]
 
 #: dense configs: the attention implementation the unpatched model runs with
 DENSE_CONFIGS = {"dense": "sdpa", "dense-gqa": common.FAIR_ATTENTION}
 
-CONFIGS = {
+class PatchConfig(NamedTuple):
+    """A PrHS config of the table: a shipped YAML (``base``) and the overrides put on it."""
+
+    base: Path
+    overrides: dict
+
+
+CPE = ROOT / "configs" / "cpe.yaml"
+_CIS_ALONE = {"psaw": {"enabled": False}, "etf": {"enabled": False}}
+
+#: config name -> None (a dense config, :data:`DENSE_CONFIGS`) or the PrHS patch it runs
+CONFIGS: dict[str, PatchConfig | None] = {
     "dense": None,
     "dense-gqa": None,
-    "cis-s8": {"cis": {"block_size": 8}, "psaw": {"enabled": False}, "etf": {"enabled": False}},
-    "cis-s16": {"cis": {"block_size": 16}, "psaw": {"enabled": False}, "etf": {"enabled": False}},
-    "cpe-s16": {"cis": {"block_size": 16}},
+    "cis-s8": PatchConfig(CPE, {"cis": {"block_size": 8}, **_CIS_ALONE}),
+    "cis-s16": PatchConfig(CPE, {"cis": {"block_size": 16}, **_CIS_ALONE}),
+    "cpe-s16": PatchConfig(CPE, {"cis": {"block_size": 16}}),
     # Random weights give unrelated consecutive queries, so tau = 0.8 almost never shares
     # (rho-hat near 100 %). tau = -1 shares whenever the block has an anchor: rho-hat = 1/s,
     # the regime of real models (paper: 6-17 % at s = 16). Reported apart, and labelled.
-    "cis-s8-share": {"cis": {"block_size": 8, "tau": -1.0}, "psaw": {"enabled": False}, "etf": {"enabled": False}},
-    "cis-s16-share": {"cis": {"block_size": 16, "tau": -1.0}, "psaw": {"enabled": False}, "etf": {"enabled": False}},
-    "cpe-s16-share": {"cis": {"block_size": 16, "tau": -1.0}},
+    "cis-s8-share": PatchConfig(CPE, {"cis": {"block_size": 8, "tau": -1.0}, **_CIS_ALONE}),
+    "cis-s16-share": PatchConfig(CPE, {"cis": {"block_size": 16, "tau": -1.0}, **_CIS_ALONE}),
+    "cpe-s16-share": PatchConfig(CPE, {"cis": {"block_size": 16, "tau": -1.0}}),
+    # as shipped (tau 0.8): real sharing, for real weights and real text (--model, --prompts)
+    "cis": PatchConfig(ROOT / "configs" / "cis.yaml", {}),
+    "cpe-calibrated": PatchConfig(ROOT / "configs" / "cpe_qwen2.5-coder-1.5b.yaml", {}),
 }
-BASE = ROOT / "configs" / "cpe.yaml"
+
+#: the fields a --prompts record may carry its text in, the first present wins
+TEXT_FIELDS = ("story", "text", "context", "input")
+#: the ``prompts`` of a row of random token ids
+RANDOM_IDS = "random ids"
 
 
 class StepClock(transformers.LogitsProcessor):
@@ -125,6 +161,92 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
+def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype):
+    """A local HF checkpoint folder's model (SDPA attention, eval mode, on ``device``) and tokenizer."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    return model.to(device).eval(), tokenizer
+
+
+def read_prompt_texts(path: Path) -> list[str]:
+    """The texts of a ``--prompts`` file: one per JSON record of a .jsonl or .jsonl.gz file, its first
+    field of :data:`TEXT_FIELDS` that holds a string. Raises ``ValueError`` naming --prompts."""
+    if not path.name.endswith((".jsonl", ".jsonl.gz")):
+        raise ValueError(f"--prompts: {path} is not a .jsonl or .jsonl.gz file")
+    if not path.is_file():
+        raise ValueError(f"--prompts: no such file: {path}")
+    texts = []
+    with (gzip.open if path.name.endswith(".gz") else open)(path, "rt", encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--prompts: {path.name}:{number}: not JSON ({exc.msg})") from None
+            field = next((f for f in TEXT_FIELDS if isinstance(record, dict) and isinstance(record.get(f), str)), None)
+            if field is None:
+                raise ValueError(f"--prompts: {path.name}:{number}: no text field; a record needs a string in "
+                                 f"one of the fields {', '.join(TEXT_FIELDS)}")
+            if record[field].strip():
+                texts.append(record[field])
+    if not texts:
+        raise ValueError(f"--prompts: {path} holds no record with text")
+    return texts
+
+
+class TextPrompts:
+    """Prompts of real text: ``batch(B, L)`` is ``[B, L]`` token ids of ``tokenizer``.
+
+    Sequence ``b`` is the tokenizer's prefix (its BOS token, if it adds one), then the records
+    from record ``b mod n`` on, each tokenized alone and joined by the tokens of a blank line
+    (``"\\n\\n"``), wrapping around to the first record, cut at exactly ``L`` tokens.
+    """
+
+    def __init__(self, path: Path, tokenizer, texts: list[str] | None = None):
+        self.name = path.name
+        self.texts = read_prompt_texts(path) if texts is None else texts
+        self.tokenizer = tokenizer
+        self.prefix = _special_prefix(tokenizer)
+        self.sep = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+        self._ids: dict[int, list[int]] = {}  # record -> its tokens, each record tokenized once
+
+    def _tokens(self, record: int) -> list[int]:
+        if record not in self._ids:
+            self._ids[record] = self.tokenizer(self.texts[record], add_special_tokens=False)["input_ids"]
+        return self._ids[record]
+
+    def batch(self, batch: int, length: int) -> torch.Tensor:
+        rows = []
+        for b in range(batch):
+            record = b % len(self.texts)
+            row = list(self.prefix) + self._tokens(record)
+            while len(row) < length:
+                record = (record + 1) % len(self.texts)
+                row += self.sep + self._tokens(record)
+            rows.append(row[:length])
+        return torch.tensor(rows, dtype=torch.long)
+
+
+def parse_cases(text: str, model: Path | None) -> list[tuple[str, int, int]]:
+    """``--cases``: ``shape:B:L`` entries (a shape of :data:`SHAPES`) or, with ``--model``, ``model:B:L``
+    (the case's shape then is the checkpoint folder's name). Raises ``ValueError`` naming --cases."""
+    form = "model:B:L (the word 'model', with --model)" if model else f"shape:B:L with a shape of {', '.join(SHAPES)}"
+    cases = []
+    for entry in text.split(","):
+        parts = entry.split(":")
+        ok = len(parts) == 3 and all(p.isdigit() and int(p) > 0 for p in parts[1:])
+        if ok and model is not None:
+            ok = parts[0] == "model"
+        elif ok:
+            ok = parts[0] in SHAPES
+        if not ok:
+            raise ValueError(f"--cases: {entry!r} is not of the form {form}, e.g. "
+                             f"{'model:32:16384' if model else 'llama2-7b:8:16384'}")
+        cases.append((model.name if model else parts[0], int(parts[1]), int(parts[2])))
+    return cases
+
+
 #: how the static mode compiles: transformers' default (inductor, CUDA graphs) with fullgraph=True,
 #: so a graph break in the decode step fails the cell instead of silently running at eager speed
 COMPILE_CONFIG = CompileConfig(fullgraph=True, mode="reduce-overhead")
@@ -152,8 +274,9 @@ def select_config(model, name: str) -> None:
         impl = DENSE_CONFIGS[name]
         model.set_attn_implementation(common.register_fair_attention() if impl == common.FAIR_ATTENTION else impl)
         return
+    entry = CONFIGS[name]
     model.set_attn_implementation("sdpa")
-    prhs_hf.patch(model, BASE, overrides={**CONFIGS[name], "telemetry": {"enabled": True}})
+    prhs_hf.patch(model, entry.base, overrides={**entry.overrides, "telemetry": {"enabled": True}})
 
 
 def run_generate(model, ids, new_tokens: int, static_cache=None, extra_processor=None):
@@ -247,21 +370,24 @@ def _cudagraphs(row: dict) -> str:
     return "skipped" if row["cudagraph_skips"] else "on"
 
 
+def _case(row: dict) -> tuple:
+    """A row's case: shape, batch, prompt length and prompt source (rows of before --prompts: random ids)."""
+    return row["shape"], row["batch"], row["prompt"], row.get("prompts", RANDOM_IDS)
+
+
 def add_speedups(rows: list[dict]) -> None:
     """Each measured row against the fastest dense row (most decode tok/s) of its case and mode.
 
     Sets ``fastest_dense`` (its config name), ``speedup_vs_fastest_dense``, ``peak_vs_fastest_dense``
     and, for the record, ``speedup_vs_dense_transformers`` (against ``dense``, transformers' path).
     """
-    def case(r):
-        return r["shape"], r["batch"], r["prompt"], r["mode"]
-
     for row in rows:
         for key in ("fastest_dense", "speedup_vs_fastest_dense", "peak_vs_fastest_dense", "speedup_vs_dense_transformers"):
             row.pop(key, None)
         if "decode_tok_s" not in row:
             continue
-        dense = {r["config"]: r for r in rows if r["config"] in DENSE_CONFIGS and case(r) == case(row) and "decode_tok_s" in r}
+        dense = {r["config"]: r for r in rows if r["config"] in DENSE_CONFIGS and _case(r) == _case(row)
+                 and r["mode"] == row["mode"] and "decode_tok_s" in r}
         if not dense:
             continue
         name = max(dense, key=lambda c: dense[c]["decode_tok_s"])
@@ -306,13 +432,19 @@ def write_results(rows, args, argv, device, new_tokens) -> None:
                               f"{_cudagraphs(r)}, warm-up {r['warmup_s']:.0f} s"
                               for r in compiled)]
     table = "\n".join(lines)
+    sources = dict.fromkeys(f"{r['shape']}: {r.get('weights', 'random')} weights, prompts {r.get('prompts', RANDOM_IDS)}"
+                            for r in rows)
     meta = common.run_metadata(
         device, argv,
         commands=None,  # every command whose rows are here (--resume), filled in below
         new_tokens=new_tokens,
         dense_configs={"dense": common.DENSE_LABELS["transformers"], "dense-gqa": common.DENSE_LABELS["sdpa_gqa"]
                        + f" (attention function {common.FAIR_ATTENTION!r})"},
-        speedups="against the fastest dense config of the same case and mode (fastest_dense)",
+        speedups="against the fastest dense config of the same case (prompt source included) and mode (fastest_dense)",
+        model=args.model,
+        prompts=Path(args.prompts).name if args.prompts else RANDOM_IDS,
+        configs={name: None if entry is None else {"base": str(entry.base.relative_to(ROOT)), "overrides": entry.overrides}
+                 for name, entry in CONFIGS.items()},
         flashinfer_e2e="not an end-to-end config: its decode plans on the host, outside the compiled graph; "
                        "see bench_decode_attention.py",
         compiled="static mode: transformers' generate() compiles the decode forward itself (StaticCache), "
@@ -325,14 +457,21 @@ def write_results(rows, args, argv, device, new_tokens) -> None:
     (out / "bench_e2e_decode.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     commands = "\n".join(f"    {c}" for c in meta["commands"])
     (out / "bench_e2e_decode.md").write_text(
-        f"On {meta['gpu']}, {meta['date']}, commit {meta['git_commit']}:\n\n{commands}\n\n{table}\n")
+        f"On {meta['gpu']}, {meta['date']}, commit {meta['git_commit']}:\n\n{commands}\n\n"
+        f"{'; '.join(sources)}.\n\n{table}\n")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model, a few tokens")
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--cases", default=None, help="comma list of shape:batch:prompt, e.g. llama2-7b:8:16384")
+    parser.add_argument("--cases", default=None,
+                        help="comma list of shape:batch:prompt, e.g. llama2-7b:8:16384; with --model: model:batch:prompt")
+    parser.add_argument("--model", default=None,
+                        help="a local HF checkpoint folder (config.json, weights, tokenizer): real weights instead of a shape")
+    parser.add_argument("--prompts", default=None,
+                        help=f"with --model: real text, a .jsonl or .jsonl.gz file whose records carry it in one of "
+                             f"{', '.join(TEXT_FIELDS)} (without --model the prompts are random ids)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list from {list(CONFIGS)}")
     parser.add_argument("--modes", default="eager,static", help="eager (DynamicCache) and/or static (StaticCache + compile)")
     parser.add_argument("--profile-steps", type=int, default=0,
@@ -347,9 +486,23 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cases = QUICK_CASES if args.quick else CASES
-    if args.cases:
-        cases = [(s, int(b), int(l)) for s, b, l in (c.split(":") for c in args.cases.split(","))]
+    model_dir = Path(args.model).expanduser() if args.model else None
+    if model_dir is not None and not (model_dir / "config.json").is_file():
+        parser.error(f"--model: {model_dir} is not a checkpoint folder with a config.json")
+    if model_dir is not None and not args.prompts:
+        parser.error("--model needs --prompts FILE (real text: a .jsonl or .jsonl.gz file)")
+    if args.prompts and model_dir is None:
+        parser.error("--prompts needs --model PATH (the built-in shapes run on random ids)")
+    if model_dir is None:
+        cases = QUICK_CASES if args.quick else CASES
+    else:
+        cases = [(model_dir.name, b, l) for b, l in (QUICK_MODEL_CASES if args.quick else MODEL_CASES)]
+    try:
+        if args.cases:
+            cases = parse_cases(args.cases, model_dir)
+        texts = read_prompt_texts(Path(args.prompts).expanduser()) if args.prompts else None
+    except ValueError as exc:
+        parser.error(str(exc))
     new_tokens = 8 if args.quick and args.new_tokens == 256 else args.new_tokens
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
@@ -362,19 +515,28 @@ def main(argv=None) -> int:
         earlier = json.loads(previous.read_text())
         rows = [r for r in earlier["rows"] if "error" not in r]
         args.earlier_commands = earlier.get("commands", [earlier["command"]])
-    done = {(r["shape"], r["batch"], r["prompt"], r["mode"], r["config"]) for r in rows}
+    source = Path(args.prompts).name if args.prompts else RANDOM_IDS
+    done = {(*_case(r)[:3], r["mode"], r["config"]) for r in rows if _case(r)[3] == source}
     plan = [(c, m, cfg) for c in cases for m in modes for cfg in configs if (*c, m, cfg) not in done]
     skips = CudagraphSkips()
-    model_key, model = None, None
+    model_key, model, prompts = None, None, None
     for (shape, batch, length), mode, name in common.progress(plan, "e2e decode"):
         print(f"\n{shape} B{batch} L{length} {mode} {name}", flush=True)
         if model_key != shape:
             model = None
             torch.cuda.empty_cache() if device.type == "cuda" else None
-            model, model_key = build_model(shape, device, dtype), shape
+            if model_dir is None:
+                model, model_key = build_model(shape, device, dtype), shape
+            else:
+                model, tokenizer = load_checkpoint(model_dir, device, dtype)
+                model_key, prompts = shape, TextPrompts(Path(args.prompts).expanduser(), tokenizer, texts)
         select_config(model, name)
-        ids = torch.randint(1, SHAPES[shape]["vocab_size"], (batch, length), device=device)
-        row = {"shape": shape, "batch": batch, "prompt": length, "mode": mode, "config": name}
+        if prompts is None:
+            ids = torch.randint(1, SHAPES[shape]["vocab_size"], (batch, length), device=device)
+        else:
+            ids = prompts.batch(batch, length).to(device)
+        row = {"shape": shape, "weights": "random" if model_dir is None else "real", "prompts": source,
+               "batch": batch, "prompt": length, "mode": mode, "config": name}
         cache = None
         try:
             if mode == "static":

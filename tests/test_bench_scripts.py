@@ -251,3 +251,153 @@ def test_gpu_runner_names_what_exists():
         assert (SCRIPTS / script).is_file(), script
     for step_timeout in re.findall(r"timeout -k \d+ (\d+) ", src):
         assert int(step_timeout) <= 240
+
+
+# ----------------------------------------------------------------------------- e2e: real weights, real text
+
+
+@pytest.fixture(scope="module")
+def e2e_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random 2-layer llama (GQA 4/2, hidden 64) with its byte-level tokenizer, as a checkpoint folder."""
+    from lm_eval_fixtures import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("e2e") / "tiny-ckpt")
+
+
+def _write_jsonl_gz(path: Path, records: list[dict]) -> Path:
+    import gzip
+
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture()
+def stories(tmp_path) -> Path:
+    """CoQA-like records: the text in ``story``."""
+    from lm_eval_fixtures import COQA_ROWS
+
+    return _write_jsonl_gz(tmp_path / "stories.jsonl.gz", COQA_ROWS)
+
+
+def _e2e_error(capsys, *argv: str) -> str:
+    import bench_e2e_decode as bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(list(argv))
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bench_e2e_decode_real_weights_and_text(e2e_checkpoint, stories, tmp_path, monkeypatch):
+    """--model/--prompts: rows on the checkpoint's weights and real text, each sequence exactly L tokens
+    and different from the others; cis (configs/cis.yaml as shipped) reports rho-hat; speedups filled."""
+    import bench_e2e_decode as bench
+
+    seen = []
+    real_run = bench.run_generate
+
+    def recording_run(model, ids, *args, **kwargs):
+        seen.append(ids.clone())
+        return real_run(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_generate", recording_run)
+    out = tmp_path / "out"
+    # L = 160 > cis.yaml's budget of 128 tokens (8 + 32 + 88), so decode is sparse and rho-hat measured
+    assert bench.main(["--model", str(e2e_checkpoint), "--prompts", str(stories), "--cases", "model:2:160",
+                       "--modes", "eager", "--configs", "dense,dense-gqa,cis", "--new-tokens", "4",
+                       "--out", str(out)]) == 0
+    data = json.loads((out / "bench_e2e_decode.json").read_text())
+    assert data["prompts"] == "stories.jsonl.gz" and data["model"] == str(e2e_checkpoint)
+    assert data["configs"]["cis"] == {"base": "configs/cis.yaml", "overrides": {}}
+    rows = {r["config"]: r for r in data["rows"]}
+    assert set(rows) == {"dense", "dense-gqa", "cis"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["shape"] == "tiny-ckpt" and r["weights"] == "real" and r["prompts"] == "stories.jsonl.gz"
+        assert r["batch"] == 2 and r["prompt"] == 160 and r["tokens"] == 4
+        assert r["fastest_dense"] in ("dense", "dense-gqa") and r["speedup_vs_fastest_dense"] > 0
+    fastest = rows[rows["cis"]["fastest_dense"]]
+    assert math.isclose(rows["cis"]["speedup_vs_fastest_dense"], rows["cis"]["decode_tok_s"] / fastest["decode_tok_s"])
+    assert 0.0 < rows["cis"]["rho_hat"] <= 1.0
+    assert seen and all(tuple(ids.shape) == (2, 160) for ids in seen)
+    assert not torch.equal(seen[0][0], seen[0][1])  # the sequences start at different records
+    from transformers import AutoTokenizer
+
+    from lm_eval_fixtures import COQA_ROWS
+
+    tokenizer = AutoTokenizer.from_pretrained(e2e_checkpoint)
+    story = [r["story"] for r in COQA_ROWS]
+    for b in range(2):  # byte-level tokens: sequence b is the stories from story b on, 160 bytes of them
+        assert tokenizer.decode(seen[-1][b]) == "\n\n".join(story[b:] + story)[:160], b
+    md = (out / "bench_e2e_decode.md").read_text()
+    assert "tiny-ckpt: real weights, prompts stories.jsonl.gz" in md
+
+
+def test_bench_e2e_text_prompts_start_at_record_b_mod_n(e2e_checkpoint, tmp_path):
+    import bench_e2e_decode as bench
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(e2e_checkpoint)
+    records = [{"id": 0, "text": "alpha " * 5}, {"context": "bravo " * 7, "input": "unused"}, {"input": "charlie " * 3}]
+    prompts = bench.TextPrompts(_write_jsonl_gz(tmp_path / "r.jsonl.gz", records), tokenizer)
+    ids = prompts.batch(4, 64)
+    assert tuple(ids.shape) == (4, 64)
+    texts = ["alpha " * 5, "bravo " * 7, "charlie " * 3]
+    for b in range(4):
+        order = [texts[(b + k) % 3] for k in range(12)]
+        want = tokenizer("\n\n".join(order), add_special_tokens=False)["input_ids"][:64]
+        assert ids[b].tolist() == want, b
+    assert torch.equal(ids[3], ids[0]) and not torch.equal(ids[0], ids[1])
+
+
+def test_bench_e2e_decode_configs_name_their_base_file():
+    """cis and cpe-calibrated are the shipped YAMLs as they are (telemetry on); the others cpe.yaml + overrides."""
+    import bench_e2e_decode as bench
+    import prhs_hf
+
+    prhs_hf_load = prhs_hf.load_config
+    model = tiny_model("llama", layers=2)
+    on = {"telemetry": {"enabled": True}}
+    want = {
+        "cis": prhs_hf_load(REPO / "configs" / "cis.yaml", on),
+        "cpe-calibrated": prhs_hf_load(REPO / "configs" / "cpe_qwen2.5-coder-1.5b.yaml", on),
+        "cis-s16-share": prhs_hf_load(REPO / "configs" / "cpe.yaml", {"cis": {"block_size": 16, "tau": -1.0},
+                                                                      "psaw": {"enabled": False},
+                                                                      "etf": {"enabled": False}, **on}),
+    }
+    for name, config in want.items():
+        bench.select_config(model, name)
+        assert model._prhs_runtime.resolved.config == config, name
+    assert want["cis"].cis.tau == 0.8
+    bench.select_config(model, "dense-gqa")
+    assert not prhs_hf.is_patched(model)
+
+
+def test_bench_e2e_decode_model_needs_prompts(e2e_checkpoint, stories, capsys):
+    err = _e2e_error(capsys, "--model", str(e2e_checkpoint), "--cases", "model:2:64")
+    assert "--model needs --prompts" in err
+    err = _e2e_error(capsys, "--prompts", str(stories), "--cases", "tiny:2:64")
+    assert "--prompts needs --model" in err
+    err = _e2e_error(capsys, "--model", str(stories.parent), "--prompts", str(stories))
+    assert "--model" in err and "config.json" in err
+
+
+def test_bench_e2e_decode_names_the_cases_form(e2e_checkpoint, stories, capsys):
+    err = _e2e_error(capsys, "--model", str(e2e_checkpoint), "--prompts", str(stories), "--cases", "llama2-7b:2:64")
+    assert "--cases" in err and "'llama2-7b:2:64'" in err and "model:B:L" in err
+    err = _e2e_error(capsys, "--model", str(e2e_checkpoint), "--prompts", str(stories), "--cases", "model:2")
+    assert "--cases" in err and "model:B:L" in err
+    err = _e2e_error(capsys, "--cases", "model:2:64")
+    assert "--cases" in err and "llama2-7b" in err
+
+
+def test_bench_e2e_decode_names_the_text_fields(e2e_checkpoint, tmp_path, capsys):
+    bad = _write_jsonl_gz(tmp_path / "no_text.jsonl.gz", [{"story": "fine"}, {"id": 1, "question": "no text here"}])
+    err = _e2e_error(capsys, "--model", str(e2e_checkpoint), "--prompts", str(bad), "--cases", "model:2:64")
+    assert "--prompts" in err and "no_text.jsonl.gz:2" in err
+    assert all(field in err for field in ("story", "text", "context", "input"))
+    plain = tmp_path / "plain.txt"
+    plain.write_text("some text")
+    err = _e2e_error(capsys, "--model", str(e2e_checkpoint), "--prompts", str(plain), "--cases", "model:2:64")
+    assert "--prompts" in err and ".jsonl.gz" in err
