@@ -14,7 +14,8 @@ Two engines, one set of prompts and one scoring code (``prhs_hf.lm_eval.prompts`
   the local tasks ``gsm8k_chat_local`` (chat template on), ``gsm8k_cot_local`` and ``coqa_local``.
 
 Each config × task row gets the task's metrics (GSM8K strict-match / flexible-extract exact match,
-CoQA EM / F1), ρ̂ and processed KV per decode step from the PrHS telemetry, examples and seconds.
+CoQA EM / F1), ρ̂ and processed KV per decode step from the PrHS telemetry, examples and seconds
+(and, direct engine only, the prefill seconds within them; lm-eval rows leave it empty).
 The JSON (``--out``) and a Markdown table beside it are rewritten after every row, so a run cut
 short keeps what it finished; ``--resume`` skips the rows already there and ``--max-seconds``
 stops before a row that would not fit (for time-limited machines). A config whose selector is
@@ -130,7 +131,8 @@ class DirectEngine:
                                      on_batch=bar.update, batch_tokens=self.batch_tokens)
             telemetry = prhs_hf.telemetry(self.model).as_dict()
         row = Row.from_telemetry(config.name, task.name, result.metrics, result.n, result.seconds, result.new_tokens,
-                                 telemetry, cfg.to_dict())
+                                 telemetry, cfg.to_dict(), prefill_seconds=result.prefill_seconds,
+                                 prompt_tokens=result.prompt_tokens)
         samples = [{"config": config.name, "task": task.name, **s} for s in result.samples]
         return row, samples
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,9 +85,14 @@ def test_direct_engine_table(checkpoint, data_dir, tmp_path, small_budget, monke
         assert 0 < sparse["rho_hat"] <= 1 and sparse["processed_kv_per_step"] < sparse["dense_kv_per_step"]
         assert sparse["prhs_config"]["budget"]["topk"] == 16 and sparse["telemetry"]["sparse_steps"] > 0
         assert rows[("quest", task)]["status"] == "not implemented"
+        for row in (dense, sparse):  # the prefill is part of the row's time; the failed row has none
+            assert 0 < row["prefill_seconds"] < row["seconds"] and row["prompt_tokens"] > 0
+        assert dense["prompt_tokens"] == sparse["prompt_tokens"]
+        assert rows[("quest", task)]["prefill_seconds"] is None
     assert report["meta"]["environment"]["versions"]["transformers"]
     table = out.with_suffix(".md").read_text()
     assert "| quest | gsm8k |" in table and "not implemented" in table and "ρ̂" in table and "--configs" in table
+    assert "| prefill (s) | status |" in table
     samples = [json.loads(line) for line in out.with_suffix(".samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * (len(GSM8K_ROWS) + len(COQA_ROWS))
 
@@ -136,11 +142,13 @@ def test_gsm8k_cot_prompt_has_the_eight_exemplars_and_stops_at_q(checkpoint, mon
 
     def fake_generate(model, tok, texts, max_new_tokens, done=None):
         seen.update(texts=texts, max_new_tokens=max_new_tokens, done=done)
-        return ["3 + 4 = 7. The answer is 7.\n\nQ: A box holds 12 eggs. How many in 5 boxes?\nA: 60"], 30
+        return direct.Generation(["3 + 4 = 7. The answer is 7.\n\nQ: A box holds 12 eggs. How many in 5 boxes?\nA: 60"],
+                                 30, 0.25, 800)
 
     monkeypatch.setattr(direct, "generate", fake_generate)
     result = direct.evaluate(SimpleNamespace(device=torch.device("cpu")), tokenizer, task, [doc], batch_size=1)
     assert seen["texts"] == [text] and seen["max_new_tokens"] == 256 and seen["done"]("x\nQ:")
+    assert (result.prefill_seconds, result.prompt_tokens) == (0.25, 800)
     (sample,) = result.samples
     assert sample["generation"] == "3 + 4 = 7. The answer is 7.\n\n"
     assert sample["scores"] == {"strict-match": 1.0, "flexible-extract": 1.0}
@@ -178,6 +186,7 @@ def test_lm_eval_engine_row(checkpoint, data_dir, tmp_path, small_budget) -> Non
     (row,) = json.loads(out.read_text())["rows"]
     assert row["status"] == "ok" and row["n"] == 2 and set(row["metrics"]) == {"strict-match", "flexible-extract"}
     assert 0 < row["rho_hat"] <= 1
+    assert row["prefill_seconds"] is None  # lm-eval's generate is not timed per prefill
 
 
 def test_unknown_config_is_refused() -> None:
@@ -238,3 +247,102 @@ def test_batch_tokens_reaches_the_direct_engine(checkpoint, data_dir, tmp_path, 
     report = json.loads(out.read_text())
     assert report["meta"]["batch_tokens"] == 1 and report["rows"][0]["n"] == 3
     assert sizes == [1, 1, 1]  # --batch-size 2 alone would give [2, 1]
+
+
+def test_first_logits_clock_reads_the_clock_once_and_changes_nothing(checkpoint) -> None:
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    clock = direct.first_logits_clock(model)
+    assert clock.first is None
+    ids, scores = torch.zeros(2, 3, dtype=torch.long), torch.randn(2, model.config.vocab_size)
+    before = time.perf_counter()
+    kept = scores.clone()
+    assert clock(ids, scores) is scores and torch.equal(scores, kept)
+    first = clock.first
+    assert first is not None and before <= first <= time.perf_counter()
+    assert clock(ids, scores) is scores and clock.first == first  # later tokens do not move it
+
+    # in generate: the same greedy tokens with and without it
+    ids = torch.tensor([[5, 9, 17, 33, 2, 8]])
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    clocked = direct.first_logits_clock(model)
+    timed = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                           logits_processor=LogitsProcessorList([clocked]))
+    assert torch.equal(plain, timed) and clocked.first is not None
+
+
+def test_direct_prefill_time_is_part_of_the_row_time(checkpoint, monkeypatch) -> None:
+    """On the tiny model: each batch's prefill is timed, summed over batches, within the row's seconds."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    sizes: list[int] = []
+    real = direct.generate
+
+    def spying(model, tokenizer, texts, *args, **kwargs):
+        gen = real(model, tokenizer, texts, *args, **kwargs)
+        sizes.append(len(texts))
+        assert gen.prefill_seconds > 0 and gen.prompt_tokens > 0
+        return gen
+
+    task = direct.DIRECT_TASKS["coqa"]
+    docs = COQA_ROWS[:3]
+    monkeypatch.setattr(direct, "generate", spying)
+    result = direct.evaluate(model, tokenizer, task, docs, batch_size=2, max_new_tokens=8)
+    assert sizes == [2, 1]
+    assert 0 < result.prefill_seconds < result.seconds
+    # real prompt tokens (the left padding of the first batch not counted)
+    assert result.prompt_tokens == sum(s["prompt_tokens"] for s in result.samples)
+
+
+def test_row_prefill_round_trips_and_old_rows_load(tmp_path) -> None:
+    from prhs_hf.accuracy import report
+
+    timed = report.Row.from_telemetry("cpe", "coqa", {"em": 0.5}, 2, 3.0, 12, {"retrieval_ratio": 0.2}, {},
+                                      prefill_seconds=1.25, prompt_tokens=640)
+    untimed = report.Row.from_telemetry("dense", "coqa", {"em": 0.5}, 2, 3.0, 12, {}, {})
+    out = tmp_path / "acc.json"
+    report.write_report(out, {"command": "x"}, [timed, untimed])
+    assert report.load_rows(out) == [timed, untimed]
+    assert (timed.prefill_seconds, timed.prompt_tokens, untimed.prefill_seconds) == (1.25, 640, None)
+    table = out.with_suffix(".md").read_text()
+    assert "| 3.0 | 1.25 | ok |" in table and "| 3.0 | — | ok |" in table
+
+    # a report written before the field existed still loads (for --resume), prefill unknown
+    payload = json.loads(out.read_text())
+    for r in payload["rows"]:
+        del r["prefill_seconds"], r["prompt_tokens"]
+    out.write_text(json.dumps(payload))
+    old = report.load_rows(out)
+    assert [r.config for r in old] == ["cpe", "dense"] and all(r.prefill_seconds is None for r in old)
+    assert "| 3.0 | — | ok |" in report.render_markdown({}, old)
+
+
+def test_prefill_time_ends_at_the_first_logits(checkpoint) -> None:
+    """The prefill forward is timed, the decode forwards are not: each forward sleeps (prefill 0.1 s,
+    decode step 0.05 s), so the prefill is at least 0.1 s and leaves out every decode step's 0.05 s."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    forwards: list[int] = []
+
+    def slow(module, args, kwargs):
+        width = kwargs["input_ids"].shape[1]
+        forwards.append(width)
+        time.sleep(0.1 if len(forwards) == 1 else 0.05)
+
+    handle = model.register_forward_pre_hook(slow, with_kwargs=True)
+    try:
+        began = time.perf_counter()
+        gen = direct.generate(model, tokenizer, ["Once upon a time", "Hi"], max_new_tokens=5)  # "Hi": left-padded
+        total = time.perf_counter() - began
+    finally:
+        handle.remove()
+    decode_steps = len(forwards) - 1
+    assert forwards[0] > 1 and decode_steps >= 2 and set(forwards[1:]) == {1}
+    assert gen.prefill_seconds >= 0.1 and total - gen.prefill_seconds >= 0.05 * decode_steps
+    texts = ("Once upon a time", "Hi")
+    assert gen.prompt_tokens == sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)

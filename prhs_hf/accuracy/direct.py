@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 from prhs_hf.lm_eval import metrics, prompts
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DirectTask", "DIRECT_TASKS", "DirectResult", "batches", "task_named", "ruler_task_names", "build_prompt", "generate",
-           "evaluate"]
+__all__ = ["DirectTask", "DIRECT_TASKS", "DirectResult", "Generation", "batches", "task_named",
+           "ruler_task_names", "build_prompt", "first_logits_clock", "generate", "evaluate"]
 
 Doc = Mapping[str, Any]
 
@@ -133,13 +133,31 @@ def ruler_task_names(data_dir: str | None = None) -> list[str]:
 
 @dataclass
 class DirectResult:
-    """One task on one model: mean scores, examples, generation time and the per-example records."""
+    """One task on one model: mean scores, examples, generation time and the per-example records.
+
+    ``prefill_seconds``: the prefill time summed over the batches (each :attr:`Generation.prefill_seconds`),
+    part of ``seconds``; ``prompt_tokens``: the real (unpadded) prompt tokens those batches prefilled.
+    None where not measured.
+    """
 
     metrics: dict[str, float]
     n: int
     seconds: float
     new_tokens: int
     samples: list[dict[str, Any]] = field(default_factory=list)
+    prefill_seconds: float | None = None
+    prompt_tokens: int | None = None
+
+
+class Generation(NamedTuple):
+    """One batch of :func:`generate`: the decoded new text per row, the new tokens, the batch's prefill
+    time (seconds from just before ``model.generate`` to its first logits, device synchronised) and
+    the real prompt tokens it prefilled (padding not counted)."""
+
+    texts: list[str]
+    new_tokens: int
+    prefill_seconds: float
+    prompt_tokens: int
 
 
 def build_prompt(tokenizer: "PreTrainedTokenizerBase", task: DirectTask, doc: Doc) -> str:
@@ -174,14 +192,40 @@ def _text_stop(tokenizer: "PreTrainedTokenizerBase", start: int, done: Callable[
     return TextDone()
 
 
-def generate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", texts: Sequence[str],
-             max_new_tokens: int, done: Callable[[str], bool] | None = None) -> tuple[list[str], int]:
-    """Greedy continuations of ``texts`` as one left-padded batch: ``(decoded new text per row, new tokens)``.
+def first_logits_clock(model: "PreTrainedModel") -> "LogitsProcessor":
+    """A ``transformers.LogitsProcessor`` that reads the clock at its first call and changes nothing.
 
+    ``model.generate`` calls its logits processors once per new token, the first time with the logits
+    of the prefill forward: at that call the device of ``model`` is synchronised (CUDA only) and
+    ``time.perf_counter()`` kept in the processor's ``first`` (None until then). The scores come back
+    unchanged (the same tensor), so decoding is not affected.
+    """
+    import torch
+    from transformers import LogitsProcessor
+
+    class FirstLogitsClock(LogitsProcessor):
+        first: float | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self.first is None:
+                _synchronize(model)
+                self.first = time.perf_counter()
+            return scores
+
+    return FirstLogitsClock()
+
+
+def generate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", texts: Sequence[str],
+             max_new_tokens: int, done: Callable[[str], bool] | None = None) -> Generation:
+    """Greedy continuations of ``texts`` as one left-padded batch, with the batch's prefill time.
+
+    The prefill time runs from just before ``model.generate`` (device synchronised) to its first
+    logits (:func:`first_logits_clock`): the prompt's forward and generate's own setup, not the first
+    token's sampling. ``prompt_tokens`` counts the real prompt tokens (attention mask), not padding.
     A tokenizer without a pad token gets its UNK, else its EOS, as pad token (as lm-eval's ``HFLM`` does).
     """
     import torch
-    from transformers import StoppingCriteriaList
+    from transformers import LogitsProcessorList, StoppingCriteriaList
 
     if tokenizer.pad_token_id is None:  # lm-eval's rule (models/utils.py configure_pad_token): UNK, else EOS
         tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
@@ -192,16 +236,24 @@ def generate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", tex
         enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False)
     finally:
         tokenizer.padding_side = saved_side
+    prompt_tokens = int(enc["attention_mask"].sum())
     enc = enc.to(model.device)
     start = enc["input_ids"].shape[1]
     stopping = StoppingCriteriaList([_text_stop(tokenizer, start, done)]) if done else None
+    clock = first_logits_clock(model)
     with torch.inference_mode():
+        _synchronize(model)
+        began = time.perf_counter()
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
                              top_k=None, pad_token_id=pad, eos_token_id=_stop_ids(model, tokenizer) or None,
-                             stopping_criteria=stopping)
+                             stopping_criteria=stopping, logits_processor=LogitsProcessorList([clock]))
+    if clock.first is None:  # no logits (no new token): the whole call is the prefill
+        _synchronize(model)
+        clock.first = time.perf_counter()
     new = out[:, start:]
     n_new = int((new != pad).sum())
-    return tokenizer.batch_decode(new, skip_special_tokens=True), n_new
+    return Generation(tokenizer.batch_decode(new, skip_special_tokens=True), n_new, clock.first - began,
+                      prompt_tokens)
 
 
 def batches(lengths: Sequence[int], batch_size: int, batch_tokens: int | None = None) -> list[list[int]]:
@@ -232,18 +284,21 @@ def evaluate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", tas
 
     ``on_batch(n)`` is called after each batch with the number of docs done in it (a progress bar).
     The result's ``metrics`` are the means of the per-doc scores, ``samples`` the per-doc records in
-    doc order (generations cut at the task's ``until`` strings).
+    doc order (generations cut at the task's ``until`` strings), ``prefill_seconds`` and
+    ``prompt_tokens`` the sums of the batches' (:class:`Generation`; real prompt tokens, no padding).
     """
     texts = [build_prompt(tokenizer, task, doc) for doc in docs]
     lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     generations: list[str] = [""] * len(docs)
-    new_tokens = 0
+    new_tokens, prefill_seconds, prompt_tokens = 0, 0.0, 0
     limit = task.max_new_tokens if max_new_tokens is None else max_new_tokens
     start = time.perf_counter()
     for batch in batches(lengths, batch_size, batch_tokens):
-        outs, n_new = generate(model, tokenizer, [texts[i] for i in batch], limit, task.finished())
-        new_tokens += n_new
-        for i, text in zip(batch, outs):
+        gen = generate(model, tokenizer, [texts[i] for i in batch], limit, task.finished())
+        new_tokens += gen.new_tokens
+        prefill_seconds += gen.prefill_seconds
+        prompt_tokens += gen.prompt_tokens
+        for i, text in zip(batch, gen.texts):
             generations[i] = task.cut(text)
         if on_batch is not None:
             on_batch(len(batch))
@@ -253,7 +308,8 @@ def evaluate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", tas
                 "scores": task.score(doc, generations[i])} for i, doc in enumerate(docs)]
     names = list(samples[0]["scores"]) if samples else []
     means = {k: sum(s["scores"][k] for s in samples) / len(samples) for k in names}
-    return DirectResult(means, len(docs), seconds, new_tokens, samples)
+    return DirectResult(means, len(docs), seconds, new_tokens, samples, prefill_seconds=prefill_seconds,
+                        prompt_tokens=prompt_tokens)
 
 
 def _synchronize(model: "PreTrainedModel") -> None:

@@ -1,7 +1,8 @@
 """The accuracy table: its rows, the run's environment, and the JSON + Markdown files.
 
 A row is one config × one task: status (``ok``, ``not implemented``, ``error``), the task's metrics,
-ρ̂ and processed KV per decode step from the PrHS telemetry, examples and seconds. The JSON holds
+ρ̂ and processed KV per decode step from the PrHS telemetry, examples, seconds and, where the engine
+measures it (the direct engine), the prefill seconds within them. The JSON holds
 everything (the full telemetry too); the Markdown is the table with the command, GPU, versions and
 date above it.
 """
@@ -28,7 +29,12 @@ _METRIC_ORDER = ("strict-match", "flexible-extract", "em", "f1")
 
 @dataclass
 class Row:
-    """One config × task result."""
+    """One config × task result.
+
+    ``prefill_seconds``: the part of ``seconds`` spent prefilling the prompts (each batch from just
+    before ``generate`` to its first logits, summed) and ``prompt_tokens`` the real prompt tokens
+    prefilled; None where not measured (the lm-eval engine, failed rows, reports written before them).
+    """
 
     config: str
     task: str
@@ -44,15 +50,18 @@ class Row:
     telemetry: dict[str, Any] = field(default_factory=dict)
     prhs_config: dict[str, Any] = field(default_factory=dict)
     date: str = ""  # when the row finished (UTC, ISO 8601); rows kept by --resume keep theirs
+    prefill_seconds: float | None = None
+    prompt_tokens: int | None = None
 
     @classmethod
     def from_telemetry(cls, config: str, task: str, metrics: Mapping[str, float], n: int, seconds: float,
-                       new_tokens: int, telemetry: Mapping[str, Any], prhs_config: Mapping[str, Any]) -> "Row":
+                       new_tokens: int, telemetry: Mapping[str, Any], prhs_config: Mapping[str, Any],
+                       prefill_seconds: float | None = None, prompt_tokens: int | None = None) -> "Row":
         """A successful row, ρ̂ and processed KV read from a telemetry report dict."""
         return cls(config, task, STATUS_OK, dict(metrics), n, seconds, new_tokens,
                    telemetry.get("retrieval_ratio"), telemetry.get("processed_kv_per_step"),
                    telemetry.get("dense_kv_per_step"), telemetry=dict(telemetry), prhs_config=dict(prhs_config),
-                   date=now())
+                   date=now(), prefill_seconds=prefill_seconds, prompt_tokens=prompt_tokens)
 
 
 def now() -> str:
@@ -85,7 +94,8 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def load_rows(path: str | os.PathLike[str]) -> list[Row]:
-    """The rows of an existing JSON report (none if the file does not exist)."""
+    """The rows of an existing JSON report (none if the file does not exist); fields a row of an older
+    report lacks take their defaults (``prefill_seconds`` None)."""
     p = Path(path)
     if not p.is_file():
         return []
@@ -131,16 +141,18 @@ def render_markdown(meta: Mapping[str, Any], rows: Sequence[Row]) -> str:
     lines.append("")
     metric_names = [m for m in _METRIC_ORDER if any(m in r.metrics for r in rows)]
     metric_names += sorted({m for r in rows for m in r.metrics} - set(metric_names))
-    header = ["config", "task", *metric_names, "ρ̂", "KV/step (dense)", "n", "time (s)", "status"]
+    header = ["config", "task", *metric_names, "ρ̂", "KV/step (dense)", "n", "time (s)", "prefill (s)", "status"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         kv = "—" if r.processed_kv_per_step is None else f"{r.processed_kv_per_step:.1f} ({r.dense_kv_per_step or 0:.1f})"
         status = r.status if not r.message or r.status == STATUS_OK else f"{r.status}: {r.message.splitlines()[0][:80]}"
+        prefill = "—" if r.prefill_seconds is None else f"{r.prefill_seconds:.2f}"
         cells = [r.config, r.task, *(_fmt(r.metrics.get(m)) for m in metric_names), _fmt(r.rho_hat, percent=True), kv,
-                 str(r.n), f"{r.seconds:.1f}", status]
+                 str(r.n), f"{r.seconds:.1f}", prefill, status]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "ρ̂: share of (sparse step, layer, head) that ran a top-k retrieval (the rest reused an anchor's "
-              "indices); KV/step: keys attended per layer, head and decode step, dense in brackets.", ""]
+              "indices); KV/step: keys attended per layer, head and decode step, dense in brackets; prefill: the part of "
+              "the time from each batch's generate call to its first logits (— where not measured).", ""]
     return "\n".join(lines)
 
 
