@@ -5,10 +5,15 @@ Input: the report of ``scripts/run_accuracy.py --tasks ruler_<task>_<length>,…
 ``--save-samples``, its ``.samples.jsonl[.gz]``) and the folder the rows were prepared in
 (``prhs-hf ruler prepare``: the needles' depths). Output, beside ``--out``:
 
-- ``<out>.json``: rows per (config, task, length) with the score, n, ρ̂, KV per decode step and the
-  row's time; per (config, length) the mean over tasks; per (config, depth bin) the share of needles
-  found (needle tasks, from the saved generations); plus the command, GPU and versions of the run;
-- ``<out>.md``: the same as tables (tasks × lengths, one column per config);
+- ``<out>.json``: rows per (config, task, length) with the score, n, ρ̂, KV per decode step, the
+  row's time, its prefill time (``prefill_seconds``, None in reports written before it was measured)
+  and the prefill time saved vs dense (``prefill_saved`` = 1 − prefill / prefill of the ``--dense``
+  config at the same task and length; None unless both were measured on the same examples); per
+  (config, length) the mean over tasks (prefill summed, saved vs dense likewise); per (config, depth
+  bin) the share of needles found (needle tasks, from the saved generations); plus the command, GPU
+  and versions of the run;
+- ``<out>.md``: the same as tables (tasks × lengths, one column per config; the prefill times with
+  the share saved in brackets);
 - ``<out>_length.png`` and ``<out>_depth.png`` (with matplotlib, the ``plots`` extra): accuracy vs
   length and vs needle depth, one line per config.
 
@@ -33,6 +38,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from prhs_hf import long_context as lc
 
 DEPTH_BINS = 10
+DENSE_CONFIG = "dense"  # the config the prefill saving is measured against (--dense)
 _NAME = re.compile(r"^ruler_(?P<task>.+)_(?P<length>\d+)$")
 
 
@@ -76,8 +82,28 @@ def needle_hits(samples: Iterable[Mapping[str, Any]], data_dir: str | Path) -> l
     return out
 
 
-def summarize(rows: Sequence[Mapping[str, Any]], hits: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per-row table, per-(config, length) means over tasks, per-(config, depth bin) needle recall."""
+def prefill_saved(prefill: float | None, dense: float | None) -> float | None:
+    """``1 - prefill / dense``: the share of the dense prefill time saved; None if either is unknown or
+    ``dense`` is not positive."""
+    if prefill is None or dense is None or dense <= 0:
+        return None
+    return 1.0 - prefill / dense
+
+
+def _with_saving(entries: list[dict[str, Any]], key: Sequence[str], same: Sequence[str], dense_config: str) -> None:
+    """Set ``prefill_saved`` of each entry against the ``dense_config`` entry of the same ``key`` fields
+    (None where there is none, or it differs in one of the ``same`` fields: other examples)."""
+    dense = {tuple(e[k] for k in key): e for e in entries if e["config"] == dense_config}
+    for e in entries:
+        d = dense.get(tuple(e[k] for k in key))
+        comparable = d is not None and all(d[k] == e[k] for k in same)
+        e["prefill_saved"] = prefill_saved(e["prefill_seconds"], d["prefill_seconds"]) if comparable else None
+
+
+def summarize(rows: Sequence[Mapping[str, Any]], hits: Sequence[Mapping[str, Any]],
+              dense_config: str = DENSE_CONFIG) -> dict[str, Any]:
+    """Per-row table, per-(config, length) means over tasks, per-(config, depth bin) needle recall; the
+    prefill time of each row and (config, length), and its saving vs ``dense_config`` (:func:`prefill_saved`)."""
     table = []
     for r in rows:
         parsed = split_task(str(r["task"]))
@@ -87,13 +113,19 @@ def summarize(rows: Sequence[Mapping[str, Any]], hits: Sequence[Mapping[str, Any
         table.append({"config": r["config"], "task": parsed[0], "length": parsed[1], "metric": metric,
                       "score": float(value), "n": int(r["n"]), "rho_hat": r.get("rho_hat"),
                       "processed_kv_per_step": r.get("processed_kv_per_step"),
-                      "dense_kv_per_step": r.get("dense_kv_per_step"), "seconds": r.get("seconds")})
+                      "dense_kv_per_step": r.get("dense_kv_per_step"), "seconds": r.get("seconds"),
+                      "prefill_seconds": r.get("prefill_seconds")})
+    _with_saving(table, ("task", "length"), ("n",), dense_config)
     by_length: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for t in table:
         by_length[(t["config"], t["length"])].append(t)
     means = [{"config": c, "length": n, "tasks": len(ts), "mean_score": sum(t["score"] for t in ts) / len(ts),
-              "examples": sum(t["n"] for t in ts), "seconds": sum(t["seconds"] or 0.0 for t in ts)}
+              "examples": sum(t["n"] for t in ts), "seconds": sum(t["seconds"] or 0.0 for t in ts),
+              "prefill_seconds": (None if any(t["prefill_seconds"] is None for t in ts)
+                                  else sum(t["prefill_seconds"] for t in ts)),
+              "task_names": sorted(t["task"] for t in ts)}
              for (c, n), ts in sorted(by_length.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
+    _with_saving(means, ("length",), ("task_names", "examples"), dense_config)
     bins: dict[tuple[str, int], list[bool]] = defaultdict(list)
     for h in hits:
         b = min(DEPTH_BINS - 1, int(h["depth"] * DEPTH_BINS))
@@ -101,6 +133,14 @@ def summarize(rows: Sequence[Mapping[str, Any]], hits: Sequence[Mapping[str, Any
     depth = [{"config": c, "depth_from": b / DEPTH_BINS, "depth_to": (b + 1) / DEPTH_BINS, "needles": len(v),
               "found": sum(v) / len(v)} for (c, b), v in sorted(bins.items())]
     return {"rows": table, "by_length": means, "by_depth": depth}
+
+
+def prefill_cell(entry: Mapping[str, Any] | None) -> str:
+    """``seconds (saved %)`` of an entry's prefill; ``—`` where unknown, no bracket without a saving."""
+    if entry is None or entry.get("prefill_seconds") is None:
+        return "—"
+    saved = entry.get("prefill_saved")
+    return f"{entry['prefill_seconds']:.2f}" + ("" if saved is None else f" ({100 * saved:.1f} %)")
 
 
 def _configs(table: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -124,7 +164,9 @@ def render_markdown(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
              f"- report: `{meta.get('report_command', '?')}`", "",
              "Score: lm-eval's string_match_all (share of the expected strings found), n examples per cell. "
              "ρ̂: share of sparse (step, layer, head) that ran a top-k retrieval; KV: keys attended per layer, "
-             "head and decode step.", "",
+             "head and decode step. Prefill: seconds from each batch's generate call to its first logits, "
+             "summed; in brackets the share of the dense prefill time saved (same task, length and examples).",
+             "",
              "| task | length | n | " + " | ".join(configs) + " |",
              "|---|---|---|" + "---|" * len(configs)]
     keys = sorted({(t["task"], t["length"]) for t in table}, key=lambda k: (list(lc.RULER_TASKS).index(k[0]), k[1]))
@@ -132,15 +174,22 @@ def render_markdown(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
         ns = {cell[(c, task, length)]["n"] for c in configs if (c, task, length) in cell}
         vals = [f"{cell[(c, task, length)]['score']:.3f}" if (c, task, length) in cell else "—" for c in configs]
         lines.append(f"| {task} | {length} | {'/'.join(map(str, sorted(ns)))} | " + " | ".join(vals) + " |")
+    if any(t["prefill_seconds"] is not None for t in table):
+        lines += ["", "Prefill time, s (saved vs dense):", "",
+                  "| task | length | " + " | ".join(configs) + " |", "|---|---|" + "---|" * len(configs)]
+        for task, length in keys:
+            lines.append(f"| {task} | {length} | "
+                         + " | ".join(prefill_cell(cell.get((c, task, length))) for c in configs) + " |")
     lines += ["", "Mean over the tasks run at each length (tasks, examples):", "",
-              "| config | length | tasks | examples | mean score | seconds | ρ̂ | KV/step (dense) |", "|---|---|---|---|---|---|---|---|"]
+              "| config | length | tasks | examples | mean score | seconds | prefill s (saved) | ρ̂ | KV/step (dense) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for m in summary["by_length"]:
         ts = [t for t in table if t["config"] == m["config"] and t["length"] == m["length"]]
         rho = [t["rho_hat"] for t in ts if t["rho_hat"] is not None]
         kv = [t["processed_kv_per_step"] for t in ts if t["processed_kv_per_step"] is not None]
         dense = [t["dense_kv_per_step"] for t in ts if t["dense_kv_per_step"] is not None]
         lines.append(f"| {m['config']} | {m['length']} | {m['tasks']} | {m['examples']} | {m['mean_score']:.3f} | "
-                     f"{m['seconds']:.0f} | {f'{100 * sum(rho) / len(rho):.1f} %' if rho else '—'} | "
+                     f"{m['seconds']:.0f} | {prefill_cell(m)} | {f'{100 * sum(rho) / len(rho):.1f} %' if rho else '—'} | "
                      f"{f'{sum(kv) / len(kv):.0f} ({sum(dense) / len(dense):.0f})' if kv and dense else '—'} |")
     if summary["by_depth"]:
         lines += ["", "Needles found by depth in the haystack (needle tasks, all lengths):", "",
@@ -192,10 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="its saved generations (default: <results>.samples.jsonl[.gz])")
     ap.add_argument("--data-dir", required=True, help="the folder the RULER rows were prepared in")
     ap.add_argument("--out", required=True, type=Path, help="output path without suffix")
+    ap.add_argument("--dense", default=DENSE_CONFIG,
+                    help=f"the config the prefill time saved is measured against (default {DENSE_CONFIG})")
     args = ap.parse_args(argv)
     report = json.loads(args.results.read_text())
     samples = read_samples(args.samples or args.results.with_name(f"{args.results.stem}.samples.jsonl"))
-    summary = summarize(report["rows"], needle_hits(samples, args.data_dir))
+    summary = summarize(report["rows"], needle_hits(samples, args.data_dir), args.dense)
     if not summary["rows"]:
         raise SystemExit(f"{args.results}: no RULER row (ruler_<task>_<length>) with status ok")
     meta = {**report.get("meta", {}), "report_command": shlex.join(["scripts/ruler_report.py", *(sys.argv[1:] if argv is None else argv)])}

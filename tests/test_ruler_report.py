@@ -18,9 +18,12 @@ sys.modules["ruler_report"] = ruler_report
 spec.loader.exec_module(ruler_report)
 
 
-def _row(config: str, task: str, score: float, n: int, rho=None) -> dict:
-    return {"config": config, "task": task, "status": "ok", "metrics": {"string_match_all": score}, "n": n,
-            "seconds": 10.0, "rho_hat": rho, "processed_kv_per_step": 100.0, "dense_kv_per_step": 4000.0}
+def _row(config: str, task: str, score: float, n: int, rho=None, prefill=None) -> dict:
+    row = {"config": config, "task": task, "status": "ok", "metrics": {"string_match_all": score}, "n": n,
+           "seconds": 10.0, "rho_hat": rho, "processed_kv_per_step": 100.0, "dense_kv_per_step": 4000.0}
+    if prefill is not None:  # rows of reports written before the prefill was timed lack the key
+        row["prefill_seconds"] = prefill
+    return row
 
 
 @pytest.fixture()
@@ -31,8 +34,9 @@ def run(tmp_path: Path) -> tuple[Path, Path]:
             {"task": "niah_single_2", "index": 1, "input": "…", "outputs": ["5678"], "depths": [0.95]}]
     (data / "ruler_niah_single_2_4096.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (data / "ruler_vt_4096.jsonl").write_text(json.dumps({"task": "vt", "input": "…", "outputs": ["X"]}) + "\n")
-    rows = [_row("dense", "ruler_niah_single_2_4096", 1.0, 2), _row("cpe", "ruler_niah_single_2_4096", 0.5, 2, 0.2),
-            _row("dense", "ruler_vt_4096", 1.0, 1), _row("cpe", "ruler_vt_4096", 0.0, 1, 0.2),
+    rows = [_row("dense", "ruler_niah_single_2_4096", 1.0, 2, prefill=2.0),
+            _row("cpe", "ruler_niah_single_2_4096", 0.5, 2, 0.2, prefill=1.5),
+            _row("dense", "ruler_vt_4096", 1.0, 1), _row("cpe", "ruler_vt_4096", 0.0, 1, 0.2, prefill=0.5),
             _row("dense", "gsm8k_cot", 0.5, 3)]
     results = tmp_path / "acc.json"
     results.write_text(json.dumps({"meta": {"command": "run_accuracy.py …", "model": "m"}, "rows": rows}))
@@ -59,6 +63,38 @@ def test_report_tables_and_depth_recall(run, tmp_path) -> None:
     assert depth == {("dense", 0.0): (1, 1.0), ("dense", 0.9): (1, 1.0), ("cpe", 0.0): (1, 0.0), ("cpe", 0.9): (1, 1.0)}
     md = (out.parent / "ruler_qwen1.5b.md").read_text()
     assert "| niah_single_2 | 4096 | 2 | 1.000 | 0.500 |" in md and "gsm8k" not in md
+
+
+def test_prefill_saved_vs_dense(run, tmp_path) -> None:
+    """dense 2.0 s, cpe 1.5 s on the same task and length: 25 % saved; a row without the time (an old
+    report) shows — and leaves the saving unknown."""
+    results, data = run
+    out = tmp_path / "r"
+    assert ruler_report.main(["--results", str(results), "--data-dir", str(data), "--out", str(out)]) == 0
+    got = json.loads(out.with_name("r.json").read_text())
+    rows = {(r["config"], r["task"]): (r["prefill_seconds"], r["prefill_saved"]) for r in got["rows"]}
+    assert rows[("cpe", "niah_single_2")] == (1.5, pytest.approx(0.25))
+    assert rows[("dense", "niah_single_2")] == (2.0, 0.0)
+    assert rows[("dense", "vt")] == (None, None) and rows[("cpe", "vt")] == (0.5, None)
+    means = {m["config"]: (m["prefill_seconds"], m["prefill_saved"]) for m in got["by_length"]}
+    assert means == {"dense": (None, None), "cpe": (2.0, None)}  # dense's vt time unknown: no sum, no saving
+    md = out.with_name("r.md").read_text()
+    assert "Prefill time, s (saved vs dense)" in md
+    assert "| niah_single_2 | 4096 | 2.00 (0.0 %) | 1.50 (25.0 %) |" in md
+    assert "| vt | 4096 | — | 0.50 |" in md
+
+
+def test_prefill_saving_needs_the_same_examples_and_a_dense_row() -> None:
+    rows = [_row("dense", "ruler_vt_4096", 1.0, 4, prefill=2.0), _row("cpe", "ruler_vt_4096", 1.0, 2, prefill=0.5),
+            _row("dense", "ruler_vt_8192", 1.0, 2, prefill=4.0), _row("cpe", "ruler_vt_8192", 1.0, 2, prefill=1.0)]
+    summary = ruler_report.summarize(rows, [])
+    saved = {(r["config"], r["length"]): r["prefill_saved"] for r in summary["rows"]}
+    assert saved[("cpe", 4096)] is None  # 2 examples against dense's 4: not comparable
+    assert saved[("cpe", 8192)] == pytest.approx(0.75)
+    by_length = {(m["config"], m["length"]): m["prefill_saved"] for m in summary["by_length"]}
+    assert by_length[("cpe", 4096)] is None and by_length[("cpe", 8192)] == pytest.approx(0.75)
+    assert all(r["prefill_saved"] is None for r in ruler_report.summarize(rows, [], dense_config="full")["rows"])
+    assert ruler_report.prefill_saved(1.0, 0.0) is None and ruler_report.prefill_saved(None, 2.0) is None
 
 
 def test_a_run_without_ruler_rows_is_an_error(tmp_path) -> None:
