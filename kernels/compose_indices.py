@@ -178,6 +178,20 @@ def dilated_set_size(k: int, dil_m: int, dil_r: int) -> int:
 
 
 @triton.jit
+def _dilated_candidates(SEL, i, K, M, R):
+    """Entry ``i`` of a row's dilated-set candidates: selected ``i < K`` (``SEL[i]``), then the
+    top-``M``'s neighbours at offsets ``-R..-1, 1..R``; ``(p, offset, is_selected, valid)``."""
+    is_sel = i < K
+    nb = i - K
+    src = tl.where(is_sel, i, nb // (2 * R))
+    o = nb % (2 * R)
+    off = tl.where(is_sel, 0, tl.where(o < R, o - R, o - R + 1))
+    in_set = is_sel | (nb < 2 * R * M)
+    p = tl.load(SEL + src, mask=in_set, other=-1)
+    return p, off, is_sel, in_set & (p >= 0)
+
+
+@triton.jit
 def _dilated_set_kernel(
     SEL, FLAG, OUT,
     stride_sb, stride_sh, stride_fb, stride_fh,
@@ -192,14 +206,7 @@ def _dilated_set_kernel(
     out = OUT + pid.to(tl.int64) * NSET
     flag = tl.load(FLAG + b * stride_fb + h * stride_fh).to(tl.int32)
     if flag != 0:
-        is_sel = i < K
-        nb = i - K
-        src = tl.where(is_sel, i, nb // (2 * R))
-        o = nb % (2 * R)
-        off = tl.where(is_sel, 0, tl.where(o < R, o - R, o - R + 1))
-        in_set = is_sel | (nb < 2 * R * M)
-        p = tl.load(SEL + b * stride_sb + h * stride_sh + src, mask=in_set, other=-1)
-        ok = in_set & (p >= 0)
+        p, off, is_sel, ok = _dilated_candidates(SEL + b * stride_sb + h * stride_sh, i, K, M, R)
         x = tl.where(ok, ((p + off) << 1) | tl.where(is_sel, 0, 1), 2147483647)
         x = tl.sort(x)
         _, prev = tl.associative_scan((x, tl.full([NC], -2147483648, tl.int32)), 0, _last_two)
@@ -212,12 +219,75 @@ def _dilated_set_kernel(
         tl.store(out + i, tl.full([NC], 2147483647, tl.int32), mask=i < NSET)
 
 
-def dilated_set(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int) -> torch.Tensor:
-    """Triton dilated sets of the selected rows: one launch, a register sort per selected row.
+@triton.jit
+def _dilated_mark_kernel(
+    SEL, FLAG, MAP,
+    stride_sb, stride_sh, stride_fb, stride_fh,
+    K, M, R, L,
+    H: tl.constexpr, NC: tl.constexpr,
+):
+    """One program per row: mark its indices in its row of a zeroed int8 map over ``[-R, L - R)``,
+    1 for a neighbour, then 2 for a selected index (selected wins where both fall)."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    flag = tl.load(FLAG + b * stride_fb + h * stride_fh).to(tl.int32)
+    if flag != 0:
+        p, off, is_sel, ok = _dilated_candidates(SEL + b * stride_sb + h * stride_sh, tl.arange(0, NC), K, M, R)
+        row = MAP + pid.to(tl.int64) * L + R
+        tl.store(row + p + off, tl.full([NC], 1, tl.int8), mask=ok & ~is_sel)
+        tl.debug_barrier()
+        tl.store(row + p, tl.full([NC], 2, tl.int8), mask=ok & is_sel)
 
-    Args and result as :func:`dilated_set_reference`.
+
+@triton.jit
+def _dilated_collect_kernel(
+    MAP, FLAG, OUT,
+    stride_fb, stride_fh,
+    R, L, NSET,
+    H: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per row: the marked positions of its map row in ascending order, as
+    ``(v << 1) | only_neighbour``, then SET_NONE padding (rows without FLAG: padding only)."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    out = OUT + pid.to(tl.int64) * NSET
+    flag = tl.load(FLAG + b * stride_fb + h * stride_fh).to(tl.int32)
+    n = 0
+    if flag != 0:
+        row = MAP + pid.to(tl.int64) * L
+        for start in range(0, L, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            mark = tl.load(row + j, mask=j < L, other=0).to(tl.int32)
+            keep = (mark != 0).to(tl.int32)
+            pos = n + tl.cumsum(keep, axis=0) - keep
+            tl.store(out + pos, ((j - R) << 1) | (mark == 1).to(tl.int32), mask=(keep != 0) & (pos < NSET))
+            n += tl.sum(keep, axis=0)
+    for start in range(0, NSET, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        tl.store(out + i, tl.full([BLOCK], 2147483647, tl.int32), mask=(i >= n) & (i < NSET))
+
+
+#: the sort path's register sort grows as log^2 of the set: from this many entries (next power
+#: of two) a row with a known index span is marked in a map and collected in order instead
+MAP_FROM_ENTRIES = 1024
+
+
+def dilated_set(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int, span: int = 0,
+                _method: str = "auto") -> torch.Tensor:
+    """Triton dilated sets of the selected rows.
+
+    Args and result as :func:`dilated_set_reference`; ``span`` (optional, e.g. the cache's slot
+    count) bounds the indices: every ``sel_idx`` entry is ``< span``. Two methods, the same
+    output: ``"sort"`` (one launch, a register sort per selected row) and ``"map"`` (needs
+    ``span``: each selected row marks its indices in an int8 map of ``span + 2r`` positions, then
+    collects them in order: two launches and a memset, no sort). ``"auto"``: the map for sets of
+    at least :data:`MAP_FROM_ENTRIES` (next power of two) when ``span`` is given, else the sort.
     """
     require_triton(sel_idx)
+    if _method not in ("auto", "sort", "map"):
+        raise ValueError(f"dilated_set: _method={_method!r}; expected 'auto', 'sort' or 'map'")
     B, H, K = sel_idx.shape
     dev = sel_idx.device
     r = max(int(dil_r), 0)
@@ -230,6 +300,28 @@ def dilated_set(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int) 
         sel_idx = sel_idx.contiguous()
     flag = dilate_mask(rows, B, H, dev)
     nc = next_pow2(nset, 16)
+    method = _method
+    if method == "auto":
+        method = "map" if span > 0 and nc >= MAP_FROM_ENTRIES else "sort"
+    if method == "map":
+        if span <= 0:
+            raise ValueError(f"dilated_set: _method='map' needs span > 0 (the index bound), got span={span}")
+        R = max(r, 1)
+        L = int(span) + 2 * R
+        marks = torch.zeros((B * H, L), dtype=torch.int8, device=dev)
+        _dilated_mark_kernel[(B * H,)](
+            sel_idx, flag, marks,
+            sel_idx.stride(0), sel_idx.stride(1), flag.stride(0), flag.stride(1),
+            K, m, R, L,
+            H=H, NC=nc, num_warps=4 if nc <= 1024 else 8,
+        )
+        _dilated_collect_kernel[(B * H,)](
+            marks, flag, out,
+            flag.stride(0), flag.stride(1),
+            R, L, nset,
+            H=H, BLOCK=2048, num_warps=8,
+        )
+        return out
     _dilated_set_kernel[(B * H,)](
         sel_idx, flag, out,
         sel_idx.stride(0), sel_idx.stride(1), flag.stride(0), flag.stride(1),
@@ -240,8 +332,8 @@ def dilated_set(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int) 
     return out
 
 
-def dilated_set_reference(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int) -> torch.Tensor:
-    """PyTorch reference of :func:`dilated_set` (vectorised, sync-free).
+def dilated_set_reference(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int, span: int = 0) -> torch.Tensor:
+    """PyTorch reference of :func:`dilated_set` (vectorised, sync-free; ``span`` is not needed here).
 
     Args:
         sel_idx: ``[B, Hq, k]`` int32 selected middle indices, best first, ``-1`` = none.

@@ -181,7 +181,7 @@ def cis_select(
     retrieve = best == -1
     retrieval = ops.topk_retrieval_grouped if grouped else ops.topk_retrieval
     new_idx = retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
-    new_set = ops.dilated_set(new_idx, retrieve, dil_m, dil_r)
+    new_set = ops.dilated_set(new_idx, retrieve, dil_m, dil_r, k_cache.shape[2])
     idx, count = ops.compose_from_sets(t, lo, hi, win_start, best, anchor_set, new_set, sink, cap)
     return CISSelection(best, new_idx, new_set, idx, count, match_q)
 

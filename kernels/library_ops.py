@@ -67,12 +67,12 @@ def _(q, k_cache, pad, lo, hi, retrieve, k, scale):
 
 
 @torch.library.custom_op("prhs::dilated_set", mutates_args=())
-def dilated_set_op(sel_idx: Tensor, rows: Tensor, dil_m: int, dil_r: int) -> Tensor:
-    return dilated_set(sel_idx, rows, dil_m, dil_r)
+def dilated_set_op(sel_idx: Tensor, rows: Tensor, dil_m: int, dil_r: int, span: int = 0) -> Tensor:
+    return dilated_set(sel_idx, rows, dil_m, dil_r, span)
 
 
 @dilated_set_op.register_fake
-def _(sel_idx, rows, dil_m, dil_r):
+def _(sel_idx, rows, dil_m, dil_r, span=0):
     B, H, K = sel_idx.shape
     r = max(int(dil_r), 0)
     m = min(int(dil_m), K) if r > 0 else 0
@@ -141,8 +141,8 @@ def _compose_indices_via_op(t, lo, hi, win_start, sel_idx, dilate, sink, dil_m, 
     return compose_indices_op(t, lo, hi, win_start, sel_idx, _dilate_tensor(sel_idx, dilate), sink, dil_m, dil_r, cap)
 
 
-def _dilated_set_via_op(sel_idx, rows, dil_m, dil_r):
-    return dilated_set_op(sel_idx, _dilate_tensor(sel_idx, rows), dil_m, dil_r)
+def _dilated_set_via_op(sel_idx, rows, dil_m, dil_r, span=0):
+    return dilated_set_op(sel_idx, _dilate_tensor(sel_idx, rows), dil_m, dil_r, span)
 
 
 _OPS: dict[Callable, Callable] = {

@@ -646,8 +646,30 @@ def test_reference_dilated_set_against_naive(m, r):
 def test_dilated_set_kernel(k, m, r):
     sel, rows, _ = _set_case(110 + k + m + r, 2, 3, k, 300)
     for rr in (rows, True, False):
-        got = dilated_set(sel.to(DEV), rr.to(DEV) if isinstance(rr, torch.Tensor) else rr, m, r).cpu()
-        assert torch.equal(got, dilated_set_reference(sel, rr, m, r))
+        want = dilated_set_reference(sel, rr, m, r)
+        dev_rows = rr.to(DEV) if isinstance(rr, torch.Tensor) else rr
+        for method in ("sort", "map"):  # the map path marks [-r, span + r): indices 0 and span - 1 included
+            got = dilated_set(sel.to(DEV), dev_rows, m, r, span=300, _method=method).cpu()
+            assert torch.equal(got, want), method
+        assert torch.equal(dilated_set(sel.to(DEV), dev_rows, m, r).cpu(), want)  # auto, no span: the sort
+
+
+@needs_triton
+def test_dilated_set_map_path_at_the_bench_size_and_its_errors():
+    """The size where "auto" takes the map (k 1036, m 345: 1726 entries), edge indices, -1 holes."""
+    g = torch.Generator().manual_seed(5)
+    span, k = 4000, 1036
+    sel = torch.stack([torch.randperm(span, generator=g)[:k] for _ in range(3)]).view(1, 3, k).to(I32)
+    sel[0, 0, :4] = i32([0, span - 1, 1, span - 2])  # neighbours below 0 and at/after span
+    sel[0, 1, 5:40] = -1
+    rows = torch.tensor([[True, True, False]])
+    want = dilated_set_reference(sel, rows, 345, 1)
+    for method in ("auto", "map", "sort"):
+        assert torch.equal(dilated_set(sel.to(DEV), rows.to(DEV), 345, 1, span=span, _method=method).cpu(), want)
+    with pytest.raises(ValueError, match="span > 0"):
+        dilated_set(sel.to(DEV), rows.to(DEV), 345, 1, _method="map")
+    with pytest.raises(ValueError, match="_method"):
+        dilated_set(sel.to(DEV), rows.to(DEV), 345, 1, span=span, _method="bitmap")
 
 
 def _sets_case(seed, B, H, s, k, m, r, T, sink, local):
