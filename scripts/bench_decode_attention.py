@@ -602,7 +602,8 @@ def stage_breakdown(x: dict, bud: Budget, st16: tuple, attention_ms: float, time
         "retrieval": retrieval,
         "retrieval_compact": lambda: retrieval("compact"),
         "retrieval_score": lambda: retrieval("score"),  # compact + score
-        "dilated_set": lambda: dilated_set(new_idx, retrieve, bud.dil_m, bud.dil_r),
+        "dilated_set": lambda: dilated_set(new_idx, retrieve, bud.dil_m, bud.dil_r, x["k_cache"].shape[2]),  # as cis_select
+        "dilated_set_sort": lambda: dilated_set(new_idx, retrieve, bud.dil_m, bud.dil_r, _method="sort"),  # for comparison
         "compose": lambda: compose_from_sets(t, lo, hi, hi, best, sets, new_set, bud.sink, bud.cap),
         "glue": lambda: best == -1,
         "topk_compose": lambda: compose_indices(t, lo, hi, hi, sel, shared, bud.sink, bud.dil_m, bud.dil_r, bud.cap),

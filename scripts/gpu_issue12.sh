@@ -17,7 +17,10 @@
 #   fa4      (not in the default STEPS) flash-attn-4 from the wheels in $FA4_WHEELS, then
 #            tests/test_flash_prefill_gpu.py and scripts/probe_flash_attn4.py (issue 15);
 #   e2e      scripts/bench_e2e_decode.py, static mode, E2E_CASES x E2E_CONFIGS, E2E_TOKENS new
-#            tokens (JSON after each cell), with the time left before DEADLINE_S.
+#            tokens (JSON after each cell), with the time left before DEADLINE_S;
+#   real     (not in the default STEPS) the same on real weights and text: --model REAL_CKPT
+#            --prompts REAL_PROMPTS, REAL_CASES x REAL_CONFIGS, --resume into $OUT/real (issue 12's
+#            Qwen2.5-Coder-1.5B rows; the checkpoint is the one tools/gpu_join_and_eval.sh exports).
 #
 # Environment: STEPS (default "install tests op e2e"), E2E_CASES (default
 # "llama2-7b:8:16384,llama3-8b:16:16384"), E2E_CONFIGS (default
@@ -44,6 +47,10 @@ E2E_CASES=${E2E_CASES:-llama2-7b:8:16384,llama3-8b:16:16384}
 E2E_CONFIGS=${E2E_CONFIGS:-dense,dense-gqa,cis-s16-share,cpe-s16-share}
 E2E_TOKENS=${E2E_TOKENS:-256}
 DEADLINE_S=${DEADLINE_S:-560}
+REAL_CKPT=${REAL_CKPT:-/tmp/prhs_gpu/ckpt-qwen2.5-coder-1.5b}
+REAL_PROMPTS=${REAL_PROMPTS:-/tmp/data/coqa_validation.jsonl.gz}
+REAL_CASES=${REAL_CASES:-model:32:16384,model:32:32768}
+REAL_CONFIGS=${REAL_CONFIGS:-dense-gqa,cis,dense}
 if [ -z "${PRHS_GIT_COMMIT:-}" ] && [ -f .whl/COMMIT ]; then PRHS_GIT_COMMIT=$(head -n1 .whl/COMMIT); fi
 export PRHS_GIT_COMMIT=${PRHS_GIT_COMMIT:-}
 declare -A RC
@@ -145,6 +152,23 @@ if want e2e; then
     RC[e2e]=$?
   else
     echo "skipped: under 60 s left"; RC[e2e]=skipped
+  fi
+fi
+
+if want real; then
+  # the real Qwen2.5-Coder-1.5B rows (issue 12): the checkpoint tools/gpu_join_and_eval.sh exported
+  # (REAL_CKPT) and CoQA stories as real-text prompts (REAL_PROMPTS), configs/cis.yaml as shipped
+  left=$((DEADLINE_S - (SECONDS - T0)))
+  stamp "real: $REAL_CASES x $REAL_CONFIGS on $REAL_CKPT, ${left} s left"
+  if [ ! -f "$REAL_CKPT/config.json" ] || [ ! -f "$REAL_PROMPTS" ]; then
+    echo "skipped: no checkpoint at $REAL_CKPT or no prompts at $REAL_PROMPTS"; RC[real]=missing
+  elif [ "$left" -gt 60 ]; then
+    mkdir -p "$OUT/real"
+    timeout -k 10 "$left" python3 scripts/bench_e2e_decode.py --model "$REAL_CKPT" --prompts "$REAL_PROMPTS" \
+      --cases "$REAL_CASES" --modes static --configs "$REAL_CONFIGS" --new-tokens "$E2E_TOKENS" --out "$OUT/real" --resume
+    RC[real]=$?
+  else
+    echo "skipped: under 60 s left"; RC[real]=skipped
   fi
 fi
 

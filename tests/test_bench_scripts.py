@@ -184,8 +184,14 @@ def test_bench_decode_attention_quick_cpu_json(tmp_path):
         assert r["ds_avg_kv_per_head"] == r["cap"]  # every row fills its budget (sink + top-k + local)
         if r["grouped_sparse_status"] == "available":
             assert r["grouped_sparse_max_abs_diff"] < 0.05
+        # the whole group-shared CIS step: ceil(B*Hkv/16) KV heads retrieve, the PyTorch ops' output
+        assert r["retrieving_groups_s16"] == math.ceil(r["B"] * r["Hkv"] / 16)
+        assert r["cis16_group_ms"] > 0 and r["cis16_group_max_abs_diff"] < 0.05
+        assert math.isclose(r["cis16_group_speedup_vs_fastest_dense"], ms / r["cis16_group_ms"])
+        # the dilated-set stage as the model path runs it, and the sort path beside it
+        assert r["stage16_dilated_set_ms"] > 0 and r["stage16_dilated_set_sort_ms"] > 0
     md = (tmp_path / "bench_decode_attention.md").read_text()
-    assert "DS step (r, top-k)" in md and "Double Sparsity step" in md
+    assert "DS step (r, top-k)" in md and "Double Sparsity step" in md and "CIS-16 group step" in md
 
 
 @pytest.mark.slow
