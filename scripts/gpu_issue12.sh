@@ -49,7 +49,7 @@ E2E_TOKENS=${E2E_TOKENS:-256}
 DEADLINE_S=${DEADLINE_S:-560}
 REAL_CKPT=${REAL_CKPT:-/tmp/prhs_gpu/ckpt-qwen2.5-coder-1.5b}
 REAL_PROMPTS=${REAL_PROMPTS:-/tmp/data/coqa_validation.jsonl.gz}
-REAL_CASES=${REAL_CASES:-model:32:16384,model:32:32768}
+REAL_CASES=${REAL_CASES:-model:32:16384,model:32:32512}  # 32512 + 256 new tokens = the model's 32768 positions
 REAL_CONFIGS=${REAL_CONFIGS:-dense-gqa,cis,dense}
 if [ -z "${PRHS_GIT_COMMIT:-}" ] && [ -f .whl/COMMIT ]; then PRHS_GIT_COMMIT=$(head -n1 .whl/COMMIT); fi
 export PRHS_GIT_COMMIT=${PRHS_GIT_COMMIT:-}
