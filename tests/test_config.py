@@ -184,6 +184,11 @@ def test_accuracy_configs_keep_their_meaning(tmp_path, monkeypatch):
     tail, s16 = (ac.load_named_config(ac.ACCURACY_CONFIGS[n]) for n in ("cis-tail", "cis-s16"))
     assert tail.cis.tail_slot and not s16.cis.tail_slot
     assert tail == dataclasses.replace(s16, cis=dataclasses.replace(s16.cis, tail_slot=True))
+    # CIS alone at the paper's long-context (LongBench) budget, taken from the shipped cpe_longbench.yaml
+    lb, longbench = ac.load_named_config(ac.ACCURACY_CONFIGS["cis-lb"]), load_config("cpe_longbench")
+    assert on["cis-lb"] == (True, False, False)
+    assert (lb.budget.sink, lb.budget.local, lb.budget.topk) == (64, 256, 4096) and lb.budget == longbench.budget
+    assert lb.cis == longbench.cis == s16.cis
 
 
 def test_only_a_bare_name_resolves_to_a_shipped_config(tmp_path, monkeypatch):
