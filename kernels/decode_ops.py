@@ -167,6 +167,7 @@ def cis_select(
     cap: int,
     scale: float,
     grouped: bool = False,
+    group_score: str = "max",
 ) -> CISSelection:
     """SPEC §4 steps 1-4 from the anchors' dilated sets (``anchor_set [B, H, s, n]``, as made by
     ``ops.dilated_set``): match each query against its head's anchors, retrieve a fresh exact
@@ -175,12 +176,22 @@ def cis_select(
 
     ``grouped=True`` (``cis.selection: group``): the rows are the KV heads; a group's queries are
     matched as one (:func:`group_query`; ``anchor_q [B, Hkv, s, G*D]``) and retrieve one top-k,
-    ranked by the largest of the group's scores (``ops.topk_retrieval_grouped``)."""
-    match_q = group_query(q, k_cache.shape[1]) if grouped else q
+    ranked by the largest of the group's scores (``ops.topk_retrieval_grouped``), or with
+    ``group_score="mean"`` by their mean: the score of the group's mean query, one row per KV head
+    of ``ops.topk_retrieval``."""
+    if group_score not in ("max", "mean"):
+        raise ValueError(f"cis_select: group_score={group_score!r}; expected 'max' or 'mean'")
+    kv_heads = k_cache.shape[1]
+    match_q = group_query(q, kv_heads) if grouped else q
     best = ops.cis_match(match_q, anchor_q, anchor_count, active, tau)
     retrieve = best == -1
-    retrieval = ops.topk_retrieval_grouped if grouped else ops.topk_retrieval
-    new_idx = retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
+    if grouped and group_score == "mean":
+        B, H, D = q.shape
+        mean_q = q.view(B, kv_heads, H // kv_heads, D).float().mean(2).to(q.dtype)
+        new_idx = ops.topk_retrieval(mean_q, k_cache, pad, lo, hi, retrieve, k, scale)
+    else:
+        retrieval = ops.topk_retrieval_grouped if grouped else ops.topk_retrieval
+        new_idx = retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
     new_set = ops.dilated_set(new_idx, retrieve, dil_m, dil_r, k_cache.shape[2])
     idx, count = ops.compose_from_sets(t, lo, hi, win_start, best, anchor_set, new_set, sink, cap)
     return CISSelection(best, new_idx, new_set, idx, count, match_q)

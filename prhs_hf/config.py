@@ -109,7 +109,8 @@ class CISConfig:
     dilation_topm: int | None = None  # None: floor(topk / 3)
     dilation_radius: int = 1
     # "head": an index set per query head (the paper); "group": one per KV head, shared by the
-    # query heads of its group (ranked by the group's largest score; anchors and matching per KV head)
+    # query heads of its group (ranked by the group's largest score; anchors and matching per KV head);
+    # "group_mean": the same, ranked by the mean of the group's scores (the score of its mean query)
     selection: str = "head"
     # also keep the tokens that aged from the local window into the middle since the block began:
     # an anchor taken then never scored them (at most block_size - 1 more keys per step)
@@ -322,7 +323,7 @@ _SECTIONS: dict[str, type] = {
 }
 
 # key -> (kind, lower, upper, lower_open, nullable[, upper_open]); kind in {"int", "float", "bool", "choice", "phases", "path"}
-CIS_SELECTIONS = ("head", "group")
+CIS_SELECTIONS = ("head", "group", "group_mean")
 
 _RULES: dict[str, tuple] = {
     "budget.sink": ("int", 0, MAX_TOKENS, False, False),

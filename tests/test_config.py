@@ -174,13 +174,15 @@ def test_accuracy_configs_keep_their_meaning(tmp_path, monkeypatch):
     assert on["dense"] == (False, False, False)
     assert on["cpe"] == (True, True, True)
     assert on["cpe-no-etf"] == (True, True, False) and on["cpe-no-psaw"] == (True, False, True)
-    for name in ("cis-s8", "cis-s16", "cis-s20", "cis*", "cis-t0.6", "cis-t0.7", "cis-t0.7-local", "cis-group", "cis-tail",
+    for name in ("cis-s8", "cis-s16", "cis-s20", "cis*", "cis-t0.6", "cis-t0.7", "cis-t0.7-local", "cis-group",
+                 "cis-group-mean", "cis-tail",
                  "cis-group-t0.7-local", "hshare-1", "hshare-2", "quest", "h2o", "es-quest", "es-quest-r256", "es-cis",
                  "es-cis-early", "es-cis-r256"):
         assert on[name] == (True, False, False), name
     local, group = (ac.load_named_config(ac.ACCURACY_CONFIGS[n]).cis for n in ("cis-t0.7-local", "cis-group-t0.7-local"))
     assert (local.tau, local.keep_anchor_local, local.selection) == (0.7, True, "head")
     assert (group.tau, group.keep_anchor_local, group.selection) == (0.7, True, "group")
+    assert ac.load_named_config(ac.ACCURACY_CONFIGS["cis-group-mean"]).cis.selection == "group_mean"
     tail, s16 = (ac.load_named_config(ac.ACCURACY_CONFIGS[n]) for n in ("cis-tail", "cis-s16"))
     assert tail.cis.tail_slot and not s16.cis.tail_slot
     assert tail == dataclasses.replace(s16, cis=dataclasses.replace(s16.cis, tail_slot=True))

@@ -79,7 +79,8 @@ def _base_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable |
             return None
         kept = c.budget.topk - (1 if c.cis.tail_slot else 0)  # the tail slot is charged to the top-k
         set_size = dilated_set_size(kept, resolved.dilation_topm, c.cis.dilation_radius)
-        return CISSelector(resolved.num_layers, c.cis.block_size, set_size, ops_for, grouped=c.cis.selection == "group",
+        return CISSelector(resolved.num_layers, c.cis.block_size, set_size, ops_for, grouped=c.cis.selection != "head",
+                           group_score="mean" if c.cis.selection == "group_mean" else "max",
                            keep_anchor_local=c.cis.keep_anchor_local, tail_slot=c.cis.tail_slot)
     try:
         factory = SELECTORS[name]

@@ -65,6 +65,8 @@ class CISSelector:
     heads of its group; its anchors hold the group's queries side by side
     (``decode_ops.group_query``) and a retrieval ranks keys by the group's largest score. Each KV
     head's keys are then read once per retrieval and its selected K/V rows once per step.
+    ``group_score="mean"`` (``cis.selection: group_mean``) ranks by the mean of the group's scores
+    instead, the score of the group's mean query.
 
     ``tail_slot=True`` (``cis.tail_slot``): retrievals keep ``k - 1`` middle tokens (``set_size``
     is then ``dilated_set_size(k - 1, m, r)``) and every active row attends to one tail-summary pair
@@ -75,6 +77,7 @@ class CISSelector:
     def __init__(
         self, num_layers: int, block_size: int, set_size: int, ops_for: Callable[[torch.device], DecodeOps],
         grouped: bool = False,
+        group_score: str = "max",
         keep_anchor_local: bool = False,
         tail_slot: bool = False,
     ):
@@ -83,6 +86,7 @@ class CISSelector:
         self.set_size = set_size
         self.ops_for = ops_for
         self.grouped = grouped
+        self.group_score = group_score
         self.keep_anchor_local = keep_anchor_local
         self.tail_slot = tail_slot
         self.states: dict[torch.device, CISState] = {}
@@ -165,7 +169,7 @@ class CISSelector:
             self.ops_for(q.device), q, k_cache, geom.pad, f.t, f.lo, f.hi, win_start,
             anchor_q, anchor_count, anchor_set, f.active,
             tau=p.tau, sink=p.sink, k=k, dil_m=p.dilation_topm, dil_r=p.dilation_radius, cap=p.capacity, scale=scale,
-            grouped=self.grouped,
+            grouped=self.grouped, group_score=self.group_score,
         )
         retrieved = sel.best == -1
         if not self.tail_slot:
