@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from transformers.generation.configuration_utils import CompileConfig
 
 import prhs_hf
 from prhs_hf.config import ConfigError
@@ -19,7 +21,9 @@ from test_selectors import (
     B, BUDGET, D, HKV, HQ, PADS, S0, SCALE, _compose, _data, _frame, _got, _params, _patched, _ranked, _row_keys,
     _swapped,
 )
-from tiny_models import tiny_model
+from test_compile import SMALL as COMPILE_SMALL
+from test_compile import _generate as generate_static
+from tiny_models import padded_batch, tiny_model
 
 G = HQ // HKV
 STEPS = 8  # local = 3: the keys appended at steps 0..4 reach the middle before the last step
@@ -345,3 +349,55 @@ def test_static_cache_and_beam_search_follow_the_oracle_at_full_rank(kwargs):
     (out, calls), (out_o, calls_o) = runs["double_sparsity"], runs["oracle"]
     assert torch.equal(out, out_o) and len(calls) == len(calls_o) == 13 * 4
     assert all(torch.equal(a[1].idx, o[1].idx) for a, o in zip(calls, calls_o))
+
+
+# ----------------------------------------------------------------------------- under torch.compile
+
+# DS alone (rank 4 < head_dim 16) at test_compile's small budget, the PyTorch decode path
+DS_COMPILED = {**COMPILE_SMALL, "baseline": {"name": "double_sparsity", "label_rank": 4}, "psaw": {"enabled": False},
+               "etf": {"enabled": False}, "backend": {"decode": "torch", "prefill": "torch"}}
+
+def test_compiled_static_decode_is_one_graph_with_eager_tokens():
+    """bench_e2e_decode's ``ds-s16`` path: generate() with a StaticCache compiles the decode step
+    (here ``fullgraph=True`` on the CPU, as tests/test_compile.py does). The label cache is one
+    static buffer written in place, so the step is one graph without a break or an extra output,
+    a second prompt (its own label channels, chosen at its prefill) reuses it, and the tokens are
+    the eager ones (rank 4 < head_dim: not the oracle's)."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([150, 110])
+    prhs_hf.patch(model, "configs/cpe.yaml", overrides=DS_COMPILED)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, r_compiled = generate_static(model, ids, mask, compiled=True)
+    eager, r_eager = generate_static(model, ids, mask, compiled=False)
+    again, _ = generate_static(model, ids[[1, 0]], mask[[1, 0]], compiled=True)  # another prompt, the same graph
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(compiled, eager)
+    eager_swapped, _ = generate_static(model, ids[[1, 0]], mask[[1, 0]], compiled=False)
+    assert torch.equal(again, eager_swapped)
+    assert r_eager.sparse_steps > 0 and r_compiled.decode_steps == r_eager.decode_steps == 13
+    assert r_compiled.processed_kv_per_step == r_eager.processed_kv_per_step
+
+
+def test_compiled_decode_graph_returns_only_the_logits():
+    """The label cache is written in place: the DS step adds no graph output to the dense step's
+    (a rebound dict item or attribute would be one more output, and a Python replay, per layer)."""
+    outputs = []
+
+    def backend(gm, example_inputs):
+        outputs.append(len(next(n for n in gm.graph.nodes if n.op == "output").args[0]))
+        return gm.forward
+
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    ids, mask = padded_batch([90, 70])
+    for patched in (False, True):
+        model = tiny_model("llama", layers=2)
+        if patched:
+            prhs_hf.patch(model, "configs/cpe.yaml", overrides=DS_COMPILED)
+        torch._dynamo.reset()
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                       compile_config=config)
+    assert len(outputs) == 2, outputs  # one decode graph each
+    assert outputs[1] == outputs[0], f"dense decode graph has {outputs[0]} outputs, DS {outputs[1]}"

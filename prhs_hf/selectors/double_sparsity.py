@@ -6,12 +6,14 @@ the head dimension with the largest mean contribution ``|q[c] · k[c]|`` over ca
 (each token's post-RoPE query with its own key; :func:`calibrate_label_channels`, saved with
 :func:`save_label_channels` and named by the config's ``baseline.label_channels``). At decode the
 selector keeps a *label cache*, the ``r`` label channels of every cached key for each query head
-(``[B, Hq, S, r]``, built from the prompt's keys in :meth:`DoubleSparsitySelector.observe_prefill`
-and extended by the new key at every step), scores every middle token with the query's label
-channels only, ``scale · q[labels] · K[:, labels]``, and keeps the ``topk`` best: the set is the
-shared ``sink ∪ top-k(middle) ∪ local`` of every selector (:func:`._common.compose`), the scoring
-and ordering those of the exact retrieval (:func:`._common.retrieve_topk`). With ``r = head_dim``
-the score is the exact one and DS selects what the top-k oracle selects.
+(:class:`LabelCache`, one ``[L, B, Hq, S, r]`` buffer for all layers, built from the prompt's keys
+in :meth:`DoubleSparsitySelector.observe_prefill` and given the new key's row at every step, in
+place, so that the step runs inside a compiled, CUDA-graph-captured decode forward), scores
+every middle token with the query's label channels only, ``scale · q[labels] · K[:, labels]``, and
+keeps the ``topk`` best: the set is the shared ``sink ∪ top-k(middle) ∪ local`` of every selector
+(:func:`._common.compose`), the scoring and ordering those of the exact retrieval
+(:func:`._common.retrieve_topk`). With ``r = head_dim`` the score is the exact one and DS selects
+what the top-k oracle selects.
 
 Not reproduced: DS's 4-bit quantisation of the label cache and its offloading variant (the label
 cache here has the key cache's dtype), and per-KV-head channel sharing (channels are per query
@@ -38,13 +40,14 @@ from ..config import ConfigError, ResolvedConfig
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
 from ..kernels._common import gqa_group
-from ._common import LayerStates, compose, retrieve_topk, step_frame
+from ._common import compose, retrieve_topk, step_frame
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "DoubleSparsitySelector",
+    "LabelCache",
     "qk_channel_contributions",
     "top_channels",
     "label_keys",
@@ -53,7 +56,7 @@ __all__ = [
     "load_label_channels",
 ]
 
-_GROW = 256  # the label cache grows by whole chunks of slots, not one slot per step
+_GROW = 256  # a DynamicCache's label cache grows by whole chunks of slots, not one slot per step (eager)
 
 
 def qk_channel_contributions(
@@ -104,18 +107,71 @@ def _prompt_channels(query: torch.Tensor, key: torch.Tensor, geom: SequenceGeome
     return top_channels(contribution, r).sort(dim=-1).values  # channel order, as the calibrated ones
 
 
-class DoubleSparsitySelector(LayerStates):
-    """Top-k middle tokens by the label-channel score, from a label cache per layer.
+class LabelCache:
+    """The label cache of every layer in one buffer of fixed address, mutated only in place.
+
+    Attributes:
+        label: ``[L, B, Hq, S, r]`` (the key cache's dtype) each layer's label channels of every
+            cache slot; rows past a layer's cache are unused.
+        channels: ``[L, B, Hq, r]`` int64 each layer's label channels (ascending).
+        ready: per layer, whether its rows hold the current prompt (Python, set by eager code only:
+            at a prefill, or a calibrated layer's first decode step without one).
+
+    Allocated at a prefill (which ``generate()`` runs eagerly) and marked with
+    ``torch._dynamo.mark_static_address``, as :class:`~prhs_hf.cis_state.CISState`: a compiled,
+    CUDA-graph-captured decode step writes the current token's row into it in place and rebinds
+    nothing. ``S`` is the KV cache's slot count at the prefill (a ``StaticCache``'s maximum
+    length), so under a static cache it never grows.
+    """
+
+    def __init__(self, layers: int, batch: int, heads: int, slots: int, rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.label = torch.zeros(layers, batch, heads, slots, rank, dtype=dtype, device=device)
+        self.channels = torch.zeros(layers, batch, heads, rank, dtype=torch.int64, device=device)
+        self.ready = [False] * layers
+        for buffer in (self.label, self.channels):
+            # fixed addresses: a compiled, CUDA-graph-captured decode step mutates them in place
+            torch._dynamo.mark_static_address(buffer)
+
+    @property
+    def slots(self) -> int:
+        """``S``, the cache slots each layer's label rows cover."""
+        return self.label.shape[3]
+
+    def fits(self, layers: int, batch: int, heads: int, rank: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the buffers hold layers ``[0, layers)`` of decode steps of this shape."""
+        _, b, h, _, r = self.label.shape
+        return (len(self.ready) >= layers and (b, h, r) == (batch, heads, rank) and self.label.dtype == dtype
+                and self.label.device == device)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Follow a beam reordering: sequence ``i`` becomes old sequence ``index[i]`` in every layer."""
+        index = index.to(self.label.device)
+        for buffer in (self.label, self.channels):
+            buffer.copy_(buffer.index_select(1, index))  # in place: addresses stay fixed
+
+
+class DoubleSparsitySelector:
+    """Top-k middle tokens by the label-channel score, from the label cache of every layer (:class:`LabelCache`).
 
     Args:
         rank: ``r``, label channels per head (``baseline.label_rank``).
         channels: ``[L, Hq, r_file]`` int64 calibrated label channels by descending contribution
             (the first ``rank`` are used), or ``None`` to choose them from each prompt at prefill.
         head_dim: the head dimension the file was calibrated for (checked at first use).
+        num_layers: the model's layers, for which the label cache is allocated at once (default:
+            the file's layers, else as many as the layers seen so far).
+
+    The label cache is allocated (or reused in place, when the shape and the slot count fit) at
+    a prefill. A decode step writes the current token's label row at its slot in place, so it can
+    run inside a compiled, CUDA-graph-captured step (``generate()`` with a ``StaticCache``). With a
+    ``DynamicCache`` the cache outgrows the allocation as tokens are appended: the step then
+    reallocates the label cache eagerly, ``_GROW`` slots more at a time, copying what it holds
+    (eager only: a compiled step whose cache grows recompiles for every length anyway).
     """
 
-    def __init__(self, rank: int, channels: torch.Tensor | None = None, head_dim: int | None = None):
-        super().__init__()
+    def __init__(self, rank: int, channels: torch.Tensor | None = None, head_dim: int | None = None,
+                 num_layers: int | None = None):
         if rank < 1:
             raise ConfigError(f"baseline.label_rank: {rank} is out of range; allowed >= 1")
         if channels is not None:
@@ -129,24 +185,35 @@ class DoubleSparsitySelector(LayerStates):
         self.rank = rank
         self.channels = channels
         self.head_dim = head_dim
+        self.num_layers = num_layers if num_layers is not None else (None if channels is None else channels.shape[0])
+        self.cache: LabelCache | None = None
 
     @property
     def calibrated(self) -> bool:
         """True when the label channels come from an offline calibration file."""
         return self.channels is not None
 
+    @property
+    def state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Views of each layer's label cache that holds the current prompt: ``{"channels": [B, Hq, r],
+        "label": [B, Hq, S, r]}`` by layer (for inspection; the step reads :attr:`cache`)."""
+        c = self.cache
+        if c is None:
+            return {}
+        return {i: {"channels": c.channels[i], "label": c.label[i]} for i, ready in enumerate(c.ready) if ready}
+
     @classmethod
     def from_config(cls, resolved: ResolvedConfig, num_heads: int) -> "DoubleSparsitySelector":
         """The selector of ``baseline.label_rank`` / ``baseline.label_channels``, checked against the model."""
         b = resolved.config.baseline
         if b.label_channels is None:
-            return cls(b.label_rank)
+            return cls(b.label_rank, num_layers=resolved.num_layers)
         channels, head_dim = load_label_channels(b.label_channels)
         if tuple(channels.shape[:2]) != (resolved.num_layers, num_heads):
             raise ConfigError(
                 f"baseline.label_channels: {b.label_channels} holds channels of {channels.shape[0]} layers x "
                 f"{channels.shape[1]} heads; this model has {resolved.num_layers} x {num_heads}")
-        return cls(b.label_rank, channels, head_dim)
+        return cls(b.label_rank, channels, head_dim, resolved.num_layers)
 
     def _layer_channels(self, layer: int, batch: int, head_dim: int, device: torch.device) -> torch.Tensor:
         """``[B, Hq, r]`` calibrated channels of ``layer`` (the file must match ``head_dim``)."""
@@ -156,6 +223,42 @@ class DoubleSparsitySelector(LayerStates):
         ch = self.channels[layer].to(device)
         return ch[None].expand(batch, *ch.shape)
 
+    def _ready(self, layer: int, batch: int, heads: int) -> bool:
+        """Whether ``layer``'s label cache holds the current prompt for ``batch`` x ``heads`` rows."""
+        c = self.cache
+        return c is not None and layer < len(c.ready) and c.ready[layer] and c.label.shape[1:3] == (batch, heads)
+
+    @torch.compiler.disable
+    def _fit(
+        self, layer: int, batch: int, heads: int, slots: int, dtype: torch.dtype, device: torch.device
+    ) -> LabelCache:
+        """The label cache, made to hold ``layer`` and ``slots`` slots for this shape (eager even
+        inside a compiled forward: the buffers must live outside any CUDA graph pool). A cache of
+        the same shape that is too short (fewer layers or slots) is reallocated with its contents;
+        one of another shape is replaced, every layer unready."""
+        old = self.cache
+        layers = max(layer + 1, self.num_layers or 0)
+        if old is not None and old.fits(layers, batch, heads, self.rank, dtype, device) and old.slots >= slots:
+            return old
+        if old is not None and old.fits(0, batch, heads, self.rank, dtype, device):
+            new = LabelCache(max(layers, len(old.ready)), batch, heads, max(slots, old.slots), self.rank, dtype, device)
+            new.label[: len(old.ready), :, :, : old.slots].copy_(old.label)
+            new.channels[: len(old.ready)].copy_(old.channels)
+            new.ready[: len(old.ready)] = old.ready
+        else:
+            new = LabelCache(layers, batch, heads, slots, self.rank, dtype, device)
+        self.cache = new
+        return new
+
+    def _store(self, layer: int, channels: torch.Tensor, key: torch.Tensor) -> None:
+        """Write ``layer``'s channels and the label rows of the whole cache ``key`` (in place)."""
+        B, Hq, _ = channels.shape
+        S = key.shape[2]
+        cache = self._fit(layer, B, Hq, S, key.dtype, key.device)
+        cache.channels[layer].copy_(channels)
+        cache.label[layer, :, :, :S].copy_(label_keys(key, channels))
+        cache.ready[layer] = True
+
     def observe_prefill(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
     ) -> None:
@@ -164,38 +267,36 @@ class DoubleSparsitySelector(LayerStates):
         A prompt from position 0 starts over; a continued prefill keeps the channels it has.
         """
         B, _, _, D = key.shape
-        old = self.state.get(layer)
+        Hq = query.shape[1]
         fresh = bool((geom.q_start <= 0).all())
         if self.calibrated:
             channels = self._layer_channels(layer, B, D, key.device)
-        elif fresh or old is None or old["channels"].shape[0] != B:
+        elif fresh or not self._ready(layer, B, Hq):
             channels = _prompt_channels(query, key, geom, self.rank)
         else:
-            channels = old["channels"]
-        self.state[layer] = {"channels": channels, "label": label_keys(key, channels)}
-        self.steps[layer] = 0
+            channels = self.cache.channels[layer].clone()
+        self._store(layer, channels, key)
 
-    def _label_cache(self, layer: int, k_cache: torch.Tensor, geom: SequenceGeometry, heads: int) -> dict:
-        """``layer``'s state with the current token's key written into the label cache (built if missing)."""
+    def _label_cache(self, layer: int, k_cache: torch.Tensor, geom: SequenceGeometry, heads: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s ``(channels [B, Hq, r], label cache [B, Hq, S, r])``, the current token's key
+        written into the label cache in place (built from the whole cache if this prompt's prefill
+        was not seen; a DynamicCache that outgrew the allocation grows it first, eagerly)."""
         B, Hkv, S, D = k_cache.shape
-        st = self.state.get(layer)
-        if st is None or st["channels"].shape[0] != B:
+        if not self._ready(layer, B, heads):
             if not self.calibrated:
                 raise RuntimeError(
                     f"double_sparsity: layer {layer} decodes without label channels: baseline.label_channels "
                     "is null and no prefill of this prompt was seen (give a calibration file, or prefill first)")
-            channels = self._layer_channels(layer, B, D, k_cache.device)
-            st = self.state[layer] = {"channels": channels, "label": label_keys(k_cache, channels)}
-            return st
-        label = st["label"]
-        if label.shape[2] < S:
-            extra = -(-(S - label.shape[2]) // _GROW) * _GROW
-            label = torch.cat([label, label.new_zeros(B, heads, extra, label.shape[3])], dim=2)
+            self._store(layer, self._layer_channels(layer, B, D, k_cache.device), k_cache)
+        elif self.cache.slots < S:
+            self._fit(layer, B, heads, -(-S // _GROW) * _GROW, k_cache.dtype, k_cache.device)
+        channels, label = self.cache.channels[layer], self.cache.label[layer]
         slot = (geom.pad.long() + geom.t_last.long() - 1).clamp(0, S - 1)  # the current token's slot
         current = k_cache.gather(2, slot.view(B, 1, 1, 1).expand(B, Hkv, 1, D))
-        new = label_keys(current, st["channels"])  # [B, Hq, 1, r]
-        st["label"] = label.scatter(2, slot.view(B, 1, 1, 1).expand_as(new), new)
-        return st
+        new = label_keys(current, channels)  # [B, Hq, 1, r]
+        label.scatter_(2, slot.view(B, 1, 1, 1).expand_as(new), new)
+        return channels, label[:, :, :S]
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -203,13 +304,22 @@ class DoubleSparsitySelector(LayerStates):
     ) -> DecodeSelection:
         """``sink ∪ top-k(scale · q[labels] · K[middle, labels]) ∪ local`` for every active row."""
         B, H, _ = q.shape
-        st = self._label_cache(layer, k_cache, geom, H)
-        self.advance(layer)
+        channels, label = self._label_cache(layer, k_cache, geom, H)
         frame = step_frame(geom, params)
         rows = frame.rows(H)
-        q_label = q.gather(-1, st["channels"])  # [B, Hq, r]
-        middle = retrieve_topk(q_label, st["label"][:, :, : k_cache.shape[2]], geom, frame, rows, params.topk, scale)
+        q_label = q.gather(-1, channels)  # [B, Hq, r]
+        middle = retrieve_topk(q_label, label, geom, frame, rows, params.topk, scale)
         return compose(frame, middle, params, retrieved=rows)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Follow beam search: the label cache's batch rows, in place."""
+        if self.cache is not None:
+            self.cache.reorder(index)
+
+    def reset(self) -> None:
+        """Forget every layer's prompt (the buffers stay, so a compiled step keeps their addresses)."""
+        if self.cache is not None:
+            self.cache.ready = [False] * len(self.cache.ready)
 
 
 # --------------------------------------------------------------------------------------------
