@@ -20,7 +20,8 @@ layer: "dense (transformers sdpa, repeat_kv)"); ``dense-gqa`` runs the same mode
 ``sdpa_gqa``: SDPA with ``enable_gqa=True`` and the mask). Every row's ``speedup_vs_fastest_dense``
 is against the faster of the dense rows of its case and mode, named in ``fastest_dense``.
 PrHS configs (:data:`CONFIGS`) are a shipped YAML plus overrides: the ``cis-*``/``cpe-*`` ones
-``configs/cpe.yaml`` with overrides, ``cis`` ``configs/cis.yaml`` and ``cpe-calibrated``
+and ``ds-s16`` (Double Sparsity, 16 label channels, at cis-s16's budget) ``configs/cpe.yaml``
+with overrides, ``cis`` ``configs/cis.yaml`` and ``cpe-calibrated``
 ``configs/cpe_qwen2.5-coder-1.5b.yaml`` as shipped (tau 0.8); telemetry on in all, for rho-hat.
 FlashInfer is not an end-to-end config (its decode plans on the host, outside a compiled graph);
 bench_decode_attention.py times it per layer.
@@ -90,6 +91,8 @@ CONFIGS: dict[str, PatchConfig | None] = {
     "dense-gqa": None,
     "cis-s8": PatchConfig(CPE, {"cis": {"block_size": 8}, **_CIS_ALONE}),
     "cis-s16": PatchConfig(CPE, {"cis": {"block_size": 16}, **_CIS_ALONE}),
+    # Double Sparsity at cis-s16's budget: top-k by 16 label channels, its label cache in place
+    "ds-s16": PatchConfig(CPE, {"baseline": {"name": "double_sparsity", "label_rank": 16}, **_CIS_ALONE}),
     "cpe-s16": PatchConfig(CPE, {"cis": {"block_size": 16}}),
     # Random weights give unrelated consecutive queries, so tau = 0.8 almost never shares
     # (rho-hat near 100 %). tau = -1 shares whenever the block has an anchor: rho-hat = 1/s,
