@@ -37,7 +37,9 @@ synthetic key/value for what the index set leaves out (same processed KV per ste
 overlaps compare its ``k - 1`` real middle tokens (the synthetic pair is no token) with the oracle
 of the same size; the output errors show what the pair adds. ``--schedule cis_tail`` runs only
 CIS-main, CIS + tail, both at s = 1 (every step retrieves: there the tail step is exact attention
-for a query head) and the oracle.
+for a query head) and the oracle. ``--schedule group`` runs CIS-main beside group-shared CIS
+(``cis.selection: group``, ranked by the group's largest score, and ``group_mean``, by its mean),
+each also at s = 1, and the oracle: which group ranking loses least against per-head selection.
 
 Writes ``docs/results/<--name>.{json,md}`` (default ``selection_quality``) and PNG plots there. Example::
 
@@ -250,13 +252,16 @@ def base_config(budget: dict[str, int]) -> dict[str, Any]:
             "telemetry": {"enabled": True, "oracle": True}}
 
 
-def cis_variant(budget, s: int, tau: float, label: str | None = None, tail: bool = False) -> Variant:
-    """CIS alone at block size ``s`` and threshold ``tau`` (``tail``: with ``cis.tail_slot``)."""
+def cis_variant(budget, s: int, tau: float, label: str | None = None, tail: bool = False,
+                selection: str = "head") -> Variant:
+    """CIS alone at block size ``s`` and threshold ``tau`` (``tail``: with ``cis.tail_slot``;
+    ``selection``: ``cis.selection``, a group mode makes the family ``cis_group``)."""
     cfg = base_config(budget)
-    cfg["cis"] = {"enabled": True, "block_size": s, "tau": tau, "tail_slot": tail}
-    extra = {"block_size": s, "tau": tau, **({"tail_slot": True} if tail else {})}
-    return Variant(label or f"CIS s={s} τ={tau}" + (" + tail" if tail else ""), "cis_tail" if tail else "cis", cfg,
-                   extra=extra)
+    cfg["cis"] = {"enabled": True, "block_size": s, "tau": tau, "tail_slot": tail, "selection": selection}
+    extra = {"block_size": s, "tau": tau, **({"tail_slot": True} if tail else {}),
+             **({"selection": selection} if selection != "head" else {})}
+    family = "cis_tail" if tail else ("cis" if selection == "head" else "cis_group")
+    return Variant(label or f"CIS s={s} τ={tau}" + (" + tail" if tail else ""), family, cfg, extra=extra)
 
 
 def baseline_variant(budget, name: str, label: str, family: str | None = None, note: str = "", **baseline) -> Variant:
@@ -470,6 +475,7 @@ def fidelity_lines(rows: list[dict]) -> list[str]:
 FAMILY_STYLE = {  # family -> (legend name, colour, marker)
     "cis": ("CIS", "tab:blue", "o"),
     "cis_tail": ("CIS + tail", "navy", "o"),
+    "cis_group": ("CIS group-shared", "teal", "s"),
     "hshare": ("HShare", "tab:red", "s"),
     "direct_reuse": ("DirectReuse", "tab:orange", "^"),
     "random_expansion": ("RandomExpansion", "tab:brown", "v"),
@@ -487,8 +493,8 @@ FAMILY_STYLE = {  # family -> (legend name, colour, marker)
 def _short(row: dict) -> str:
     """A point label: CIS rows by (s, τ), the others by what distinguishes rows of one family."""
     st = row["settings"]
-    if row["family"] in ("cis", "cis_tail"):
-        return f"s{st['block_size']} τ{st['tau']}"
+    if row["family"] in ("cis", "cis_tail", "cis_group"):
+        return f"s{st['block_size']} τ{st['tau']}" + (f" {st['selection']}" if "selection" in st else "")
     if row["family"] in ("direct_reuse", "random_expansion"):
         return row["variant"].split(" ", 1)[1]
     if row["family"].startswith("es_"):
@@ -675,6 +681,17 @@ def run_cis_tail_schedule(run, budget: dict[str, int], args: argparse.Namespace)
     run(baseline_variant(budget, "oracle", "Oracle top-k"))
 
 
+def run_group_schedule(run, budget: dict[str, int], args: argparse.Namespace) -> None:
+    """``--schedule group``: per-head CIS-main against group-shared selection ranked by the group's
+    max and by its mean score, each also at s = 1 (every step retrieves: the ranking alone), and the oracle."""
+    for s in (16, 1):
+        tag = "CIS-main" if s == 16 else "CIS s=1"
+        run(cis_variant(budget, s, 0.8, tag))
+        run(cis_variant(budget, s, 0.8, f"{tag} group max", selection="group"))
+        run(cis_variant(budget, s, 0.8, f"{tag} group mean", selection="group_mean"))
+    run(baseline_variant(budget, "oracle", "Oracle top-k"))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=fetch.DEFAULT_MODEL, help="registry name, .gguf, checkpoint folder or hub id")
@@ -694,7 +711,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16, help="Quest page size")
     ap.add_argument("--seed", type=int, default=0, help="RandomExpansion seed")
     ap.add_argument("--es-rank", type=int, default=64, help="rank of the low-rank W_q of the EarlySelectKV rows")
-    ap.add_argument("--schedule", choices=("full", "early_select", "cis_tail"), default="full",
+    ap.add_argument("--schedule", choices=("full", "early_select", "cis_tail", "group"), default="full",
                     help="every selector; or only Quest, CIS-main, the EarlySelectKV rows and the oracle; or only "
                          "CIS-main, CIS + tail (s = 16 and s = 1) and the oracle")
     ap.add_argument("--name", default="selection_quality", help="file name (stem) of the report and its plots")
@@ -774,6 +791,8 @@ def main(argv=None) -> int:
         run_early_select_schedule(run, budget, args)
     elif args.schedule == "cis_tail":
         run_cis_tail_schedule(run, budget, args)
+    elif args.schedule == "group":
+        run_group_schedule(run, budget, args)
     else:
         run_schedule(run, budget, args, model.config.num_hidden_layers, model.config.num_attention_heads)
 

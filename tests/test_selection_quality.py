@@ -57,3 +57,26 @@ def test_quick_run_on_local_data(tmp_path) -> None:
     plots = json.loads(saved.read_text())["meta"]["plots"]
     assert plots == ([f"selection_quality_{n}.png" for n in ("beta_rho", "certificate", "overlap")] if has_mpl else [])
     assert all((out / p).is_file() for p in plots)
+
+
+def test_group_schedule_compares_the_group_rankings_with_per_head_cis(tmp_path) -> None:
+    """``--schedule group`` on the tiny GQA llama (4 query / 2 KV heads): per-head CIS, group max and
+    group mean at s = 16 and s = 1, and the oracle. At s = 1 every step retrieves, so per-head CIS is
+    the oracle and a group set (one per KV head) keeps at most as much of each head's mass."""
+    selection_quality = _load_script()
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    data_dir = write_local_data(tmp_path / "data")
+    out = tmp_path / "out"
+    assert selection_quality.main(["--model", str(checkpoint), "--data-dir", str(data_dir), "--datasets", "coqa",
+                                   "--quick", "--sink", "4", "--local", "8", "--topk", "16", "--schedule", "group",
+                                   "--name", "sq_group", "--out-dir", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads((out / "sq_group.json").read_text())["rows"]}
+    groups = [f"{tag} group {score}" for tag in ("CIS-main", "CIS s=1") for score in ("max", "mean")]
+    assert set(rows) == {"CIS-main", "CIS s=1", "Oracle top-k", *groups}
+    for name, selection in zip(groups, ("group", "group_mean") * 2):
+        assert rows[name]["family"] == "cis_group" and rows[name]["settings"]["selection"] == selection
+    assert "selection" not in rows["CIS-main"]["settings"] and rows["CIS-main"]["family"] == "cis"
+    exact = rows["CIS s=1"]
+    assert exact["rho_hat"] == 1 and abs(exact["beta_emp"] - rows["Oracle top-k"]["beta_emp"]) < 1e-6
+    for score in ("max", "mean"):
+        assert rows[f"CIS s=1 group {score}"]["beta_emp"] >= exact["beta_emp"] - 1e-6
