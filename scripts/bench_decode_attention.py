@@ -524,7 +524,7 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
     row["cis16_ms"], row["cis16_timing"] = time_it(step16)
     row["cis16_topk_ms"], row["cis16_topk_timing"] = time_it(steps[16][3])
     row["ref16_ms"], row["ref16_timing"] = time_it(lambda: step16(REFERENCE_OPS))
-    group_step_columns(x, sh, bud, g, time_it, row)
+    group_step_columns(x, sh, bud, g, geo, common_kw, time_it, row)
     grouped_columns(x, sh, res16, bud, 16, time_it, launchers, row)
     ds_columns(x, sh, bud, ds_rank, time_it, row)
     row.update(stage_breakdown(x, bud, steps[16], row["sparse_ms"], time_it))
@@ -559,16 +559,16 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
     return row
 
 
-def group_step_columns(x: dict, sh: Shape, bud: Budget, g: torch.Generator, time_it: Callable, row: dict) -> None:
-    """``cis16_group``: the whole CIS-16 step with group-shared selection (one set per KV head)."""
+def group_step_columns(x: dict, sh: Shape, bud: Budget, g: torch.Generator, geo: tuple, step_kw: dict,
+                       time_it: Callable, row: dict) -> None:
+    """``cis16_group``: the whole CIS-16 step with group-shared selection (one set per KV head), on
+    the per-head steps' geometry ``geo`` and keywords ``step_kw``."""
     q, kc, vc = x["q"], x["k_cache"], x["v_cache"]
     aq, ac, ai, _ = make_anchors(x, sh, bud, 16, g, grouped=True)
     sets = dilated_set(ai.view(sh.B, sh.Hkv * 16, -1), True, bud.dil_m, bud.dil_r).view(sh.B, sh.Hkv, 16, -1)
 
     def step(ops=TRITON_OPS):
-        return cis_decode_step(ops, q, kc, vc, x["pad"], x["t"], x["lo"], x["hi"], x["hi"], aq, ac, sets, x["active"],
-                               tau=TAU, sink=bud.sink, k=bud.k, dil_m=bud.dil_m, dil_r=bud.dil_r, cap=bud.cap,
-                               scale=x["scale"], anchor_sets=True, grouped=True)
+        return cis_decode_step(ops, q, kc, vc, *geo, aq, ac, sets, x["active"], **step_kw, anchor_sets=True, grouped=True)
 
     res = step()
     row["retrieving_groups_s16"] = int((res.best == -1).sum())
