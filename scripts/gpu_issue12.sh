@@ -143,32 +143,33 @@ if want op; then
   RC[select_probe]=$?
 fi
 
-if want e2e; then
-  left=$((DEADLINE_S - (SECONDS - T0)))
-  stamp "e2e: $E2E_CASES x $E2E_CONFIGS, static, $E2E_TOKENS tokens, ${left} s left"
+# one bench_e2e_decode.py run as step $1 (what it measures: $2), with the time left before DEADLINE_S
+run_e2e() {
+  local step=$1 what=$2; shift 2
+  local left=$((DEADLINE_S - (SECONDS - T0)))
+  stamp "$step: $what, ${left} s left"
   if [ "$left" -gt 60 ]; then
-    timeout -k 10 "$left" python3 scripts/bench_e2e_decode.py --cases "$E2E_CASES" --modes static \
-      --configs "$E2E_CONFIGS" --new-tokens "$E2E_TOKENS" --out "$OUT/e2e"
-    RC[e2e]=$?
+    timeout -k 10 "$left" python3 scripts/bench_e2e_decode.py "$@"
+    RC[$step]=$?
   else
-    echo "skipped: under 60 s left"; RC[e2e]=skipped
+    echo "skipped: under 60 s left"; RC[$step]=skipped
   fi
+}
+
+if want e2e; then
+  run_e2e e2e "$E2E_CASES x $E2E_CONFIGS, static, $E2E_TOKENS tokens" --cases "$E2E_CASES" --modes static \
+    --configs "$E2E_CONFIGS" --new-tokens "$E2E_TOKENS" --out "$OUT/e2e"
 fi
 
 if want real; then
   # the real Qwen2.5-Coder-1.5B rows (issue 12): the checkpoint tools/gpu_join_and_eval.sh exported
   # (REAL_CKPT) and CoQA stories as real-text prompts (REAL_PROMPTS), configs/cis.yaml as shipped
-  left=$((DEADLINE_S - (SECONDS - T0)))
-  stamp "real: $REAL_CASES x $REAL_CONFIGS on $REAL_CKPT, ${left} s left"
   if [ ! -f "$REAL_CKPT/config.json" ] || [ ! -f "$REAL_PROMPTS" ]; then
-    echo "skipped: no checkpoint at $REAL_CKPT or no prompts at $REAL_PROMPTS"; RC[real]=missing
-  elif [ "$left" -gt 60 ]; then
-    mkdir -p "$OUT/real"
-    timeout -k 10 "$left" python3 scripts/bench_e2e_decode.py --model "$REAL_CKPT" --prompts "$REAL_PROMPTS" \
-      --cases "$REAL_CASES" --modes static --configs "$REAL_CONFIGS" --new-tokens "$E2E_TOKENS" --out "$OUT/real" --resume
-    RC[real]=$?
+    stamp "real: skipped: no checkpoint at $REAL_CKPT or no prompts at $REAL_PROMPTS"; RC[real]=missing
   else
-    echo "skipped: under 60 s left"; RC[real]=skipped
+    mkdir -p "$OUT/real"
+    run_e2e real "$REAL_CASES x $REAL_CONFIGS on $REAL_CKPT" --model "$REAL_CKPT" --prompts "$REAL_PROMPTS" \
+      --cases "$REAL_CASES" --modes static --configs "$REAL_CONFIGS" --new-tokens "$E2E_TOKENS" --out "$OUT/real" --resume
   fi
 fi
 
