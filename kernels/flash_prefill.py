@@ -1,4 +1,4 @@
-"""FlashAttention-4 backend of the prefill (``backend.prefill: flash``, issue 15; opt-in, ``auto`` never picks it).
+"""FlashAttention-4 backend of the prefill (``backend.prefill: flash``, issue 15; ``auto`` picks it where it runs, the fastest measured).
 
 Same contract and signature as :func:`prefill_attention.prefill_attention` (see ``prefill_attention.py``:
 ``q [B, Hq, Lq, D]``, ``k``/``v`` ``[B, Hkv, Lk, D]`` in HF layout, left padding as per-sequence
@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from .prefill_attention import _int32, check_prefill_inputs
+from .prefill_attention import _int32, check_prefill_inputs, dense_causal_plan
 
 __all__ = [
     "INSTALL_HINT",
@@ -424,7 +424,5 @@ def flash_dense_prefill_attention(
     """
     if no_mask and q.shape[2] == k.shape[2]:
         return flash_causal_attention(q, k, v, scale)
-    B, Lq = q.shape[0], q.shape[2]
-    zeros = torch.zeros(B, dtype=torch.int32, device=q.device)
-    win_lo = torch.zeros(B, Lq, dtype=torch.int32, device=q.device)
-    return flash_prefill_attention(q, k, v, pad, q_start, win_lo, 0, zeros, zeros, scale)
+    win_lo, no_rows = dense_causal_plan(q)
+    return flash_prefill_attention(q, k, v, pad, q_start, win_lo, 0, no_rows, no_rows, scale)

@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 PHASES = ("prefill", "decode")
-PREFILL_BACKENDS = ("auto", "torch", "triton", "flex", "flash")  # flash: FlashAttention-4, opt-in (auto never picks it)
+PREFILL_BACKENDS = ("auto", "torch", "triton", "flex", "flash")  # auto: flash where FA4 runs, else triton on CUDA, else torch
 DECODE_BACKENDS = ("auto", "torch", "triton")
 
 MAX_TOKENS = 2**20

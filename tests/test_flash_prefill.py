@@ -16,7 +16,9 @@ from prhs_hf import schedules as sched
 from prhs_hf.backends import dense_prefill_function, prefill_function
 from prhs_hf.config import ConfigError, load_config
 from prhs_hf.kernels import flash_prefill as fp
+from prhs_hf.kernels import prefill_attention as pa
 from prhs_hf.kernels.prefill_attention import prefill_attention_reference, prefill_visibility
+from conftest import triton_available
 from test_kernels_prefill import Case
 from tiny_models import padded_batch, tiny_model
 
@@ -223,10 +225,56 @@ def test_config_accepts_flash_and_lists_it_in_the_error():
         load_config(None, {"backend": {"prefill": "flash4"}})
 
 
-def test_auto_never_picks_flash():
-    for name in ("auto", "triton", "torch", "flex"):
-        assert dense_prefill_function(name, torch.device("cpu")) is None
-    assert prefill_function("auto", torch.device("cpu")) is not fp.flash_prefill_attention
+def test_prefill_routes_per_backend_name_on_the_cpu():
+    """Without CUDA, ``auto`` is the PyTorch reference and the dense layers keep the model's own
+    attention; ``triton`` (under the interpreter) gives the dense layers the Triton tile kernel."""
+    cpu = torch.device("cpu")
+    assert prefill_function("auto", cpu) is pa.prefill_attention_reference
+    for name in ("auto", "torch", "flex"):
+        assert dense_prefill_function(name, cpu) is None
+    if triton_available():
+        assert dense_prefill_function("triton", cpu) is pa.dense_prefill_attention
+
+
+def test_auto_takes_flash_where_it_runs_and_triton_for_what_fa4_refuses(monkeypatch):
+    """``auto`` on a GPU where FA4 runs: FA4 for fp16/bf16 inputs, the Triton kernel for the rest
+    (fp32, head sizes FA4 lacks) -- the fastest measured route that takes the input."""
+    import prhs_hf.backends as backends
+
+    calls = []
+    monkeypatch.setattr(backends, "flash_usable", lambda device: True)
+    monkeypatch.setattr(fp, "require_flash_attn", lambda device: None)
+    for mod, name in ((fp, "flash_prefill_attention"), (fp, "flash_dense_prefill_attention"),
+                      (pa, "prefill_attention"), (pa, "dense_prefill_attention")):
+        monkeypatch.setattr(mod, name, lambda q, *a, _n=name, **kw: calls.append(_n))
+    gpu = torch.device("cuda", 0)
+    sparse, dense = backends.prefill_function("auto", gpu), backends.dense_prefill_function("auto", gpu)
+    bf16, fp32 = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 3, 64)
+    odd = torch.zeros(1, 2, 3, 20, dtype=torch.bfloat16)
+    for q in (bf16, fp32, odd):
+        sparse(q)
+        dense(q, no_mask=True)
+    assert calls == ["flash_prefill_attention", "flash_dense_prefill_attention",
+                     "prefill_attention", "dense_prefill_attention",
+                     "prefill_attention", "dense_prefill_attention"]
+    # asked for by name, flash stays flash (its own errors name what FA4 refuses)
+    assert backends.prefill_function("flash", gpu) is fp.flash_prefill_attention
+    assert backends.dense_prefill_function("flash", gpu) is fp.flash_dense_prefill_attention
+    # where FA4 cannot run, auto is the Triton kernel
+    monkeypatch.setattr(backends, "flash_usable", lambda device: False)
+    monkeypatch.setattr(backends, "triton_usable", lambda device: True)
+    assert backends.prefill_function("auto", gpu) is pa.prefill_attention
+    assert backends.dense_prefill_function("auto", gpu) is pa.dense_prefill_attention
+
+
+def test_flash_usable_is_false_off_cuda_and_without_fa4(monkeypatch):
+    import prhs_hf.backends as backends
+
+    assert backends.flash_usable(torch.device("cpu")) is False
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    fp._require.cache_clear()
+    assert backends.flash_usable(torch.device("cuda", 0)) is False
 
 
 CPE = {"budget": {"sink": 4, "local": 8, "topk": 8}, "psaw": {"enabled": True}, "etf": {"enabled": True}}

@@ -25,6 +25,7 @@ from conftest import triton_available
 from prhs_hf import schedules as sched
 from prhs_hf.kernels.prefill_attention import (
     check_prefill_inputs,
+    dense_prefill_attention,
     prefill_attention,
     prefill_attention_reference,
 )
@@ -236,6 +237,23 @@ def test_kernel_matches_reference_16bit(case, dtype):
     assert out.dtype == dtype
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", [Case("plain", B=2, Lq=45, sink=0, pads=(0, 0)),
+                                  Case("left_padding", B=3, Hq=6, Hkv=2, Lq=41, sink=0, pads=(0, 3, 11)),
+                                  Case("chunked_prefill", B=2, Lq=21, prefix=30, sink=0, pads=(0, 6))],
+                         ids=["plain", "left_padding_gqa", "chunked_prefill"])
+def test_dense_route_is_the_causal_attention_of_the_real_tokens(case):
+    """The dense layers' Triton route (``backend.prefill: triton``/``auto`` on CUDA) equals dense causal
+    attention over the real tokens: the float64 oracle with no window and no frozen rows."""
+    q, k, v, pad, q_start, win_lo, sink, flo, fhi, scale = case.tensors()
+    assert sink == 0 and not bool(flo.any() or fhi.any())
+    full = torch.zeros_like(win_lo)
+    want = naive_dense(q, k, v, pad, q_start, full, 0, flo, fhi, scale)
+    got = dense_prefill_attention(q, k, v, pad, q_start, scale, no_mask=not bool(pad.any()))
+    assert got.shape == (case.B, case.Lq, case.Hq, case.D) and got.is_contiguous()
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
 
 
 @needs_triton
