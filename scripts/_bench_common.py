@@ -247,6 +247,32 @@ def register_fair_attention() -> str:
     return FAIR_ATTENTION
 
 
+#: FA4's dense causal forward registered as a transformers attention function (prefill benchmarks)
+FA4_DENSE_ATTENTION = "fa4_dense"
+
+
+def fa4_dense_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """FlashAttention-4's dense causal forward as a transformers attention function: the fastest dense
+    prefill a user could pick on an H200 (docs/results/probe_flash_attn4.md). For the benchmarks'
+    unpadded prefills only: it refuses a mask (padding) and queries that are not the whole cache."""
+    from prhs_hf.kernels.flash_prefill import flash_causal_attention
+
+    if attention_mask is not None or query.shape[2] != key.shape[2]:
+        raise ValueError(f"{FA4_DENSE_ATTENTION}: unpadded prefill only (no mask, queries = keys); got a mask: "
+                         f"{attention_mask is not None}, {query.shape[2]} queries over {key.shape[2]} keys")
+    return flash_causal_attention(query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling), None
+
+
+def register_fa4_dense_attention() -> str:
+    """Register :func:`fa4_dense_attention` (with SDPA's mask builder: no mask without padding); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FA4_DENSE_ATTENTION, fa4_dense_attention)
+    AttentionMaskInterface.register(FA4_DENSE_ATTENTION, sdpa_mask)
+    return FA4_DENSE_ATTENTION
+
+
 def flashinfer_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> Callable[[], torch.Tensor]:
     """FlashInfer's batch decode over whole caches: returns the call to time (its plan is done here).
 

@@ -100,6 +100,8 @@ CONFIGS: dict[str, PatchConfig | None] = {
     "cis-s8-share": PatchConfig(CPE, {"cis": {"block_size": 8, "tau": -1.0}, **_CIS_ALONE}),
     "cis-s16-share": PatchConfig(CPE, {"cis": {"block_size": 16, "tau": -1.0}, **_CIS_ALONE}),
     "cpe-s16-share": PatchConfig(CPE, {"cis": {"block_size": 16, "tau": -1.0}}),
+    # group-shared selection (one index set per KV head, ranked by the group's max): the GQA option
+    "cis-group-s16-share": PatchConfig(CPE, {"cis": {"block_size": 16, "tau": -1.0, "selection": "group"}, **_CIS_ALONE}),
     # as shipped (tau 0.8): real sharing, for real weights and real text (--model, --prompts)
     "cis": PatchConfig(ROOT / "configs" / "cis.yaml", {}),
     "cpe-calibrated": PatchConfig(ROOT / "configs" / "cpe_qwen2.5-coder-1.5b.yaml", {}),

@@ -14,8 +14,10 @@
 #   tests    pytest -m gpu: the decode and prefill kernels, the model path, the top-k select;
 #   op       scripts/bench_decode_attention.py, all shapes (issue 12's first, JSON after each), then
 #            scripts/probe_gqa_kernels.py --select-only on the 32/8 and the 12/2 shape;
-#   fa4      (not in the default STEPS) flash-attn-4 from the wheels in $FA4_WHEELS, then
-#            tests/test_flash_prefill_gpu.py and scripts/probe_flash_attn4.py (issue 15);
+#   fa4      (not in the default STEPS) flash-attn-4 from the wheels in $FA4_WHEELS, then the GPU
+#            tests of the prefill routes and the model, and with FA4_PROBE=1
+#            scripts/probe_flash_attn4.py (issue 15);
+#   prefill  (not in the default STEPS) scripts/bench_prefill.py --skip-flex (after fa4: with FA4);
 #   e2e      scripts/bench_e2e_decode.py, static mode, E2E_CASES x E2E_CONFIGS, E2E_TOKENS new
 #            tokens (JSON after each cell), with the time left before DEADLINE_S;
 #   real     (not in the default STEPS) the same on real weights and text: --model REAL_CKPT
@@ -103,26 +105,32 @@ EOF
   FI_PID=$!
 fi
 
-if want tests; then
-  # serially the GPU tests take > 240 s (most of it Triton compiling), so they run as TEST_SHARDS
-  # pytest processes side by side, the collected test ids dealt round-robin; one JUnit file each,
-  # packed into pytest_gpu.tgz ($OUT returns only a few files)
-  stamp "tests: pytest -m gpu in $TEST_SHARDS processes"
-  TEST_FILES="tests/test_kernels_decode_gpu.py tests/test_model_gpu.py tests/test_kernels_prefill_gpu.py tests/test_topk_select.py"
-  mkdir -p /tmp/shards && rm -f /tmp/shards/*
-  $PY -m pytest -q --collect-only -m gpu -p no:cacheprovider $TEST_FILES 2>/dev/null | grep '::' \
-    | awk -v n="$TEST_SHARDS" '{ print > ("/tmp/shards/ids." (NR % n)) }'
-  PIDS=()
-  for ids in /tmp/shards/ids.*; do
+# pytest -m gpu over test files as $TEST_SHARDS processes side by side (serially the GPU tests take
+# > 240 s, most of it Triton compiling), the collected test ids dealt round-robin; one JUnit file and
+# log each, packed into $OUT/$1.tgz ($OUT returns only a few files). Sets RC[$1].
+gpu_shards() {
+  local name=$1; shift
+  local dir=/tmp/shards_$name
+  mkdir -p "$dir" && rm -f "$dir"/*
+  $PY -m pytest -q --collect-only -m gpu -p no:cacheprovider "$@" 2>/dev/null | grep '::' \
+    | awk -v n="$TEST_SHARDS" -v d="$dir" '{ print > (d "/ids." (NR % n)) }'
+  local pids=() ids i pid log
+  for ids in "$dir"/ids.*; do
     i=${ids##*.}
-    timeout -k 10 270 $PY -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="/tmp/shards/pytest_gpu.$i.xml" \
-      $(cat "$ids") > "/tmp/shards/log.$i" 2>&1 &
-    PIDS+=($!)
+    timeout -k 10 240 $PY -m pytest -q -rfs -m gpu -p no:cacheprovider --junitxml="$dir/$name.$i.xml" \
+      $(cat "$ids") > "$dir/log.$i" 2>&1 &
+    pids+=($!)
   done
-  RC[tests]=0
-  for pid in "${PIDS[@]}"; do wait "$pid" || RC[tests]=$?; done
-  for log in /tmp/shards/log.*; do echo "--- $log"; grep -E "passed|failed|error|FAILED|ERROR|SKIPPED" "$log" | tail -n 30; done
-  tar -C /tmp/shards -czf "$OUT/pytest_gpu.tgz" . 
+  RC[$name]=0
+  for pid in "${pids[@]}"; do wait "$pid" || RC[$name]=$?; done
+  for log in "$dir"/log.*; do echo "--- $log"; grep -E "passed|failed|error|FAILED|ERROR|SKIPPED" "$log" | tail -n 30; done
+  tar -C "$dir" -czf "$OUT/$name.tgz" .
+}
+
+if want tests; then
+  stamp "tests: pytest -m gpu in $TEST_SHARDS processes"
+  gpu_shards pytest_gpu tests/test_kernels_decode_gpu.py tests/test_model_gpu.py tests/test_kernels_prefill_gpu.py \
+    tests/test_topk_select.py
 fi
 
 if [ -n "$FI_PID" ]; then
@@ -135,18 +143,29 @@ if want fa4; then
   # flash-attn-4 (issue 15): the wheels staged in $FA4_WHEELS (default /tmp/fa4w: flash_attn_4 4.0.0b36,
   # nvidia_cutlass_dsl + libs-base/libs-core/libs-cu13 4.8.1, quack_kernels, torch_c_dlpack_ext, einops,
   # apache_tvm_ffi, and cuda_bindings/cuda_pathfinder/protobuf where the machine lacks them; the 92 MB
-  # cu13 wheel travels split in two carries and is joined first), then the route's GPU tests and the probe
-  stamp "fa4: install, tests/test_flash_prefill_gpu.py, probe_flash_attn4.py"
+  # cu13 wheel travels split in two carries and is joined first), then the GPU tests of every route
+  # that can now take FA4 (flash, the prefill kernels, the model path: backend.prefill auto picks FA4
+  # where it runs) and, with FA4_PROBE=1, the operator probe. FA4 stays on PYTHONPATH for the later steps.
+  stamp "fa4: install, GPU tests of the prefill routes and the model${FA4_PROBE:+, probe_flash_attn4.py}"
   W=${FA4_WHEELS:-/tmp/fa4w}
   timeout -k 5 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4site "$W"/*.whl
   RC[fa4_install]=$?
-  FA4_PATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
-  PYTHONPATH=$FA4_PATH:$PYTHONPATH timeout -k 10 240 $PY -m pytest -q -rs -m gpu -p no:cacheprovider \
-    --junitxml="$OUT/pytest_fa4.xml" tests/test_flash_prefill_gpu.py
-  RC[fa4_tests]=$?
-  mkdir -p "$OUT/fa4"
-  PYTHONPATH=$FA4_PATH:$PYTHONPATH timeout -k 10 200 python3 scripts/probe_flash_attn4.py --out "$OUT/fa4/probe_flash_attn4"
-  RC[fa4_probe]=$?
+  export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  gpu_shards pytest_fa4 tests/test_flash_prefill_gpu.py tests/test_kernels_prefill_gpu.py tests/test_model_gpu.py
+  if [ -n "${FA4_PROBE:-}" ]; then
+    mkdir -p "$OUT/fa4"
+    timeout -k 10 200 python3 scripts/probe_flash_attn4.py --out "$OUT/fa4/probe_flash_attn4"
+    RC[fa4_probe]=$?
+  fi
+fi
+
+if want prefill; then
+  # whole-model prefill (issue 15): dense SDPA, dense FA4 (where the fa4 step installed it), cpe.yaml
+  # with backend.prefill auto and triton
+  stamp "prefill: bench_prefill.py --skip-flex"
+  mkdir -p "$OUT/prefill"
+  timeout -k 10 240 python3 scripts/bench_prefill.py --skip-flex --out "$OUT/prefill/bench_prefill"
+  RC[prefill]=$?
 fi
 
 if want op; then

@@ -233,6 +233,10 @@ def test_bench_prefill_quick_cpu_metadata(tmp_path):
     assert data["versions"]["flashinfer"] and data["versions"]["torch"] == torch.__version__
     assert data["operator"] and all(r["ours_ms"] is not None and r["dense_sdpa_ms"] is not None for r in data["operator"])
     assert data["model"], data["notes"]
+    variants = [r["variant"] for r in data["model"]]
+    assert "dense (sdpa)" in variants and any(v.startswith("cpe (") and "prefill auto" in v for v in variants)
+    for r in data["model"]:
+        assert r["ms"] is not None and r["speedup_vs_fastest_dense"] is not None and r["peak_vs_dense"] is None  # CPU: no peak
 
 
 def test_gpu_runner_names_what_exists():
