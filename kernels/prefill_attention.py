@@ -41,7 +41,6 @@ from ._common import interpreting, next_pow2, require_triton, tl, triton
 
 __all__ = [
     "dense_causal_plan",
-    "dense_prefill_attention",
     "prefill_attention",
     "prefill_attention_reference",
     "prefill_visibility",
@@ -522,22 +521,3 @@ def dense_causal_plan(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     arguments of :func:`prefill_attention` (with ``sink = 0``)."""
     B, Lq = q.shape[0], q.shape[2]
     return torch.zeros(B, Lq, dtype=torch.int32, device=q.device), torch.zeros(B, dtype=torch.int32, device=q.device)
-
-
-def dense_prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pad: torch.Tensor,
-    q_start: torch.Tensor,
-    scale: float,
-    *,
-    no_mask: bool,
-) -> torch.Tensor:
-    """Dense causal prefill (every real key ``j <= i``) of a layer without a PSAW/ETF plan, through the
-    Triton tile kernel (measured faster than SDPA's flash backend at 4k-32k on the H200:
-    docs/results/probe_flash_attn4.md). ``no_mask`` is accepted for the common signature of the dense
-    routes (:func:`prhs_hf.backends.dense_prefill_function`); left padding comes from ``pad``/``q_start``."""
-    win_lo, no_rows = dense_causal_plan(q)
-    return prefill_attention(q, k, v, pad, q_start, win_lo, 0, no_rows, no_rows, scale)
-

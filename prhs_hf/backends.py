@@ -50,45 +50,37 @@ def flash_usable(device: torch.device) -> bool:
     return True
 
 
-def _fa4_takes(q: torch.Tensor) -> bool:
-    """Whether FA4's forward takes ``q``'s dtype and head size (fp16/bf16, head size 8..256 in steps of 8)."""
+def _fa4_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether FA4's forward takes attention in ``dtype`` with head size ``head_dim`` (fp16/bf16, 8..256 in steps of 8)."""
     from .kernels.flash_prefill import check_flash_inputs
 
     try:
-        check_flash_inputs(q)
+        check_flash_inputs(torch.empty(0, head_dim, dtype=dtype, device="meta"))
     except ValueError:
         return False
     return True
 
 
-def _prefill_choice(name: str, device: torch.device) -> str:
-    """``backend.prefill`` resolved for ``device``. ``auto`` is the fastest measured route that can run
-    there (docs/results/probe_flash_attn4.md, H200, 4k-32k, dense and PSAW/ETF patterns: FA4 fastest,
-    then our Triton kernel, then FlexAttention, then SDPA): ``flash`` on an sm90/sm100 GPU with FA4
-    installed, else ``triton`` on CUDA, else ``torch``."""
-    if name == "auto" and flash_usable(device):
+def _prefill_choice(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """``backend.prefill`` resolved for attention in ``dtype`` with head size ``head_dim`` on ``device``.
+
+    ``auto`` is the fastest measured route that runs there and takes the input: ``flash`` on an
+    sm90/sm100 GPU with FA4 installed for fp16/bf16 (H200: FA4 fastest on the dense and the PSAW/ETF
+    patterns, docs/results/probe_flash_attn4.md, and whole-model, docs/results/bench_prefill.md),
+    else ``triton`` on CUDA, else ``torch``."""
+    if name == "auto" and flash_usable(device) and _fa4_takes(dtype, head_dim):
         return "flash"
     return _pick(name, device, "backend.prefill")
 
 
-def _by_input(flash_fn: Callable, triton_fn: Callable) -> Callable:
-    """``auto``'s route: ``flash_fn`` for the inputs FA4 takes, else ``triton_fn`` (an fp32 model, an
-    odd head size), both exact to the same contract; same signature as the two."""
-
-    def attention(q, *args, **kwargs):
-        return (flash_fn if _fa4_takes(q) else triton_fn)(q, *args, **kwargs)
-
-    return attention
-
-
-def prefill_function(name: str, device: torch.device) -> Callable:
-    """The sparse prefill attention for ``backend.prefill`` (same signature for every backend).
+def prefill_function(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> Callable:
+    """The sparse (PSAW/ETF) prefill attention for ``backend.prefill`` and attention in ``dtype`` with
+    head size ``head_dim`` on ``device`` (same signature for every backend; :func:`_prefill_choice`).
 
     ``flash`` (FlashAttention-4) raises here, naming the key and the install, unless
-    ``flash_attn.cute`` imports and ``device`` is an sm90/sm100 GPU; ``auto`` takes FA4 where it
-    can run and takes the input (:func:`_prefill_choice`), else the Triton kernel on CUDA.
+    ``flash_attn.cute`` imports and ``device`` is an sm90/sm100 GPU (the input checks follow at the call).
     """
-    choice = _prefill_choice(name, device)
+    choice = _prefill_choice(name, device, dtype, head_dim)
     if choice == "flex":
         from .kernels.flex_prefill import flex_prefill_attention
 
@@ -97,29 +89,25 @@ def prefill_function(name: str, device: torch.device) -> Callable:
         from .kernels.flash_prefill import flash_prefill_attention, require_flash_attn
 
         require_flash_attn(device)
-        return flash_prefill_attention if name == "flash" else _by_input(flash_prefill_attention, pa.prefill_attention)
+        return flash_prefill_attention
     return pa.prefill_attention if choice == "triton" else pa.prefill_attention_reference
 
 
-def dense_prefill_function(name: str, device: torch.device) -> Callable | None:
+def dense_prefill_function(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> Callable | None:
     """The dense causal prefill of layers without a PSAW/ETF plan (the layers below a sparse config's
-    start layer, or every layer of a CIS-only config) for ``backend.prefill``, or None (the model's
-    own attention, SDPA). Signature ``(q, k, v, pad, q_start, scale, *, no_mask)``.
+    start layer, or every layer of a CIS-only config), or None: the model's own attention (SDPA).
+    Signature ``(q, k, v, pad, q_start, scale, *, no_mask)``.
 
-    ``flash``: FA4 (:func:`~prhs_hf.kernels.flash_prefill.flash_dense_prefill_attention`; it raises
-    like :func:`prefill_function` where FA4 cannot run); ``triton``: our tile kernel with the dense
-    pattern (:func:`~prhs_hf.kernels.prefill_attention.dense_prefill_attention`); ``auto``: the
-    fastest of the two that runs (:func:`_prefill_choice`); ``torch`` and ``flex``: None. A config
-    that changes nothing (``configs/dense.yaml``) never gets here: it keeps the unpatched path.
+    Only FA4 is faster than SDPA there: SDPA with the backend torch picks ran the dense causal pattern
+    in 14.8 ms at 32k on the H200, our Triton tile kernel in 18.2 (docs/results/bench_prefill.md),
+    FA4 in 13.3 (probe_flash_attn4.md). So ``flash``, and ``auto`` where it resolves to FA4
+    (:func:`_prefill_choice`), give :func:`~prhs_hf.kernels.flash_prefill.flash_dense_prefill_attention`
+    (``flash`` raises like :func:`prefill_function` where FA4 cannot run); every other choice None.
+    A config that changes nothing (``configs/dense.yaml``) never gets here: it keeps the unpatched path.
     """
-    choice = _prefill_choice(name, device)
-    if choice == "triton":
-        return pa.dense_prefill_attention
-    if choice != "flash":
+    if _prefill_choice(name, device, dtype, head_dim) != "flash":
         return None
     from .kernels.flash_prefill import flash_dense_prefill_attention, require_flash_attn
 
     require_flash_attn(device)
-    if name == "flash":
-        return flash_dense_prefill_attention
-    return _by_input(flash_dense_prefill_attention, pa.dense_prefill_attention)
+    return flash_dense_prefill_attention

@@ -108,7 +108,7 @@ class PrHSLayer:
 
     def _prefill(self, query, key, value, scaling):
         p = self.plan
-        fn = self.runtime.prefill_function(query.device)
+        fn = self.runtime.prefill_function(query.device, query.dtype)
         sink = self.runtime.resolved.config.budget.sink
         out = fn(query, key, value, p.geom.pad, p.geom.q_start, p.win_lo, sink, p.frozen_lo, p.frozen_hi, scaling)
         return out, None
@@ -185,7 +185,7 @@ class PrHSLayer:
         if self.plan is not None:
             return self._prefill(query, key, value, scaling)
         if query.shape[2] > 1 and not self.runtime.passthrough:  # a dense prefill layer of a sparse config
-            dense_prefill = self.runtime.dense_prefill_function(query.device)
+            dense_prefill = self.runtime.dense_prefill_function(query.device, query.dtype)
             if dense_prefill is not None:
                 geom = self.runtime.geometry_on(query.device)
                 out = dense_prefill(query, key, value, geom.pad, geom.q_start, scaling, no_mask=attention_mask is None)

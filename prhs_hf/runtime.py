@@ -33,8 +33,9 @@ class PrHSRuntime:
             layer.psaw_prefill or layer.etf or layer.window_decode for layer in self.layers
         )
         self._ops: dict[torch.device, object] = {}
-        self._prefill: dict[torch.device, Callable] = {}
-        self._dense_prefill: dict[torch.device, Callable | None] = {}
+        # prefill routes per (device, attention dtype): FA4 takes fp16/bf16 only
+        self._prefill: dict[tuple[torch.device, torch.dtype], Callable] = {}
+        self._dense_prefill: dict[tuple[torch.device, torch.dtype], Callable | None] = {}
         # the current forward, set by begin_forward (the first decoder layer's pre-hook)
         self.geometry: SequenceGeometry | None = None
         self._decoding = False
@@ -62,7 +63,7 @@ class PrHSRuntime:
             check_layout(mask, geom, None if cached is None else cached + q_len - 1)
             self._decoding = q_len == 1 and cached > 0
         if not self.is_decoding(q_len):
-            self.prepare(device, batch)
+            self.prepare(device, batch, hidden_states.dtype)
         self._store_geometry(geom)
 
     def geometry_on(self, device: torch.device) -> SequenceGeometry:
@@ -92,13 +93,13 @@ class PrHSRuntime:
                     torch._dynamo.mark_static_address(buffer)
             self.geometry = kept
 
-    def prepare(self, device: torch.device, batch: int) -> None:
-        """At a prefill of ``batch`` sequences (eager): pick the backends and allocate the telemetry
-        counters for ``device``, so that a compiled decode step that follows only looks them up."""
+    def prepare(self, device: torch.device, batch: int, dtype: torch.dtype) -> None:
+        """At a prefill of ``batch`` sequences in ``dtype`` (eager): pick the backends and allocate the
+        telemetry counters for ``device``, so that a compiled decode step that follows only looks them up."""
         if self.selector is not None:
             self.ops_for(device)
         if any(layer.psaw_prefill or layer.etf for layer in self.layers):
-            self.prefill_function(device)
+            self.prefill_function(device, dtype)
         if self.telemetry is not None:
             self.telemetry.prepare(device, batch)
 
@@ -108,18 +109,21 @@ class PrHSRuntime:
             self._ops[device] = pick_decode_ops(self.resolved.config.backend.decode, device)
         return self._ops[device]
 
-    def prefill_function(self, device: torch.device) -> Callable:
-        """The sparse prefill attention for ``device`` (chosen once per device)."""
-        if device not in self._prefill:
-            self._prefill[device] = prefill_function(self.resolved.config.backend.prefill, device)
-        return self._prefill[device]
+    def prefill_function(self, device: torch.device, dtype: torch.dtype) -> Callable:
+        """The sparse prefill attention for attention in ``dtype`` on ``device`` (chosen once for each)."""
+        key = (device, dtype)
+        if key not in self._prefill:
+            self._prefill[key] = prefill_function(self.resolved.config.backend.prefill, device, dtype, self.head_dim)
+        return self._prefill[key]
 
-    def dense_prefill_function(self, device: torch.device) -> Callable | None:
-        """The dense prefill attention of layers without a PSAW/ETF plan for ``device``, or None
-        (dense SDPA); chosen once per device (:func:`~prhs_hf.backends.dense_prefill_function`)."""
-        if device not in self._dense_prefill:
-            self._dense_prefill[device] = dense_prefill_function(self.resolved.config.backend.prefill, device)
-        return self._dense_prefill[device]
+    def dense_prefill_function(self, device: torch.device, dtype: torch.dtype) -> Callable | None:
+        """The dense prefill attention of layers without a PSAW/ETF plan for attention in ``dtype`` on
+        ``device``, or None (the model's SDPA); chosen once for each (:func:`~prhs_hf.backends.dense_prefill_function`)."""
+        key = (device, dtype)
+        if key not in self._dense_prefill:
+            self._dense_prefill[key] = dense_prefill_function(
+                self.resolved.config.backend.prefill, device, dtype, self.head_dim)
+        return self._dense_prefill[key]
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Follow beam search: reorder the selector's state (CIS anchors) with the cache."""

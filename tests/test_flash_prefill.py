@@ -181,9 +181,9 @@ def test_no_cuda_device_is_refused_with_the_key_and_the_alternatives():
     with pytest.raises(RuntimeError, match=r"backend.prefill: flash.*NVIDIA GPU.*triton, flex, torch or auto"):
         fp.require_flash_attn(torch.device("cpu"))
     with pytest.raises(RuntimeError, match="backend.prefill: flash"):
-        prefill_function("flash", torch.device("cpu"))
+        prefill_function("flash", torch.device("cpu"), torch.bfloat16, 64)
     with pytest.raises(RuntimeError, match="backend.prefill: flash"):
-        dense_prefill_function("flash", torch.device("cpu"))
+        dense_prefill_function("flash", torch.device("cpu"), torch.bfloat16, 64)
 
 
 def test_missing_flash_attn_names_the_install(monkeypatch):
@@ -226,45 +226,39 @@ def test_config_accepts_flash_and_lists_it_in_the_error():
 
 
 def test_prefill_routes_per_backend_name_on_the_cpu():
-    """Without CUDA, ``auto`` is the PyTorch reference and the dense layers keep the model's own
-    attention; ``triton`` (under the interpreter) gives the dense layers the Triton tile kernel."""
-    cpu = torch.device("cpu")
-    assert prefill_function("auto", cpu) is pa.prefill_attention_reference
-    for name in ("auto", "torch", "flex"):
-        assert dense_prefill_function(name, cpu) is None
-    if triton_available():
-        assert dense_prefill_function("triton", cpu) is pa.dense_prefill_attention
+    """Without CUDA, ``auto`` is the PyTorch reference, and the dense layers keep the model's own
+    attention (SDPA) for every name but ``flash``."""
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert prefill_function("auto", cpu, bf16, 64) is pa.prefill_attention_reference
+    for name in ("auto", "torch", "flex", "triton"):
+        if name != "triton" or triton_available():
+            assert dense_prefill_function(name, cpu, bf16, 64) is None
 
 
-def test_auto_takes_flash_where_it_runs_and_triton_for_what_fa4_refuses(monkeypatch):
-    """``auto`` on a GPU where FA4 runs: FA4 for fp16/bf16 inputs, the Triton kernel for the rest
-    (fp32, head sizes FA4 lacks) -- the fastest measured route that takes the input."""
+def test_auto_takes_flash_where_it_runs_for_what_fa4_takes(monkeypatch):
+    """``auto`` on a GPU where FA4 runs: FA4 for fp16/bf16 attention with a head size it has; else the
+    Triton kernel for the PSAW/ETF layers and SDPA (None) for the dense ones, which ran faster than
+    our Triton kernel on the dense pattern (docs/results/bench_prefill.md)."""
     import prhs_hf.backends as backends
 
-    calls = []
     monkeypatch.setattr(backends, "flash_usable", lambda device: True)
     monkeypatch.setattr(fp, "require_flash_attn", lambda device: None)
-    for mod, name in ((fp, "flash_prefill_attention"), (fp, "flash_dense_prefill_attention"),
-                      (pa, "prefill_attention"), (pa, "dense_prefill_attention")):
-        monkeypatch.setattr(mod, name, lambda q, *a, _n=name, **kw: calls.append(_n))
     gpu = torch.device("cuda", 0)
-    sparse, dense = backends.prefill_function("auto", gpu), backends.dense_prefill_function("auto", gpu)
-    bf16, fp32 = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 3, 64)
-    odd = torch.zeros(1, 2, 3, 20, dtype=torch.bfloat16)
-    for q in (bf16, fp32, odd):
-        sparse(q)
-        dense(q, no_mask=True)
-    assert calls == ["flash_prefill_attention", "flash_dense_prefill_attention",
-                     "prefill_attention", "dense_prefill_attention",
-                     "prefill_attention", "dense_prefill_attention"]
-    # asked for by name, flash stays flash (its own errors name what FA4 refuses)
-    assert backends.prefill_function("flash", gpu) is fp.flash_prefill_attention
-    assert backends.dense_prefill_function("flash", gpu) is fp.flash_dense_prefill_attention
-    # where FA4 cannot run, auto is the Triton kernel
-    monkeypatch.setattr(backends, "flash_usable", lambda device: False)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert backends.prefill_function("auto", gpu, dtype, 128) is fp.flash_prefill_attention
+        assert backends.dense_prefill_function("auto", gpu, dtype, 128) is fp.flash_dense_prefill_attention
     monkeypatch.setattr(backends, "triton_usable", lambda device: True)
-    assert backends.prefill_function("auto", gpu) is pa.prefill_attention
-    assert backends.dense_prefill_function("auto", gpu) is pa.dense_prefill_attention
+    for dtype, head_dim in ((torch.float32, 128), (torch.bfloat16, 20)):
+        assert backends.prefill_function("auto", gpu, dtype, head_dim) is pa.prefill_attention
+        assert backends.dense_prefill_function("auto", gpu, dtype, head_dim) is None
+    # asked for by name, flash stays flash (its own errors name what FA4 refuses at the call)
+    assert backends.prefill_function("flash", gpu, torch.float32, 128) is fp.flash_prefill_attention
+    assert backends.dense_prefill_function("flash", gpu, torch.float32, 128) is fp.flash_dense_prefill_attention
+    assert backends.dense_prefill_function("triton", gpu, torch.bfloat16, 128) is None
+    # where FA4 cannot run, auto is the Triton kernel for the sparse layers, SDPA for the dense ones
+    monkeypatch.setattr(backends, "flash_usable", lambda device: False)
+    assert backends.prefill_function("auto", gpu, torch.bfloat16, 128) is pa.prefill_attention
+    assert backends.dense_prefill_function("auto", gpu, torch.bfloat16, 128) is None
 
 
 def test_flash_usable_is_false_off_cuda_and_without_fa4(monkeypatch):

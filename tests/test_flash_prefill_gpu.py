@@ -17,7 +17,7 @@ import torch
 
 import prhs_hf
 from prhs_hf import schedules as sched
-from prhs_hf.backends import prefill_function
+from prhs_hf.backends import dense_prefill_function, prefill_function
 from prhs_hf.kernels import flash_prefill as fp
 from prhs_hf.kernels import prefill_attention as pa
 from test_kernels_prefill import Case
@@ -117,8 +117,15 @@ def test_fp32_is_refused_on_the_gpu():
         fp.flash_prefill_attention(*args)
 
 
-def test_auto_still_picks_triton():
-    assert prefill_function("auto", torch.device("cuda")) is pa.prefill_attention
+def test_auto_takes_fa4_for_bf16_and_triton_or_sdpa_for_fp32():
+    """Where FA4 runs, ``backend.prefill: auto`` (the fastest measured route) is FA4 for bf16
+    attention, the Triton kernel (PSAW/ETF layers) and SDPA (dense layers) for fp32 (FA4 has no fp32
+    forward)."""
+    gpu = torch.device("cuda")
+    assert prefill_function("auto", gpu, torch.bfloat16, 128) is fp.flash_prefill_attention
+    assert dense_prefill_function("auto", gpu, torch.bfloat16, 128) is fp.flash_dense_prefill_attention
+    assert prefill_function("auto", gpu, torch.float32, 128) is pa.prefill_attention
+    assert dense_prefill_function("auto", gpu, torch.float32, 128) is None
 
 
 # ----------------------------------------------------------------------------- a model end to end

@@ -25,7 +25,7 @@ from conftest import triton_available
 from prhs_hf import schedules as sched
 from prhs_hf.kernels.prefill_attention import (
     check_prefill_inputs,
-    dense_prefill_attention,
+    dense_causal_plan,
     prefill_attention,
     prefill_attention_reference,
 )
@@ -239,21 +239,24 @@ def test_kernel_matches_reference_16bit(case, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@needs_triton
 @pytest.mark.parametrize("case", [Case("plain", B=2, Lq=45, sink=0, pads=(0, 0)),
                                   Case("left_padding", B=3, Hq=6, Hkv=2, Lq=41, sink=0, pads=(0, 3, 11)),
                                   Case("chunked_prefill", B=2, Lq=21, prefix=30, sink=0, pads=(0, 6))],
                          ids=["plain", "left_padding_gqa", "chunked_prefill"])
-def test_dense_route_is_the_causal_attention_of_the_real_tokens(case):
-    """The dense layers' Triton route (``backend.prefill: triton``/``auto`` on CUDA) equals dense causal
-    attention over the real tokens: the float64 oracle with no window and no frozen rows."""
-    q, k, v, pad, q_start, win_lo, sink, flo, fhi, scale = case.tensors()
-    assert sink == 0 and not bool(flo.any() or fhi.any())
-    full = torch.zeros_like(win_lo)
-    want = naive_dense(q, k, v, pad, q_start, full, 0, flo, fhi, scale)
-    got = dense_prefill_attention(q, k, v, pad, q_start, scale, no_mask=not bool(pad.any()))
-    assert got.shape == (case.B, case.Lq, case.Hq, case.D) and got.is_contiguous()
-    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+def test_dense_causal_plan_is_the_causal_attention_of_the_real_tokens(case):
+    """The dense pattern the FA4 dense route hands the sparse forward (no window, no frozen rows,
+    sink 0) is dense causal attention over the real tokens: the float64 oracle, through the
+    reference and (where Triton runs) the kernel."""
+    q, k, v, pad, q_start, win_lo, _, flo, fhi, scale = case.tensors()
+    full, no_rows = dense_causal_plan(q)
+    assert full.shape == win_lo.shape and full.dtype == no_rows.dtype == torch.int32
+    assert not bool(full.any() or no_rows.any()) and no_rows.shape == (case.B,)
+    want = naive_dense(q, k, v, pad, q_start, full, 0, no_rows, no_rows, scale)
+    ref = prefill_attention_reference(q, k, v, pad, q_start, full, 0, no_rows, no_rows, scale)
+    torch.testing.assert_close(ref.double(), want, atol=1e-5, rtol=1e-5)
+    if triton_available():
+        got = prefill_attention(q, k, v, pad, q_start, full, 0, no_rows, no_rows, scale)
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
 
 
 @needs_triton

@@ -46,7 +46,7 @@ def test_sparse_prefill_equals_masked_reference_attention(psaw, etf):
     ids, mask = padded_batch([48, 37])
     prhs_hf.patch(model, _cfg(psaw, etf))
     runtime = model._prhs_runtime
-    inner = runtime.prefill_function(torch.device("cpu"))
+    inner = runtime.prefill_function(torch.device("cpu"), torch.float32)
     calls = []
 
     def recording(q, k, v, pad, q_start, win_lo, sink, frozen_lo, frozen_hi, scale):
@@ -54,7 +54,7 @@ def test_sparse_prefill_equals_masked_reference_attention(psaw, etf):
         calls.append((q, k, v, pad, scale, out))
         return out
 
-    runtime._prefill[torch.device("cpu")] = recording
+    runtime._prefill[(torch.device("cpu"), torch.float32)] = recording
     with torch.no_grad():
         model(ids, attention_mask=mask)
     prhs_hf.unpatch(model)
