@@ -26,7 +26,8 @@
 #
 # Environment: STEPS (default "install tests op e2e"), E2E_CASES (default
 # "llama2-7b:8:16384,llama3-8b:16:16384"), E2E_CONFIGS (default
-# "dense,dense-gqa,cis-s16-share,cpe-s16-share"), E2E_TOKENS (256), DEADLINE_S (560: the e2e step
+# "dense,dense-gqa,cis-s16-share,cpe-s16-share"), E2E_TOKENS (256), E2E_EXTRA (more bench_e2e_decode.py
+# arguments, e.g. "--profile-steps 8": kernels per step and the launch gap, issue 12's item 3), DEADLINE_S (560: the e2e step
 # stops there), PRHS_GIT_COMMIT (else the first line of .whl/COMMIT, written here with
 # `git rev-parse HEAD > .whl/COMMIT`; the copy on the device has no .git).
 #
@@ -192,8 +193,9 @@ run_e2e() {
 }
 
 if want e2e; then
+  # shellcheck disable=SC2086  # E2E_EXTRA: more arguments, word-split on purpose (e.g. "--profile-steps 8")
   run_e2e e2e "$E2E_CASES x $E2E_CONFIGS, static, $E2E_TOKENS tokens" --cases "$E2E_CASES" --modes static \
-    --configs "$E2E_CONFIGS" --new-tokens "$E2E_TOKENS" --out "$OUT/e2e"
+    --configs "$E2E_CONFIGS" --new-tokens "$E2E_TOKENS" --out "$OUT/e2e" ${E2E_EXTRA:-}
 fi
 
 if want real; then
