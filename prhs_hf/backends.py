@@ -66,7 +66,7 @@ def _prefill_choice(name: str, device: torch.device, dtype: torch.dtype, head_di
 
     ``auto`` is the fastest measured route that runs there and takes the input: ``flash`` on an
     sm90/sm100 GPU with FA4 installed for fp16/bf16 (H200: FA4 fastest on the dense and the PSAW/ETF
-    patterns, docs/results/probe_flash_attn4.md, and whole-model, docs/results/bench_prefill.md),
+    patterns, docs/results/probe_flash_attn4.md, and whole-model, docs/results/bench_prefill_fa4.md),
     else ``triton`` on CUDA, else ``torch``."""
     if name == "auto" and flash_usable(device) and _fa4_takes(dtype, head_dim):
         return "flash"

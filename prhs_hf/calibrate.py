@@ -46,7 +46,6 @@ The FLOP model (decoder layers only: embeddings and the LM head are the same for
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -54,6 +53,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+from .jsonl import JSONLError, read_jsonl
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -177,18 +178,13 @@ def _check_target(target: float, option: str = "--target") -> float:
 
 
 def _jsonl_texts(path: Path) -> Iterator[str]:
-    with path.open(encoding="utf-8", errors="replace") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CalibrationError(f"{path}:{number}: not JSON ({exc.msg}); a .jsonl file needs one "
-                                       f"object with a \"text\" string per line") from None
+    try:
+        for number, row in read_jsonl(path, errors="replace"):
             if not isinstance(row, Mapping) or not isinstance(row.get("text"), str):
                 raise CalibrationError(f"{path}:{number}: expected a JSON object with a \"text\" string field")
             yield row["text"]
+    except JSONLError as exc:
+        raise CalibrationError(f"{exc}; a .jsonl file needs one object with a \"text\" string per line") from None
 
 
 def read_texts(path: str | os.PathLike[str]) -> Iterator[str]:
@@ -218,11 +214,8 @@ def dataset_texts(name: str, cache_dir: str | os.PathLike[str] | None = None) ->
     from .fetch import fetch_dataset
 
     fields = CALIBRATION_DATASETS[name]
-    with fetch_dataset(name, cache_dir).open(encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                row = json.loads(line)
-                yield "\n".join(str(row[f]) for f in fields)
+    for _, row in read_jsonl(fetch_dataset(name, cache_dir)):
+        yield "\n".join(str(row[f]) for f in fields)
 
 
 def _special_prefix(tokenizer: "PreTrainedTokenizerBase") -> list[int]:

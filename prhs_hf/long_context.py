@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
+from .jsonl import read_jsonl, read_jsonl_records
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedTokenizerBase
 
@@ -213,8 +215,7 @@ def load_essays(path: str | os.PathLike[str] | None = None) -> list[str]:
         from prhs_hf import fetch
 
         path = fetch.fetch_dataset(ESSAYS_DATASET)
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line)["text"] for line in fh if line.strip()]
+    return [row["text"] for _, row in read_jsonl(path)]
 
 
 def essay_haystack(essays: Sequence[str]) -> list[str]:
@@ -538,7 +539,5 @@ def load_prepared(task: RulerTask | str, lengths: Iterable[int] | None = None,
                                     f"--tasks {t.name} --out DIR`")
     rows: list[dict[str, Any]] = []
     for length in sorted(lengths):
-        with prepared_file(t, length, data_dir).open(encoding="utf-8") as fh:
-            file_rows = [json.loads(line) for line in fh if line.strip()]
-        rows += file_rows[:limit] if limit is not None else file_rows
+        rows += read_jsonl_records(prepared_file(t, length, data_dir), limit)
     return rows

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
 import json
 import logging
 import sys
@@ -53,6 +52,7 @@ from transformers.generation.configuration_utils import CompileConfig
 import _bench_common as common
 import prhs_hf
 from prhs_hf.calibrate import _special_prefix
+from prhs_hf.jsonl import JSONLError, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -181,20 +181,16 @@ def read_prompt_texts(path: Path) -> list[str]:
     if not path.is_file():
         raise ValueError(f"--prompts: no such file: {path}")
     texts = []
-    with (gzip.open if path.name.endswith(".gz") else open)(path, "rt", encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--prompts: {path.name}:{number}: not JSON ({exc.msg})") from None
+    try:
+        for number, record in read_jsonl(path):
             field = next((f for f in TEXT_FIELDS if isinstance(record, dict) and isinstance(record.get(f), str)), None)
             if field is None:
                 raise ValueError(f"--prompts: {path.name}:{number}: no text field; a record needs a string in "
                                  f"one of the fields {', '.join(TEXT_FIELDS)}")
             if record[field].strip():
                 texts.append(record[field])
+    except JSONLError as exc:
+        raise ValueError(f"--prompts: {exc}") from None
     if not texts:
         raise ValueError(f"--prompts: {path} holds no record with text")
     return texts

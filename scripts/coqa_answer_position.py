@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gzip
 import json
 import shlex
 import sys
@@ -25,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
+from prhs_hf.jsonl import read_jsonl_records
 from prhs_hf.lm_eval.data import load_rows
 from prhs_hf.lm_eval.prompts import coqa_golds, coqa_prompt
 
@@ -100,9 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "coqa_answer_position.json"))
     args = ap.parse_args(argv)
     edges = sorted(float(e) for e in args.edges.split(",") if e.strip())
-    opener = gzip.open if args.samples.endswith(".gz") else open
-    with opener(args.samples, "rt", encoding="utf-8") as fh:
-        samples = [json.loads(line) for line in fh if line.strip()]
+    samples = read_jsonl_records(args.samples)
     coqa = [s for s in samples if s["task"] == "coqa"]
     if not coqa:
         ap.error(f"{args.samples} holds no coqa samples")

@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 import shlex
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from prhs_hf import long_context as lc
+from prhs_hf.jsonl import read_jsonl_records
 
 DEPTH_BINS = 10
 DENSE_CONFIG = "dense"  # the config the prefill saving is measured against (--dense)
@@ -54,9 +54,7 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
     """The saved generations (``.samples.jsonl`` or its ``.gz``); none when neither exists."""
     for p in (path, Path(f"{path}.gz")):
         if p.is_file():
-            opener = gzip.open if p.suffix == ".gz" else open
-            with opener(p, "rt", encoding="utf-8") as fh:
-                return [json.loads(line) for line in fh if line.strip()]
+            return read_jsonl_records(p)
     return []
 
 

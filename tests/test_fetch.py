@@ -688,4 +688,6 @@ def test_fetch_is_split_into_registry_wheels_and_data_sets() -> None:
     src = Path(fetch.__file__).parent
     imports = {name: re.findall(r"^from \.(\w+) import", (src / f"{name}.py").read_text(), re.M) for name in homes}
     assert imports["registry"] == [], "the registry depends on nothing"
-    assert set(imports["wheels"]) == {"registry"} and set(imports["data_sets"]) == {"registry", "wheels"}
+    # jsonl: the package's one JSON Lines reader, a leaf that imports nothing of the package
+    assert set(imports["wheels"]) == {"registry"} and set(imports["data_sets"]) == {"registry", "wheels", "jsonl"}
+    assert re.findall(r"^from \.(\w+) import|^import prhs_hf", (src / "jsonl.py").read_text(), re.M) == []

@@ -7,13 +7,12 @@ schemas. Pure Python: nothing here needs lm-eval or ``datasets``.
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from prhs_hf import fetch
+from prhs_hf.jsonl import read_jsonl_records
 
 __all__ = ["DATA_DIR_ENV", "data_file", "load_rows"]
 
@@ -46,13 +45,4 @@ def data_file(name: str, data_dir: str | os.PathLike[str] | None = None) -> Path
 
 def load_rows(name: str, data_dir: str | os.PathLike[str] | None = None, limit: int | None = None) -> list[dict[str, Any]]:
     """The first ``limit`` rows (all if ``None``) of the data set ``name``, in file order (see :func:`data_file`)."""
-    path = data_file(name, data_dir)
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows: list[dict[str, Any]] = []
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for line in fh:
-            if limit is not None and len(rows) >= limit:
-                break
-            if line.strip():
-                rows.append(json.loads(line))
-    return rows
+    return read_jsonl_records(data_file(name, data_dir), limit)
