@@ -13,7 +13,8 @@
 #            background while the tests run (its cache stays in ~/.cache/flashinfer);
 #   tests    pytest -m gpu: the decode and prefill kernels, the model path, the top-k select;
 #   op       scripts/bench_decode_attention.py, all shapes (issue 12's first, JSON after each), then
-#            scripts/probe_gqa_kernels.py --select-only on the 32/8 and the 12/2 shape;
+#            scripts/probe_gqa_kernels.py --select-only on the 32/8 and the 12/2 shape, and
+#            scripts/probe_es_side_stream.py (its JSON into op/; the table is in the log);
 #   fa4      (not in the default STEPS) flash-attn-4 from the wheels in $FA4_WHEELS, then the GPU
 #            tests of the prefill routes and the model, and with FA4_PROBE=1
 #            scripts/probe_flash_attn4.py (issue 15);
@@ -177,6 +178,9 @@ if want op; then
   timeout -k 10 90 python3 scripts/probe_gqa_kernels.py --select-only
   timeout -k 10 90 python3 scripts/probe_gqa_kernels.py --select-only --batch 32 --hq 12 --hkv 2
   RC[select_probe]=$?
+  stamp "op: probe_es_side_stream.py (issue 15: does a side stream hide ES-CIS's selection?)"
+  timeout -k 10 120 python3 scripts/probe_es_side_stream.py --out /tmp/es_probe && cp /tmp/es_probe/probe_es_side_stream.json "$OUT/op/"
+  RC[es_probe]=$?
 fi
 
 # one bench_e2e_decode.py run as step $1 (what it measures: $2), with the time left before DEADLINE_S

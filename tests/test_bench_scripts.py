@@ -239,6 +239,18 @@ def test_bench_prefill_quick_cpu_metadata(tmp_path):
         assert r["ms"] is not None and r["speedup_vs_fastest_dense"] is not None and r["peak_vs_dense"] is None  # CPU: no peak
 
 
+def test_probe_es_side_stream_quick_cpu(tmp_path):
+    """The side-stream probe's CPU smoke run: every piece timed, no stream columns without CUDA."""
+    _run_script("probe_es_side_stream.py", "--quick", "--out", str(tmp_path))
+    data = json.loads((tmp_path / "probe_es_side_stream.json").read_text())
+    assert data["git_commit"] == "test-commit" and len(data["rows"]) == 1
+    row = data["rows"][0]
+    for key in ("select_ms", "rest_ms", "attention_ms", "sequential_ms", "bound_ms"):
+        assert row[key] > 0, key
+    assert row["overlapped_ms"] is None and row["hidden"] is None and row["same_output"] is None
+    assert "| select_ms |" in (tmp_path / "probe_es_side_stream.md").read_text()
+
+
 def test_gpu_runner_names_what_exists():
     """scripts/gpu_issue12.sh parses, and its default e2e cases, configs and test files exist."""
     import re

@@ -392,3 +392,26 @@ def test_gpu_probe_gqa_kernels_runs():
     assert all(math.isfinite(r["ms"]) and r["ms"] > 0 for r in rows if not r["name"].startswith("select "))
     selects = [r for r in rows if r["name"].startswith("select ")]
     assert selects and all(r["exact"] for r in selects)
+
+
+def test_gpu_es_side_stream_probe_overlaps_exactly():
+    """The ES-CIS side-stream probe on a small shape: the overlapped step (selection on a side
+    stream, joined by an event) gives the sequential step's attention output, bit for bit."""
+    import importlib.util
+    import math
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        spec = importlib.util.spec_from_file_location("probe_es_side_stream", scripts / "probe_es_side_stream.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(scripts))
+    small = mod.ModelShape("small", 512, 1024, mod.bda.Shape(4, 8, 2, 64, 2048))
+    row = mod.probe(small, torch.device("cuda"), torch.bfloat16)
+    assert row["same_output"] is True
+    assert math.isfinite(row["hidden"]) and row["overlapped_ms"] > 0
+

@@ -26,7 +26,9 @@ selection reads is ready at the end of the tap: the proxy, and layer ℓ+1's cac
 middle region (the current token is always in the local window, so it is never scored). The proxy
 projection and the selection can therefore be launched on a side CUDA stream from layer ℓ's hook
 and joined with an event in layer ℓ+1's ``select``; here both run on the main stream, the
-projection in the hook and the selection at layer ℓ+1.
+projection in the hook and the selection at layer ℓ+1. Whether the side stream would hide the
+selection is measured per layer by ``scripts/probe_es_side_stream.py`` (CUDA graphs of the
+sequential and the forked/joined step, on the model's kernels) before it is built into the step.
 
 Fidelity telemetry (``telemetry.oracle``): at every decode step of layers ℓ ≥ 1 the selector
 compares the exact top-k middle sets of the proxy and of the real query (overlap
