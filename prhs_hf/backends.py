@@ -10,7 +10,7 @@ from .kernels import decode_ops as ops
 from .kernels import prefill_attention as pa
 from .kernels._common import HAS_TRITON, interpreting
 
-__all__ = ["dense_prefill_function", "flash_usable", "pick_decode_ops", "prefill_function", "triton_usable"]
+__all__ = ["dense_prefill_function", "flash_usable", "pick_decode_ops", "prefill_choice", "prefill_function", "triton_usable"]
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -61,7 +61,7 @@ def _fa4_takes(dtype: torch.dtype, head_dim: int) -> bool:
     return True
 
 
-def _prefill_choice(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+def prefill_choice(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """``backend.prefill`` resolved for attention in ``dtype`` with head size ``head_dim`` on ``device``.
 
     ``auto`` is the fastest measured route that runs there and takes the input: ``flash`` on an
@@ -75,12 +75,12 @@ def _prefill_choice(name: str, device: torch.device, dtype: torch.dtype, head_di
 
 def prefill_function(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> Callable:
     """The sparse (PSAW/ETF) prefill attention for ``backend.prefill`` and attention in ``dtype`` with
-    head size ``head_dim`` on ``device`` (same signature for every backend; :func:`_prefill_choice`).
+    head size ``head_dim`` on ``device`` (same signature for every backend; :func:`prefill_choice`).
 
     ``flash`` (FlashAttention-4) raises here, naming the key and the install, unless
     ``flash_attn.cute`` imports and ``device`` is an sm90/sm100 GPU (the input checks follow at the call).
     """
-    choice = _prefill_choice(name, device, dtype, head_dim)
+    choice = prefill_choice(name, device, dtype, head_dim)
     if choice == "flex":
         from .kernels.flex_prefill import flex_prefill_attention
 
@@ -101,11 +101,11 @@ def dense_prefill_function(name: str, device: torch.device, dtype: torch.dtype, 
     Only FA4 is faster than SDPA there: SDPA with the backend torch picks ran the dense causal pattern
     in 14.8 ms at 32k on the H200, our Triton tile kernel in 18.2 (docs/results/bench_prefill.md),
     FA4 in 13.3 (probe_flash_attn4.md). So ``flash``, and ``auto`` where it resolves to FA4
-    (:func:`_prefill_choice`), give :func:`~prhs_hf.kernels.flash_prefill.flash_dense_prefill_attention`
+    (:func:`prefill_choice`), give :func:`~prhs_hf.kernels.flash_prefill.flash_dense_prefill_attention`
     (``flash`` raises like :func:`prefill_function` where FA4 cannot run); every other choice None.
     A config that changes nothing (``configs/dense.yaml``) never gets here: it keeps the unpatched path.
     """
-    if _prefill_choice(name, device, dtype, head_dim) != "flash":
+    if prefill_choice(name, device, dtype, head_dim) != "flash":
         return None
     from .kernels.flash_prefill import flash_dense_prefill_attention, require_flash_attn
 

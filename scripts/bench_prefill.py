@@ -251,7 +251,7 @@ def bench_operator(report: Report, contexts: list[int], depths: list[float], sha
         fa4_ms = _attempt(report, f"fa4 dense L={L}", lambda: time_ms(fa4, device)) if fa4 is not None else None
         fa = _flash_attn(q, k, v)
         fa_ms = _attempt(report, f"flash-attn L={L}", lambda: time_ms(fa, device)) if fa is not None else None
-        fastest = min((t for t in (dense_ms, default_ms, fa4_ms, fa_ms) if t is not None), default=None)
+        _, fastest = common.fastest({"sdpa_flash": dense_ms, "sdpa_default": default_ms, "fa4": fa4_ms, "flash_attn": fa_ms})
         patterns = [make_pattern(L, 0.0, "both", s)] + [
             make_pattern(L, u, mode, s) for u in depths if u > 0 for mode in ("psaw", "etf", "both")
         ]
@@ -343,13 +343,13 @@ def bench_model(report: Report, contexts: list[int], shape: ModelShape, config_p
         return
     weights_gb = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
     print(f"  model ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    from prhs_hf.backends import flash_usable
+    from prhs_hf.backends import prefill_choice
 
-    fa4 = flash_usable(device)
     # the PrHS variants: backend.prefill auto (the route it resolves to here), and the Triton kernel
-    # beside it where auto is FA4 (so that both routes are in one table)
-    routes = ["auto"] + (["triton"] if fa4 and device.type == "cuda" else [])
-    auto_route = "flash" if fa4 else ("triton" if device.type == "cuda" else "torch")
+    # beside it where auto is FA4 (so that both routes are in one table); FA4 also as a dense row
+    auto_route = prefill_choice("auto", device, dtype, shape.head_dim)
+    fa4 = auto_route == "flash"
+    routes = ["auto"] + (["triton"] if fa4 else [])
     for L in common.progress(contexts, "(b) whole model"):
         results: list[tuple[str, tuple[float, float | None] | None, bool]] = []  # (variant, result, dense?)
         results.append(("dense (sdpa)", _attempt(report, f"(b) dense L={L}", lambda: _measure_prefill(model, L, device, shape.vocab)), True))
@@ -373,8 +373,7 @@ def bench_model(report: Report, contexts: list[int], shape: ModelShape, config_p
             label = f"cpe ({config_path.name}, prefill {route}" + (f" -> {auto_route})" if route == "auto" else ")")
             results.append((label, _attempt(report, f"(b) {label} L={L}", cpe), False))
         sdpa = results[0][1]
-        dense_ms = [res[0] for _, res, is_dense in results if is_dense and res is not None]
-        fastest = min(dense_ms) if dense_ms else None
+        _, fastest = common.fastest({name: res[0] for name, res, is_dense in results if is_dense and res is not None})
         for name, res, _ in results:
             row = dict(
                 context=L, variant=name, ms=None if res is None else res[0], peak_gib=None if res is None else res[1],
