@@ -13,8 +13,9 @@
 #            background while the tests run (its cache stays in ~/.cache/flashinfer);
 #   tests    pytest -m gpu: the decode and prefill kernels, the model path, the top-k select;
 #   op       scripts/bench_decode_attention.py, all shapes (issue 12's first, JSON after each), then
-#            scripts/probe_gqa_kernels.py --select-only on the 32/8 and the 12/2 shape, and
-#            scripts/probe_es_side_stream.py (its JSON into op/; the table is in the log);
+#            scripts/probe_gqa_kernels.py --select-only on the 32/8 and the 12/2 shape;
+#   es       the GPU exactness test of scripts/probe_es_side_stream.py, then the probe (issue 15:
+#            does a side stream hide ES-CIS's next-layer selection?), into $OUT/es;
 #   fa4      (not in the default STEPS) flash-attn-4 from the wheels in $FA4_WHEELS, then the GPU
 #            tests of the prefill routes and the model, and with FA4_PROBE=1
 #            scripts/probe_flash_attn4.py (issue 15);
@@ -25,7 +26,7 @@
 #            --prompts REAL_PROMPTS, REAL_CASES x REAL_CONFIGS, --resume into $OUT/real (issue 12's
 #            Qwen2.5-Coder-1.5B rows; the checkpoint is the one tools/gpu_join_and_eval.sh exports).
 #
-# Environment: STEPS (default "install tests op e2e"), E2E_CASES (default
+# Environment: STEPS (default "install tests op es e2e"), E2E_CASES (default
 # "llama2-7b:8:16384,llama3-8b:16:16384"), E2E_CONFIGS (default
 # "dense,dense-gqa,cis-s16-share,cpe-s16-share"), E2E_TOKENS (256), E2E_EXTRA (more bench_e2e_decode.py
 # arguments, e.g. "--profile-steps 8": kernels per step and the launch gap, issue 12's item 3), DEADLINE_S (560: the e2e step
@@ -46,7 +47,7 @@ OUT=${OUT:-/tmp/issue12_out}
 mkdir -p "$OUT/op" "$OUT/e2e"
 exec > >(tee -a "$OUT/gpu_issue12.log") 2>&1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-STEPS=${STEPS:-"install tests op e2e"}
+STEPS=${STEPS:-"install tests op es e2e"}
 E2E_CASES=${E2E_CASES:-llama2-7b:8:16384,llama3-8b:16:16384}
 E2E_CONFIGS=${E2E_CONFIGS:-dense,dense-gqa,cis-s16-share,cpe-s16-share}
 E2E_TOKENS=${E2E_TOKENS:-256}
@@ -178,8 +179,17 @@ if want op; then
   timeout -k 10 90 python3 scripts/probe_gqa_kernels.py --select-only
   timeout -k 10 90 python3 scripts/probe_gqa_kernels.py --select-only --batch 32 --hq 12 --hkv 2
   RC[select_probe]=$?
-  stamp "op: probe_es_side_stream.py (issue 15: does a side stream hide ES-CIS's selection?)"
-  timeout -k 10 120 python3 scripts/probe_es_side_stream.py --out /tmp/es_probe && cp /tmp/es_probe/probe_es_side_stream.json "$OUT/op/"
+fi
+
+if want es; then
+  # issue 15: does running ES-CIS's next-layer selection on a side stream hide its latency? The GPU
+  # exactness test of the probe, then the probe (its .json and .md into $OUT/es)
+  stamp "es: test_gpu_es_side_stream_probe_overlaps_exactly, then probe_es_side_stream.py"
+  mkdir -p "$OUT/es"
+  timeout -k 10 180 $PY -m pytest -q -rfs -m gpu -p no:cacheprovider \
+    tests/test_kernels_decode_gpu.py::test_gpu_es_side_stream_probe_overlaps_exactly 2>&1 | tail -n 5
+  RC[es_test]=${PIPESTATUS[0]}
+  timeout -k 10 120 python3 scripts/probe_es_side_stream.py --out "$OUT/es"
   RC[es_probe]=$?
 fi
 
