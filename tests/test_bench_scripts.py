@@ -20,6 +20,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers.generation.configuration_utils import CompileConfig
 
+from script_loader import load_script
 from tiny_models import padded_batch, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -239,9 +240,13 @@ def test_bench_prefill_quick_cpu_metadata(tmp_path):
         assert r["ms"] is not None and r["speedup_vs_fastest_dense"] is not None and r["peak_vs_dense"] is None  # CPU: no peak
 
 
-def test_probe_es_side_stream_quick_cpu(tmp_path):
-    """The side-stream probe's CPU smoke run: every piece timed, no stream columns without CUDA."""
-    _run_script("probe_es_side_stream.py", "--quick", "--out", str(tmp_path))
+def test_probe_es_side_stream_quick_cpu(tmp_path, monkeypatch):
+    """The side-stream probe's CPU smoke run: every piece timed, no stream columns without CUDA.
+
+    In process, imported as the GPU test imports it (a script with dataclasses: it once failed
+    there with an AttributeError inside ``dataclasses``, the module not being in ``sys.modules``)."""
+    monkeypatch.setenv("PRHS_GIT_COMMIT", "test-commit")
+    assert load_script("probe_es_side_stream").main(["--quick", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "probe_es_side_stream.json").read_text())
     assert data["git_commit"] == "test-commit" and len(data["rows"]) == 1
     row = data["rows"][0]

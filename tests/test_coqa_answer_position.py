@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
+from script_loader import load_script
 from lm_eval_fixtures import COQA_ROWS, write_local_data
 from prhs_hf.lm_eval.prompts import coqa_prompt
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "coqa_answer_position.py"
-spec = importlib.util.spec_from_file_location("coqa_answer_position", SCRIPT)
-cap = importlib.util.module_from_spec(spec)
-sys.modules["coqa_answer_position"] = cap
-spec.loader.exec_module(cap)
+cap = load_script("coqa_answer_position")
 
 
 def test_answer_position_is_the_earliest_gold_in_the_story_over_the_prompt_length() -> None:
@@ -61,13 +55,7 @@ def test_early_answer_ablation_script(tmp_path) -> None:
     (by answer_position) and writes one row per config with per-example scores."""
     from lm_eval_fixtures import save_tiny_checkpoint
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec2 = importlib.util.spec_from_file_location("coqa_early_answer_ablation", SCRIPT.parent / "coqa_early_answer_ablation.py")
-        ablation = importlib.util.module_from_spec(spec2)
-        spec2.loader.exec_module(ablation)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    ablation = load_script("coqa_early_answer_ablation")
     data = write_local_data(tmp_path / "data")
     out = tmp_path / "abl.json"
     assert ablation.main(["--model", str(save_tiny_checkpoint(tmp_path / "tiny")), "--data-dir", str(data),

@@ -23,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from script_loader import load_script
 from conftest import triton_available
 from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
 from prhs_hf.kernels.compose_indices import (
@@ -1022,13 +1023,8 @@ def test_grouped_ops_compile_fullgraph():
 @needs_triton
 def test_probe_gqa_kernels_quick(capsys):
     """scripts/probe_gqa_kernels.py --quick runs on the CPU interpreter and prints its table."""
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "probe_gqa_kernels.py"
-    spec = importlib.util.spec_from_file_location("probe_gqa_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("probe_gqa_kernels")
     rows = mod.main(["--quick"])
     out = capsys.readouterr().out
     names = {r["name"] for r in rows}

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from script_loader import load_script
 from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
 from prhs_hf.kernels.compose_indices import (
     compose_from_sets_reference,
@@ -378,14 +379,9 @@ def test_gpu_probe_gqa_kernels_runs():
     It asserts no timing order: timings belong in the probe's table, and a test that compares them
     fails when another process shares the GPU (it did, with the GPU tests run side by side). Every
     select it times must return exactly the default select's indices."""
-    import importlib.util
     import math
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "probe_gqa_kernels.py"
-    spec = importlib.util.spec_from_file_location("probe_gqa_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("probe_gqa_kernels")
     rows = mod.main([])
     names = {r["name"] for r in rows}
     assert {mod.DEFAULT_RETRIEVAL, mod.OLD_RETRIEVAL, "attention grouped", "attention per-head"} <= names
@@ -397,19 +393,9 @@ def test_gpu_probe_gqa_kernels_runs():
 def test_gpu_es_side_stream_probe_overlaps_exactly():
     """The ES-CIS side-stream probe on a small shape: the overlapped step (selection on a side
     stream, joined by an event) gives the sequential step's attention output, bit for bit."""
-    import importlib.util
     import math
-    import sys
-    from pathlib import Path
 
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    sys.path.insert(0, str(scripts))
-    try:
-        spec = importlib.util.spec_from_file_location("probe_es_side_stream", scripts / "probe_es_side_stream.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(scripts))
+    mod = load_script("probe_es_side_stream")
     small = mod.ModelShape("small", 512, 1024, mod.bda.Shape(4, 8, 2, 64, 2048))
     row = mod.probe(small, torch.device("cuda"), torch.bfloat16)
     assert row["same_output"] is True

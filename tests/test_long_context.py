@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from script_loader import load_script
 from lm_eval_fixtures import SMALL_BUDGET, save_tiny_checkpoint
 from prhs_hf import cli, fetch, long_context as lc
 from prhs_hf.accuracy import direct
@@ -296,9 +297,7 @@ def test_lm_eval_plugin_and_direct_engine_agree(checkpoint, prepared_dir, monkey
 
 
 def test_run_accuracy_direct_engine_on_prepared_files(checkpoint, prepared_dir, tmp_path) -> None:
-    spec = importlib.util.spec_from_file_location("run_accuracy", ROOT / "scripts" / "run_accuracy.py")
-    run_accuracy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_accuracy)
+    run_accuracy = load_script("run_accuracy")
     out = tmp_path / "acc.json"
     assert run_accuracy.main(["--model", str(checkpoint), "--device", "cpu", "--dtype", "float32", "--tasks", "ruler",
                               "--configs", "dense", "--data-dir", str(prepared_dir), "--max-new-tokens", "4",

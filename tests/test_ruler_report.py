@@ -4,18 +4,15 @@ recall by depth recomputed from the saved generations and the prepared rows' dep
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from script_loader import load_script
+
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("ruler_report", REPO / "scripts" / "ruler_report.py")
-ruler_report = importlib.util.module_from_spec(spec)
-sys.modules["ruler_report"] = ruler_report
-spec.loader.exec_module(ruler_report)
+ruler_report = load_script("ruler_report")
 
 
 def _row(config: str, task: str, score: float, n: int, rho=None, prefill=None) -> dict:

@@ -3,9 +3,7 @@ not-implemented selectors, --resume and --max-seconds, and the lm-eval engine; t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from script_loader import load_script
 from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, save_tiny_checkpoint, write_local_data
 from prhs_hf.accuracy import configs as accuracy_configs
 from prhs_hf.accuracy import direct
@@ -22,17 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 
 
-def _load_script(name: str, folder: Path = SCRIPTS):
-    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-run_accuracy = _load_script("run_accuracy")
-sys.path.insert(0, str(REPO / "tools"))  # as when it runs: its own folder (gpu_transfer.py) first
-pack_for_gpu = _load_script("pack_for_gpu", REPO / "tools")
+run_accuracy = load_script("run_accuracy")
+pack_for_gpu = load_script("pack_for_gpu", REPO / "tools")  # its own folder (gpu_transfer.py) first, as when it runs
 
 
 @pytest.fixture(scope="module")
