@@ -46,7 +46,6 @@ The FLOP model (decoder layers only: embeddings and the LM head are the same for
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
@@ -71,6 +70,8 @@ __all__ = [
     "PHI_GRID",
     "PSI_GRID",
     "TEXT_SUFFIXES",
+    "calibration_texts",
+    "config_yaml_lines",
     "CALIBRATION_DATASETS",
     "CHUNK_ELEMENTS",
     "MassStat",
@@ -216,6 +217,27 @@ def dataset_texts(name: str, cache_dir: str | os.PathLike[str] | None = None) ->
     fields = CALIBRATION_DATASETS[name]
     for _, row in read_jsonl(fetch_dataset(name, cache_dir)):
         yield "\n".join(str(row[f]) for f in fields)
+
+
+def calibration_texts(text: str | os.PathLike[str] | None, dataset: str | None,
+                      cache_dir: str | os.PathLike[str] | None = None,
+                      status: Callable[[str], None] = lambda message: None) -> tuple[Iterable[str], str]:
+    """The calibration documents of exactly one of ``--text`` (:func:`read_texts`) and ``--dataset``
+    (:data:`CALIBRATION_DATASETS`, with a warning: they are evaluation data), and a line naming them."""
+    if (text is None) == (dataset is None):
+        raise CalibrationError(
+            "give the calibration text with --text PATH (a plain-text or .jsonl file with a \"text\" field, or a folder "
+            f"of {', '.join(TEXT_SUFFIXES)} files), or --dataset {'/'.join(CALIBRATION_DATASETS)}; there is no default, "
+            "since the fetcher's data sets (CoQA stories, GSM8K problems) are evaluation data")
+    if text is not None:
+        if not Path(text).expanduser().exists():
+            raise CalibrationError(f"--text: no such file or folder: {text}")
+        return read_texts(text), str(text)
+    if dataset not in CALIBRATION_DATASETS:
+        raise CalibrationError(f"--dataset: {dataset!r} is not allowed; allowed: {', '.join(CALIBRATION_DATASETS)}")
+    status(f"warning: {dataset} is evaluation data; a config calibrated on it is not an independent result")
+    return (dataset_texts(dataset, cache_dir),
+            f"the fetcher's {dataset} data set (evaluation data: calibration and evaluation overlap)")
 
 
 def _special_prefix(tokenizer: "PreTrainedTokenizerBase") -> list[int]:
@@ -795,9 +817,15 @@ def _fmt(x: float | None) -> str:
     return f"{x if abs(x) >= 5e-5 else 0.0:7.4f}"  # no "-0.0000" from rounding noise
 
 
-def _render_yaml(cal: Calibration) -> str:
+def config_yaml_lines(config: Mapping[str, Any]) -> list[str]:
+    """A config's sections (``PrHSConfig.to_dict()``), one YAML flow mapping per line, as the shipped configs are."""
     import yaml
 
+    return [f"{name}: {yaml.safe_dump(section, default_flow_style=True, sort_keys=False, width=10_000).strip()}"
+            for name, section in config.items()]
+
+
+def _render_yaml(cal: Calibration) -> str:
     m, c, p = cal.measurement, cal.chosen, cal.paper
     n_layers = m.grid.num_layers
     lines = [
@@ -811,9 +839,7 @@ def _render_yaml(cal: Calibration) -> str:
         f"worst dropped mass PSAW {p.psaw_worst:.4f}, ETF {p.etf_worst:.4f}).",
         "",
     ]
-    for name, section in cal.config.items():
-        flow = yaml.safe_dump(section, default_flow_style=True, sort_keys=False, width=10_000).strip()
-        lines.append(f"{name}: {flow}")
+    lines += config_yaml_lines(cal.config)
     lines += [
         "",
         "# Measured per layer (means over heads; rows = all prompt rows, late = the last rows, head = the",
@@ -978,22 +1004,7 @@ def run(
     :data:`CALIBRATION_DATASETS`) gives the calibration text. Returns the calibration and the YAML's path.
     """
     _check_target(target)
-    if (text is None) == (dataset is None):
-        raise CalibrationError(
-            "give the calibration text with --text PATH (a plain-text or .jsonl file with a \"text\" field, or a folder "
-            f"of {', '.join(TEXT_SUFFIXES)} files), or --dataset {'/'.join(CALIBRATION_DATASETS)}; there is no default, "
-            "since the fetcher's data sets (CoQA stories, GSM8K problems) are evaluation data")
-    if text is not None:
-        if not Path(text).expanduser().exists():
-            raise CalibrationError(f"--text: no such file or folder: {text}")
-        texts: Iterable[str] = read_texts(text)
-        source = str(text)
-    else:
-        if dataset not in CALIBRATION_DATASETS:
-            raise CalibrationError(f"--dataset: {dataset!r} is not allowed; allowed: {', '.join(CALIBRATION_DATASETS)}")
-        texts = dataset_texts(dataset, cache_dir)
-        source = f"the fetcher's {dataset} data set (evaluation data: calibration and evaluation overlap)"
-        status(f"warning: {dataset} is evaluation data; a config calibrated on it is not an independent result")
+    texts, source = calibration_texts(text, dataset, cache_dir, status)
     if plot is not None:
         _check_plotting()
     import torch

@@ -9,6 +9,8 @@ Subcommands:
   (:mod:`prhs_hf.lm_eval.shim`).
 - ``calibrate MODEL --text PATH``: choose the PSAW/ETF start layers and φ/ψ for a model by the
   attention mass they drop on calibration text, and write the config (:mod:`prhs_hf.calibrate`).
+- ``calibrate-ds MODEL --text PATH``: Double Sparsity's label channels for a model, offline, and a
+  config that uses them (:mod:`prhs_hf.calibrate_ds`).
 - ``ruler prepare``: generate the offline RULER long-context suite with a model's tokenizer, as
   JSONL for both engines (:mod:`prhs_hf.long_context`, ``docs/LONG_CONTEXT.md``).
 
@@ -110,22 +112,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     from prhs_hf import calibrate as cal  # no torch at import: the defaults below are plain constants
 
+    # what both calibrations share: the model, the calibration text and where the model runs
+    calibration = argparse.ArgumentParser(add_help=False)
+    calibration.add_argument("model", metavar="MODEL",
+                             help=f"registered model ({', '.join(fetch.MODELS)}), a .gguf file, a checkpoint folder or a hub id")
+    calibration.add_argument("--text", default=None, metavar="PATH",
+                             help=f"calibration text: a plain-text file, a .jsonl file with a \"text\" field, or a folder of "
+                                  f"{', '.join(cal.TEXT_SUFFIXES)} files (required unless --dataset)")
+    calibration.add_argument("--dataset", default=None, metavar="NAME",
+                             help=f"calibrate on a fetched data set instead ({', '.join(cal.CALIBRATION_DATASETS)}; both "
+                                  f"are evaluation data, so results on them are not independent)")
+    calibration.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, else float32), float32, bfloat16…")
+    calibration.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1…")
+
     p_cal = sub.add_parser(
-        "calibrate", parents=[cache],
+        "calibrate", parents=[cache, calibration],
         help="choose PSAW/ETF start layers and phi/psi for a model by the attention mass they drop",
         description="Measure, on calibration text, the attention mass that PSAW windows and ETF freezing would "
                     "drop at every layer (one dense forward per prompt), choose the schedules that keep it under "
                     "--target while saving the most prefill FLOPs, and write a full YAML config with the "
                     "measured curve in comments (docs/CALIBRATE.md).",
     )
-    p_cal.add_argument("model", metavar="MODEL",
-                       help=f"registered model ({', '.join(fetch.MODELS)}), a .gguf file, a checkpoint folder or a hub id")
-    p_cal.add_argument("--text", default=None, metavar="PATH",
-                       help=f"calibration text: a plain-text file, a .jsonl file with a \"text\" field, or a folder of "
-                            f"{', '.join(cal.TEXT_SUFFIXES)} files (required unless --dataset)")
-    p_cal.add_argument("--dataset", default=None, metavar="NAME",
-                       help=f"calibrate on a fetched data set instead ({', '.join(cal.CALIBRATION_DATASETS)}; both are "
-                            f"evaluation data, so results on them are not independent)")
     p_cal.add_argument("--out", default=None, metavar="PATH",
                        help="YAML to write (default: cpe_calibrated_<model>.yaml in the current folder)")
     p_cal.add_argument("--plot", default=None, metavar="PATH",
@@ -149,9 +156,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="candidate ETF rates, comma-separated (default: %(default)s)")
     p_cal.add_argument("--oracle-rows", type=int, default=8,
                        help="sampled late rows per prompt and layer for beta_emp against the oracle (default: 8)")
-    p_cal.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, else float32), float32, bfloat16…")
-    p_cal.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1…")
     p_cal.set_defaults(func=_cmd_calibrate)
+
+
+    from prhs_hf import calibrate_ds as cds  # no torch at import either
+
+    p_ds = sub.add_parser(
+        "calibrate-ds", parents=[cache, calibration],
+        help="calibrate Double Sparsity's label channels for a model (baseline.label_channels)",
+        description="Pack the calibration text into --n prompts of --length tokens, run one dense forward per prompt, "
+                    "keep the --rank channels of each (layer, query head) with the largest mean |q.k| contribution, "
+                    "and write OUT.pt (the channels) and OUT.yaml (--config with baseline double_sparsity naming "
+                    "OUT.pt), the share of the contribution mass they hold per layer in comments.",
+    )
+    p_ds.add_argument("--out", default=None, metavar="PATH",
+                      help="stem of the two files (default: ds_<model> in the current folder)")
+    p_ds.add_argument("--rank", type=int, default=cds.DEFAULT_RANK,
+                      help=f"label channels per head, at most the head dimension (default: {cds.DEFAULT_RANK})")
+    p_ds.add_argument("--n", type=int, default=cds.DEFAULT_PROMPTS, help=f"calibration prompts (default: {cds.DEFAULT_PROMPTS})")
+    p_ds.add_argument("--length", type=int, default=cal.DEFAULT_LENGTH,
+                      help=f"tokens per prompt (default: {cal.DEFAULT_LENGTH})")
+    p_ds.add_argument("--config", default=cds.DEFAULT_CONFIG,
+                      help=f"config whose budget and backends the YAML keeps (default: {cds.DEFAULT_CONFIG})")
+    p_ds.set_defaults(func=_cmd_calibrate_ds)
 
     _add_ruler(sub, cache)
 
@@ -415,6 +442,19 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir, progress=True, status=_status)
     print(cal.summary())
     print(f"wrote {path}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _cmd_calibrate_ds(args: argparse.Namespace) -> int:
+    from prhs_hf import calibrate_ds
+
+    _status("importing torch and transformers…")
+    result = calibrate_ds.run(
+        args.model, text=args.text, dataset=args.dataset, out=args.out, rank=args.rank, n=args.n, length=args.length,
+        config=args.config, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir, progress=True,
+        status=_status)
+    print(result.summary())
+    print(f"wrote {result.yaml_path} and {result.channels_path}")
     return 0
 
 

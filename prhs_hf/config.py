@@ -168,7 +168,8 @@ class BaselineConfig:
     Quest's page; ``share_ratio``, ``head_share_ratio`` and ``layer_share_ratio`` are HShare's
     query-, head- and layer-level sharing ratios (the fraction of decode steps, of a layer's heads
     and of the layers that reuse indices instead of retrieving; each in [0, 1)); ``seed`` seeds
-    RandomExpansion. ``label_channels`` (a ``.pt`` path or null) and ``label_rank`` (r, at most the
+    RandomExpansion. ``label_channels`` (a ``.pt`` path or null; relative paths in a YAML file are
+    relative to its folder; ``prhs-hf calibrate-ds`` writes one) and ``label_rank`` (r, at most the
     head dimension) are Double Sparsity's calibrated label channels and their count per head (null:
     chosen from each prompt; see :mod:`prhs_hf.selectors.double_sparsity`). ``window`` (the
     observation window W: the last W prompt queries score the prompt), ``pool_kernel`` (1-D max-pool
@@ -560,6 +561,18 @@ def _read_yaml(path: Path) -> Mapping[str, Any]:
     return data
 
 
+def _paths_relative_to(folder: Path, data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` with each relative file path of a ``"path"`` key (``baseline.label_channels``) taken
+    relative to ``folder``, the YAML file's own: a config and the file it names travel together."""
+    out = dict(data)
+    for key, rule in _RULES.items():
+        section, name = key.split(".")
+        value = out.get(section, {}).get(name) if isinstance(out.get(section), Mapping) else None
+        if rule[0] == "path" and isinstance(value, str) and value.strip() and not Path(value).expanduser().is_absolute():
+            out[section] = {**out[section], name: str(folder / value)}
+    return out
+
+
 def load_config(
     source: "str | Path | Mapping[str, Any] | PrHSConfig | None" = None,
     overrides: Mapping[str, Any] | None = None,
@@ -567,7 +580,8 @@ def load_config(
     """Read a config from a shipped name, a YAML path, a dict or a :class:`PrHSConfig`, then apply ``overrides``.
 
     A bare name (``"cis"``, ``"cpe"``) is a shipped config; any other string or :class:`~pathlib.Path`
-    is a YAML file that must exist. ``overrides`` is a nested mapping in the same schema, e.g.
+    is a YAML file that must exist (a relative ``baseline.label_channels`` in it is relative to the
+    file's folder; given in a dict or in ``overrides``, to the working directory). ``overrides`` is a nested mapping in the same schema, e.g.
     ``{"telemetry": {"enabled": True}}``; anything else (a string such as ``"cis.tau=0.7"``) raises
     :class:`ConfigError`. Sections left out of both are off (see the module docstring).
     """
@@ -577,7 +591,8 @@ def load_config(
     if isinstance(source, PrHSConfig):
         data = source.to_dict()
     elif isinstance(source, (str, Path)):
-        data = _read_yaml(resolve_config_path(source))
+        path = resolve_config_path(source)
+        data = _paths_relative_to(path.parent, _read_yaml(path))
     elif source is None:
         data = {}
     elif isinstance(source, Mapping):

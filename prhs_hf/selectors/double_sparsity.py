@@ -51,6 +51,7 @@ __all__ = [
     "qk_channel_contributions",
     "top_channels",
     "label_keys",
+    "label_contributions",
     "calibrate_label_channels",
     "save_label_channels",
     "load_label_channels",
@@ -327,16 +328,13 @@ class DoubleSparsitySelector:
 # --------------------------------------------------------------------------------------------
 
 
-def calibrate_label_channels(
-    model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", texts: Iterable[str], r: int,
-    max_length: int = 4096,
-) -> torch.Tensor:
-    """``[L, Hq, r]`` int64 label channels of every layer and query head, by descending contribution.
+def label_contributions(model: "PreTrainedModel", prompts: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``[L, Hq, D]`` float32: ``|q[c] · k[c]|`` averaged over every token of ``prompts`` per (layer,
+    query head, channel), each token's post-RoPE query with its own key.
 
-    One dense forward per text (truncated to ``max_length`` tokens) of the *unpatched* model; each
-    layer's post-RoPE query and key are read on the way (the attention function of
-    :mod:`prhs_hf.calibrate`, which runs dense SDPA) and ``|q[c] · k[c]|`` is averaged over all
-    tokens of all texts per (layer, head, channel).
+    ``prompts`` yields token ids, ``[1, T]`` or ``[T]`` each (one dense forward of the *unpatched*
+    model per prompt; each layer's query and key are read on the way by the attention function of
+    :mod:`prhs_hf.calibrate`, which runs dense SDPA).
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -369,8 +367,8 @@ def calibrate_label_channels(
             setattr(layer.self_attn, _HOOK, make_hook(i))
         model.set_attn_implementation(_NAME)
         with torch.inference_mode():
-            for text in texts:
-                ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"]
+            for ids in prompts:
+                ids = ids.reshape(1, -1)
                 if ids.shape[1] == 0:
                     continue
                 model(input_ids=ids.to(device), use_cache=False, logits_to_keep=1)
@@ -382,7 +380,22 @@ def calibrate_label_channels(
                 delattr(layer.self_attn, _HOOK)
     if tokens == 0:
         raise ValueError("texts: no calibration tokens (give at least one non-empty text)")
-    return top_channels(torch.stack(sums) / tokens, r).cpu()
+    return (torch.stack(sums) / tokens).float().cpu()
+
+
+def calibrate_label_channels(
+    model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", texts: Iterable[str], r: int,
+    max_length: int = 4096,
+) -> torch.Tensor:
+    """``[L, Hq, r]`` int64 label channels of every layer and query head, by descending contribution:
+    the top ``r`` of :func:`label_contributions` over ``texts`` (each truncated to ``max_length`` tokens).
+
+    ``prhs-hf calibrate-ds`` (:mod:`prhs_hf.calibrate_ds`) runs this on packed calibration prompts
+    and writes the file and a config that names it.
+    """
+    prompts = (tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"]
+               for text in texts)
+    return top_channels(label_contributions(model, prompts), r).cpu()
 
 
 def save_label_channels(path: str | Path, channels: torch.Tensor, head_dim: int) -> Path:
