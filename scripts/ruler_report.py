@@ -149,16 +149,38 @@ def _configs(table: Sequence[Mapping[str, Any]]) -> list[str]:
     return seen
 
 
+def merge_reports(reports: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """Several run_accuracy.py reports as one: their rows side by side, the first one's meta, and the
+    commands of the others under ``meta["more_runs"]``. A (config, task) in two reports is an error."""
+    seen: dict[tuple[str, str], str] = {}
+    rows = []
+    for report, name in zip(reports, names):
+        for row in report["rows"]:
+            key = (row["config"], row["task"])
+            if key in seen:
+                raise SystemExit(f"{name}: {key[0]} / {key[1]} is also in {seen[key]}; give each config and task once")
+            seen[key] = name
+            rows.append(row)
+    meta = dict(reports[0].get("meta", {}))
+    if len(reports) > 1:
+        meta["more_runs"] = [r.get("meta", {}) for r in reports[1:]]
+    return {"meta": meta, "rows": rows}
+
+
+def _run_lines(meta: Mapping[str, Any]) -> list[str]:
+    env = meta.get("environment", {})
+    return [f"- run: `{meta.get('command', '?')}`",
+            f"- model: {meta.get('model', '?')}; GPU: {env.get('gpu') or 'none'}; torch {env.get('torch', '?')}, "
+            f"transformers {env.get('versions', {}).get('transformers', '?')}; date {env.get('date', '?')}"]
+
+
 def render_markdown(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
     """Tasks × lengths with a column per config; then the means per length and the recall per depth."""
     table = summary["rows"]
     configs = _configs(table)
     cell = {(t["config"], t["task"], t["length"]): t for t in table}
-    env = meta.get("environment", {})
     lines = ["# RULER (offline subset, docs/LONG_CONTEXT.md)", "",
-             f"- run: `{meta.get('command', '?')}`",
-             f"- model: {meta.get('model', '?')}; GPU: {env.get('gpu') or 'none'}; torch {env.get('torch', '?')}, "
-             f"transformers {env.get('versions', {}).get('transformers', '?')}; date {env.get('date', '?')}",
+             *[line for m in (meta, *meta.get("more_runs", ())) for line in _run_lines(m)],
              f"- report: `{meta.get('report_command', '?')}`", "",
              "Score: lm-eval's string_match_all (share of the expected strings found), n examples per cell. "
              "ρ̂: share of sparse (step, layer, head) that ran a top-k retrieval; KV: keys attended per layer, "
@@ -234,19 +256,25 @@ def plot(summary: Mapping[str, Any], out: Path) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--results", required=True, type=Path, help="run_accuracy.py's JSON report")
+    ap.add_argument("--results", required=True, type=Path, nargs="+",
+                    help="run_accuracy.py's JSON report, or several (their rows side by side; a config and task "
+                         "in two of them is an error)")
     ap.add_argument("--samples", type=Path, default=None,
-                    help="its saved generations (default: <results>.samples.jsonl[.gz])")
+                    help="the saved generations of a single --results (default: <results>.samples.jsonl[.gz] "
+                         "of each)")
     ap.add_argument("--data-dir", required=True, help="the folder the RULER rows were prepared in")
     ap.add_argument("--out", required=True, type=Path, help="output path without suffix")
     ap.add_argument("--dense", default=DENSE_CONFIG,
                     help=f"the config the prefill time saved is measured against (default {DENSE_CONFIG})")
     args = ap.parse_args(argv)
-    report = json.loads(args.results.read_text())
-    samples = read_samples(args.samples or args.results.with_name(f"{args.results.stem}.samples.jsonl"))
+    if args.samples is not None and len(args.results) > 1:
+        ap.error("--samples goes with a single --results (each of several reports brings its own samples file)")
+    report = merge_reports([json.loads(p.read_text()) for p in args.results], [str(p) for p in args.results])
+    samples = [s for p in args.results
+               for s in read_samples(args.samples or p.with_name(f"{p.stem}.samples.jsonl"))]
     summary = summarize(report["rows"], needle_hits(samples, args.data_dir), args.dense)
     if not summary["rows"]:
-        raise SystemExit(f"{args.results}: no RULER row (ruler_<task>_<length>) with status ok")
+        raise SystemExit(f"{', '.join(map(str, args.results))}: no RULER row (ruler_<task>_<length>) with status ok")
     meta = {**report.get("meta", {}), "report_command": shlex.join(["scripts/ruler_report.py", *(sys.argv[1:] if argv is None else argv)])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_name(f"{args.out.name}.json").write_text(json.dumps({"meta": meta, **summary}, indent=1) + "\n")

@@ -99,3 +99,29 @@ def test_a_run_without_ruler_rows_is_an_error(tmp_path) -> None:
     results.write_text(json.dumps({"meta": {}, "rows": [_row("dense", "gsm8k_cot", 0.5, 3)]}))
     with pytest.raises(SystemExit, match="no RULER row"):
         ruler_report.main(["--results", str(results), "--data-dir", str(tmp_path), "--out", str(tmp_path / "o")])
+
+
+def test_several_reports_side_by_side_and_a_repeated_cell_is_an_error(run, tmp_path) -> None:
+    """A config run later (its own report and samples) joins the table of an earlier run; each run's
+    command is listed; the same config and task in two reports is refused."""
+    results, data = run
+    later = tmp_path / "later.json"
+    later.write_text(json.dumps({"meta": {"command": "run_accuracy.py --configs cis-lb", "model": "m"},
+                                 "rows": [_row("cis-lb", "ruler_niah_single_2_4096", 1.0, 2, 0.1)]}))
+    with gzip.open(tmp_path / "later.samples.jsonl.gz", "wt") as fh:
+        fh.writelines(json.dumps({"config": "cis-lb", "task": "ruler_niah_single_2_4096", "index": i,
+                                  "generation": g}) + "\n" for i, g in enumerate(("1234", "0000")))
+    out = tmp_path / "both"
+    assert ruler_report.main(["--results", str(results), str(later), "--data-dir", str(data), "--out", str(out)]) == 0
+    md = (out.parent / "both.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| task | length | n |"))
+    columns = [c.strip() for c in header.strip("|").split("|")][3:]
+    assert sorted(columns) == ["cis-lb", "cpe", "dense"]
+    scores = {"dense": "1.000", "cpe": "0.500", "cis-lb": "1.000"}
+    assert "| niah_single_2 | 4096 | 2 | " + " | ".join(scores[c] for c in columns) + " |" in md
+    assert "`run_accuracy.py …`" in md and "`run_accuracy.py --configs cis-lb`" in md
+    report = json.loads((out.parent / "both.json").read_text())
+    hits = [d for d in report["by_depth"] if d["config"] == "cis-lb"]
+    assert hits and sum(d["needles"] for d in hits) == 2 and sum(d["found"] * d["needles"] for d in hits) == 1
+    with pytest.raises(SystemExit, match="dense / ruler_niah_single_2_4096 is also in"):
+        ruler_report.main(["--results", str(results), str(results), "--data-dir", str(data), "--out", str(out)])
