@@ -22,10 +22,13 @@ import json, sys
 import prhs_hf
 from prhs_hf.config import shipped_configs
 from prhs_hf.lm_eval import LOCAL_TASKS, TASKS_DIR, task_manager
+from prhs_hf.selectors.double_sparsity import load_label_channels
 cfg = prhs_hf.load_config("cis")
+ds = prhs_hf.load_config("ds_qwen2.5-coder-1.5b").baseline.label_channels
 tasks = task_manager(include_defaults=False).all_tasks
 print(json.dumps({"file": prhs_hf.__file__, "tasks_dir": str(TASKS_DIR), "shipped": shipped_configs(),
                   "cis": [cfg.cis.enabled, cfg.psaw.enabled, cfg.etf.enabled],
+                  "ds_channels": [ds, list(load_label_channels(ds)[0].shape)],
                   "local_tasks_found": [t for t in LOCAL_TASKS if t in tasks]}))
 """
 
@@ -44,7 +47,7 @@ def built(tmp_path_factory) -> tuple[Path, str]:
 def test_wheel_holds_the_configs_and_the_task_yamls(built) -> None:
     wheel, _ = built
     names = set(zipfile.ZipFile(wheel).namelist())
-    for path in sorted(ROOT.glob("configs/*.yaml")):
+    for path in sorted([*ROOT.glob("configs/*.yaml"), *ROOT.glob("configs/*.pt")]):
         assert f"prhs_hf/configs/{path.name}" in names
     for path in sorted(ROOT.glob("tasks/*.yaml")):
         assert f"prhs_hf/tasks/{path.name}" in names
@@ -71,6 +74,8 @@ def test_installed_wheel_loads_a_config_by_name_and_finds_the_tasks(built, tmp_p
     assert Path(got["tasks_dir"]).is_relative_to(target), got["tasks_dir"]
     assert got["shipped"] == sorted(p.stem for p in ROOT.glob("configs/*.yaml"))
     assert got["cis"] == [True, False, False]
+    ds_path, ds_shape = got["ds_channels"]  # a shipped YAML's label file, found beside it in the install
+    assert Path(ds_path).is_relative_to(target) and ds_shape == [28, 12, 16], got["ds_channels"]
     from prhs_hf.lm_eval import LOCAL_TASKS
 
     assert got["local_tasks_found"] == list(LOCAL_TASKS)
