@@ -39,30 +39,38 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = ["DEFAULT_PROMPT", "DEFAULT_CONFIG", "LM_EVAL_COMMAND", "build_parser", "main", "no_sparse_step_note"]
 
-DEFAULT_CONFIG = "cis"
-"""The shipped config ``prhs-hf generate`` uses (CIS alone, budget 8 sink + 32 local + 88 top-k)."""
+DEFAULT_CONFIG = "cis_longbench"
+"""The shipped config ``prhs-hf generate`` uses: CIS alone at the paper's long-context budget
+(64 sink + 256 local + 4096 top-k), the shipped config measured to lose nothing on the long-context
+suite (``configs/cis_longbench.yaml`` says what was measured)."""
 
 LM_EVAL_COMMAND = "lm-eval"
 """``prhs-hf lm-eval ARGS`` runs lm-eval's command line (see :mod:`prhs_hf.lm_eval.shim`)."""
 
-# A story with the fact near its start and the question about it at the end: with SmolLM2-135M's
-# chat template it is 227 tokens, over the 8 + 32 + 88 = 128 of ``cis``, so the decode steps are
-# sparse and the answer has to be retrieved from early in the context. Dense and PrHS both answer
-# it correctly with the default model on the CPU (tests/test_cli.py, the slow demo test).
-DEFAULT_PROMPT = """\
-Read the story, then answer the question at the end.
 
-Mara keeps the key to the lighthouse in a red tin box under the third step of the stairs. Every \
-evening she climbs to the top, lights the lamp and writes the weather in a notebook. In spring the \
-wind comes from the west and the fishing boats leave before dawn. In summer tourists walk along the \
-cliffs and ask her about the ships that sank near the rocks a hundred years ago. She tells them \
-about the storm of 1911, when the lamp stayed dark for two nights and three ships were lost. In \
-autumn she paints the railings white and repairs the windows that the winter storms will break \
-again. Her brother Tom brings bread and letters from the village on Sundays, and they drink tea in \
-the small kitchen at the bottom of the tower while the gulls shout outside.
+def _weather_notes(days: int, fact_after: int, fact: str) -> str:
+    """A lighthouse keeper's weather log of ``days`` entries (varied, deterministic) with ``fact`` after entry ``fact_after``."""
+    wind = ("west", "north-west", "south", "east", "north", "south-west")
+    sky = ("clear skies", "low cloud", "light rain", "fog until noon", "a grey drizzle", "bright sun")
+    sea = ("a calm sea", "a long swell", "choppy water", "white caps", "a flat grey sea")
+    boats = ("two boats went out", "the boats stayed in the harbour", "three boats went out before dawn",
+             "the ferry came in late", "one boat went out and came back early")
+    lines = [f"Day {d}: wind from the {wind[d % 6]}, {sky[(d * 5) % 6]}, {sea[(d * 3) % 5]}; {boats[(d * 7) % 5]}."
+             for d in range(1, days + 1)]
+    lines.insert(fact_after, fact)
+    return "\n".join(lines)
 
-Question: Where does Mara keep the key to the lighthouse? Answer in one short sentence.
-"""
+
+# A keeper's weather log of 175 days with one fact in its middle and the question about it at the end:
+# with SmolLM2-135M's chat template it is 4,702 tokens, over the 64 + 256 + 4096 = 4,416 of
+# ``cis_longbench``, so the decode steps are sparse and the fact has to be selected from the middle of
+# the context. Dense and PrHS both answer it correctly with the default model on the CPU
+# (tests/test_cli.py, the slow demo test).
+DEFAULT_PROMPT = (
+    "Read Mara's weather notes, then answer the question at the end.\n\n"
+    + _weather_notes(175, 100, "Mara keeps the key to the lighthouse in a red tin box under the third step of the stairs.")
+    + "\n\nQuestion: Where does Mara keep the key to the lighthouse? Answer in one short sentence.\n"
+)
 
 _SIDE_BY_SIDE_MIN_WIDTH = 80
 

@@ -256,7 +256,9 @@ class PrHSConfig:
                 lower = _RULES[key][1]
                 if value > max_positions:
                     raise ConfigError(f"{key}: {value} is out of range for this model; allowed [{lower}, {max_positions}] "
-                                      f"(its max_position_embeddings)")
+                                      f"(its max_position_embeddings): the config is for longer contexts than this "
+                                      f"model's; give one with a smaller budget, e.g. the shipped \"cis\" "
+                                      f"(8 sink + 32 local + 88 top-k)")
         return ResolvedConfig(self, num_layers, psaw_start, etf_start, self._dilation_topm())
 
     def _dilation_topm(self) -> int:

@@ -32,9 +32,9 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
                                         bos_token="<|im_start|>")
     tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id)
+                         bos_token_id=tokenizer.bos_token_id)  # 8192: the default config's budget fits (4416)
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(out)
@@ -45,7 +45,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def test_parser_defaults_and_flags() -> None:
     parser = cli.build_parser()
     args = parser.parse_args(["generate"])
-    assert (args.model, args.config, args.prompt, args.chat) == ("smollm2-135m", "cis", None, None)
+    assert (args.model, args.config, args.prompt, args.chat) == ("smollm2-135m", "cis_longbench", None, None)
     assert (args.max_new_tokens, args.dtype, args.device, args.cache_dir) == (64, "auto", "auto", None)
     args = parser.parse_args(["generate", "--no-chat", "--max-new-tokens", "3", "--model", "x.gguf", "--dtype",
                               "bfloat16", "--device", "cpu", "--prompt", "hi", "--cache-dir", "/c"])
@@ -208,6 +208,29 @@ def test_a_prompt_within_the_budget_says_why_prhs_did_nothing(tiny_checkpoint, c
     assert f"the prompt has {prompt_len} tokens" in note, note
     assert f"= {_default_budget()} of {cli.DEFAULT_CONFIG}" in note and "--prompt" in note, note
     assert "loading" in captured.err and "generating" in captured.err, captured.err  # progress on stderr
+
+
+def test_generate_the_plugin_and_the_readme_example_share_one_default() -> None:
+    """The config measured to lose nothing on the long-context suite (issue 13) is the default everywhere
+    a user meets one: `prhs-hf generate`, the lm-eval plugin and the README's first example."""
+    from prhs_hf.lm_eval import plugin
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    first_block = readme.split("```python", 1)[1].split("```", 1)[0]
+    assert cli.DEFAULT_CONFIG == plugin.DEFAULT_CONFIG == "cis_longbench"
+    assert f'prhs_hf.patch(model, "{cli.DEFAULT_CONFIG}"' in first_block
+
+
+def test_a_model_shorter_than_the_default_budget_is_told_to_take_cis(tmp_path, capsys) -> None:
+    """The default budget (4416 tokens) outsizes a 2048-position model: a clear error naming the key,
+    the allowed range and the shipped config for short contexts, not a silently dense run."""
+    from lm_eval_fixtures import save_tiny_checkpoint  # max_position_embeddings 2048
+
+    folder = save_tiny_checkpoint(tmp_path / "short")
+    assert cli.main(["generate", "--model", str(folder), "--prompt", "Tom reads.", "--max-new-tokens", "2",
+                     "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "budget.topk: 4096 is out of range for this model; allowed [1, 2048]" in err and '"cis"' in err, err
 
 
 def test_the_note_names_a_config_that_never_selects() -> None:

@@ -10,9 +10,9 @@ tokens that aged out of the local window since the anchor was taken, which it ne
 ``cis-group`` and ``cis-group-t0.7-local`` use ``cis.selection: group`` (one index set per KV head,
 shared by its query heads), ``cis-group-mean`` its mean-score ranking (``group_mean``). ``cis-tail`` is ``cis-s16`` with ``cis.tail_slot`` (one slot of the
 top-k holds a synthetic key/value for what the index set leaves out, CertKV's tail-summary slot).
-``cis-lb`` is CIS alone (s = 16, τ = 0.8) at the paper's long-context budget, the one of
-``cpe_longbench.yaml`` (64 sink + 256 local + 4096 top-k: LongBench), where every other CIS row
-keeps the GSM8K/CoQA budget of 128 tokens also on 32k-token prompts.
+``cis-lb`` is ``cis_longbench.yaml``: CIS alone (s = 16, τ = 0.8) at the paper's long-context budget,
+the one of ``cpe_longbench.yaml`` (64 sink + 256 local + 4096 top-k: LongBench), where every other CIS
+row keeps the GSM8K/CoQA budget of 128 tokens also on 32k-token prompts.
 ``cpe-no-etf`` and ``cpe-no-psaw`` are the ablations of
 CPE (CIS + PSAW, CIS + ETF). The baselines replace CIS in decode with the same
 8/32/88 budget through ``baseline.name``. HShare appears at the paper's two settings of (query,
@@ -60,7 +60,7 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
         NamedConfig("cis-tail", "cis", {"cis": {"block_size": 16, "tail_slot": True}}),
         NamedConfig("cis-group-t0.7-local", "cis", {"cis": {
             "block_size": 16, "tau": 0.7, "selection": "group", "keep_anchor_local": True}}),
-        NamedConfig("cis-lb", "cpe_longbench", {"psaw": {"enabled": False}, "etf": {"enabled": False}}),
+        NamedConfig("cis-lb", "cis_longbench"),
         NamedConfig("cpe", "cpe"),
         NamedConfig("cpe-no-etf", "cpe", {"etf": {"enabled": False}}),
         NamedConfig("cpe-no-psaw", "cpe", {"psaw": {"enabled": False}}),

@@ -15,7 +15,7 @@ is there (``cuda`` when available, else ``cpu``; HFLM's own default is ``cuda``)
 Model arguments besides HFLM's own (which all pass through):
 
 - ``prhs_config``: a shipped config by name (``cis``, ``cpe``, ``dense``) or a PrHS YAML path;
-  default ``cis`` (the config of ``prhs-hf generate``).
+  default ``cis_longbench`` (the config of ``prhs-hf generate``; ``cis`` for short prompts).
 - ``prhs_overrides``: a nested dict in the config schema (JSON ``--model_args`` or the Python API),
   or the same as a YAML/JSON string.
 - ``prhs.SECTION.KEY=VALUE``: one override each, for the comma form of ``--model_args``
@@ -45,7 +45,7 @@ from prhs_hf.config import resolve_config_path
 __all__ = ["MODEL_NAME", "DEFAULT_CONFIG", "PrHSLM", "parse_overrides", "default_device"]
 
 MODEL_NAME = "prhs"
-DEFAULT_CONFIG = "cis"
+DEFAULT_CONFIG = "cis_longbench"
 """``prhs_config`` when none is given: the same shipped config as ``prhs-hf generate``'s default
 (a test holds the two together; the plugin does not import the command line)."""
 _DOTTED_PREFIX = "prhs."
