@@ -112,6 +112,16 @@ def coqa_texts(n: int, data_dir: str | None = None) -> list[tuple[str, str, str]
     return out
 
 
+def text_prompts(tokenizer, path: str, n: int, length: int, max_new: int) -> list[Prompt]:
+    """``n`` prompts of ``length`` tokens from calibration text (``--text``: a file or folder, read as
+    ``prhs-hf calibrate`` reads it), each forced on with the ``max_new`` tokens of the text that follow:
+    text that is not an evaluation set's, for choosing configs without tuning on evaluation prompts."""
+    from prhs_hf.calibrate import pack_prompts, read_texts
+
+    rows = pack_prompts(read_texts(path), tokenizer, length + max_new, n)
+    return [Prompt(f"text/{i}", rows[i:i + 1, :length], rows[i:i + 1, length:]) for i in range(n)]
+
+
 def build_prompts(tokenizer, n: int, datasets: list[str], max_new: int, data_dir: str | None = None) -> list[Prompt]:
     """``n`` prompts split over ``datasets`` (GSM8K first), each with ``max_new`` forced tokens.
 
@@ -692,6 +702,26 @@ def run_group_schedule(run, budget: dict[str, int], args: argparse.Namespace) ->
     run(baseline_variant(budget, "oracle", "Oracle top-k"))
 
 
+def run_low_rho_schedule(run, budget: dict[str, int], args: argparse.Namespace) -> None:
+    """``--schedule low_rho`` (issue 13 item 4): CIS settings that retrieve at ρ̂ ≤ 10 % on the GPU
+    GSM8K runs (τ 0.7, s 16) with what could close their gap: the aged-local tokens, a wider
+    dilation, a larger block or a larger ``m``; the paper's τ 0.8 and the oracle for reference."""
+    k = budget["topk"]
+    run(cis_variant(budget, 16, 0.8, "CIS-main"))
+    run(cis_variant(budget, 16, 0.7, "CIS τ=0.7"))
+    variants = (("CIS τ=0.7 + local", {"keep_anchor_local": True}),
+                ("CIS τ=0.7 + local, r=2", {"keep_anchor_local": True, "dilation_radius": 2}),
+                ("CIS τ=0.7 + local, m=k/2", {"keep_anchor_local": True, "dilation_topm": k // 2}),
+                ("CIS τ=0.75 + local", {"keep_anchor_local": True, "tau": 0.75}),
+                ("CIS s=32 τ=0.8 + local", {"keep_anchor_local": True, "block_size": 32, "tau": 0.8}))
+    for label, keys in variants:
+        v = cis_variant(budget, keys.get("block_size", 16), keys.get("tau", 0.7), label)
+        v.config["cis"].update(keys)
+        v.extra.update(keys)
+        run(v)
+    run(baseline_variant(budget, "oracle", "Oracle top-k"))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=fetch.DEFAULT_MODEL, help="registry name, .gguf, checkpoint folder or hub id")
@@ -699,6 +729,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     ap.add_argument("--prompts", type=int, default=4, help="number of prompts, split over the datasets")
     ap.add_argument("--datasets", default="gsm8k,coqa")
+    ap.add_argument("--text", default=None, metavar="PATH",
+                    help="take the prompts from this calibration text instead of --datasets (a file or a folder, "
+                         "as prhs-hf calibrate --text): --prompts of --length tokens, each forced on with the text "
+                         "that follows")
+    ap.add_argument("--length", type=int, default=1024, help="with --text: prompt tokens (default: 1024)")
     ap.add_argument("--data-dir", default=None,
                     help="folder with gsm8k_test.jsonl[.gz] / coqa_validation.jsonl[.gz] (default: $PRHS_HF_DATA_DIR, "
                          "else the prhs-hf cache)")
@@ -711,7 +746,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16, help="Quest page size")
     ap.add_argument("--seed", type=int, default=0, help="RandomExpansion seed")
     ap.add_argument("--es-rank", type=int, default=64, help="rank of the low-rank W_q of the EarlySelectKV rows")
-    ap.add_argument("--schedule", choices=("full", "early_select", "cis_tail", "group"), default="full",
+    ap.add_argument("--schedule", choices=("full", "early_select", "cis_tail", "group", "low_rho"), default="full",
                     help="every selector; or only Quest, CIS-main, the EarlySelectKV rows and the oracle; or only "
                          "CIS-main, CIS + tail (s = 16 and s = 1) and the oracle")
     ap.add_argument("--name", default="selection_quality", help="file name (stem) of the report and its plots")
@@ -743,7 +778,11 @@ def main(argv=None) -> int:
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
 
     model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=args.device)
-    prompts = build_prompts(tokenizer, args.prompts, datasets, args.max_new_tokens, args.data_dir)
+    if args.text is not None:
+        datasets = [f"text: {args.text}"]
+        prompts = text_prompts(tokenizer, args.text, args.prompts, args.length, args.max_new_tokens)
+    else:
+        prompts = build_prompts(tokenizer, args.prompts, datasets, args.max_new_tokens, args.data_dir)
     if args.continuation == "greedy":
         prompts = [greedy_continuation(model, p, args.max_new_tokens, args.device) for p in prompts]
     lengths = [p.prompt.shape[1] for p in prompts]
@@ -793,6 +832,8 @@ def main(argv=None) -> int:
         run_cis_tail_schedule(run, budget, args)
     elif args.schedule == "group":
         run_group_schedule(run, budget, args)
+    elif args.schedule == "low_rho":
+        run_low_rho_schedule(run, budget, args)
     else:
         run_schedule(run, budget, args, model.config.num_hidden_layers, model.config.num_attention_heads)
 

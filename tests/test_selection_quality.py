@@ -3,22 +3,14 @@ the rows, the matched controls, and the numbers that must hold for any model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 from lm_eval_fixtures import save_tiny_checkpoint, write_local_data
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "selection_quality.py"
+from script_loader import load_script
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("selection_quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["selection_quality"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("selection_quality")
 
 
 def test_quick_run_on_local_data(tmp_path) -> None:
@@ -80,3 +72,24 @@ def test_group_schedule_compares_the_group_rankings_with_per_head_cis(tmp_path) 
     assert exact["rho_hat"] == 1 and abs(exact["beta_emp"] - rows["Oracle top-k"]["beta_emp"]) < 1e-6
     for score in ("max", "mean"):
         assert rows[f"CIS s=1 group {score}"]["beta_emp"] >= exact["beta_emp"] - 1e-6
+
+
+def test_low_rho_schedule_on_calibration_text(tmp_path) -> None:
+    """``--text`` takes the prompts from text that is no evaluation set's (packed as prhs-hf calibrate
+    packs it, each prompt forced on with the text that follows it); ``--schedule low_rho`` runs the
+    CIS settings meant for ρ̂ ≤ 10 % with their keys, and the oracle."""
+    selection_quality = _load_script()
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    text = tmp_path / "calib.txt"
+    text.write_text("The keeper logs the wind, the sea and the boats every evening at the lighthouse. " * 60)
+    out = tmp_path / "out"
+    assert selection_quality.main(["--model", str(checkpoint), "--text", str(text), "--length", "96", "--prompts", "2",
+                                   "--max-new-tokens", "12", "--sink", "4", "--local", "8", "--topk", "16",
+                                   "--schedule", "low_rho", "--name", "sq_low", "--out-dir", str(out)]) == 0
+    report = json.loads((out / "sq_low.json").read_text())
+    assert report["meta"]["prompt_names"] == ["text/0", "text/1"] and report["meta"]["prompt_tokens"] == [96, 96]
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert {"CIS-main", "CIS τ=0.7", "CIS τ=0.7 + local", "CIS τ=0.7 + local, r=2", "Oracle top-k"} <= set(rows)
+    assert rows["CIS τ=0.7 + local, r=2"]["settings"]["dilation_radius"] == 2
+    assert rows["CIS s=32 τ=0.8 + local"]["settings"]["block_size"] == 32
+    assert all(96 < r["mean_context"] <= 96 + 12 for r in rows.values())  # 12 forced steps after 96 tokens
