@@ -777,6 +777,9 @@ def main(argv=None) -> int:
     budget = {"sink": args.sink, "local": args.local, "topk": args.topk}
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
 
+    if args.text is not None and not Path(args.text).expanduser().exists():
+        print(f"selection_quality.py: error: --text: no such file or folder: {args.text}", file=sys.stderr)
+        return 2
     model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.text is not None:
         datasets = [f"text: {args.text}"]

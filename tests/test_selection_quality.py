@@ -93,3 +93,14 @@ def test_low_rho_schedule_on_calibration_text(tmp_path) -> None:
     assert rows["CIS τ=0.7 + local, r=2"]["settings"]["dilation_radius"] == 2
     assert rows["CIS s=32 τ=0.8 + local"]["settings"]["block_size"] == 32
     assert all(96 < r["mean_context"] <= 96 + 12 for r in rows.values())  # 12 forced steps after 96 tokens
+
+
+def test_a_missing_text_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys) -> None:
+    selection_quality = _load_script()
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before --text was checked")
+
+    monkeypatch.setattr(selection_quality.fetch, "load_model", no_loading)
+    assert selection_quality.main(["--text", str(tmp_path / "none.txt"), "--out-dir", str(tmp_path)]) == 2
+    assert "--text: no such file or folder" in capsys.readouterr().err
