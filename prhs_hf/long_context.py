@@ -502,28 +502,31 @@ def data_folder(data_dir: str | os.PathLike[str] | None = None) -> Path:
 
 
 def prepared_file(task: RulerTask | str, length: int, data_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The prepared JSONL of ``task`` at ``length``; :class:`FileNotFoundError` names it and the command."""
+    """The prepared JSONL of ``task`` at ``length``: ``.jsonl``, else the same gzipped (``.jsonl.gz``,
+    as it travels to a GPU machine); :class:`FileNotFoundError` names it and the command."""
     t = task if isinstance(task, RulerTask) else ruler_task(task)
     path = data_folder(data_dir) / t.file_name(length)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; prepare it with `prhs-hf ruler prepare --model NAME "
-                                f"--tasks {t.name} --lengths {length} --out {path.parent}`")
-    return path
+    for candidate in (path, path.with_name(f"{path.name}.gz")):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{path} (or {path.name}.gz) does not exist; prepare it with `prhs-hf ruler prepare "
+                            f"--model NAME --tasks {t.name} --lengths {length} --out {path.parent}`")
 
 
-_FILE = re.compile(r"^ruler_(?P<task>.+)_(?P<length>\d+)\.jsonl$")
+_FILE = re.compile(r"^ruler_(?P<task>.+)_(?P<length>\d+)\.jsonl(?:\.gz)?$")
 
 
 def prepared(data_dir: str | os.PathLike[str] | None = None) -> list[tuple[RulerTask, int]]:
-    """The (task, length) pairs with a prepared file in the folder, in suite order then by length."""
+    """The (task, length) pairs with a prepared file (``.jsonl`` or ``.jsonl.gz``) in the folder, in
+    suite order then by length."""
     folder = data_folder(data_dir)
-    found = []
-    for path in folder.glob("ruler_*.jsonl") if folder.is_dir() else ():
+    found: set[tuple[str, int]] = set()
+    for path in folder.glob("ruler_*.jsonl*") if folder.is_dir() else ():
         m = _FILE.match(path.name)
         if m and m["task"] in RULER_TASKS:
-            found.append((RULER_TASKS[m["task"]], int(m["length"])))
+            found.add((m["task"], int(m["length"])))
     order = list(RULER_TASKS)
-    return sorted(found, key=lambda p: (order.index(p[0].name), p[1]))
+    return [(RULER_TASKS[name], length) for name, length in sorted(found, key=lambda p: (order.index(p[0]), p[1]))]
 
 
 def load_prepared(task: RulerTask | str, lengths: Iterable[int] | None = None,

@@ -266,6 +266,29 @@ def test_prepare_command_writes_files_and_manifest(prepared_dir, checkpoint) -> 
         lc.load_prepared("vt", [4096], prepared_dir)
 
 
+def test_a_gzipped_prepared_file_loads_as_the_plain_one(prepared_dir, tmp_path) -> None:
+    """Prepared files travel gzipped (to the GPU machine): ``.jsonl.gz`` is found and read like
+    ``.jsonl`` (it was refused once, after the model had loaded), and a pair present both ways is one."""
+    import gzip
+    import shutil
+
+    plain = prepared_dir / "ruler_niah_single_1_512.jsonl"
+    rows = lc.load_prepared("niah_single_1", [512], prepared_dir)
+    only_gz = tmp_path / "gz"
+    only_gz.mkdir()
+    with open(plain, "rb") as src, gzip.open(only_gz / f"{plain.name}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    assert lc.prepared_file("niah_single_1", 512, only_gz).name == f"{plain.name}.gz"
+    assert lc.load_prepared("niah_single_1", [512], only_gz) == rows
+    assert lc.load_prepared("niah_single_1", None, only_gz) == rows
+    assert direct.ruler_task_names(str(only_gz)) == ["ruler_niah_single_1_512"]
+    shutil.copy(plain, only_gz / plain.name)  # both: listed once, the plain file read
+    assert lc.prepared(only_gz) == lc.prepared(prepared_dir)
+    assert lc.prepared_file("niah_single_1", 512, only_gz).name == plain.name
+    with pytest.raises(FileNotFoundError, match=r"ruler_vt_4096.jsonl \(or ruler_vt_4096.jsonl.gz\) does not exist"):
+        lc.prepared_file("vt", 4096, only_gz)
+
+
 def test_lm_eval_plugin_and_direct_engine_agree(checkpoint, prepared_dir, monkeypatch) -> None:
     """lm-eval's prompt is prompt_text's, and PrHSLM and the direct engine generate and score alike."""
     import lm_eval
