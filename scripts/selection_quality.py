@@ -61,7 +61,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import transformers
@@ -112,13 +112,13 @@ def coqa_texts(n: int, data_dir: str | None = None) -> list[tuple[str, str, str]
     return out
 
 
-def text_prompts(tokenizer, path: str, n: int, length: int, max_new: int) -> list[Prompt]:
-    """``n`` prompts of ``length`` tokens from calibration text (``--text``: a file or folder, read as
-    ``prhs-hf calibrate`` reads it), each forced on with the ``max_new`` tokens of the text that follow:
-    text that is not an evaluation set's, for choosing configs without tuning on evaluation prompts."""
-    from prhs_hf.calibrate import pack_prompts, read_texts
+def text_prompts(tokenizer, texts: Iterable[str], n: int, length: int, max_new: int) -> list[Prompt]:
+    """``n`` prompts of ``length`` tokens from calibration text (``--text``, read by
+    :func:`prhs_hf.calibrate.calibration_texts`), each forced on with the ``max_new`` tokens of the text that
+    follow: text that is not an evaluation set's, for choosing configs without tuning on evaluation prompts."""
+    from prhs_hf.calibrate import pack_prompts
 
-    rows = pack_prompts(read_texts(path), tokenizer, length + max_new, n)
+    rows = pack_prompts(texts, tokenizer, length + max_new, n)
     return [Prompt(f"text/{i}", rows[i:i + 1, :length], rows[i:i + 1, length:]) for i in range(n)]
 
 
@@ -777,13 +777,19 @@ def main(argv=None) -> int:
     budget = {"sink": args.sink, "local": args.local, "topk": args.topk}
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
 
-    if args.text is not None and not Path(args.text).expanduser().exists():
-        print(f"selection_quality.py: error: --text: no such file or folder: {args.text}", file=sys.stderr)
-        return 2
+    texts = None
+    if args.text is not None:  # checked before the model loads (read lazily after)
+        from prhs_hf.calibrate import CalibrationError, calibration_texts
+
+        try:
+            texts, _ = calibration_texts(args.text, None)
+        except CalibrationError as exc:
+            print(f"selection_quality.py: error: {exc}", file=sys.stderr)
+            return 2
     model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.text is not None:
+    if texts is not None:
         datasets = [f"text: {args.text}"]
-        prompts = text_prompts(tokenizer, args.text, args.prompts, args.length, args.max_new_tokens)
+        prompts = text_prompts(tokenizer, texts, args.prompts, args.length, args.max_new_tokens)
     else:
         prompts = build_prompts(tokenizer, args.prompts, datasets, args.max_new_tokens, args.data_dir)
     if args.continuation == "greedy":
