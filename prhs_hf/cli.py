@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibration.add_argument("--dataset", default=None, metavar="NAME",
                              help=f"calibrate on a fetched data set instead ({', '.join(cal.CALIBRATION_DATASETS)}; both "
                                   f"are evaluation data, so results on them are not independent)")
+    calibration.add_argument("--length", type=int, default=cal.DEFAULT_LENGTH,
+                             help=f"tokens per prompt (default: {cal.DEFAULT_LENGTH})")
     calibration.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, else float32), float32, bfloat16…")
     calibration.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1…")
 
@@ -150,8 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{cal.DEFAULT_CONFIG})")
     p_cal.add_argument("--n", type=int, default=cal.DEFAULT_PROMPTS,
                        help=f"calibration prompts (default: {cal.DEFAULT_PROMPTS})")
-    p_cal.add_argument("--length", type=int, default=cal.DEFAULT_LENGTH,
-                       help=f"tokens per prompt (default: {cal.DEFAULT_LENGTH})")
     p_cal.add_argument("--target", type=float, default=cal.DEFAULT_TARGET,
                        help=f"largest dropped attention mass per layer, in (0, 1) (default: {cal.DEFAULT_TARGET})")
     p_cal.add_argument("--max-certificate", type=float, default=None,
@@ -165,7 +165,6 @@ def build_parser() -> argparse.ArgumentParser:
     p_cal.add_argument("--oracle-rows", type=int, default=8,
                        help="sampled late rows per prompt and layer for beta_emp against the oracle (default: 8)")
     p_cal.set_defaults(func=_cmd_calibrate)
-
 
     from prhs_hf import calibrate_ds as cds  # no torch at import either
 
@@ -182,8 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     p_ds.add_argument("--rank", type=int, default=cds.DEFAULT_RANK,
                       help=f"label channels per head, at most the head dimension (default: {cds.DEFAULT_RANK})")
     p_ds.add_argument("--n", type=int, default=cds.DEFAULT_PROMPTS, help=f"calibration prompts (default: {cds.DEFAULT_PROMPTS})")
-    p_ds.add_argument("--length", type=int, default=cal.DEFAULT_LENGTH,
-                      help=f"tokens per prompt (default: {cal.DEFAULT_LENGTH})")
     p_ds.add_argument("--config", default=cds.DEFAULT_CONFIG,
                       help=f"config whose budget and backends the YAML keeps (default: {cds.DEFAULT_CONFIG})")
     p_ds.set_defaults(func=_cmd_calibrate_ds)
