@@ -114,3 +114,14 @@ def test_cli_refuses_more_channels_than_the_head_has(checkpoint, story_file, cap
 
 def test_help_lists_calibrate_ds():
     assert "calibrate-ds" in cli.build_parser().format_help()
+
+
+@pytest.mark.parametrize("kwargs, message", [({"rank": True}, "--rank: True is out of range"),
+                                             ({"n": False}, "--n: False is out of range"),
+                                             ({"length": 2.5}, "--length: 2.5 is out of range")])
+def test_the_python_api_refuses_a_bool_or_a_float_for_a_count(kwargs, message, story_file):
+    from prhs_hf import calibrate_ds
+    from prhs_hf.calibrate import CalibrationError
+
+    with pytest.raises(CalibrationError, match=message):
+        calibrate_ds.run("smollm2-135m", text=story_file, **kwargs)
