@@ -53,6 +53,48 @@ def _last_two(last_a, prev_a, last_b, prev_b):
 
 
 @triton.jit
+def _program_bh(H: tl.constexpr):
+    """This program's row of the ``[B, H]`` grid (one program per row): ``(pid, b, h)``."""
+    pid = tl.program_id(0)
+    return pid, pid // H, pid % H
+
+
+@triton.jit
+def _program_row(FLAG, stride_fb, stride_fh, H: tl.constexpr):
+    """This program's row and whether it is flagged: ``(pid, b, h, flag)``."""
+    pid, b, h = _program_bh(H)
+    flag = tl.load(FLAG + b * stride_fb + h * stride_fh).to(tl.int32)
+    return pid, b, h, flag
+
+
+@triton.jit
+def _step_regions(T, LO, HI, WS, b, SINK):
+    """Sequence ``b``'s regions of the step: ``(t, lo, hi, s_end, w0, wlen)``: the keys ``t`` it sees,
+    the middle ``[lo, hi)``, the sinks ``[0, s_end)`` and the window ``[w0, w0 + wlen)``."""
+    t = tl.load(T + b)
+    lo = tl.load(LO + b)
+    hi = tl.load(HI + b)
+    s_end = tl.maximum(tl.minimum(t, SINK), 0)
+    w0 = tl.maximum(tl.load(WS + b), s_end)
+    wlen = tl.maximum(t - w0, 0)
+    return t, lo, hi, s_end, w0, wlen
+
+
+@triton.jit
+def _dilated_candidates(SEL, i, K, M, R):
+    """Entry ``i`` of a row's dilated-set candidates: selected ``i < K`` (``SEL[i]``), then the
+    top-``M``'s neighbours at offsets ``-R..-1, 1..R``; ``(p, offset, is_selected, valid)``."""
+    is_sel = i < K
+    nb = i - K
+    src = tl.where(is_sel, i, nb // (2 * R))
+    o = nb % (2 * R)
+    off = tl.where(is_sel, 0, tl.where(o < R, o - R, o - R + 1))
+    in_set = is_sel | (nb < 2 * R * M)
+    p = tl.load(SEL + src, mask=in_set, other=-1)
+    return p, off, is_sel, in_set & (p >= 0)
+
+
+@triton.jit
 def _compose_kernel(
     T, LO, HI, WS, SEL, DIL, IDX, CNT,
     stride_sb, stride_sh, stride_db, stride_dh,
@@ -60,28 +102,16 @@ def _compose_kernel(
     H: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per (batch, query head) row: its sorted, deduplicated index set."""
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
-    t = tl.load(T + b)
-    lo = tl.load(LO + b)
-    hi = tl.load(HI + b)
-    s_end = tl.maximum(tl.minimum(t, SINK), 0)
-    w0 = tl.maximum(tl.load(WS + b), s_end)
-    wlen = tl.maximum(t - w0, 0)
+    pid, b, h = _program_bh(H)
+    t, lo, hi, s_end, w0, wlen = _step_regions(T, LO, HI, WS, b, SINK)
     dil = tl.load(DIL + b * stride_db + h * stride_dh).to(tl.int32)
 
-    # Middle candidates: i < K the selected index i; then 2R neighbours of each of the first M.
+    # Middle candidates: i < K the selected index i; then, where the row dilates, 2R neighbours of
+    # each of the first M.
     i = tl.arange(0, NC)
-    is_sel = i < K
-    nb = i - K
-    src = tl.where(is_sel, i, nb // (2 * R))
-    o = nb % (2 * R)
-    off = tl.where(is_sel, 0, tl.where(o < R, o - R, o - R + 1))
-    in_set = is_sel | ((nb < 2 * R * M) & (dil != 0))
-    p = tl.load(SEL + b * stride_sb + h * stride_sh + src, mask=in_set, other=-1)
+    p, off, is_sel, ok = _dilated_candidates(SEL + b * stride_sb + h * stride_sh, i, K, tl.where(dil != 0, M, 0), R)
     v = p + off
-    ok = in_set & (p >= 0) & (v >= lo) & (v < hi) & (v >= s_end) & ((v < w0) | (v >= t))
+    ok = ok & (v >= lo) & (v < hi) & (v >= s_end) & ((v < w0) | (v >= t))
     v = tl.sort(tl.where(ok, v, 2147483647))
     _, prev = tl.associative_scan((v, tl.full([NC], -2147483648, tl.int32)), 0, _last_two)
     keep = ((v != 2147483647) & (v != prev)).to(tl.int32)
@@ -178,20 +208,6 @@ def dilated_set_size(k: int, dil_m: int, dil_r: int) -> int:
 
 
 @triton.jit
-def _dilated_candidates(SEL, i, K, M, R):
-    """Entry ``i`` of a row's dilated-set candidates: selected ``i < K`` (``SEL[i]``), then the
-    top-``M``'s neighbours at offsets ``-R..-1, 1..R``; ``(p, offset, is_selected, valid)``."""
-    is_sel = i < K
-    nb = i - K
-    src = tl.where(is_sel, i, nb // (2 * R))
-    o = nb % (2 * R)
-    off = tl.where(is_sel, 0, tl.where(o < R, o - R, o - R + 1))
-    in_set = is_sel | (nb < 2 * R * M)
-    p = tl.load(SEL + src, mask=in_set, other=-1)
-    return p, off, is_sel, in_set & (p >= 0)
-
-
-@triton.jit
 def _dilated_set_kernel(
     SEL, FLAG, OUT,
     stride_sb, stride_sh, stride_fb, stride_fh,
@@ -199,12 +215,9 @@ def _dilated_set_kernel(
     H: tl.constexpr, NC: tl.constexpr,
 ):
     """One program per row; rows without FLAG only write the padding (no sort)."""
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
+    pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
     i = tl.arange(0, NC)
     out = OUT + pid.to(tl.int64) * NSET
-    flag = tl.load(FLAG + b * stride_fb + h * stride_fh).to(tl.int32)
     if flag != 0:
         p, off, is_sel, ok = _dilated_candidates(SEL + b * stride_sb + h * stride_sh, i, K, M, R)
         x = tl.where(ok, ((p + off) << 1) | tl.where(is_sel, 0, 1), 2147483647)
@@ -228,10 +241,7 @@ def _dilated_mark_kernel(
 ):
     """One program per row: mark its indices in its row of a zeroed int8 map over ``[-R, L - R)``,
     1 for a neighbour, then 2 for a selected index (selected wins where both fall)."""
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
-    flag = tl.load(FLAG + b * stride_fb + h * stride_fh).to(tl.int32)
+    pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
     if flag != 0:
         p, off, is_sel, ok = _dilated_candidates(SEL + b * stride_sb + h * stride_sh, tl.arange(0, NC), K, M, R)
         row = MAP + pid.to(tl.int64) * L + R
@@ -249,11 +259,8 @@ def _dilated_collect_kernel(
 ):
     """One program per row: the marked positions of its map row in ascending order, as
     ``(v << 1) | only_neighbour``, then SET_NONE padding (rows without FLAG: padding only)."""
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
+    pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
     out = OUT + pid.to(tl.int64) * NSET
-    flag = tl.load(FLAG + b * stride_fb + h * stride_fh).to(tl.int32)
     n = 0
     if flag != 0:
         row = MAP + pid.to(tl.int64) * L
@@ -375,15 +382,8 @@ def _compose_sets_kernel(
     H: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per row: filter its (sorted, unique) set, prefix-sum the output slots."""
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
-    t = tl.load(T + b)
-    lo = tl.load(LO + b)
-    hi = tl.load(HI + b)
-    s_end = tl.maximum(tl.minimum(t, SINK), 0)
-    w0 = tl.maximum(tl.load(WS + b), s_end)
-    wlen = tl.maximum(t - w0, 0)
+    pid, b, h = _program_bh(H)
+    t, lo, hi, s_end, w0, wlen = _step_regions(T, LO, HI, WS, b, SINK)
     best = tl.load(BEST + b * stride_bb + h * stride_bh)
     shared = best >= 0
     i = tl.arange(0, NC)
