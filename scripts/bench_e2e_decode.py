@@ -325,11 +325,17 @@ def run_generate(model, ids, new_tokens: int, static_cache=None, extra_processor
 #: kernel-name patterns -> family, first match wins (our Triton kernels, then cuBLAS/attention/rest)
 KERNEL_FAMILIES = (
     ("cis match", ("_cis_match_kernel",)),
-    ("retrieval", ("_compact_rows_kernel", "_score_kernel", "_select_kernel")),
-    ("composition", ("_dilated_set_kernel", "_compose_sets_kernel", "_compose_kernel")),
+    ("retrieval", ("_compact_kernel", "_score_kernel", "_select_kernel", "_radix_pass_kernel", "_radix_collect_kernel",
+                   "_rank_scatter_kernel", "_row_sort_kernel", "_block_sort_kernel", "_merge_rank_kernel")),
+    ("composition", ("_dilated_set_kernel", "_dilated_mark_kernel", "_dilated_collect_kernel", "_compose_sets_kernel",
+                     "_compose_kernel")),
     ("sparse attention", ("_sparse_attn_kernel", "_combine_kernel")),
     ("dense attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
     ("linear (proj, MLP, head)", ("gemm", "gemv", "nvjet", "sm90_", "sm80_", "cutlass", "xmma", "cublas", "splitk")),
+    # what torch.compile generated around them (norms, rotary, the cache write, the selectors' glue)
+    ("inductor (fused glue)", ("triton_",)),
+    ("aten (copy, index, reduce)", ("elementwise", "index", "scatter", "gather", "reduce", "copy", "memcpy", "memset",
+                                    "fill", "cat", "sort", "topk")),
 )
 
 

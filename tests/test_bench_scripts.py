@@ -225,6 +225,24 @@ def test_bench_e2e_decode_names_allowed_configs():
     assert "nope" in proc.stderr and "dense-gqa" in proc.stderr
 
 
+def test_bench_e2e_decode_profile_names_a_family_for_every_decode_kernel():
+    """--profile-steps sums GPU time by kernel family: every Triton kernel of the decode pipeline
+    belongs to its stage, none falls into "other kernels"."""
+    import re
+
+    bench = load_script("bench_e2e_decode")
+    stages = {"cis_match.py": "cis match", "topk_retrieval.py": "retrieval", "compose_indices.py": "composition",
+              "sparse_decode_attention.py": "sparse attention"}
+    for file, family in stages.items():
+        source = (REPO / "kernels" / file).read_text()
+        kernels = re.findall(r"@triton\.jit\ndef (_\w+_kernel)\(", source)
+        assert kernels, file
+        for name in kernels:
+            assert bench._family(f"{name}_0d1d2d") == family, (file, name)
+    assert bench._family("triton_poi_fused_add_0") == "inductor (fused glue)"
+    assert bench._family("nvjet_tst_128x64") == "linear (proj, MLP, head)"
+
+
 @pytest.mark.slow
 def test_bench_prefill_quick_cpu_metadata(tmp_path):
     _run_script("bench_prefill.py", "--quick", "--skip-flex", "--out", str(tmp_path / "bench_prefill"))
