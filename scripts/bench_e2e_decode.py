@@ -106,6 +106,8 @@ CONFIGS: dict[str, PatchConfig | None] = {
     "cis-group-s16-share": PatchConfig(CPE, {"cis": {"block_size": 16, "tau": -1.0, "selection": "group"}, **_CIS_ALONE}),
     # as shipped (tau 0.8): real sharing, for real weights and real text (--model, --prompts)
     "cis": PatchConfig(ROOT / "configs" / "cis.yaml", {}),
+    # the same with group-shared selection (one set per KV head): its real rho-hat and speed
+    "cis-group": PatchConfig(ROOT / "configs" / "cis.yaml", {"cis": {"selection": "group"}}),
     "cpe-calibrated": PatchConfig(ROOT / "configs" / "cpe_qwen2.5-coder-1.5b.yaml", {}),
 }
 
