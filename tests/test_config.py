@@ -121,6 +121,7 @@ SHIPPED_MEANING = {
     "cis": ((True, False, False), (8, 32, 88)),
     "cpe": ((True, True, True), (8, 32, 88)),
     "cpe_longbench": ((True, True, True), (64, 256, 4096)),
+    "cis_low_rho": ((True, False, False), (8, 32, 88)),
 }
 
 
@@ -183,6 +184,11 @@ def test_accuracy_configs_keep_their_meaning(tmp_path, monkeypatch):
     assert (local.tau, local.keep_anchor_local, local.selection) == (0.7, True, "head")
     assert (group.tau, group.keep_anchor_local, group.selection) == (0.7, True, "group")
     assert ac.load_named_config(ac.ACCURACY_CONFIGS["cis-group-mean"]).cis.selection == "group_mean"
+    # the low-rho-hat row is the shipped cis_low_rho.yaml: cis with tau 0.7, keep_anchor_local, dilation +-2
+    low = ac.load_named_config(ac.ACCURACY_CONFIGS["cis-t0.7-local-r2"])
+    want = load_config("cis", {"cis": {"block_size": 16, "tau": 0.7, "keep_anchor_local": True, "dilation_radius": 2},
+                               "telemetry": {"enabled": True}})
+    assert on["cis-t0.7-local-r2"] == (True, False, False) and low == want
     tail, s16 = (ac.load_named_config(ac.ACCURACY_CONFIGS[n]) for n in ("cis-tail", "cis-s16"))
     assert tail.cis.tail_slot and not s16.cis.tail_slot
     assert tail == dataclasses.replace(s16, cis=dataclasses.replace(s16.cis, tail_slot=True))

@@ -8,7 +8,8 @@ indices (on Qwen2.5-Coder-1.5B the paper's τ = 0.8 retrieves at ρ̂ ≈ 20 % o
 the 10 % the accuracy target is stated at). ``cis-t0.7-local`` adds ``cis.keep_anchor_local`` (the
 tokens that aged out of the local window since the anchor was taken, which it never scored);
 ``cis-t0.7-local-r2`` also widens the dilation to ±2 (chosen on calibration text, not on an evaluation
-set: ``docs/results/selection_quality_low_rho_qwen0.5b.md``, where it matches CIS-main's β_emp at ρ̂ 10 %);
+set: ``docs/results/selection_quality_low_rho_qwen0.5b.md``, where it matches CIS-main's β_emp at ρ̂ 10 %;
+shipped as ``cis_low_rho.yaml``);
 ``cis-group`` and ``cis-group-t0.7-local`` use ``cis.selection: group`` (one index set per KV head,
 shared by its query heads), ``cis-group-mean`` its mean-score ranking (``group_mean``). ``cis-tail`` is ``cis-s16`` with ``cis.tail_slot`` (one slot of the
 top-k holds a synthetic key/value for what the index set leaves out, CertKV's tail-summary slot).
@@ -57,8 +58,7 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
         NamedConfig("cis-t0.6", "cis", {"cis": {"block_size": 16, "tau": 0.6}}),
         NamedConfig("cis-t0.7", "cis", {"cis": {"block_size": 16, "tau": 0.7}}),
         NamedConfig("cis-t0.7-local", "cis", {"cis": {"block_size": 16, "tau": 0.7, "keep_anchor_local": True}}),
-        NamedConfig("cis-t0.7-local-r2", "cis", {"cis": {
-            "block_size": 16, "tau": 0.7, "keep_anchor_local": True, "dilation_radius": 2}}),
+        NamedConfig("cis-t0.7-local-r2", "cis_low_rho"),
         NamedConfig("cis-group", "cis", {"cis": {"block_size": 16, "selection": "group"}}),
         NamedConfig("cis-group-mean", "cis", {"cis": {"block_size": 16, "selection": "group_mean"}}),
         NamedConfig("cis-tail", "cis", {"cis": {"block_size": 16, "tail_slot": True}}),
