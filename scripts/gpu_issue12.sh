@@ -28,7 +28,7 @@
 #
 # Environment: STEPS (default "install tests op es e2e"), E2E_CASES (default
 # "llama2-7b:8:16384,llama3-8b:16:16384"), E2E_CONFIGS (default
-# "dense,dense-gqa,cis-s16-share,cpe-s16-share"), E2E_TOKENS (256), E2E_EXTRA (more bench_e2e_decode.py
+# "dense,dense-gqa,cis-s16-share,cpe-s16-share"), E2E_TOKENS (256), E2E_EXTRA (more bench_e2e_decode.py arguments for the e2e and real steps
 # arguments, e.g. "--profile-steps 8": kernels per step and the launch gap, issue 12's item 3), DEADLINE_S (560: the e2e step
 # stops there), PRHS_GIT_COMMIT (else the first line of .whl/COMMIT, written here with
 # `git rev-parse HEAD > .whl/COMMIT`; the copy on the device has no .git).
@@ -219,8 +219,9 @@ if want real; then
     stamp "real: skipped: no checkpoint at $REAL_CKPT or no prompts at $REAL_PROMPTS"; RC[real]=missing
   else
     mkdir -p "$OUT/real"
+    # shellcheck disable=SC2086  # E2E_EXTRA as in the e2e step
     run_e2e real "$REAL_CASES x $REAL_CONFIGS on $REAL_CKPT" --model "$REAL_CKPT" --prompts "$REAL_PROMPTS" \
-      --cases "$REAL_CASES" --modes static --configs "$REAL_CONFIGS" --new-tokens "$E2E_TOKENS" --out "$OUT/real" --resume
+      --cases "$REAL_CASES" --modes static --configs "$REAL_CONFIGS" --new-tokens "$E2E_TOKENS" --out "$OUT/real" --resume ${E2E_EXTRA:-}
   fi
 fi
 
