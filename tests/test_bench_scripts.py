@@ -410,6 +410,7 @@ def test_bench_e2e_decode_configs_name_their_base_file():
         "cis": prhs_hf_load(REPO / "configs" / "cis.yaml", on),
         "cpe-calibrated": prhs_hf_load(REPO / "configs" / "cpe_qwen2.5-coder-1.5b.yaml", on),
         "cis-group": prhs_hf_load(REPO / "configs" / "cis.yaml", {"cis": {"selection": "group"}, **on}),
+        "cis-low-rho": prhs_hf_load(REPO / "configs" / "cis_low_rho.yaml", on),
         "cis-s16-share": prhs_hf_load(REPO / "configs" / "cpe.yaml", {"cis": {"block_size": 16, "tau": -1.0},
                                                                       "psaw": {"enabled": False},
                                                                       "etf": {"enabled": False}, **on}),
