@@ -25,10 +25,11 @@ Every speedup is quoted against the fastest of these in the row (``fastest_dense
 PrHS columns: ``flex`` (FlexAttention with a BlockMask of the step's token pattern, mask
 construction excluded); ``sparse`` (our sparse-attention kernel alone, on the step's index
 lists); ``cis8`` / ``cis16`` (the whole CIS decode step, s = 8 / 16: match + top-k retrieval for
-exactly ceil(B*Hq/s) rows, the steady-state share rate, + composition + attention; anchor-set
-path); ``cis16_topk`` (top-k anchors); ``cis16_group`` (the whole step of group-shared CIS,
+exactly ceil(B*Hq/s) rows, the steady-state share rate, or with ``--retrieve-share P`` (a ρ̂
+measured on a real model, e.g. 0.19 for Qwen2.5-Coder-1.5B on 16k CoQA stories) ceil(B*Hq*P) rows,
++ composition + attention; anchor-set path); ``cis16_topk`` (top-k anchors); ``cis16_group`` (the whole step of group-shared CIS,
 ``cis.selection: group``: one index set per KV head, matched on the group's queries, exactly
-ceil(B*Hkv/16) KV heads retrieving, one K/V read per group in the attention;
+ceil(B*Hkv/16) (or ceil(B*Hkv*P)) KV heads retrieving, one K/V read per group in the attention;
 ``cis16_group_max_abs_diff`` vs the same step on the PyTorch ops); ``ref16`` (PyTorch reference ops). The group-aware
 launchers ``topk_retrieval_grouped`` and ``sparse_decode_attention_grouped`` are timed on the
 same inputs when ``prhs_hf.kernels`` has them (``grouped_*_status`` otherwise; an error calling
@@ -232,8 +233,10 @@ def make_inputs(sh: Shape, bud: Budget, dev: torch.device, dtype: torch.dtype, s
     )
 
 
-def make_anchors(x: dict, sh: Shape, bud: Budget, s: int, g: torch.Generator, grouped: bool = False) -> tuple:
-    """Block state mid-way: s-1 anchors per row; exactly ceil(B*rows/s) rows match none.
+def make_anchors(x: dict, sh: Shape, bud: Budget, s: int, g: torch.Generator, grouped: bool = False,
+                 share: Optional[float] = None) -> tuple:
+    """Block state mid-way: s-1 anchors per row; exactly ceil(B*rows/s) rows match none, or with
+    ``share`` (``--retrieve-share``: a ρ̂ measured on a real model) ceil(B*rows*share).
 
     Every anchor slot a holds the true top-k of a query near the current one (cosine ~0.97);
     a sharing row's anchor vector at one random slot is that query's direction, the other
@@ -255,7 +258,7 @@ def make_anchors(x: dict, sh: Shape, bud: Budget, s: int, g: torch.Generator, gr
         near_q.append(group_query(near, sh.Hkv) if grouped else near.float())
         near_idx.append(retrieval(near, x["k_cache"], x["pad"], x["lo"], x["hi"], everyone, bud.k, x["scale"]))
     anchor_idx = torch.stack(near_idx, dim=2)
-    n_retrieve = math.ceil(B * H / s)
+    n_retrieve = math.ceil(B * H / s) if share is None else math.ceil(B * H * share)
     perm = torch.randperm(B * H, generator=g, device=dev)
     retrieve = torch.zeros(B * H, dtype=torch.bool, device=dev)
     retrieve[perm[:n_retrieve]] = True
@@ -443,7 +446,8 @@ def ds_columns(x: dict, sh: Shape, bud: Budget, r: int, time_it: Callable, row: 
     row["ds_stage_sum_ms"] = sum(row[f"ds_stage_{st}_ms"] for st in DS_STAGES)
 
 
-def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launchers: dict, ds_rank: int = DS_RANK) -> dict:
+def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launchers: dict, ds_rank: int = DS_RANK,
+              retrieve_share: Optional[float] = None) -> dict:
     cuda = dev.type == "cuda"
     bud = shape_budget(sh)
     x = make_inputs(sh, bud, dev, dtype)
@@ -459,7 +463,7 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
 
     steps = {}
     for s in (8, 16):
-        aq, ac, ai, n_ret = make_anchors(x, sh, bud, s, g)
+        aq, ac, ai, n_ret = make_anchors(x, sh, bud, s, g, share=retrieve_share)
         # the anchors' dilated sets (what the integration stores with anchor_sets=True)
         sets = dilated_set(ai.view(sh.B, sh.Hq * s, -1), True, bud.dil_m, bud.dil_r).view(sh.B, sh.Hq, s, -1)
 
@@ -524,7 +528,7 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
     row["cis16_ms"], row["cis16_timing"] = time_it(step16)
     row["cis16_topk_ms"], row["cis16_topk_timing"] = time_it(steps[16][3])
     row["ref16_ms"], row["ref16_timing"] = time_it(lambda: step16(REFERENCE_OPS))
-    group_step_columns(x, sh, bud, g, geo, common_kw, time_it, row)
+    group_step_columns(x, sh, bud, g, geo, common_kw, time_it, row, retrieve_share)
     grouped_columns(x, sh, res16, bud, 16, time_it, launchers, row)
     ds_columns(x, sh, bud, ds_rank, time_it, row)
     row.update(stage_breakdown(x, bud, steps[16], row["sparse_ms"], time_it))
@@ -560,11 +564,11 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
 
 
 def group_step_columns(x: dict, sh: Shape, bud: Budget, g: torch.Generator, geo: tuple, step_kw: dict,
-                       time_it: Callable, row: dict) -> None:
+                       time_it: Callable, row: dict, share: Optional[float] = None) -> None:
     """``cis16_group``: the whole CIS-16 step with group-shared selection (one set per KV head), on
     the per-head steps' geometry ``geo`` and keywords ``step_kw``."""
     q, kc, vc = x["q"], x["k_cache"], x["v_cache"]
-    aq, ac, ai, _ = make_anchors(x, sh, bud, 16, g, grouped=True)
+    aq, ac, ai, _ = make_anchors(x, sh, bud, 16, g, grouped=True, share=share)
     sets = dilated_set(ai.view(sh.B, sh.Hkv * 16, -1), True, bud.dil_m, bud.dil_r).view(sh.B, sh.Hkv, 16, -1)
 
     def step(ops=TRITON_OPS):
@@ -636,7 +640,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         f"Decode attention latency (median ms), {meta['gpu']}, torch {v['torch']}, triton {v['triton']}, "
         f"flashinfer {v['flashinfer']}, {meta['date']}, commit {meta['git_commit']}. Copy bandwidth "
-        f"{meta['copy_GBps']:.0f} GB/s. Retrieving rows per step: ceil(B*Hq/s). Speedups against the fastest "
+        f"{meta['copy_GBps']:.0f} GB/s. Retrieving rows per step: {meta['retrieval']}. Speedups against the fastest "
         "dense column of the row (named).",
         "",
         f"    {meta['command']}",
@@ -716,8 +720,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the issue's shapes only (GPU); without CUDA always a tiny shape")
     ap.add_argument("--ds-rank", type=int, default=DS_RANK,
                     help=f"Double Sparsity's label channels per head, 1 to the head size (default {DS_RANK})")
+    ap.add_argument("--retrieve-share", type=float, default=None,
+                    help="rows that retrieve per step as a share of all rows, in (0, 1], e.g. a model's measured "
+                         "rho-hat (default: 1/s, every row retrieving once per block)")
     ap.add_argument("--out", default="docs/results", help="output folder (bench_decode_attention.json + .md)")
     args = ap.parse_args(argv)
+    if args.retrieve_share is not None and not 0 < args.retrieve_share <= 1:
+        ap.error(f"--retrieve-share {args.retrieve_share}: allowed (0, 1]")
     plan = shapes(args.quick or not torch.cuda.is_available(), torch.cuda.is_available())
     if not all(1 <= args.ds_rank <= sh.D for sh in plan):
         ap.error(f"--ds-rank {args.ds_rank}: allowed 1 to the head size ({min(sh.D for sh in plan)} in this run)")
@@ -729,7 +738,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta = common.run_metadata(
         dev, argv,
         tau=TAU, hot_span=SPAN,
-        retrieval="exactly ceil(B*Hq/s) rows retrieve per step, the rest share an anchor",
+        retrieval=("exactly ceil(B*Hq/s) rows retrieve per step, the rest share an anchor" if args.retrieve_share is None
+                   else f"exactly ceil(B*Hq*{args.retrieve_share:g}) rows retrieve per step (--retrieve-share), "
+                        "the rest share an anchor"),
+        retrieve_share=args.retrieve_share,
         dense_columns={f"dense_{n}": label for n, label in common.DENSE_LABELS.items()},
         speedups="against the fastest dense column measured in the same row (fastest_dense)",
         targets={"mha": TARGET_MHA, "gqa": TARGET_GQA},
@@ -761,7 +773,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             flush=True,
         )
         try:
-            rows.append(run_shape(sh, dev, dtype, flex_fn, launchers, args.ds_rank))
+            rows.append(run_shape(sh, dev, dtype, flex_fn, launchers, args.ds_rank, args.retrieve_share))
         except torch.cuda.OutOfMemoryError as exc:  # keep the other shapes
             print(f"    out of memory: {exc}", flush=True)
             continue

@@ -195,6 +195,23 @@ def test_bench_decode_attention_quick_cpu_json(tmp_path):
     assert "DS step (r, top-k)" in md and "Double Sparsity step" in md and "CIS-16 group step" in md
 
 
+def test_bench_decode_attention_retrieve_share():
+    """--retrieve-share: the rows retrieving per step are that share of all rows (a real model's ρ̂),
+    for the per-head and the group-shared anchors alike; outside (0, 1] it is refused, naming the option."""
+    bench = load_script("bench_decode_attention")
+    sh = bench.Shape(2, 4, 2, 32, 512)
+    bud = bench.shape_budget(sh)
+    x = bench.make_inputs(sh, bud, torch.device("cpu"), torch.float32)
+    for grouped, rows in ((False, sh.B * sh.Hq), (True, sh.B * sh.Hkv)):
+        for share, want in ((None, math.ceil(rows / 3)), (0.75, math.ceil(rows * 0.75))):  # s = 3
+            aq, ac, ai, n_retrieve = bench.make_anchors(x, sh, bud, 3, torch.Generator().manual_seed(1),
+                                                        grouped=grouped, share=share)
+            assert n_retrieve == want, (grouped, share)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_decode_attention.py"), "--retrieve-share", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--retrieve-share" in proc.stderr and "(0, 1]" in proc.stderr
+
+
 @pytest.mark.slow
 def test_bench_e2e_decode_quick_cpu_json(tmp_path):
     _run_script("bench_e2e_decode.py", "--quick", "--modes", "eager", "--configs", "dense,dense-gqa,cis-s16",
