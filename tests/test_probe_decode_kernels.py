@@ -1,0 +1,62 @@
+"""scripts/probe_decode_kernels.py on the CPU: a quick run (Triton code generator only, 2 layers) that
+writes rows for dense and cis, and a CIS layer whose launches name the custom ops and the glue
+kernels between them, traced back to prhs_hf's source lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prhs_hf.kernels._common import HAS_TRITON, interpreting
+from script_loader import load_script
+
+probe = load_script("probe_decode_kernels")
+
+CUSTOM_OPS = ("cis_match", "topk_retrieval", "dilated_set", "compose_from_sets", "sparse_decode_attention")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs Triton with TRITON_INTERPRET=1")
+def test_quick_run_inventories_the_cis_layer(tmp_path):
+    assert probe.main(["--backends", "triton", "--layers", "2", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "probe_decode_kernels.json").read_text())
+    for key in ("command", "gpu", "versions", "date", "git_commit", "caveat"):
+        assert key in data
+    rows = {(t["config"], t["backend"]): t for t in data["table"]}
+    assert set(rows) == {("dense", "triton"), ("cis", "triton")}
+    dense, cis = rows[("dense", "triton")], rows[("cis", "triton")]
+    assert dense["per_layer"]["1"]["custom"] == 0 and dense["per_layer"]["1"]["inductor"] > 0
+    # each CIS layer calls the five decode ops once, and needs more launches than a dense layer
+    assert cis["per_layer"]["1"]["custom"] == len(CUSTOM_OPS)
+    assert cis["per_layer_by_difference"]["all"] > dense["per_layer_by_difference"]["all"]
+
+    layer = data["inventories"]["cis / triton"]
+    assert layer, "the CIS layer's launch list is empty"
+    names = [r["name"] for r in layer]
+    for op in CUSTOM_OPS:
+        assert f"torch.ops.prhs.{op}.default" in names, (op, names)
+    glue = [r for r in layer if r["kind"] == "inductor"]
+    assert glue and all(r["name"].startswith("triton_") for r in glue)
+    # the glue is traced to the library's Python lines (the anchor update of cis_state.record, at least)
+    sources = [s for r in glue for s in r["sources"]]
+    assert any(s.startswith("prhs_hf/cis_state.py:") for s in sources), sources
+    md = (tmp_path / "probe_decode_kernels.md").read_text()
+    assert "Caveat" in md and "torch.ops.prhs.topk_retrieval.default" in md
+
+
+def test_bad_options_name_the_allowed_values(capsys):
+    with pytest.raises(SystemExit):
+        probe.main(["--backends", "cuda"])
+    err = capsys.readouterr().err
+    assert "--backends" in err and "allowed: triton, cpp" in err
+    with pytest.raises(SystemExit):
+        probe.main(["--layers", "1"])
+    assert "--layers" in capsys.readouterr().err
+
+
+def test_kind_of_launch_names():
+    assert probe.kind_of("triton_poi_fused_add_0") == "inductor"
+    assert probe.kind_of("cpp_fused_mul_1") == "inductor"
+    assert probe.kind_of("torch.ops.prhs.cis_match.default") == "custom"
+    assert probe.kind_of("extern_kernels.mm") == "extern"
