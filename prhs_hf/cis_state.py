@@ -104,19 +104,27 @@ class CISState:
         read-modify-write of the old slot contents. A block of ``s`` steps takes at most ``s``
         anchors, so the slot is always in range before ``begin_step`` clears them.
         """
-        anchor_q, anchor_idx, anchor_count = self.anchors(layer)
-        b, h, s, d = anchor_q.shape
-        k = anchor_idx.shape[-1]
-        slot = anchor_count.clamp(max=s - 1).long()[:, :, None, None]
-        anchor_q.scatter_(2, slot.expand(b, h, 1, d), torch.nn.functional.normalize(q.float(), dim=-1).unsqueeze(2))
-        anchor_idx.scatter_(2, slot.expand(b, h, 1, k), indices.unsqueeze(2))
+        # Written through the [L, ...] buffers themselves (index_put_ at [layer, b, h, slot]), not
+        # through views of a layer's slice: under torch.compile a mutated view becomes a
+        # select_scatter, i.e. copies of the slice per layer and of the whole state per step;
+        # a mutation of the buffer is done in place.
+        _, b, h, s, d = self.anchor_q.shape
+        rows = self._row_index(layer, b, h)
+        slot = self.anchor_count[layer].clamp(max=s - 1).long()
+        where = (*rows, slot)
+        self.anchor_q.index_put_(where, torch.nn.functional.normalize(q.float(), dim=-1))
+        self.anchor_idx.index_put_(where, indices)
         if tail is not None:
-            tail_k, tail_v, tail_log_mass = self.anchor_tails(layer)
-            dim = tail_k.shape[-1]
-            tail_k.scatter_(2, slot.expand(b, h, 1, dim), tail[0].unsqueeze(2))
-            tail_v.scatter_(2, slot.expand(b, h, 1, dim), tail[1].unsqueeze(2))
-            tail_log_mass.scatter_(2, slot[..., 0], tail[2].unsqueeze(2))
-        anchor_count.add_(retrieved.to(torch.int32))
+            self.tail_k.index_put_(where, tail[0])
+            self.tail_v.index_put_(where, tail[1])
+            self.tail_log_mass.index_put_(where, tail[2])
+        self.anchor_count.index_put_(rows, retrieved.to(torch.int32), accumulate=True)
+
+    def _row_index(self, layer: int, batch: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Index tensors ``(layer, b, h)`` broadcasting to ``[B, H]``, for ``index_put_`` on the buffers."""
+        device = self.anchor_count.device
+        return (torch.full((1, 1), layer, dtype=torch.long, device=device),
+                torch.arange(batch, device=device)[:, None], torch.arange(heads, device=device)[None, :])
 
     def reorder(self, index: torch.Tensor) -> None:
         """Follow a beam reordering: sequence ``i`` becomes old sequence ``index[i]`` in every layer."""

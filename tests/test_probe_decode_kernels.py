@@ -16,11 +16,19 @@ probe = load_script("probe_decode_kernels")
 CUSTOM_OPS = ("cis_match", "topk_retrieval", "dilated_set", "compose_from_sets", "sparse_decode_attention")
 
 
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One quick run (Triton code generator, 2 layers) for the tests below: its JSON and markdown."""
+    if not (HAS_TRITON and interpreting()):
+        pytest.skip("needs Triton with TRITON_INTERPRET=1")
+    out = tmp_path_factory.mktemp("probe")
+    assert probe.main(["--backends", "triton", "--layers", "2", "--out", str(out)]) == 0
+    return json.loads((out / "probe_decode_kernels.json").read_text()), (out / "probe_decode_kernels.md").read_text()
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs Triton with TRITON_INTERPRET=1")
-def test_quick_run_inventories_the_cis_layer(tmp_path):
-    assert probe.main(["--backends", "triton", "--layers", "2", "--out", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "probe_decode_kernels.json").read_text())
+def test_quick_run_inventories_the_cis_layer(quick_run):
+    data, md = quick_run
     for key in ("command", "gpu", "versions", "date", "git_commit", "caveat"):
         assert key in data
     rows = {(t["config"], t["backend"]): t for t in data["table"]}
@@ -41,8 +49,23 @@ def test_quick_run_inventories_the_cis_layer(tmp_path):
     # the glue is traced to the library's Python lines (the anchor update of cis_state.record, at least)
     sources = [s for r in glue for s in r["sources"]]
     assert any(s.startswith("prhs_hf/cis_state.py:") for s in sources), sources
-    md = (tmp_path / "probe_decode_kernels.md").read_text()
     assert "Caveat" in md and "torch.ops.prhs.topk_retrieval.default" in md
+
+
+@pytest.mark.slow
+def test_compiled_cis_step_writes_the_anchors_in_place(quick_run):
+    """CISState.record writes each layer's new anchors into the [L, ...] buffers in place. Through
+    views of a layer's slice it became select_scatters: two copies of the slice per layer and a
+    copy of the whole state per step (88 + 100 MB per step on Qwen2.5-Coder-1.5B at B32)."""
+    from prhs_hf.kernels.compose_indices import dilated_set_size
+
+    data, _ = quick_run
+    (cis,) = [r for r in data["runs"] if (r["config"], r["backend"]) == ("cis", "triton")]
+    layers, batch, heads, dim, s = 2, 2, 4, 16, 16  # the quick run's tiny model and cis.yaml's block
+    n = dilated_set_size(88, 88 // 3, 1)
+    copies = {batch * heads * s * dim, batch * heads * s * n, layers * batch * heads * s * dim, layers * batch * heads * s * n}
+    sizes = [(r["name"], r["numel"].get("xnumel")) for r in cis["launches"] if r["kind"] == "inductor"]
+    assert not [x for x in sizes if x[1] in copies], sizes
 
 
 def test_bad_options_name_the_allowed_values(capsys):
