@@ -56,7 +56,10 @@ class DecodeSelection:
 def middle_start(t: torch.Tensor, p: DecodeParams) -> torch.Tensor:
     """``max(C_sink, W_l(t))`` with PSAW on for decode, else ``C_sink``."""
     if p.window_fraction is None:
-        return torch.full_like(t, p.sink)
+        # C_sink for every sequence, computed from t (not torch.full_like): a compiled step then
+        # makes it once, with the rest of the frame, for all layers; a constant fill is made again
+        # for each custom op that reads it, twice per layer (scripts/probe_decode_kernels.py)
+        return t.clamp(min=p.sink, max=p.sink)
     return psaw_window_start_tensor(t, p.window_fraction, p.sink)
 
 

@@ -68,6 +68,18 @@ def test_compiled_cis_step_writes_the_anchors_in_place(quick_run):
     assert not [x for x in sizes if x[1] in copies], sizes
 
 
+@pytest.mark.slow
+def test_compiled_cis_layer_adds_few_glue_kernels(quick_run):
+    """A CIS layer's glue between the custom ops, counted as the launches a second layer adds: at most
+    4 inductor kernels more than a dense layer's (the anchor writes, the retrieving flags). It was 6
+    with the constant middle start (C_sink, made by torch.full_like) filled again for each custom op
+    that reads it, twice per layer, and 7 with the anchor state copied through views (the test above)."""
+    data, _ = quick_run
+    rows = {(t["config"], t["backend"]): t for t in data["table"]}
+    cis, dense = (rows[(c, "triton")]["per_layer_by_difference"]["inductor"] for c in ("cis", "dense"))
+    assert cis <= dense + 4, (cis, dense)
+
+
 def test_bad_options_name_the_allowed_values(capsys):
     with pytest.raises(SystemExit):
         probe.main(["--backends", "cuda"])
