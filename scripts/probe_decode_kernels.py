@@ -8,8 +8,9 @@ would fuse them away?
 
 This probe answers it on the CPU. It builds a tiny random Qwen2 model (tests/tiny_models.py;
 default 3 layers, 4 query / 2 KV heads of 16, B 2, a 160-token prompt), puts it in ``dense``
-(SDPA with ``enable_gqa``, ``_bench_common.FAIR_ATTENTION``) or ``cis`` (``configs/cis.yaml``, the
-Triton decode ops, which run in the interpreter, ``TRITON_INTERPRET=1``) and runs ``generate()``
+(SDPA with ``enable_gqa``, ``_bench_common.FAIR_ATTENTION``), ``cis`` (``configs/cis.yaml``, the
+Triton decode ops, which run in the interpreter, ``TRITON_INTERPRET=1``) or, with ``--configs ds``,
+Double Sparsity at the same budget (bench_e2e_decode's ``ds-s16``) and runs ``generate()``
 with a StaticCache and ``CompileConfig(fullgraph=True, mode="reduce-overhead")``, as
 scripts/bench_e2e_decode.py does, so transformers compiles the decode forward with inductor.
 With inductor's provenance tracking on, every launch of the generated ``call()`` is matched to
@@ -67,7 +68,12 @@ import _bench_common as common  # noqa: E402
 import prhs_hf  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
-CONFIGS = ("dense", "cis")
+CONFIGS = ("dense", "cis", "ds")
+#: what a run without --configs compares
+DEFAULT_CONFIGS = ("dense", "cis")
+#: ds: bench_e2e_decode's ds-s16 (Double Sparsity at cis.yaml's budget, CIS off), rank 8 of the tiny heads' 16
+DS_OVERRIDES = {"baseline": {"name": "double_sparsity", "label_rank": 8}, "psaw": {"enabled": False},
+                "etf": {"enabled": False}}
 BACKENDS = ("triton", "cpp")
 #: the decode ops in the graph: the Triton launchers as torch.ops.prhs.* (the interpreter on the CPU)
 CIS_OVERRIDES = {"backend": {"decode": "triton", "prefill": "torch"}, "telemetry": {"enabled": False}}
@@ -301,12 +307,15 @@ class StepMarks(transformers.LogitsProcessor):
 
 
 def build(config: str, layers: int, heads: int, kv_heads: int):
-    """The tiny Qwen2 model in ``config`` (dense: SDPA enable_gqa; cis: configs/cis.yaml, Triton ops)."""
+    """The tiny Qwen2 model in ``config`` (dense: SDPA enable_gqa; cis: configs/cis.yaml, Triton ops; ds: Double
+    Sparsity at the same budget)."""
     model = tiny_model("qwen2", layers=layers, heads=heads, kv_heads=kv_heads)
     if config == "dense":
         model.set_attn_implementation(common.register_fair_attention())
     elif config == "cis":
         prhs_hf.patch(model, ROOT / "configs" / "cis.yaml", overrides=CIS_OVERRIDES)
+    elif config == "ds":
+        prhs_hf.patch(model, ROOT / "configs" / "cpe.yaml", overrides={**CIS_OVERRIDES, **DS_OVERRIDES})
     else:
         raise ValueError(f"config {config!r}: allowed {', '.join(CONFIGS)}")
     return model
@@ -524,7 +533,8 @@ def markdown(meta: dict[str, Any], summary: dict[str, Any], inventories: dict[st
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list from {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma list from {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list from {', '.join(BACKENDS)}")
     parser.add_argument("--layers", type=int, default=3, help="decoder layers of the tiny model (>= 2)")
     parser.add_argument("--layer", type=int, default=None, help="the layer to inventory (default: a middle one)")
@@ -544,8 +554,8 @@ def main(argv=None) -> int:
     layer = args.layers // 2 if args.layer is None else args.layer
     if not 0 <= layer < args.layers:
         parser.error(f"--layer: {layer} is not a layer of 0..{args.layers - 1}")
-    if "cis" in configs and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        parser.error("cis on the CPU needs TRITON_INTERPRET=1 (the Triton decode ops run in the interpreter)")
+    if {"cis", "ds"} & set(configs) and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        parser.error("cis and ds on the CPU need TRITON_INTERPRET=1 (the Triton decode ops run in the interpreter)")
 
     results, smaller = [], {}
     for backend in backends:

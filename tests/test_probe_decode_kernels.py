@@ -80,6 +80,20 @@ def test_compiled_cis_layer_adds_few_glue_kernels(quick_run):
     assert cis <= dense + 4, (cis, dense)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs Triton with TRITON_INTERPRET=1")
+def test_compiled_double_sparsity_step_writes_the_label_cache_in_place(tmp_path):
+    """Double Sparsity writes the current token's label row into the [L, B, Hq, S, r] label cache in
+    place: no kernel of its compiled step touches as much as one layer's label cache (through a view
+    of the layer it was a copy of the whole label cache back into the buffer at every step)."""
+    assert probe.main(["--configs", "ds", "--backends", "triton", "--layers", "2", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "probe_decode_kernels.json").read_text())
+    (ds,) = data["runs"]
+    batch, heads, slots, rank = 2, 4, 160 + 3 + 2, 8  # the probe's tiny model, its StaticCache, DS_OVERRIDES
+    sizes = [(r["name"], r["numel"].get("xnumel", 0)) for r in ds["launches"] if r["kind"] == "inductor"]
+    assert max(n for _, n in sizes) < batch * heads * slots * rank, sizes
+
+
 def test_bad_options_name_the_allowed_values(capsys):
     with pytest.raises(SystemExit):
         probe.main(["--backends", "cuda"])

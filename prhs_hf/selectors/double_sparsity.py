@@ -139,6 +139,17 @@ class LabelCache:
         """``S``, the cache slots each layer's label rows cover."""
         return self.label.shape[3]
 
+    def write(self, layer: int, slot: torch.Tensor, rows: torch.Tensor) -> None:
+        """Put ``rows [B, Hq, r]`` at cache slot ``slot [B]`` of ``layer``, in place. Through the
+        ``[L, ...]`` buffer itself (``index_put_`` at ``[layer, b, h, slot]``), not a view of the
+        layer: under torch.compile a mutated view becomes a ``select_scatter``, which copies the
+        whole label cache back into the buffer at every step (docs/DECODE_PIPELINE.md)."""
+        B, H, _ = rows.shape
+        device = self.label.device
+        where = (torch.full((1, 1), layer, dtype=torch.long, device=device), torch.arange(B, device=device)[:, None],
+                 torch.arange(H, device=device)[None, :], slot.view(B, 1))
+        self.label.index_put_(where, rows.to(self.label.dtype))
+
     def fits(self, layers: int, batch: int, heads: int, rank: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the buffers hold layers ``[0, layers)`` of decode steps of this shape."""
         _, b, h, _, r = self.label.shape
@@ -292,12 +303,11 @@ class DoubleSparsitySelector:
             self._store(layer, self._layer_channels(layer, B, D, k_cache.device), k_cache)
         elif self.cache.slots < S:
             self._fit(layer, B, heads, -(-S // _GROW) * _GROW, k_cache.dtype, k_cache.device)
-        channels, label = self.cache.channels[layer], self.cache.label[layer]
+        channels = self.cache.channels[layer]
         slot = (geom.pad.long() + geom.t_last.long() - 1).clamp(0, S - 1)  # the current token's slot
         current = k_cache.gather(2, slot.view(B, 1, 1, 1).expand(B, Hkv, 1, D))
-        new = label_keys(current, channels)  # [B, Hq, 1, r]
-        label.scatter_(2, slot.view(B, 1, 1, 1).expand_as(new), new)
-        return channels, label[:, :, :S]
+        self.cache.write(layer, slot, label_keys(current, channels)[:, :, 0])  # [B, Hq, r]
+        return channels, self.cache.label[layer, :, :, :S]
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
