@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .decode import layer_rows
 from .kernels.compose_indices import SET_NONE
 
 __all__ = ["CISState"]
@@ -104,12 +105,8 @@ class CISState:
         read-modify-write of the old slot contents. A block of ``s`` steps takes at most ``s``
         anchors, so the slot is always in range before ``begin_step`` clears them.
         """
-        # Written through the [L, ...] buffers themselves (index_put_ at [layer, b, h, slot]), not
-        # through views of a layer's slice: under torch.compile a mutated view becomes a
-        # select_scatter, i.e. copies of the slice per layer and of the whole state per step;
-        # a mutation of the buffer is done in place.
-        _, b, h, s, d = self.anchor_q.shape
-        rows = self._row_index(layer, b, h)
+        _, b, h, s, _ = self.anchor_q.shape
+        rows = layer_rows(layer, b, h, self.anchor_q.device)  # in place, not through a view of the layer
         slot = self.anchor_count[layer].clamp(max=s - 1).long()
         where = (*rows, slot)
         self.anchor_q.index_put_(where, torch.nn.functional.normalize(q.float(), dim=-1))
@@ -119,12 +116,6 @@ class CISState:
             self.tail_v.index_put_(where, tail[1])
             self.tail_log_mass.index_put_(where, tail[2])
         self.anchor_count.index_put_(rows, retrieved.to(torch.int32), accumulate=True)
-
-    def _row_index(self, layer: int, batch: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Index tensors ``(layer, b, h)`` broadcasting to ``[B, H]``, for ``index_put_`` on the buffers."""
-        device = self.anchor_count.device
-        return (torch.full((1, 1), layer, dtype=torch.long, device=device),
-                torch.arange(batch, device=device)[:, None], torch.arange(heads, device=device)[None, :])
 
     def reorder(self, index: torch.Tensor) -> None:
         """Follow a beam reordering: sequence ``i`` becomes old sequence ``index[i]`` in every layer."""

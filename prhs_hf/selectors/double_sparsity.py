@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from ..config import ConfigError, ResolvedConfig
-from ..decode import DecodeParams, DecodeSelection
+from ..decode import DecodeParams, DecodeSelection, layer_rows
 from ..geometry import SequenceGeometry
 from ..kernels._common import gqa_group
 from ._common import compose, retrieve_topk, step_frame
@@ -140,15 +140,11 @@ class LabelCache:
         return self.label.shape[3]
 
     def write(self, layer: int, slot: torch.Tensor, rows: torch.Tensor) -> None:
-        """Put ``rows [B, Hq, r]`` at cache slot ``slot [B]`` of ``layer``, in place. Through the
-        ``[L, ...]`` buffer itself (``index_put_`` at ``[layer, b, h, slot]``), not a view of the
-        layer: under torch.compile a mutated view becomes a ``select_scatter``, which copies the
-        whole label cache back into the buffer at every step (docs/DECODE_PIPELINE.md)."""
+        """Put ``rows [B, Hq, r]`` at cache slot ``slot [B]`` of ``layer``, in place: through the
+        ``[L, ...]`` buffer (:func:`~prhs_hf.decode.layer_rows`), not a view of the layer, which a
+        compiled step would turn into a copy of the whole label cache at every step."""
         B, H, _ = rows.shape
-        device = self.label.device
-        where = (torch.full((1, 1), layer, dtype=torch.long, device=device), torch.arange(B, device=device)[:, None],
-                 torch.arange(H, device=device)[None, :], slot.view(B, 1))
-        self.label.index_put_(where, rows.to(self.label.dtype))
+        self.label.index_put_((*layer_rows(layer, B, H, self.label.device), slot.view(B, 1)), rows.to(self.label.dtype))
 
     def fits(self, layers: int, batch: int, heads: int, rank: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the buffers hold layers ``[0, layers)`` of decode steps of this shape."""
