@@ -167,6 +167,11 @@ def parse_layers(text: str | Sequence[int] | None, num_layers: int, option: str 
     return tuple(sorted(set(values)))
 
 
+def is_count(value, minimum: int) -> bool:
+    """Whether ``value`` is an int (not a bool: ``True`` would run as 1) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def _check_target(target: float, option: str = "--target") -> float:
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not (0.0 < float(target) < 1.0):
         raise CalibrationError(f"{option}: {target!r} is out of range; allowed a dropped mass in (0, 1), e.g. {DEFAULT_TARGET}")
@@ -943,13 +948,13 @@ def calibrate(
     if max_certificate is not None and not max_certificate > 0:
         raise CalibrationError(f"--max-certificate: {max_certificate!r} is out of range; allowed a positive number")
     for option, value in (("--n", n), ("--oracle-rows", oracle_rows)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if option == "--n" else 0):
+        if not is_count(value, 1 if option == "--n" else 0):
             raise CalibrationError(f"{option}: {value!r} is out of range; allowed an int >= {1 if option == '--n' else 0}")
     base = load_config(base_config)
     num_layers = model.config.num_hidden_layers
     sink = base.budget.sink
     positions = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(length, bool) or not isinstance(length, int) or length < sink + 2 or (positions and length > positions):
+    if not is_count(length, sink + 2) or (positions and length > positions):
         allowed = f"[{sink + 2}, {positions}] (budget.sink + 2 up to the model's max_position_embeddings)" if positions \
             else f">= {sink + 2}"
         raise CalibrationError(f"--length: {length!r} is out of range for this model; allowed {allowed}")

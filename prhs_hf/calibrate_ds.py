@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .calibrate import DEFAULT_LENGTH, CalibrationError, calibration_texts, config_yaml_lines, pack_prompts
+from .calibrate import DEFAULT_LENGTH, CalibrationError, calibration_texts, config_yaml_lines, is_count, pack_prompts
 
 __all__ = ["DEFAULT_RANK", "DEFAULT_PROMPTS", "DEFAULT_CONFIG", "LabelCalibration", "run"]
 
@@ -89,10 +89,10 @@ def run(
 ) -> LabelCalibration:
     """Calibrate, then write ``<out>.pt`` and ``<out>.yaml`` (``out`` given with or without ``.yaml``;
     default ``ds_<model>`` in the working directory). Errors name the option and the allowed range."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    if not is_count(rank, 1):
         raise CalibrationError(f"--rank: {rank!r} is out of range; allowed >= 1 (at most the head dimension)")
     for option, value in (("--n", n), ("--length", length)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_count(value, 1):
             raise CalibrationError(f"{option}: {value!r} is out of range; allowed >= 1")
     texts, source = calibration_texts(text, dataset, cache_dir, status)
     import torch

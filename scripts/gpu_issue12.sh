@@ -28,8 +28,8 @@
 #
 # Environment: STEPS (default "install tests op es e2e"), E2E_CASES (default
 # "llama2-7b:8:16384,llama3-8b:16:16384"), E2E_CONFIGS (default
-# "dense,dense-gqa,cis-s16-share,cpe-s16-share"), E2E_TOKENS (256), E2E_EXTRA (more bench_e2e_decode.py arguments for the e2e and real steps
-# arguments, e.g. "--profile-steps 8": kernels per step and the launch gap, issue 12's item 3), DEADLINE_S (560: the e2e step
+# "dense,dense-gqa,cis-s16-share,cpe-s16-share"), E2E_TOKENS (256), E2E_EXTRA (more bench_e2e_decode.py
+# arguments for the e2e and real steps, e.g. "--profile-steps 8": kernels per step and the launch gap, issue 12's item 3), DEADLINE_S (560: the e2e step
 # stops there), PRHS_GIT_COMMIT (else the first line of .whl/COMMIT, written here with
 # `git rev-parse HEAD > .whl/COMMIT`; the copy on the device has no .git).
 #
