@@ -144,7 +144,7 @@ class LabelCache:
         ``[L, ...]`` buffer (:func:`~prhs_hf.decode.layer_rows`), not a view of the layer, which a
         compiled step would turn into a copy of the whole label cache at every step."""
         B, H, _ = rows.shape
-        self.label.index_put_((*layer_rows(layer, B, H, self.label.device), slot.view(B, 1)), rows.to(self.label.dtype))
+        self.label.index_put_((*layer_rows(layer, B, H, self.label.device), slot.view(B, 1)), rows)
 
     def fits(self, layers: int, batch: int, heads: int, rank: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the buffers hold layers ``[0, layers)`` of decode steps of this shape."""
