@@ -16,6 +16,11 @@ top-k holds a synthetic key/value for what the index set leaves out, CertKV's ta
 ``cis-lb`` is ``cis_longbench.yaml``: CIS alone (s = 16, τ = 0.8) at the paper's long-context budget,
 the one of ``cpe_longbench.yaml`` (64 sink + 256 local + 4096 top-k: LongBench), where every other CIS
 row keeps the GSM8K/CoQA budget of 128 tokens also on 32k-token prompts.
+``cpe-lb`` is ``cpe_longbench.yaml`` (the paper's PSAW/ETF defaults at that budget); ``cpe-cal-lb`` the
+same budget with the schedule ``prhs-hf calibrate`` chose for Qwen2.5-Coder-1.5B at a 5 % dropped-mass
+target (PSAW from layer 7, φ 0.9; ETF from layer 25, ψ 0.95:
+``docs/results/cpe_calibrated_qwen2.5-coder-1.5b_t0.05.yaml``, calibrated on Python stdlib text; at 1 %
+no schedule passes and the calibrated config is CIS alone, ``cis-lb``).
 ``cpe-no-etf`` and ``cpe-no-psaw`` are the ablations of
 CPE (CIS + PSAW, CIS + ETF). The baselines replace CIS in decode with the same
 8/32/88 budget through ``baseline.name``. HShare appears at the paper's two settings of (query,
@@ -66,6 +71,9 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
             "block_size": 16, "tau": 0.7, "selection": "group", "keep_anchor_local": True}}),
         NamedConfig("cis-lb", "cis_longbench"),
         NamedConfig("cpe", "cpe"),
+        NamedConfig("cpe-lb", "cpe_longbench"),
+        NamedConfig("cpe-cal-lb", "cpe_longbench", {
+            "psaw": {"start_layer": 7, "phi": 0.9}, "etf": {"start_layer": 25, "psi": 0.95}}),
         NamedConfig("cpe-no-etf", "cpe", {"etf": {"enabled": False}}),
         NamedConfig("cpe-no-psaw", "cpe", {"psaw": {"enabled": False}}),
         NamedConfig("hshare-1", "cis", {"baseline": {
