@@ -351,9 +351,10 @@ def _family(kernel: str) -> str:
     return "other kernels"
 
 
-def step_breakdown(model, ids, steps: int, static_cache=None, trace: Path | None = None) -> dict:
+def step_breakdown(model, ids, steps: int, static_cache=None, trace: Path | None = None) -> tuple[dict, dict]:
     """Per decode step: GPU kernel time by family (torch.profiler, kernels of CUDA graphs included)
-    and the rest of the step's wall time (launches, Python, idle GPU).
+    and the rest of the step's wall time (launches, Python, idle GPU); and the pipeline's own
+    kernels one by one (see :func:`kernel_breakdown`).
 
     The profiler runs over decode steps 1..``steps`` only (a logits processor starts and stops it),
     so the prefill's kernels are not in the window. Profiling slows the host side a little.
@@ -366,23 +367,46 @@ def step_breakdown(model, ids, steps: int, static_cache=None, trace: Path | None
     run_generate(model, ids, steps + 2, static_cache, extra_processor=window)
     if trace is not None:
         prof.export_chrome_trace(str(trace))
+    kernels = [(evt.name, evt.device_time_total, evt.time_range.start, evt.time_range.end) for evt in prof.events()
+               if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0]
+    out, own = kernel_breakdown(kernels, steps)
+    step_ms = 1000.0 * window.seconds / steps
+    tail = {k: out.pop(k) for k in ("idle inside the kernel span", "kernels per step")}
+    out["step (profiled)"] = round(step_ms, 3)
+    out["not kernels (launch, Python, idle)"] = round(max(step_ms - out["all kernels"], 0.0), 3)
+    return {**out, **tail}, own
+
+
+PIPELINE_FAMILIES = ("cis match", "retrieval", "composition", "sparse attention")
+
+
+def kernel_breakdown(kernels: list[tuple[str, float, float, float]], steps: int) -> tuple[dict, dict]:
+    """``kernels``: (name, GPU µs, start µs, end µs) of every kernel in ``steps`` profiled steps.
+
+    Returns the GPU time per step by family (ms), with all kernels, the GPU's idle time inside the
+    span of the kernels and the kernels per step; and the decode pipeline's own kernels one by one
+    (``{name: {"ms": per step, "launches": per step}}``, slowest first), which says which stage of
+    a family (e.g. the retrieval's score or its select passes) takes the time."""
     fam: dict[str, float] = {}
-    kernels, first, last = 0, float("inf"), 0.0
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0:
-            fam[_family(evt.name)] = fam.get(_family(evt.name), 0.0) + evt.device_time_total / 1000.0 / steps
-            kernels += 1
-            first, last = min(first, evt.time_range.start), max(last, evt.time_range.end)
+    own: dict[str, list[float]] = {}
+    first, last = float("inf"), 0.0
+    for name, us, start, end in kernels:
+        family = _family(name)
+        fam[family] = fam.get(family, 0.0) + us / 1000.0 / steps
+        if family in PIPELINE_FAMILIES:
+            entry = own.setdefault(name, [0.0, 0.0])
+            entry[0] += us / 1000.0 / steps
+            entry[1] += 1 / steps
+        first, last = min(first, start), max(last, end)
     out = {k: round(v, 3) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])}
     gpu = sum(out.values())
-    step_ms = 1000.0 * window.seconds / steps
     out["all kernels"] = round(gpu, 3)
-    out["step (profiled)"] = round(step_ms, 3)
-    out["not kernels (launch, Python, idle)"] = round(max(step_ms - gpu, 0.0), 3)
     # the GPU's idle time between its first and last kernel: gaps between kernels and between steps
     out["idle inside the kernel span"] = round(max((last - first) / 1000.0 / steps - gpu, 0.0), 3) if kernels else 0.0
-    out["kernels per step"] = round(kernels / steps, 1)
-    return out
+    out["kernels per step"] = round(len(kernels) / steps, 1)
+    own_out = {name: {"ms": round(ms, 3), "launches": round(n, 1)}
+               for name, (ms, n) in sorted(own.items(), key=lambda kv: -kv[1][0])}
+    return out, own_out
 
 
 def _cudagraphs(row: dict) -> str:
@@ -445,6 +469,12 @@ def write_results(rows, args, argv, device, new_tokens) -> None:
             b = r["breakdown_ms_per_step"]
             lines.append(f"| {r['shape']} | {r['batch']} | {r['prompt']} | {r['mode']} | {r['config']} | "
                          + " | ".join(f"{b[k]:.2f}" if k in b else "–" for k in families) + " |")
+    own = [r for r in rows if r.get("pipeline_kernels_per_step")]
+    if own:
+        lines += ["", "The decode pipeline's own kernels per step, ms (launches), slowest first:", ""]
+        lines += [f"- {r['config']} B{r['batch']} L{r['prompt']}: " + ", ".join(
+            f"`{name}` {v['ms']:.2f} ({v['launches']:g})" for name, v in r["pipeline_kernels_per_step"].items())
+            for r in own]
     compiled = [r for r in rows if "compiled_graphs" in r]
     if compiled:
         lines += ["", "Static mode, what was compiled (fullgraph=True, reduce-overhead): "
@@ -594,7 +624,8 @@ def main(argv=None) -> int:
                 if prhs_hf.is_patched(model):
                     prhs_hf.reset(model)
                 trace = Path(args.trace_dir) / f"{shape}-B{batch}-L{length}-{mode}-{name}.json" if args.trace_dir else None
-                row["breakdown_ms_per_step"] = step_breakdown(model, ids, args.profile_steps, cache, trace)
+                row["breakdown_ms_per_step"], row["pipeline_kernels_per_step"] = step_breakdown(
+                    model, ids, args.profile_steps, cache, trace)
             if prhs_hf.is_patched(model) and not args.timed_telemetry:
                 # ρ̂ of the same prompts and tokens, from an untimed eager run with telemetry on
                 select_config(model, name, telemetry=True)

@@ -131,7 +131,8 @@ def run(args) -> int:
                 row["telemetry_rank"] = prhs_hf.telemetry(model).as_dict()
                 row["telemetry"] = prhs_hf.telemetry(model, reduce=True).as_dict()  # a collective under tp
             if args.profile_steps and device.type == "cuda":
-                row["breakdown_ms_per_step"] = e2e.step_breakdown(model, ids, args.profile_steps)
+                row["breakdown_ms_per_step"], row["pipeline_kernels_per_step"] = e2e.step_breakdown(
+                    model, ids, args.profile_steps)
             rows.append(row)
             print(f"rank {rank} {row['case']} {args.layout} {name}: {row['decode_tok_s']:.1f} tok/s, "
                   f"{row['ms_per_step']:.2f} ms/step, peak {row['peak_gib_per_gpu']}")

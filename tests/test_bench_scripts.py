@@ -215,7 +215,7 @@ def test_bench_decode_attention_retrieve_share():
 @pytest.mark.slow
 def test_bench_e2e_decode_quick_cpu_json(tmp_path):
     _run_script("bench_e2e_decode.py", "--quick", "--modes", "eager", "--configs", "dense,dense-gqa,cis-s16",
-                "--new-tokens", "6", "--out", str(tmp_path))
+                "--new-tokens", "6", "--profile-steps", "2", "--out", str(tmp_path))
     data = json.loads((tmp_path / "bench_e2e_decode.json").read_text())
     _check_meta(data, "bench_e2e_decode.py")
     assert set(data["dense_configs"]) == {"dense", "dense-gqa"}
@@ -232,6 +232,9 @@ def test_bench_e2e_decode_quick_cpu_json(tmp_path):
         assert r["fastest_dense"] == fastest
         assert math.isclose(r["speedup_vs_fastest_dense"], r["decode_tok_s"] / rows[fastest]["decode_tok_s"])
     assert rows["cis-s16"]["rho_hat"] is not None and rows["cis-s16"]["rho_hat_run"] == "eager, telemetry on"
+    # the profiled steps (a CPU has no CUDA kernel events: the wall time is all "not kernels")
+    b = rows["cis-s16"]["breakdown_ms_per_step"]
+    assert b["all kernels"] == 0 and b["step (profiled)"] > 0 and rows["cis-s16"]["pipeline_kernels_per_step"] == {}
     assert "ρ̂ and processed KV: from the eager, telemetry on" in (tmp_path / "bench_e2e_decode.md").read_text()
 
 
@@ -469,3 +472,18 @@ def test_bench_e2e_decode_names_the_text_fields(e2e_checkpoint, tmp_path, capsys
     plain.write_text("some text")
     err = _e2e_error(capsys, "--model", str(e2e_checkpoint), "--prompts", str(plain), "--cases", "model:2:64")
     assert "--prompts" in err and ".jsonl.gz" in err
+
+
+def test_bench_e2e_decode_kernel_breakdown_sums_families_and_lists_the_pipelines_kernels():
+    """The profile's per-family sums, and the pipeline's own kernels one by one (which stage of a
+    family takes the time), from (name, GPU µs, start, end) per kernel over 2 steps."""
+    bench = load_script("bench_e2e_decode")
+    kernels = [("_group_score_kernel", 300.0, 0.0, 300.0), ("_radix_pass_kernel", 100.0, 300.0, 400.0),
+               ("_radix_pass_kernel", 60.0, 400.0, 460.0), ("triton_poi_fused_add_0", 40.0, 500.0, 540.0),
+               ("nvjet_tst_128x64", 200.0, 600.0, 800.0)]
+    fam, own = bench.kernel_breakdown(kernels, steps=2)
+    assert fam["retrieval"] == 0.23 and fam["inductor (fused glue)"] == 0.02 and fam["linear (proj, MLP, head)"] == 0.1
+    assert fam["all kernels"] == 0.35 and fam["kernels per step"] == 2.5
+    assert fam["idle inside the kernel span"] == pytest.approx(0.05)  # 800 µs span over 2 steps, 0.35 ms busy
+    assert list(own) == ["_group_score_kernel", "_radix_pass_kernel"]  # slowest first, ours only
+    assert own["_radix_pass_kernel"] == {"ms": 0.08, "launches": 1.0}
