@@ -212,3 +212,14 @@ def test_gpu_join_script_joins_and_exports_from_the_stage(tmp_path) -> None:
         assert (tmp_path / "out" / cal.name).is_file()
         import prhs_hf
         assert prhs_hf.load_config(cal).psaw is not None
+
+
+def test_gpu_plan_counts_the_working_tree_against_the_carry_limit(tmp_path, monkeypatch) -> None:
+    """Each device call takes the checkout too: pieces that fit alone but not beside the tree are refused."""
+    manifest, pieces, small = _pack(tmp_path, 2)
+    monkeypatch.setattr(pack_for_gpu, "REPO", tmp_path)
+    calls = pack_for_gpu.plan_calls("m", manifest, pieces, small, [])
+    pack_for_gpu._check_sizes(calls, tree_bytes=0)
+    with pytest.raises(SystemExit, match="working tree"):
+        pack_for_gpu._check_sizes(calls, tree_bytes=(pack_for_gpu.CARRY_LIMIT_MIB - 2) * gpu_transfer.MiB)
+    assert pack_for_gpu.working_tree_bytes(REPO) > 0

@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen2.5-coder-1.5b", choices=sorted(fetch.MODELS),
                    help="registered model to bring (default qwen2.5-coder-1.5b)")
     p.add_argument("--xfer", default=str(REPO / ".xfer"), help="transfer folder (default <repo>/.xfer)")
-    p.add_argument("--piece-mib", type=float, default=60)
+    p.add_argument("--piece-mib", type=float, default=52,
+                   help="piece size (default 52: a call carries 64 MiB with the working tree, ~7 MiB now)")
     p.add_argument("--gguf-version", default=None, help="gguf wheel version (default: the installed one)")
     p.add_argument("--plan-only", action="store_true",
                    help="only rewrite PLAN.md from the data, wheel and pieces already in --xfer")
@@ -197,13 +198,23 @@ def resume_call(model: str, run_args: Sequence[str]) -> DeviceCall:
     return DeviceCall([], eval_command(model, run_args), 600)
 
 
-def _check_sizes(calls: Sequence[DeviceCall]) -> None:
+def working_tree_bytes(repo: Path = REPO) -> int:
+    """What every device call takes besides its carry: the tracked and the untracked, not ignored
+    files of the checkout (it grows with the committed results, so a piece size that fit once
+    stops fitting)."""
+    names = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=repo, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    return sum((repo / n).stat().st_size for n in names if n and (repo / n).is_file())
+
+
+def _check_sizes(calls: Sequence[DeviceCall], tree_bytes: int) -> None:
     for call in calls:
         size = sum((REPO / c).stat().st_size if (REPO / c).is_file()
                    else sum(f.stat().st_size for f in (REPO / c).rglob("*") if f.is_file()) for c in call.carry)
-        if size > (CARRY_LIMIT_MIB - 2) * gpu_transfer.MiB or len(call.carry) > MAX_CARRY_PATHS:
-            raise SystemExit(f"a call would carry {size / gpu_transfer.MiB:.1f} MiB in {len(call.carry)} paths; "
-                             f"use a smaller --piece-mib")
+        if size + tree_bytes > (CARRY_LIMIT_MIB - 2) * gpu_transfer.MiB or len(call.carry) > MAX_CARRY_PATHS:
+            raise SystemExit(f"a call would carry {size / gpu_transfer.MiB:.1f} MiB in {len(call.carry)} paths "
+                             f"beside the {tree_bytes / gpu_transfer.MiB:.1f} MiB working tree (the device takes "
+                             f"{CARRY_LIMIT_MIB} MiB in all); cut the model again with a smaller --piece-mib")
         if len(call.command) >= MAX_COMMAND_CHARS:
             raise SystemExit(f"a call's command has {len(call.command)} characters (the device takes fewer than "
                              f"{MAX_COMMAND_CHARS}); pass fewer arguments after --")
@@ -246,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sha_file = manifest.parent / f"{json.loads(manifest.read_text())['name']}.sha256"
     calls = plan_calls(args.model, manifest, pieces, [xfer / "data", xfer / "whl", manifest, sha_file], run_args)
     resume = resume_call(args.model, run_args)
-    _check_sizes([*calls, resume])
+    _check_sizes([*calls, resume], working_tree_bytes())
     plan = render_plan(args.model, calls, resume)
     (xfer / "PLAN.md").write_text(plan)
     total = sum(p.stat().st_size for p in pieces)
