@@ -52,7 +52,7 @@ E2E_CASES=${E2E_CASES:-llama2-7b:8:16384,llama3-8b:16:16384}
 E2E_CONFIGS=${E2E_CONFIGS:-dense,dense-gqa,cis-s16-share,cpe-s16-share}
 E2E_TOKENS=${E2E_TOKENS:-256}
 DEADLINE_S=${DEADLINE_S:-560}
-TEST_SHARDS=${TEST_SHARDS:-5}
+TEST_SHARDS=${TEST_SHARDS:-6}
 REAL_CKPT=${REAL_CKPT:-/tmp/prhs_gpu/ckpt-qwen2.5-coder-1.5b}
 REAL_PROMPTS=${REAL_PROMPTS:-/tmp/data/coqa_validation.jsonl.gz}
 REAL_CASES=${REAL_CASES:-model:32:16384,model:32:32512}  # 32512 + 256 new tokens = the model's 32768 positions
