@@ -46,6 +46,7 @@ The FLOP model (decoder layers only: embeddings and the LM head are the same for
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -358,6 +359,48 @@ class MassStat:
 ZERO = MassStat(0.0, 0.0, 0.0, 0.0)
 
 
+TAIL_BINS = 10_000
+
+
+class _Tail:
+    """The distribution of single-row dropped masses for ``k`` candidates: a histogram of
+    :data:`TAIL_BINS` bins over ``[0, 1]`` each (quantiles to ``1 / TAIL_BINS``) and the exact maximum."""
+
+    def __init__(self, k: int):
+        import torch
+
+        self.hist = torch.zeros(k, TAIL_BINS, dtype=torch.int64)
+        self.max = torch.zeros(k, dtype=torch.float64)
+
+    def add(self, values: "torch.Tensor", keep: "torch.Tensor | None" = None) -> None:
+        """``values [N, k]`` (one row per (head, row)); ``keep [N, k]`` bool: which count (default all)."""
+        import torch
+
+        if values.numel() == 0:
+            return
+        values = values.double()
+        if keep is not None:
+            values = values.masked_fill(~keep, -1.0)  # below every bin, and below any maximum
+        self.max = torch.maximum(self.max, values.amax(0).clamp(min=0.0))
+        bins = (values * TAIL_BINS).floor().clamp(0, TAIL_BINS - 1).long()
+        counted = values >= 0 if keep is not None else torch.ones_like(values, dtype=torch.bool)
+        offsets = torch.arange(values.shape[1]) * TAIL_BINS
+        self.hist += torch.bincount((bins + offsets)[counted], minlength=self.hist.numel()).reshape(self.hist.shape)
+
+    def quantile(self, k: int, q: float) -> float:
+        """The ``q`` quantile of candidate ``k`` (the value at rank ``⌈q (N − 1)⌉ + 1``, as
+        ``torch.quantile(..., interpolation="higher")``) to within a bin: its bin's upper edge, at
+        most the maximum (0 without values)."""
+        import torch
+
+        total = int(self.hist[k].sum())
+        if total == 0:
+            return 0.0
+        rank = math.ceil(q * (total - 1)) + 1  # torch.quantile(..., interpolation="higher"), 1-based
+        index = int(torch.searchsorted(self.hist[k].cumsum(0), torch.tensor(rank)))
+        return min((index + 1) / TAIL_BINS, float(self.max[k]))
+
+
 class _Accumulator:
     """Sums of dropped mass for one layer's candidates, over prompts (float64)."""
 
@@ -374,20 +417,13 @@ class _Accumulator:
         self.psaw_context = 0.0
         self.etf_context = torch.zeros(len(counts), dtype=torch.float64)
         self.samples: list["torch.Tensor"] = []
-        # every (head, late row)'s dropped mass, [H * late rows, candidates] per chunk (NaN: an ETF
-        # row that is frozen itself, so not computed)
-        self.psaw_late_rows: list["torch.Tensor"] = []
-        self.etf_late_rows: list["torch.Tensor"] = []
+        # the dropped mass of every (head, late row) one by one, as a histogram per candidate
+        # (TAIL_BINS bins over [0, 1]: constant memory at any length) and its maximum
+        self.psaw_tail = _Tail(len(windows))
+        self.etf_tail = _Tail(len(counts))
 
     def stats(self) -> tuple[dict[float, MassStat], dict[int, MassStat]]:
-        import torch
-
-        def tails(chunks: list["torch.Tensor"], k: int) -> tuple[float, float]:
-            values = torch.cat([c[:, k] for c in chunks]) if chunks else torch.zeros(0)
-            values = values[~values.isnan()]
-            if values.numel() == 0:
-                return 0.0, 0.0
-            return float(torch.quantile(values.double(), 0.99)), float(values.max())
+        tails = lambda tail, k: (tail.quantile(k, 0.99), float(tail.max[k]))  # noqa: E731
 
         def stat(rows, late, n_rows, n_late, context, tail) -> MassStat:
             per_head = rows / max(n_rows, 1.0)
@@ -395,9 +431,9 @@ class _Accumulator:
                             context / max(n_rows, 1.0), *tail)
 
         psaw = {w: stat(self.psaw_rows[:, k], self.psaw_late[:, k], self.psaw_n, self.psaw_late_n, self.psaw_context,
-                        tails(self.psaw_late_rows, k)) for k, w in enumerate(self.windows)}
+                        tails(self.psaw_tail, k)) for k, w in enumerate(self.windows)}
         etf = {e: stat(self.etf_rows[:, k], self.etf_late[:, k], float(self.etf_n[k]), float(self.etf_late_n[k]),
-                       float(self.etf_context[k]), tails(self.etf_late_rows, k)) for k, e in enumerate(self.counts)}
+                       float(self.etf_context[k]), tails(self.etf_tail, k)) for k, e in enumerate(self.counts)}
         return psaw, etf
 
 
@@ -454,16 +490,14 @@ def _measure_layer(acc: _Accumulator, query: "torch.Tensor", key: "torch.Tensor"
             m = mass_between(starts)
             acc.psaw_rows += m.sum(1)
             acc.psaw_late += m[:, late].sum(1)
-            if late.any():
-                acc.psaw_late_rows.append(m[:, late].reshape(-1, len(acc.windows)).float())
+            acc.psaw_tail.add(m[:, late].reshape(-1, len(acc.windows)))
         if acc.counts:
             active = rows.cpu()[:, None] >= counts[None, :]  # [R, K]: rows still computed
             m = mass_between(counts[None, :].expand(len(t), -1)) * active[None]
             acc.etf_rows += m.sum(1)
             acc.etf_late += (m * late[None, :, None]).sum(1)
-            if late.any():
-                acc.etf_late_rows.append(m[:, late].masked_fill(~active[None, late], float("nan"))
-                                         .reshape(-1, len(acc.counts)).float())
+            acc.etf_tail.add(m[:, late].reshape(-1, len(acc.counts)), active[None, late].expand(heads, -1, -1)
+                             .reshape(-1, len(acc.counts)))
             acc.etf_n += active.sum(0)
             acc.etf_late_n += (active & late[:, None]).sum(0)
             acc.etf_context += (t[:, None] * active).sum(0)
