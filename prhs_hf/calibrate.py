@@ -379,13 +379,10 @@ class _Tail:
         if values.numel() == 0:
             return
         values = values.double()
-        if keep is not None:
-            values = values.masked_fill(~keep, -1.0)  # below every bin, and below any maximum
-        self.max = torch.maximum(self.max, values.amax(0).clamp(min=0.0))
-        bins = (values * TAIL_BINS).floor().clamp(0, TAIL_BINS - 1).long()
-        counted = values >= 0 if keep is not None else torch.ones_like(values, dtype=torch.bool)
-        offsets = torch.arange(values.shape[1]) * TAIL_BINS
-        self.hist += torch.bincount((bins + offsets)[counted], minlength=self.hist.numel()).reshape(self.hist.shape)
+        keep = torch.ones_like(values, dtype=torch.bool) if keep is None else keep
+        self.max = torch.maximum(self.max, values.masked_fill(~keep, 0.0).amax(0))  # the maximum starts at 0
+        bins = (values * TAIL_BINS).floor().clamp(0, TAIL_BINS - 1).long() + torch.arange(values.shape[1]) * TAIL_BINS
+        self.hist += torch.bincount(bins[keep], minlength=self.hist.numel()).reshape(self.hist.shape)
 
     def quantile(self, k: int, q: float) -> float:
         """The ``q`` quantile of candidate ``k`` (the value at rank ``⌈q (N − 1)⌉ + 1``, as
