@@ -369,22 +369,19 @@ def step_breakdown(model, ids, steps: int, static_cache=None, trace: Path | None
         prof.export_chrome_trace(str(trace))
     kernels = [(evt.name, evt.device_time_total, evt.time_range.start, evt.time_range.end) for evt in prof.events()
                if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0]
-    out, own = kernel_breakdown(kernels, steps)
-    step_ms = 1000.0 * window.seconds / steps
-    tail = {k: out.pop(k) for k in ("idle inside the kernel span", "kernels per step")}
-    out["step (profiled)"] = round(step_ms, 3)
-    out["not kernels (launch, Python, idle)"] = round(max(step_ms - out["all kernels"], 0.0), 3)
-    return {**out, **tail}, own
+    return kernel_breakdown(kernels, steps, 1000.0 * window.seconds / steps)
 
 
 PIPELINE_FAMILIES = ("cis match", "retrieval", "composition", "sparse attention")
 
 
-def kernel_breakdown(kernels: list[tuple[str, float, float, float]], steps: int) -> tuple[dict, dict]:
-    """``kernels``: (name, GPU µs, start µs, end µs) of every kernel in ``steps`` profiled steps.
+def kernel_breakdown(kernels: list[tuple[str, float, float, float]], steps: int, step_ms: float) -> tuple[dict, dict]:
+    """``kernels``: (name, GPU µs, start µs, end µs) of every kernel in ``steps`` profiled steps of
+    ``step_ms`` wall time each.
 
-    Returns the GPU time per step by family (ms), with all kernels, the GPU's idle time inside the
-    span of the kernels and the kernels per step; and the decode pipeline's own kernels one by one
+    Returns the GPU time per step by family (ms), with all kernels, the step's wall time and the part
+    of it not in kernels, the GPU's idle time inside the span of the kernels and the kernels per
+    step; and the decode pipeline's own kernels one by one
     (``{name: {"ms": per step, "launches": per step}}``, slowest first), which says which stage of
     a family (e.g. the retrieval's score or its select passes) takes the time."""
     fam: dict[str, float] = {}
@@ -401,6 +398,8 @@ def kernel_breakdown(kernels: list[tuple[str, float, float, float]], steps: int)
     out = {k: round(v, 3) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])}
     gpu = sum(out.values())
     out["all kernels"] = round(gpu, 3)
+    out["step (profiled)"] = round(step_ms, 3)
+    out["not kernels (launch, Python, idle)"] = round(max(step_ms - gpu, 0.0), 3)
     # the GPU's idle time between its first and last kernel: gaps between kernels and between steps
     out["idle inside the kernel span"] = round(max((last - first) / 1000.0 / steps - gpu, 0.0), 3) if kernels else 0.0
     out["kernels per step"] = round(len(kernels) / steps, 1)

@@ -481,9 +481,10 @@ def test_bench_e2e_decode_kernel_breakdown_sums_families_and_lists_the_pipelines
     kernels = [("_group_score_kernel", 300.0, 0.0, 300.0), ("_radix_pass_kernel", 100.0, 300.0, 400.0),
                ("_radix_pass_kernel", 60.0, 400.0, 460.0), ("triton_poi_fused_add_0", 40.0, 500.0, 540.0),
                ("nvjet_tst_128x64", 200.0, 600.0, 800.0)]
-    fam, own = bench.kernel_breakdown(kernels, steps=2)
+    fam, own = bench.kernel_breakdown(kernels, steps=2, step_ms=0.6)
     assert fam["retrieval"] == 0.23 and fam["inductor (fused glue)"] == 0.02 and fam["linear (proj, MLP, head)"] == 0.1
     assert fam["all kernels"] == 0.35 and fam["kernels per step"] == 2.5
+    assert fam["step (profiled)"] == 0.6 and fam["not kernels (launch, Python, idle)"] == 0.25
     assert fam["idle inside the kernel span"] == pytest.approx(0.05)  # 800 µs span over 2 steps, 0.35 ms busy
     assert list(own) == ["_group_score_kernel", "_radix_pass_kernel"]  # slowest first, ours only
     assert own["_radix_pass_kernel"] == {"ms": 0.08, "launches": 1.0}
