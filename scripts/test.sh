@@ -14,6 +14,10 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
   exec "$PY" -m pytest -q "$@"
 fi
 WORKERS=${PRHS_TEST_WORKERS:-$(nproc)}
+if ! [[ "$WORKERS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "PRHS_TEST_WORKERS=$WORKERS: expected a positive integer (1 runs the tests in one process)" >&2
+  exit 2
+fi
 PARALLEL=()
 if [ "$WORKERS" -gt 1 ]; then
   if "$PY" -c "import xdist" 2>/dev/null; then
