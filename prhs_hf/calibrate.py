@@ -750,16 +750,20 @@ def evaluate(m: Measurement, flops: FlopModel, psaw: Schedule, etf: Schedule, ps
 
 
 def choose(m: Measurement, flops: FlopModel, target: float, *, max_certificate: float | None = None,
-           psaw_prefill: bool = True) -> Choice:
+           row_target: float | None = None, psaw_prefill: bool = True) -> Choice:
     """The PSAW/ETF pair (either may be off) with the fewest prefill FLOPs among those whose every
     layer keeps its dropped mass (all-row and late-row means) at most ``target`` (and ``g(δ̄)`` at
-    most ``max_certificate``). Ties go to the smaller dropped mass, then to the deeper PSAW
-    pruning (it also saves decode work)."""
+    most ``max_certificate``, and the 99th percentile of a single (head, late row)'s dropped mass at
+    most ``row_target``). Ties go to the smaller dropped mass, then to the deeper PSAW pruning (it
+    also saves decode work)."""
     _check_target(target)
+    if row_target is not None:
+        _check_target(row_target, "--row-target")
     grid = m.grid
 
     def ok(stats: list[MassStat]) -> bool:
-        return all(s.worst <= target and (max_certificate is None or s.certificate <= max_certificate) for s in stats)
+        return all(s.worst <= target and (max_certificate is None or s.certificate <= max_certificate)
+                   and (row_target is None or s.late_q99 <= row_target) for s in stats)
 
     psaws = [OFF] + [Schedule(s, p) for s in grid.start_layers for p in grid.phis if ok(_stats(m, "psaw", Schedule(s, p)))]
     etfs = [OFF] + [Schedule(s, p) for s in grid.start_layers for p in grid.psis if ok(_stats(m, "etf", Schedule(s, p)))]
@@ -841,6 +845,7 @@ class Calibration:
     flops: FlopModel
     target: float
     max_certificate: float | None
+    row_target: float | None
     chosen: Choice
     paper: Choice
     config: dict[str, Any]
@@ -851,11 +856,12 @@ class Calibration:
         c, p, m = self.chosen, self.paper, self.measurement
         return "\n".join([
             f"model: {self.model_name} ({m.grid.num_layers} layers)   text: {self.source}   "
-            f"{m.prompts} prompts x {m.length} tokens   target: dropped mass <= {self.target:g} per layer",
+            f"{m.prompts} prompts x {m.length} tokens   target: dropped mass <= {self.target:g} per layer"
+            + (f", a single late row's q99 <= {self.row_target:g}" if self.row_target is not None else ""),
             f"chosen:   {_describe(c)}",
             f"          predicted prefill FLOP saving {100 * c.saving:.1f} % "
             f"(decoder layers, {m.length}-token prompt)",
-            f"          {_describe_tail(m, c)}",
+            f"          {_describe_tail(m, c, self.row_target)}",
             f"paper defaults: {_describe(p)}",
             f"          predicted prefill FLOP saving {100 * p.saving:.1f} %",
         ])
@@ -871,12 +877,14 @@ def _describe(c: Choice) -> str:
     return f"{psaw}; {etf}   (worst dropped mass: PSAW {c.psaw_worst:.4f}, ETF {c.etf_worst:.4f})"
 
 
-def _describe_tail(m: Measurement, c: Choice) -> str:
-    """The largest mass a single (head, late row) loses under the chosen pair, at any layer."""
-    tail = max((st.late_max for kind, sched in (("psaw", c.psaw), ("etf", c.etf)) for st in _stats(m, kind, sched)),
-               default=0.0)
-    return (f"a single late row of one head loses up to {tail:.4f} of its attention mass (not bounded by the "
-            "target; see docs/CALIBRATE.md)")
+def _describe_tail(m: Measurement, c: Choice, row_target: float | None = None) -> str:
+    """The largest mass a single (head, late row) loses under the chosen pair, at any layer, and its 99th percentile."""
+    stats = [st for kind, sched in (("psaw", c.psaw), ("etf", c.etf)) for st in _stats(m, kind, sched)]
+    tail, q99 = max((st.late_max for st in stats), default=0.0), max((st.late_q99 for st in stats), default=0.0)
+    bound = (f"q99 bounded by --row-target {row_target:g}" if row_target is not None
+             else "not bounded by the target; --row-target bounds its q99")
+    return (f"a single late row of one head loses up to {tail:.4f} of its attention mass, q99 {q99:.4f} ({bound}; "
+            "see docs/CALIBRATE.md)")
 
 
 def _fmt(x: float | None) -> str:
@@ -901,7 +909,9 @@ def _render_yaml(cal: Calibration) -> str:
         f"# Calibration text: {cal.source}; {m.prompts} prompts of {m.length} tokens.",
         f"# Target: dropped attention mass <= {cal.target:g} at every layer (mean over heads of all rows and of",
         f"# the last {100 / LATE_FRACTION:g} % of rows)"
-        + (f", routing certificate g <= {cal.max_certificate:g}" if cal.max_certificate is not None else "") + ".",
+        + (f", routing certificate g <= {cal.max_certificate:g}" if cal.max_certificate is not None else "")
+        + (f"; and the 99th percentile of a single (head, late row)'s dropped mass <= {cal.row_target:g}"
+           if cal.row_target is not None else "") + ".",
         f"# Chosen: {_describe(c)}",
         f"# Predicted prefill FLOP saving: {100 * c.saving:.1f} % (paper defaults: {100 * p.saving:.1f} %, "
         f"worst dropped mass PSAW {p.psaw_worst:.4f}, ETF {p.etf_worst:.4f}).",
@@ -913,7 +923,7 @@ def _render_yaml(cal: Calibration) -> str:
         "# Measured per layer (means over heads; rows = all prompt rows, late = the last rows, head = the",
         "# worst head's row mean; g = routing certificate g(delta) of the row mean; beta = beta_emp against",
         "# the budget-matched oracle on sampled late rows; q99, max = the 99th percentile and the largest",
-        "# dropped mass of a single (head, late row): not bounded by the target, and what one query that",
+        "# dropped mass of a single (head, late row): bounded only by --row-target (q99), and what one query that",
         "# retrieves an early fact can lose). ETF mass is a proxy: the mass that active rows put on the",
         "# frozen rows. 'paper' = l_s floor(N/2), the base config's phi/psi.",
         "# layer |   w  psaw rows    late    head       g    beta     q99     max | frozen  etf rows    late    head"
@@ -995,6 +1005,7 @@ def calibrate(
     length: int = DEFAULT_LENGTH,
     target: float = DEFAULT_TARGET,
     max_certificate: float | None = None,
+    row_target: float | None = None,
     start_layers: str | Sequence[int] | None = None,
     phis: str | Sequence[float] = PHI_GRID,
     psis: str | Sequence[float] = PSI_GRID,
@@ -1010,6 +1021,7 @@ def calibrate(
     from .config import load_config
 
     target = _check_target(target)
+    row_target = None if row_target is None else _check_target(row_target, "--row-target")
     if max_certificate is not None and not max_certificate > 0:
         raise CalibrationError(f"--max-certificate: {max_certificate!r} is out of range; allowed a positive number")
     for option, value in (("--n", n), ("--oracle-rows", oracle_rows)):
@@ -1034,11 +1046,11 @@ def calibrate(
     m = measure(model, prompts, grid, oracle_rows=oracle_rows, progress=progress)
     flops = FlopModel.from_config(model.config)
     psaw_prefill = "prefill" in base.psaw.phases
-    chosen = choose(m, flops, target, max_certificate=max_certificate, psaw_prefill=psaw_prefill)
+    chosen = choose(m, flops, target, max_certificate=max_certificate, row_target=row_target, psaw_prefill=psaw_prefill)
     paper = evaluate(m, flops, Schedule(paper_psaw_start, base.psaw.phi), Schedule(paper_etf_start, base.etf.psi),
                      psaw_prefill)
     beta = {"psaw": beta_emp(m, "psaw", chosen.psaw), "etf": beta_emp(m, "etf", chosen.etf)}
-    return Calibration(model_name, source, m, flops, target, max_certificate, chosen, paper,
+    return Calibration(model_name, source, m, flops, target, max_certificate, row_target, chosen, paper,
                        _config_dict(base, chosen), beta)
 
 
@@ -1058,6 +1070,7 @@ def run(
     length: int = DEFAULT_LENGTH,
     target: float = DEFAULT_TARGET,
     max_certificate: float | None = None,
+    row_target: float | None = None,
     start_layers: str | None = None,
     phis: str | Sequence[float] = PHI_GRID,
     psis: str | Sequence[float] = PSI_GRID,
@@ -1074,6 +1087,8 @@ def run(
     :data:`CALIBRATION_DATASETS`) gives the calibration text. Returns the calibration and the YAML's path.
     """
     _check_target(target)
+    if row_target is not None:
+        _check_target(row_target, "--row-target")
     texts, source = calibration_texts(text, dataset, cache_dir, status)
     if plot is not None:
         _check_plotting()
@@ -1088,8 +1103,8 @@ def run(
     model, tokenizer = load_model(model_name, dtype=dtype, device=device, cache_dir=cache_dir)
     status(f"measuring {n} prompts of {length} tokens (one dense forward each)…")
     cal = calibrate(model, tokenizer, texts, model_name=str(model_name), source=source, base_config=config, n=n,
-                    length=length, target=target, max_certificate=max_certificate, start_layers=start_layers,
-                    phis=phis, psis=psis, oracle_rows=oracle_rows, progress=progress)
+                    length=length, target=target, max_certificate=max_certificate, row_target=row_target,
+                    start_layers=start_layers, phis=phis, psis=psis, oracle_rows=oracle_rows, progress=progress)
     path = Path(out) if out is not None else Path(f"cpe_calibrated_{_slug(model_name)}.yaml")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(cal.yaml_text())

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"largest dropped attention mass per layer, in (0, 1) (default: {cal.DEFAULT_TARGET})")
     p_cal.add_argument("--max-certificate", type=float, default=None,
                        help="also bound the routing certificate g(delta) per layer (default: no bound)")
+    p_cal.add_argument("--row-target", type=float, default=None,
+                       help="also bound, per layer, the 99th percentile of the mass a single (head, late row) drops, "
+                            "in (0, 1): what one query retrieving an early fact can lose (default: no bound)")
     p_cal.add_argument("--start-layers", default=None, metavar="A:B|L1,L2,…",
                        help="candidate start layers (default: N/4 to N-1; the paper's N/2 is always included)")
     p_cal.add_argument("--phi", default=",".join(map(str, cal.PHI_GRID)),
@@ -442,8 +445,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     _status("importing torch and transformers…")
     cal, path = calibrate.run(
         args.model, text=args.text, dataset=args.dataset, out=args.out, plot=args.plot, config=args.config, n=args.n,
-        length=args.length, target=args.target, max_certificate=args.max_certificate, start_layers=args.start_layers,
-        phis=args.phi, psis=args.psi, oracle_rows=args.oracle_rows, dtype=args.dtype, device=args.device,
+        length=args.length, target=args.target, max_certificate=args.max_certificate, row_target=args.row_target,
+        start_layers=args.start_layers, phis=args.phi, psis=args.psi, oracle_rows=args.oracle_rows, dtype=args.dtype, device=args.device,
         cache_dir=args.cache_dir, progress=True, status=_status)
     print(cal.summary())
     print(f"wrote {path}" + (f" and {args.plot}" if args.plot else ""))

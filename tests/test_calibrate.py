@@ -167,6 +167,30 @@ def test_choose_is_the_cheapest_pair_within_the_target() -> None:
     assert chosen.psaw_worst <= target and chosen.etf_worst <= target and chosen.saving > 0
 
 
+def test_a_row_target_bounds_the_single_row_tail_of_the_chosen_pair() -> None:
+    """``row_target`` keeps, at every layer, the 99th percentile of a single (head, late row)'s dropped
+    mass under it: the cheapest pair among those, which is not the pair the mean target alone picks."""
+    model = tiny_model("llama", layers=6)
+    grid = cal.Grid(6, (1, 2, 3, 4, 5), (0.5, 0.7, 0.9), (0.5, 0.8), 1.0, 1.0, SINK)
+    prompts = torch.randint(1, 128, (2, 64), generator=torch.Generator().manual_seed(3))
+    m = cal.measure(model, prompts, grid, oracle_rows=0)
+    f = cal.FlopModel.from_config(model.config)
+    target = 0.15
+    loose = cal.choose(m, f, target)
+    q99 = lambda c: max(st.late_q99 for kind, s in (("psaw", c.psaw), ("etf", c.etf))  # noqa: E731
+                        for st in cal._stats(m, kind, s))
+    row_target = q99(loose) * 0.75  # strictly below what the mean target alone allows
+    chosen = cal.choose(m, f, target, row_target=row_target)
+    assert q99(chosen) <= row_target < q99(loose)
+    options = lambda rates: [cal.OFF] + [cal.Schedule(s, r) for s in grid.start_layers for r in rates]  # noqa: E731
+    feasible = [c for p, e in itertools.product(options(grid.phis), options(grid.psis))
+                if (c := cal.evaluate(m, f, p, e)).psaw_worst <= target and c.etf_worst <= target
+                and all(st.late_q99 <= row_target for st in cal._stats(m, "psaw", p) + cal._stats(m, "etf", e))]
+    assert chosen.flops == min(c.flops for c in feasible)
+    with pytest.raises(cal.CalibrationError, match=r"--row-target: 0 is out of range; allowed a dropped mass in \(0, 1\)"):
+        cal.choose(m, f, target, row_target=0)
+
+
 # --------------------------------------------------------------------------------------------
 # The whole calibration
 # --------------------------------------------------------------------------------------------
@@ -247,6 +271,7 @@ def test_cli_writes_the_yaml_and_prints_the_saving(tiny_with_tokenizer, story_fi
     (["--target", "0"], "--target: 0.0 is out of range; allowed a dropped mass in (0, 1)"),
     (["--target", "1.5"], "--target: 1.5 is out of range; allowed a dropped mass in (0, 1)"),
     (["--dataset", "wikitext"], "--dataset: 'wikitext' is not allowed; allowed: coqa, gsm8k"),
+    (["--text", "/usr", "--row-target", "1"], "--row-target: 1.0 is out of range; allowed a dropped mass in (0, 1)"),
 ])
 def test_cli_errors_before_loading_the_model(argv, message, capsys, monkeypatch) -> None:
     def no_loading(*args, **kwargs):

@@ -95,12 +95,12 @@ fi
 # 3b. calibrate once per target, when PRHS_CALIBRATE holds `prhs-hf calibrate` options (e.g. "--n 4
 # --length 16384") and PRHS_CALIBRATE_TARGETS the dropped-mass targets (default "0.01"): PSAW/ETF
 # schedules chosen on Python's own standard-library source (on every machine, and not any
-# evaluation's text), written to $WORK/results/cpe_calibrated_${NAME}_t<target>.yaml; pass those
-# paths in --configs.
+# evaluation's text), written to $WORK/results/cpe_calibrated_${NAME}_t<target>${PRHS_CALIBRATE_TAG}.yaml
+# (the tag names other options, e.g. "_row0.05" for "--row-target 0.05"); pass those paths in --configs.
 if [ -n "${PRHS_CALIBRATE:-}" ]; then
   STDLIB=$($PY -c "import json, os; print(os.path.dirname(os.path.dirname(json.__file__)))")
   for target in ${PRHS_CALIBRATE_TARGETS:-0.01}; do
-    CAL=$WORK/results/cpe_calibrated_${NAME}_t$target.yaml
+    CAL=$WORK/results/cpe_calibrated_${NAME}_t$target${PRHS_CALIBRATE_TAG:-}.yaml
     [ -f "$CAL" ] && continue
     start=$SECONDS
     # shellcheck disable=SC2086  # the options are meant to split
