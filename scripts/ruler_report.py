@@ -88,13 +88,24 @@ def prefill_saved(prefill: float | None, dense: float | None) -> float | None:
     return 1.0 - prefill / dense
 
 
+def prunes_prefill(prhs_config: Mapping[str, Any] | None) -> bool | None:
+    """Whether a row's config prunes prefill work (PSAW with its ``prefill`` phase, or ETF); None when the
+    row does not carry its config. A config that does not runs dense's prefill (CIS acts at decode)."""
+    if not isinstance(prhs_config, Mapping):
+        return None
+    psaw, etf = prhs_config.get("psaw") or {}, prhs_config.get("etf") or {}
+    return bool(psaw.get("enabled") and "prefill" in (psaw.get("phases") or ())) or bool(etf.get("enabled"))
+
+
 def _with_saving(entries: list[dict[str, Any]], key: Sequence[str], same: Sequence[str], dense_config: str) -> None:
     """Set ``prefill_saved`` of each entry against the ``dense_config`` entry of the same ``key`` fields
-    (None where there is none, or it differs in one of the ``same`` fields: other examples)."""
+    (None where there is none, or it differs in one of the ``same`` fields: other examples, or the entry's
+    config prunes no prefill work: its prefill is dense's, and a difference in time is noise or warm-up)."""
     dense = {tuple(e[k] for k in key): e for e in entries if e["config"] == dense_config}
     for e in entries:
         d = dense.get(tuple(e[k] for k in key))
-        comparable = d is not None and all(d[k] == e[k] for k in same)
+        comparable = (d is not None and all(d[k] == e[k] for k in same)
+                      and (e["config"] == dense_config or e.get("prunes_prefill") is not False))
         e["prefill_saved"] = prefill_saved(e["prefill_seconds"], d["prefill_seconds"]) if comparable else None
 
 
@@ -112,7 +123,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], hits: Sequence[Mapping[str, Any
                       "score": float(value), "n": int(r["n"]), "rho_hat": r.get("rho_hat"),
                       "processed_kv_per_step": r.get("processed_kv_per_step"),
                       "dense_kv_per_step": r.get("dense_kv_per_step"), "seconds": r.get("seconds"),
-                      "prefill_seconds": r.get("prefill_seconds")})
+                      "prefill_seconds": r.get("prefill_seconds"),
+                      "prunes_prefill": prunes_prefill(r.get("prhs_config"))})
     _with_saving(table, ("task", "length"), ("n",), dense_config)
     by_length: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for t in table:
@@ -121,7 +133,9 @@ def summarize(rows: Sequence[Mapping[str, Any]], hits: Sequence[Mapping[str, Any
               "examples": sum(t["n"] for t in ts), "seconds": sum(t["seconds"] or 0.0 for t in ts),
               "prefill_seconds": (None if any(t["prefill_seconds"] is None for t in ts)
                                   else sum(t["prefill_seconds"] for t in ts)),
-              "task_names": sorted(t["task"] for t in ts)}
+              "task_names": sorted(t["task"] for t in ts),
+              "prunes_prefill": (None if any(t["prunes_prefill"] is None for t in ts)
+                                 else any(t["prunes_prefill"] for t in ts))}
              for (c, n), ts in sorted(by_length.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
     _with_saving(means, ("length",), ("task_names", "examples"), dense_config)
     bins: dict[tuple[str, int], list[bool]] = defaultdict(list)
@@ -185,7 +199,9 @@ def render_markdown(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
              "Score: lm-eval's string_match_all (share of the expected strings found), n examples per cell. "
              "ρ̂: share of sparse (step, layer, head) that ran a top-k retrieval; KV: keys attended per layer, "
              "head and decode step. Prefill: seconds from each batch's generate call to its first logits, "
-             "summed; in brackets the share of the dense prefill time saved (same task, length and examples).",
+             "summed; in brackets the share of the dense prefill time saved (same task, length and examples), "
+             "not given for a config that prunes no prefill work (PSAW and ETF off: it runs dense's prefill, so "
+             "a difference is timing noise or the warm-up in a run's first row).",
              "",
              "| task | length | n | " + " | ".join(configs) + " |",
              "|---|---|---|" + "---|" * len(configs)]

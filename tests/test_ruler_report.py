@@ -94,6 +94,24 @@ def test_prefill_saving_needs_the_same_examples_and_a_dense_row() -> None:
     assert ruler_report.prefill_saved(1.0, 0.0) is None and ruler_report.prefill_saved(None, 2.0) is None
 
 
+def test_no_prefill_saving_for_a_config_that_runs_the_dense_prefill() -> None:
+    """cis-lb (PSAW and ETF off) ran the dense prefill: its shorter time (here the dense row's warm-up)
+    is not a saving; a PSAW config that prunes prefill keeps its saving, one pruning only decode does not."""
+    off = {"psaw": {"enabled": False, "phases": ["prefill", "decode"]}, "etf": {"enabled": False}}
+    psaw = {"psaw": {"enabled": True, "phases": ["prefill", "decode"]}, "etf": {"enabled": False}}
+    decode_only = {"psaw": {"enabled": True, "phases": ["decode"]}, "etf": {"enabled": False}}
+    rows = [{**_row("dense", "ruler_vt_4096", 1.0, 2, prefill=2.0), "prhs_config": off},
+            {**_row("cis-lb", "ruler_vt_4096", 1.0, 2, prefill=0.5), "prhs_config": off},
+            {**_row("cpe", "ruler_vt_4096", 1.0, 2, prefill=1.0), "prhs_config": psaw},
+            {**_row("psaw-decode", "ruler_vt_4096", 1.0, 2, prefill=1.0), "prhs_config": decode_only}]
+    summary = ruler_report.summarize(rows, [])
+    saved = {r["config"]: r["prefill_saved"] for r in summary["rows"]}
+    assert saved == {"dense": 0.0, "cis-lb": None, "cpe": pytest.approx(0.5), "psaw-decode": None}
+    assert {m["config"]: m["prefill_saved"] for m in summary["by_length"]} == saved
+    md = ruler_report.render_markdown(summary, {})
+    assert "| vt | 4096 | 2.00 (0.0 %) | 0.50 | 1.00 (50.0 %) | 1.00 |" in md
+
+
 def test_a_run_without_ruler_rows_is_an_error(tmp_path) -> None:
     results = tmp_path / "acc.json"
     results.write_text(json.dumps({"meta": {}, "rows": [_row("dense", "gsm8k_cot", 0.5, 3)]}))
