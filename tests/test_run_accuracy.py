@@ -168,6 +168,18 @@ def test_max_seconds_leaves_rows_for_resume(checkpoint, data_dir, tmp_path) -> N
     assert report["rows"] == [] and report["meta"]["remaining"] == ["dense/coqa"]
 
 
+def test_a_row_of_a_task_not_run_yet_is_estimated_from_the_others() -> None:
+    """--max-seconds used 0 s for a task not run yet: a call started a 32k RULER row (52 s on the H200)
+    with 24 s left, and the device call was killed before its results were copied back."""
+    est = run_accuracy.estimate_seconds
+    assert est("ruler_vt_32768", {}) == 0.0  # nothing measured: the first row always runs
+    assert est("ruler_vt_16384", {"ruler_vt_16384": 20.0, "ruler_cwe_16384": 30.0}) == 20.0  # its own rows
+    longest = {"ruler_niah_single_1_16384": 23.0, "ruler_cwe_8192": 10.0}  # scaled: 46 and 40 s
+    assert est("ruler_niah_single_3_32768", longest) == pytest.approx(run_accuracy.UNSEEN_MARGIN * 46.0)
+    assert est("coqa", {"gsm8k_cot": 40.0, "ruler_vt_4096": 10.0}) == pytest.approx(run_accuracy.UNSEEN_MARGIN * 40.0)
+    assert est("ruler_vt_8192", {"gsm8k_cot": 40.0}) == pytest.approx(run_accuracy.UNSEEN_MARGIN * 40.0)
+
+
 def test_lm_eval_engine_row(checkpoint, data_dir, tmp_path, small_budget) -> None:
     pytest.importorskip("lm_eval")
     out = tmp_path / "acc.json"
