@@ -429,6 +429,30 @@ def test_load_model_from_a_gguf_file_and_its_folder(tiny_gguf) -> None:
     torch.testing.assert_close(_logits(model, tok), _logits(again, tok).float(), atol=2e-2, rtol=2e-2)
 
 
+def test_a_gguf_file_is_parsed_once_per_load(tiny_gguf, monkeypatch) -> None:
+    """transformers opened the GGUF four times per load (tokenizer, config, weights), each parse ~14 s
+    for the 1.5B model's vocabulary; now once, with the same weights, and gguf.GGUFReader restored."""
+    gguf = pytest.importorskip("gguf")
+    original, parses = gguf.GGUFReader, []
+
+    class CountingReader(original):
+        def __init__(self, *args, **kwargs):
+            parses.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    model, _ = fetch.load_model(tiny_gguf)
+    assert len(parses) == 1 and gguf.GGUFReader is CountingReader
+    from transformers import AutoModelForCausalLM
+
+    parses.clear()  # transformers alone, as before: a parse per call
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
+    assert len(parses) >= 2
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0)
+
+
 def test_export_checkpoint_reloads_without_gguf(tiny_gguf, tmp_path) -> None:
     out = fetch.export_checkpoint(tiny_gguf, tmp_path / "ckpt")
     assert (out / "config.json").is_file() and not list(out.glob("*.gguf"))
