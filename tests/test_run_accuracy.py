@@ -209,6 +209,18 @@ def test_hshare_rows_are_the_papers_two_settings() -> None:
         assert kept == pytest.approx(rho, abs=5e-4)
 
 
+def test_long_context_baselines_are_the_baselines_at_cis_lb_budget() -> None:
+    """The RULER table's baseline rows: each baseline as configured for the 128-key rows, at cis-lb's
+    64/256/4096 budget; not in the default set (short prompts fit that budget whole)."""
+    ac = accuracy_configs
+    lb = ac.load_named_config(ac.named_config("cis-lb")).budget
+    for name in ac.LONG_CONTEXT_BASELINES:
+        short, long = (ac.load_named_config(ac.named_config(n)) for n in (name, f"{name}-lb"))
+        assert long.budget == lb != short.budget
+        assert long.baseline == short.baseline and long.baseline.name is not None
+        assert f"{name}-lb" not in ac.DEFAULT_CONFIGS and name in ac.DEFAULT_CONFIGS
+
+
 # The device-call plan of tools/pack_for_gpu.py: the rest of its tests are in tests/test_gpu_transfer.py.
 
 

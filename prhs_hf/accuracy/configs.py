@@ -28,8 +28,9 @@ head, layer) sharing ratios: ``hshare-1`` (1/2, 1/4, 1/4: ρ̂ = 1/2 · 3/4 · 3
 ``hshare-2`` (1/2, 1/2, 1/2: ρ̂ = 12.5 %), as ``baseline.share_ratio`` / ``head_share_ratio`` /
 ``layer_share_ratio``. EarlySelectKV (``early_select``) appears on Quest and on CIS (s = 16, τ = 0.8):
 ``es-quest`` and ``es-cis`` (the mid tap, layer ℓ+1's exact ``W_q``), ``es-cis-early`` (the early tap)
-and ``es-quest-r256`` / ``es-cis-r256`` (the mid tap through a rank-256 SVD of ``W_q``). Anything else
-given as a name is a YAML path.
+and ``es-quest-r256`` / ``es-cis-r256`` (the mid tap through a rank-256 SVD of ``W_q``). ``hshare-1-lb``,
+``quest-lb`` … (:data:`LONG_CONTEXT_BASELINES`) are those baselines at ``cis-lb``'s long-context budget,
+for the RULER table. Anything else given as a name is a YAML path.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from typing import Any, Mapping
 
 import prhs_hf
 
-__all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "named_config", "load_named_config"]
+__all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "LONG_CONTEXT_BASELINES", "named_config",
+           "load_named_config"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,14 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
 }
 
 DEFAULT_CONFIGS = tuple(ACCURACY_CONFIGS)
+
+#: The baselines at the long-context budget of ``cis-lb`` (64 sink + 256 local + 4096 top-k), for the
+#: RULER table: ``<baseline>-lb`` is ``<baseline>`` on ``cis_longbench.yaml``. Not in
+#: :data:`DEFAULT_CONFIGS`: below 4,417 tokens (GSM8K, CoQA) they attend to every key.
+LONG_CONTEXT_BASELINES = ("hshare-1", "hshare-2", "quest", "streaming", "h2o", "certkv")
+ACCURACY_CONFIGS.update(
+    (f"{name}-lb", NamedConfig(f"{name}-lb", "cis_longbench", ACCURACY_CONFIGS[name].overrides))
+    for name in LONG_CONTEXT_BASELINES)
 
 
 def named_config(name: str) -> NamedConfig:
