@@ -88,6 +88,8 @@ __all__ = [
     "measure",
     "evaluate",
     "choose",
+    "NearestMiss",
+    "nearest_miss",
     "beta_emp",
     "parse_floats",
     "parse_layers",
@@ -762,8 +764,7 @@ def choose(m: Measurement, flops: FlopModel, target: float, *, max_certificate: 
     grid = m.grid
 
     def ok(stats: list[MassStat]) -> bool:
-        return all(s.worst <= target and (max_certificate is None or s.certificate <= max_certificate)
-                   and (row_target is None or s.late_q99 <= row_target) for s in stats)
+        return _excess(stats, target, row_target, max_certificate) <= 1.0
 
     psaws = [OFF] + [Schedule(s, p) for s in grid.start_layers for p in grid.phis if ok(_stats(m, "psaw", Schedule(s, p)))]
     etfs = [OFF] + [Schedule(s, p) for s in grid.start_layers for p in grid.psis if ok(_stats(m, "etf", Schedule(s, p)))]
@@ -784,6 +785,44 @@ def choose(m: Measurement, flops: FlopModel, target: float, *, max_certificate: 
                 best = (key, Choice(psaw, etf, cost, dense, p_worst, e_worst))
     assert best is not None
     return best[1]
+
+
+def _excess(stats: list[MassStat], target: float, row_target: float | None, max_certificate: float | None) -> float:
+    """How far a schedule's layers go past the bounds, as the largest ratio of a measured value to its
+    bound (mean dropped mass / ``target``, single-row q99 / ``row_target``, ``g`` / ``max_certificate``):
+    at most 1 when every layer is within them (what :func:`choose` admits)."""
+    return max((max(st.worst / target,
+                    0.0 if row_target is None else st.late_q99 / row_target,
+                    0.0 if max_certificate is None else st.certificate / max_certificate) for st in stats),
+               default=0.0)
+
+
+@dataclass(frozen=True)
+class NearestMiss:
+    """The candidate of one mechanism that comes closest to the bounds when none passes."""
+
+    schedule: Schedule
+    worst: float  # its largest mean dropped mass over the layers
+    late_q99: float  # its largest single-row 99th percentile over the layers
+    excess: float  # _excess: > 1, how many times a bound it exceeds at its worst layer
+
+
+def nearest_miss(m: Measurement, kind: str, target: float, row_target: float | None = None,
+                 max_certificate: float | None = None) -> NearestMiss | None:
+    """Among ``kind``'s ("psaw" or "etf") candidates of the grid, the one with the smallest
+    :func:`_excess`, if every candidate exceeds the bounds (None when one passes or there is none)."""
+    rates = m.grid.phis if kind == "psaw" else m.grid.psis
+    best: NearestMiss | None = None
+    for start in m.grid.start_layers:
+        for rate in rates:
+            stats = _stats(m, kind, Schedule(start, rate))
+            excess = _excess(stats, target, row_target, max_certificate)
+            if excess <= 1.0:
+                return None
+            if best is None or excess < best.excess:
+                best = NearestMiss(Schedule(start, rate), max(st.worst for st in stats),
+                                   max(st.late_q99 for st in stats), excess)
+    return best
 
 
 def beta_emp(m: Measurement, kind: str, s: Schedule) -> list[float | None]:
@@ -862,9 +901,23 @@ class Calibration:
             f"          predicted prefill FLOP saving {100 * c.saving:.1f} % "
             f"(decoder layers, {m.length}-token prompt)",
             f"          {_describe_tail(m, c, self.row_target)}",
+            *(f"          {line}" for line in self.nearest_misses()),
             f"paper defaults: {_describe(p)}",
             f"          predicted prefill FLOP saving {100 * p.saving:.1f} %",
         ])
+
+    def nearest_misses(self) -> list[str]:
+        """For a mechanism the choice leaves off because no candidate passes: its nearest candidate."""
+        lines = []
+        for kind, label, rate in (("psaw", "PSAW", "phi"), ("etf", "ETF", "psi")):
+            if getattr(self.chosen, kind).enabled:
+                continue
+            miss = nearest_miss(self.measurement, kind, self.target, self.row_target, self.max_certificate)
+            if miss is not None:
+                lines.append(f"no {label} candidate passes; nearest: from layer {miss.schedule.start_layer}, {rate} "
+                             f"{miss.schedule.rate:g} (worst mean {miss.worst:.4f}, worst single-row q99 "
+                             f"{miss.late_q99:.4f}: {miss.excess:.2f}x a bound)")
+        return lines
 
     def yaml_text(self) -> str:
         """The config as YAML, every section spelled out, with the measured curves in comments."""
@@ -915,6 +968,7 @@ def _render_yaml(cal: Calibration) -> str:
         f"# Chosen: {_describe(c)}",
         f"# Predicted prefill FLOP saving: {100 * c.saving:.1f} % (paper defaults: {100 * p.saving:.1f} %, "
         f"worst dropped mass PSAW {p.psaw_worst:.4f}, ETF {p.etf_worst:.4f}).",
+        *(f"# {line[0].upper()}{line[1:]}." for line in cal.nearest_misses()),
         "",
     ]
     lines += config_yaml_lines(cal.config)

@@ -191,6 +191,26 @@ def test_a_row_target_bounds_the_single_row_tail_of_the_chosen_pair() -> None:
         cal.choose(m, f, target, row_target=0)
 
 
+def test_when_no_candidate_passes_the_nearest_one_is_named() -> None:
+    """A calibration that turns PSAW or ETF off because nothing passes says which candidate came
+    closest and by how much, so the user sees how far the bound is (the 1.5B run at --row-target
+    0.05 picked CIS alone and said nothing more)."""
+    model = tiny_model("llama", layers=6)
+    grid = cal.Grid(6, (1, 2, 3), (0.5, 0.6), (0.5,), 1.0, 1.0, SINK)  # candidates that all drop mass
+    prompts = torch.randint(1, 128, (2, 64), generator=torch.Generator().manual_seed(3))
+    m = cal.measure(model, prompts, grid, oracle_rows=0)
+    target, row_target = 0.15, 1e-4
+    assert not cal.choose(m, cal.FlopModel.from_config(model.config), target, row_target=row_target).psaw.enabled
+    miss = cal.nearest_miss(m, "psaw", target, row_target)
+    brute = min(((s, p) for s in grid.start_layers for p in grid.phis),
+                key=lambda sp: cal._excess(cal._stats(m, "psaw", cal.Schedule(*sp)), target, row_target, None))
+    assert (miss.schedule.start_layer, miss.schedule.rate) == brute and miss.excess > 1.0
+    stats = cal._stats(m, "psaw", miss.schedule)
+    assert miss.excess == pytest.approx(max(max(st.worst / target, st.late_q99 / row_target) for st in stats))
+    assert miss.late_q99 == max(st.late_q99 for st in stats)
+    assert cal.nearest_miss(m, "psaw", 0.99) is None  # a loose bound: a candidate passes
+
+
 # --------------------------------------------------------------------------------------------
 # The whole calibration
 # --------------------------------------------------------------------------------------------
@@ -229,6 +249,20 @@ def test_the_chosen_config_loads_and_keeps_the_target_on_the_calibration_prompts
     text = path.read_text()
     assert "# layer |" in text and text.count("\n#     ") == 6  # one comment row per layer
     assert "predicted prefill FLOP saving" in result.summary()
+    assert "nearest" not in result.summary()  # both mechanisms chosen: nothing missed
+
+
+def test_a_calibration_that_turns_both_off_names_the_nearest_candidates(tiny_with_tokenizer, tmp_path) -> None:
+    model, tokenizer, _ = tiny_with_tokenizer
+    result = cal.calibrate(model, tokenizer, [STORY], n=2, length=64, target=0.2, row_target=1e-4, start_layers="1:4",
+                           phis="0.5,0.6", psis="0.5", oracle_rows=0)
+    assert not result.chosen.psaw.enabled and not result.chosen.etf.enabled
+    for label in ("PSAW", "ETF"):
+        assert f"no {label} candidate passes; nearest: from layer" in result.summary()
+        assert f"# No {label} candidate passes; nearest: from layer" in result.yaml_text()
+    path = tmp_path / "off.yaml"
+    path.write_text(result.yaml_text())
+    assert not prhs_hf.load_config(path).psaw.enabled
 
 
 def test_pack_prompts_reads_text_jsonl_and_folders(tiny_with_tokenizer, tmp_path) -> None:
