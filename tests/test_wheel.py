@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -33,12 +34,23 @@ print(json.dumps({"file": prhs_hf.__file__, "tasks_dir": str(TASKS_DIR), "shippe
 """
 
 
+#: What the build reads (pyproject.toml's package-dir and readme).
+SOURCES = ("pyproject.toml", "README.md", "prhs_hf", "kernels", "configs", "tasks")
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[Path, str]:
-    """The wheel built from the working tree and the build's output."""
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel built from a copy of the working tree's sources and the build's output. A copy, because
+    setuptools writes build/ and *.egg-info into the source folder: two xdist workers building in the
+    checkout at once (each runs this module fixture) removed each other's files (ENOENT in CI)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
-                           "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=600)
+                           "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (wheel,) = out.glob("prhs_hf-*.whl")
     return wheel, proc.stdout + proc.stderr
