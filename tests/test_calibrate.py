@@ -152,16 +152,27 @@ def test_visible_pairs_and_flops_follow_the_spec_predicate() -> None:
     assert f.dense(50) == 4 * (4 * 16 * 4 * causal_pairs(50) + 50 * (4 * 64 * 2 * 16 + 2 * (2 * 64 * 64 + 3 * 64 * 96)))
 
 
-def test_choose_is_the_cheapest_pair_within_the_target() -> None:
+GRID = cal.Grid(6, (1, 2, 3, 4, 5), (0.5, 0.7, 0.9), (0.5, 0.8), 1.0, 1.0, SINK)
+
+
+def _measured(grid: cal.Grid, prompts: int) -> tuple[cal.Measurement, cal.FlopModel]:
+    """A 6-layer tiny llama measured on ``prompts`` random 64-token prompts, and its FLOP model."""
     model = tiny_model("llama", layers=6)
-    grid = cal.Grid(6, (1, 2, 3, 4, 5), (0.5, 0.7, 0.9), (0.5, 0.8), 1.0, 1.0, SINK)
-    prompts = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(3))
-    m = cal.measure(model, prompts, grid, oracle_rows=0)
-    f = cal.FlopModel.from_config(model.config)
+    ids = torch.randint(1, 128, (prompts, 64), generator=torch.Generator().manual_seed(3))
+    return cal.measure(model, ids, grid, oracle_rows=0), cal.FlopModel.from_config(model.config)
+
+
+def _all_pairs(grid: cal.Grid) -> list[tuple[cal.Schedule, cal.Schedule]]:
+    """Every (PSAW, ETF) pair of the grid, either one possibly off: what an exhaustive search tries."""
+    options = lambda rates: [cal.OFF] + [cal.Schedule(s, r) for s in grid.start_layers for r in rates]  # noqa: E731
+    return list(itertools.product(options(grid.phis), options(grid.psis)))
+
+
+def test_choose_is_the_cheapest_pair_within_the_target() -> None:
+    m, f = _measured(GRID, 1)
     target = 0.15
     chosen = cal.choose(m, f, target)
-    options = lambda rates: [cal.OFF] + [cal.Schedule(s, r) for s in grid.start_layers for r in rates]  # noqa: E731
-    feasible = [c for p, e in itertools.product(options(grid.phis), options(grid.psis))
+    feasible = [c for p, e in _all_pairs(GRID)
                 if (c := cal.evaluate(m, f, p, e)).psaw_worst <= target and c.etf_worst <= target]
     assert chosen.flops == min(c.flops for c in feasible)
     assert chosen.psaw_worst <= target and chosen.etf_worst <= target and chosen.saving > 0
@@ -170,11 +181,7 @@ def test_choose_is_the_cheapest_pair_within_the_target() -> None:
 def test_a_row_target_bounds_the_single_row_tail_of_the_chosen_pair() -> None:
     """``row_target`` keeps, at every layer, the 99th percentile of a single (head, late row)'s dropped
     mass under it: the cheapest pair among those, which is not the pair the mean target alone picks."""
-    model = tiny_model("llama", layers=6)
-    grid = cal.Grid(6, (1, 2, 3, 4, 5), (0.5, 0.7, 0.9), (0.5, 0.8), 1.0, 1.0, SINK)
-    prompts = torch.randint(1, 128, (2, 64), generator=torch.Generator().manual_seed(3))
-    m = cal.measure(model, prompts, grid, oracle_rows=0)
-    f = cal.FlopModel.from_config(model.config)
+    m, f = _measured(GRID, 2)
     target = 0.15
     loose = cal.choose(m, f, target)
     q99 = lambda c: max(st.late_q99 for kind, s in (("psaw", c.psaw), ("etf", c.etf))  # noqa: E731
@@ -182,8 +189,7 @@ def test_a_row_target_bounds_the_single_row_tail_of_the_chosen_pair() -> None:
     row_target = q99(loose) * 0.75  # strictly below what the mean target alone allows
     chosen = cal.choose(m, f, target, row_target=row_target)
     assert q99(chosen) <= row_target < q99(loose)
-    options = lambda rates: [cal.OFF] + [cal.Schedule(s, r) for s in grid.start_layers for r in rates]  # noqa: E731
-    feasible = [c for p, e in itertools.product(options(grid.phis), options(grid.psis))
+    feasible = [c for p, e in _all_pairs(GRID)
                 if (c := cal.evaluate(m, f, p, e)).psaw_worst <= target and c.etf_worst <= target
                 and all(st.late_q99 <= row_target for st in cal._stats(m, "psaw", p) + cal._stats(m, "etf", e))]
     assert chosen.flops == min(c.flops for c in feasible)
@@ -195,12 +201,10 @@ def test_when_no_candidate_passes_the_nearest_one_is_named() -> None:
     """A calibration that turns PSAW or ETF off because nothing passes says which candidate came
     closest and by how much, so the user sees how far the bound is (the 1.5B run at --row-target
     0.05 picked CIS alone and said nothing more)."""
-    model = tiny_model("llama", layers=6)
     grid = cal.Grid(6, (1, 2, 3), (0.5, 0.6), (0.5,), 1.0, 1.0, SINK)  # candidates that all drop mass
-    prompts = torch.randint(1, 128, (2, 64), generator=torch.Generator().manual_seed(3))
-    m = cal.measure(model, prompts, grid, oracle_rows=0)
+    m, f = _measured(grid, 2)
     target, row_target = 0.15, 1e-4
-    assert not cal.choose(m, cal.FlopModel.from_config(model.config), target, row_target=row_target).psaw.enabled
+    assert not cal.choose(m, f, target, row_target=row_target).psaw.enabled
     miss = cal.nearest_miss(m, "psaw", target, row_target)
     brute = min(((s, p) for s in grid.start_layers for p in grid.phis),
                 key=lambda sp: cal._excess(cal._stats(m, "psaw", cal.Schedule(*sp)), target, row_target, None))
