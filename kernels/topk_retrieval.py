@@ -735,8 +735,10 @@ def _candidate_capacity(k: int) -> int:
 
 
 def _select_chunk(S: int) -> int:
-    """Keys per program of the split select (one tile of up to 1024)."""
-    return min(1024, next_pow2(S, 16))
+    """Keys per (row, chunk) item of the split select (one tile of up to 2048). 2048 measured
+    faster than 1024 on the H200 (scripts/probe_gqa_kernels.py, 2026-12-02): 55.5 vs 63.3 us for
+    71 rows x 16k at k = 88 (12/2, B32), 46.9 vs 54.5 for 37 rows at k = 1036 (32/8, B16)."""
+    return min(2048, next_pow2(S, 16))
 
 
 def _persistent_programs(device: torch.device) -> int:
@@ -752,7 +754,8 @@ def _check_mode(name: str, value: str, allowed: tuple[str, ...]) -> None:
 def _retrieve(
     q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     flags: torch.Tensor, k: int, scale: float, *, grouped: bool, score: str, select: str,
-    stop_after: str,
+    stop_after: str, select_block: int | None = None, select_warps: int = 4,
+    score_cfg: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Shared launcher: per-head rows (``grouped`` off, flags [B, Hq]) or one row per KV group
     (flags [B, Hkv], scores = max over the group's heads). Returns [B, rows per sequence, k]."""
@@ -797,8 +800,14 @@ def _retrieve(
     live = max(1, min(B * Hkv if by_group else R, (B * Hq) // 16))
     if by_group:
         block_m = max(16, next_pow2(group))
-        block_n = max(16, min(64, 8192 // block_d))
+        # 128 keys per tile for 2-byte keys (H200, 12/2 B32/16k, 71 rows: 54.2 vs 62.0 us for 64;
+        # 32/8 B16: 41.8 vs 42.5); fp32 keeps 32 KB tiles so that three stages fit in shared memory
+        block_n = max(16, min(128, 16384 // block_d) if k_cache.element_size() <= 2 else min(64, 8192 // block_d))
         chunk = max(_score_chunk(S, live, q.device), block_n)
+        score_warps, score_stages = 4, 3
+        if score_cfg is not None:  # (block_n, warps, stages, chunk or 0): the probe's tuning
+            block_n, score_warps, score_stages = score_cfg[0], score_cfg[1], score_cfg[2]
+            chunk = max(score_cfg[3] or chunk, block_n)
         _group_score_kernel[(B * Hkv, triton.cdiv(S, chunk))](
             q, k_cache, pad, lo, hi, flags, gorder, gcount, keys, hist, taken,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -807,7 +816,7 @@ def _retrieve(
             AGG_MAX=grouped,
             IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
             ZERO_SCRATCH=split, ZROWS=1 if grouped else group, HIST_PASSES=np_, HIST_BINS=bins,
-            FUSE_HIST=fused, GP=max(2, next_pow2(group)), num_warps=4, num_stages=3,
+            FUSE_HIST=fused, GP=max(2, next_pow2(group)), num_warps=score_warps, num_stages=score_stages,
         )
     else:
         if split:
@@ -835,7 +844,7 @@ def _retrieve(
             num_warps=8 if k_pad >= 1024 else 4,
         )
         return out
-    sel_chunk = _select_chunk(S)
+    sel_chunk = _select_chunk(S) if select_block is None else next_pow2(int(select_block), 16)
     nch = triton.cdiv(S, sel_chunk)
     persistent = select != "split"  # the measured split path keeps its (rows, chunks) grid
     grid = (min(R * nch, _persistent_programs(q.device)),) if persistent else (R, nch)
@@ -843,14 +852,14 @@ def _retrieve(
         _radix_pass_kernel[grid](
             keys, hist, pad, lo, hi, order, count, keys.stride(0), S, k, sel_chunk, nch,
             H=H, P=p, K_PAD=k_pad, BLOCK=sel_chunk, W=w, BINS=bins, NP=np_, PERSISTENT=persistent,
-            num_warps=4,
+            num_warps=select_warps,
         )
     if stop_after == "passes":
         return out
     _radix_collect_kernel[grid](
         keys, hist, taken, cand, pad, lo, hi, order, count, keys.stride(0), S, k, sel_chunk, nch,
         H=H, K_PAD=k_pad, BLOCK=sel_chunk, W=w, BINS=bins, NP=np_, PERSISTENT=persistent,
-        num_warps=4,
+        num_warps=select_warps,
     )
     if stop_after == "collect":
         return out
@@ -894,6 +903,9 @@ def topk_retrieval(
     _stop_after: str = "select",
     _score: str = "group",
     _select: str = "radix8",
+    _select_block: int | None = None,
+    _select_warps: int = 4,
+    _score_cfg: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Triton top-k retrieval: work only for retrieving rows, exact order, no host sync.
 
@@ -911,10 +923,15 @@ def topk_retrieval(
     Args and result as :func:`topk_retrieval_reference`. Private switches (benchmarks and
     tests): ``_score`` in :data:`SCORE_MODES` (``"row"``: the old per-row scoring),
     ``_select`` in :data:`SELECT_MODES` (``"split"``: the split radix select);
-    ``_stop_after`` in :data:`STOP_POINTS` returns the unfinished output after that stage.
+    ``_stop_after`` in :data:`STOP_POINTS` returns the unfinished output after that stage;
+    ``_select_block`` / ``_select_warps``: keys per (row, chunk) item and warps of the split
+    select's passes and collect (default: :func:`_select_chunk`, 4 warps); ``_score_cfg``:
+    (keys per tile, warps, stages, keys per program or 0) of the group score kernel (the
+    probe's tuning).
     """
     return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=False,
-                     score=_score, select=_select, stop_after=_stop_after)
+                     score=_score, select=_select, stop_after=_stop_after,
+                     select_block=_select_block, select_warps=_select_warps, score_cfg=_score_cfg)
 
 
 def topk_retrieval_grouped(

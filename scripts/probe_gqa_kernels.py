@@ -75,8 +75,11 @@ def _budget_k(S: int) -> int:
     return 3 * (n - sink - local) // 5
 
 
-def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda: bool) -> list[dict]:
-    """Select time of every select mode, split into stages (see the module docstring)."""
+def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda: bool,
+                 topk: Optional[int] = None, variants: tuple[tuple[int, int], ...] = ()) -> list[dict]:
+    """Select time of every select mode, split into stages (see the module docstring). ``topk``
+    replaces the budget-1/8 k (``cis.yaml``'s 88, say); each ``(block, warps)`` of ``variants``
+    adds a ``radix8`` row with that many keys per select item and warps (``_select_block``)."""
     dev = torch.device("cuda" if cuda else "cpu")
     stops = ("score", "passes", "collect", "blocksort", "select")
     print(f"\nselect stages, us (group scoring, {'CUDA graph replay' if cuda else 'CPU interpreter: not timings'}), "
@@ -86,7 +89,7 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
     print(f"|{'-' * 26}|{'-' * 14}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 11}|{'-' * 9}|{'-' * 9}|-------|")
     rows = []
     for B, S, Hq, Hkv, D in shapes:
-        k = _budget_k(S)
+        k = _budget_k(S) if topk is None else topk
         g = torch.Generator(device=dev).manual_seed(1)
         q = torch.randn(B, Hq, D, generator=g, device=dev).to(torch.bfloat16)
         kc = torch.randn(B, Hkv, S, D, generator=g, device=dev).to(torch.bfloat16)
@@ -97,25 +100,32 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
         retrieve = torch.rand(B, Hq, generator=g, device=dev) < frac
         retrieve[0, 0] = True
         scale = 1 / math.sqrt(D)
-        tag = f"B{B} {S // 1024}k {Hq}/{Hkv} r{int(retrieve.sum())}"
+        tag = f"B{B} {S // 1024}k {Hq}/{Hkv} r{int(retrieve.sum())} k{k}"
         base = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select="row")
-        for select in SELECT_MODES:
+        modes = [(select, {}) for select in SELECT_MODES]
+        modes += [(f"radix8 b{v[0]}w{v[1]}", {"_select_block": v[0], "_select_warps": v[1]})
+                  if len(v) == 2 else
+                  (f"radix8 score n{v[0]}w{v[1]}s{v[2]}c{v[3]}", {"_score_cfg": v}) for v in variants]
+        for label, extra in modes:
+            select = label.split()[0]
             t = {}
             for stop in stops:
                 if stop == "blocksort" and select not in ("radix8", "radix8_fused"):
                     continue
-                t[stop] = _time_ms(lambda stop=stop: topk_retrieval(
-                    q, kc, pad, lo, hi, retrieve, k, scale, _select=select, _stop_after=stop), cuda, graph=True)
-            exact = torch.equal(topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select), base)
+                t[stop] = _time_ms(lambda stop=stop, select=select, extra=extra: topk_retrieval(
+                    q, kc, pad, lo, hi, retrieve, k, scale, _select=select, _stop_after=stop, **extra),
+                    cuda, graph=True)
+            exact = torch.equal(topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select, **extra),
+                                base)
             us = {"sel": t["select"] - t["score"], "passes": t["passes"] - t["score"],
                   "collect": t["collect"] - t["passes"], "finish": t["select"] - t["collect"],
                   "blocksort": t["blocksort"] - t["collect"] if "blocksort" in t else float("nan"),
                   "score": t["score"], "total": t["select"]}
             us = {key: v * 1e3 for key, v in us.items()}
-            print(f"| {tag:24s} | {select:12s} | {us['sel']:7.1f} | {us['passes']:7.1f} | {us['collect']:7.1f} | "
+            print(f"| {tag:24s} | {label:12s} | {us['sel']:7.1f} | {us['passes']:7.1f} | {us['collect']:7.1f} | "
                   f"{us['finish']:7.1f} | {us['blocksort']:9.1f} | {us['score']:7.1f} | {us['total']:7.1f} | "
                   f"{str(exact):5s} |")
-            rows.append({"name": f"select {tag} {select}", "ms": t["select"], "stages_us": us, "exact": exact})
+            rows.append({"name": f"select {tag} {label}", "ms": t["select"], "stages_us": us, "exact": exact})
     return rows
 
 
@@ -131,15 +141,27 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                     help="fraction of query rows that retrieve (CIS-16: about 1/16)")
     ap.add_argument("--select-only", action="store_true", help="only the select stage table")
     ap.add_argument("--no-select", action="store_true", help="skip the select stage table")
+    ap.add_argument("--topk", type=int, default=None,
+                    help="k of the select table (default: the budget 1/8; cis.yaml's is 88)")
+    ap.add_argument("--select-shape", default=None, metavar="B,S,HQ,HKV",
+                    help="the select table's only shape (default: its three)")
+    ap.add_argument("--select-variants", default="", metavar="BLOCKxWARPS,...",
+                    help="extra radix8 rows with these keys per select item and warps, e.g. 2048x4,4096x8; "
+                         "four numbers NxWxSxC: the group score kernel's keys per tile, warps, stages and keys "
+                         "per program (0: default)")
     args = ap.parse_args(argv)
+    variants = tuple(tuple(int(x) for x in v.split("x")) for v in args.select_variants.split(",") if v)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     if args.quick:
         select_shapes = [(1, 1100, 2, 1, 16)]  # two select chunks
     else:
         select_shapes = [(16, 16384, 32, 8, 128), (16, 16384, 32, 32, 128), (32, 16384, 12, 2, 128)]
+    if args.select_shape:
+        B, S, Hq, Hkv = (int(x) for x in args.select_shape.split(","))
+        select_shapes = [(B, S, Hq, Hkv, args.head_dim if not args.quick else 16)]
     if args.select_only:
-        return select_table(select_shapes, args.retrieve_frac, cuda)
+        return select_table(select_shapes, args.retrieve_frac, cuda, args.topk, variants)
     if args.quick:
         B, S, Hq, Hkv, D = 2, 256, 8, 2, 32
     else:
@@ -197,7 +219,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         out.append({"name": name, "ms": ms, "bytes": nbytes})
         print(f"| {name:32s} | {ms:8.4f} | {nbytes / 1e6:8.2f} | {nbytes / ms / 1e6:7.0f} |")
     if not args.no_select:
-        out += select_table(select_shapes, args.retrieve_frac, cuda)
+        out += select_table(select_shapes, args.retrieve_frac, cuda, args.topk, variants)
     return out
 
 
