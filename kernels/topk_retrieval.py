@@ -62,8 +62,10 @@ __all__ = [
 #      8-bit digits (256-bin histograms, 4 passes, each a no-op once resolved) on persistent grids
 #      (4 programs per SM striding over the live (row, chunk) items), then `_block_sort_kernel`
 #      (blocks of 256 candidates sorted in place) and `_merge_rank_kernel` (rank = sum over the
-#      sorted blocks of a binary-search count of larger candidates). ``"radix8_sort"``: the same
-#      passes and collect, then one register sort per row (`_row_sort_kernel`).
+#      sorted blocks of a binary-search count of larger candidates); when the candidate buffer is
+#      one block (k_pad <= 256), the finish is `_row_sort_kernel` alone (one launch fewer).
+#      ``"radix8_sort"``: the same passes and collect, then one register sort per row
+#      (`_row_sort_kernel`) at every k.
 #      ``"radix8_fused"`` (opt-in, not yet measured): radix8 with pass 0 done by the score
 #      kernel on the keys in registers (each program adds its chunk's 256-bin digit-0
 #      histogram of every row it writes atomically; `_compact_kernel`, the launch before,
@@ -869,12 +871,17 @@ def _retrieve(
             cand, taken, out, pad, lo, hi, order, count, S, k,
             H=H, K_PAD=k_pad, BLOCK_C=block_c, BLOCK_T=_RANK_TILE, num_warps=4,
         )
-    elif select == "radix8_sort":
+    elif select == "radix8_sort" or k_pad <= _MERGE_BLOCK:
+        # radix8 / radix8_fused with one merge block (k_pad <= 256, e.g. cis.yaml's k = 88): the
+        # per-row register sort is the whole finish, one launch instead of block sort + merge rank
+        # (H200, B32/16k 12/2, 71 rows, k = 88: finish 3.6 vs 5.7 us; probe_gqa_select_real.md)
+        if stop_after == "blocksort":
+            return out
         _row_sort_kernel[(R,)](
             cand, taken, out, pad, lo, hi, order, count, S, k,
             H=H, K_PAD=k_pad, num_warps=8 if k_pad >= 1024 else 4,
         )
-    else:  # radix8, radix8_fused: merge finish
+    else:  # radix8, radix8_fused with several blocks: merge finish
         mb = min(_MERGE_BLOCK, k_pad)
         nblk = k_pad // mb  # k_pad >= k, both powers of two
         _block_sort_kernel[(min(R * nblk, _persistent_programs(q.device)),)](
@@ -946,17 +953,20 @@ def topk_retrieval_grouped(
     *,
     _stop_after: str = "select",
     _select: str = "radix8",
+    _select_block: int | None = None,
+    _select_warps: int = 4,
+    _score_cfg: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Triton group-shared top-k retrieval: one index list per KV head (no host sync).
 
     Same launches as :func:`topk_retrieval` with one scratch row per (b, kvh): each live
     group's keys are read once, scored for its G heads by one tensor-core dot per tile, and
     the maximum over the heads is ranked. Args and result as
-    :func:`topk_retrieval_grouped_reference`; ``_select``/``_stop_after`` as in
-    :func:`topk_retrieval`.
+    :func:`topk_retrieval_grouped_reference`; the private switches as in :func:`topk_retrieval`.
     """
     return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=True,
-                     score="group", select=_select, stop_after=_stop_after)
+                     score="group", select=_select, stop_after=_stop_after,
+                     select_block=_select_block, select_warps=_select_warps, score_cfg=_score_cfg)
 
 
 # ----------------------------------------------------------------------------- references

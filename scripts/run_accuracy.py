@@ -49,6 +49,8 @@ from prhs_hf.accuracy.direct import DirectTask
 from prhs_hf.accuracy.report import Row
 from prhs_hf.lm_eval.data import load_rows
 
+import _bench_common as common  # beside this script (its folder is first on sys.path)
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -238,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "batch_size": args.batch_size, "batch_tokens": args.batch_tokens, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "tasks": [t.name for t in tasks], "configs": [c.name for c in configs],
         "environment": report.environment(device),
+        "commit": common.git_commit(),  # PRHS_GIT_COMMIT on the GPU machine (its copy has no .git)
     }
     rows: dict[tuple[str, str], Row] = {}
     if args.resume:

@@ -899,20 +899,21 @@ def test_topk_kernel_partial_groups(Hq, Hkv):
 @pytest.mark.parametrize("k", [1, 7, 40, 300])
 def test_topk_split_select_ties_and_short_regions(k):
     """Split select on exact ties spread over several chunks, k above and below the middle."""
-    B, Hq, Hkv, D, S = 2, 4, 2, 4, 1500  # 2 select chunks of 1024
+    B, Hq, Hkv, D, S = 2, 4, 2, 4, 1500  # 2 select chunks of 1024 (_select_block; the default 2048: one)
     q, kc, pad, lo, hi = _gqa_topk_case(B, Hq, Hkv, D, S, [0, 900], torch.float32, 110 + k)
     retrieve = torch.ones(B, Hq, dtype=torch.bool)
     retrieve[1, 2] = False
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 1.0)
     for select in SELECT_MODES:
-        out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), k, 1.0, _select=select).cpu()
+        out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), k, 1.0, _select=select,
+                             _select_block=1024).cpu()
         assert torch.equal(out, ref), select
 
 
 @needs_triton
 def test_topk_split_select_all_equal_across_chunks():
-    """2200 equal scores over 3 chunks, k = 700: full radix depth, the 700 lowest indices
-    taken across chunk boundaries (the cross-chunk rank of the tied keys)."""
+    """2200 equal scores over 3 chunks of 1024 (``_select_block``), k = 700: full radix depth, the
+    700 lowest indices taken across chunk boundaries (the cross-chunk rank of the tied keys)."""
     B, H, D, S = 1, 2, 4, 2300
     q = torch.ones(B, H, D)
     kc = torch.ones(B, 1, S, D)
@@ -921,7 +922,8 @@ def test_topk_split_select_all_equal_across_chunks():
     retrieve = torch.ones(B, H, dtype=torch.bool)
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 700, 1.0)
     for select in SELECT_MODES:
-        out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), 700, 1.0, _select=select).cpu()
+        out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), 700, 1.0, _select=select,
+                             _select_block=1024).cpu()
         assert out[0, 0].tolist() == list(range(1500, 1510)) + list(range(10, 700)), select
         assert torch.equal(out, ref), select
 

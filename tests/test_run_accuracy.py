@@ -60,6 +60,7 @@ def test_direct_engine_table(checkpoint, data_dir, tmp_path, small_budget, monke
         raise NotImplementedError(f"baseline selector {resolved.config.baseline.name!r} is not implemented yet")
 
     monkeypatch.setattr(prhs_hf.runtime, "make_selector", not_yet)
+    monkeypatch.setenv("PRHS_GIT_COMMIT", "abc1234")
     out = tmp_path / "acc.json"
     assert run_accuracy.main(_args(checkpoint, data_dir, out, "--configs", f"dense,{small_budget},quest",
                                    "--save-samples")) == 0
@@ -80,7 +81,9 @@ def test_direct_engine_table(checkpoint, data_dir, tmp_path, small_budget, monke
         assert dense["prompt_tokens"] == sparse["prompt_tokens"]
         assert rows[("quest", task)]["prefill_seconds"] is None
     assert report["meta"]["environment"]["versions"]["transformers"]
+    assert report["meta"]["commit"] == "abc1234"  # which code made the rows (PRHS_GIT_COMMIT, else git)
     table = out.with_suffix(".md").read_text()
+    assert "; commit abc1234" in table
     assert "| quest | gsm8k |" in table and "not implemented" in table and "ρ̂" in table and "--configs" in table
     assert "| prefill (s) | status |" in table
     samples = [json.loads(line) for line in out.with_suffix(".samples.jsonl").read_text().splitlines()]
@@ -98,6 +101,7 @@ def test_direct_engine_table(checkpoint, data_dir, tmp_path, small_budget, monke
     assert {k: again[k]["date"] for k in before} == {k: rows[k]["date"] for k in before}
     # the table says which runs made it: the first run's command is kept, the resuming one is the meta's own
     assert [r["command"] for r in resumed["meta"]["earlier_runs"]] == [first_command]
+    assert [r["commit"] for r in resumed["meta"]["earlier_runs"]] == ["abc1234"]
     assert "--resume" in resumed["meta"]["command"] and f"resumed from: `{first_command}`" in out.with_suffix(".md").read_text()
     assert again[("quest", "gsm8k")]["status"] == "not implemented"
 

@@ -70,17 +70,19 @@ def test_new_modes_are_listed():
 @pytest.mark.parametrize("select", NEW_MODES)
 @pytest.mark.parametrize("k", [1, 40, 300, 1100])
 def test_radix8_matches_reference(select, k):
-    """Two select chunks of 1024, ragged padding, a region shorter than k (sequence 1), an
-    empty one (sequence 2), rows not retrieving; 300 and 1100 spread the candidates over 2
-    and 8 merge blocks."""
+    """Two select chunks of 1024 (``_select_block=1024``: the default items of 2048 keys would
+    make this one), ragged padding, a region shorter than k (sequence 1), an empty one (sequence
+    2), rows not retrieving; 300 and 1100 spread the candidates over 2 and 8 merge blocks (1 and
+    40: one block, finished by the row sort)."""
     B, Hq, Hkv, D, S = 3, 4, 2, 4, 1500
     q, kc, pad, lo, hi = _case(B, Hq, Hkv, D, S, [0, 700, 20], [1490, 600, 0], 200 + k)
     retrieve = torch.ones(B, Hq, dtype=torch.bool)
     retrieve[0, 1] = retrieve[1, 3] = False
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 1.0)
-    for score in ("group", "row"):
-        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 1.0, _score=score, _select=select).cpu()
-        assert torch.equal(out, ref), (score, select)
+    for score, block in (("group", None), ("row", 1024)):  # one chunk of the default 2048, two of 1024
+        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 1.0, _score=score, _select=select,
+                             _select_block=block).cpu()
+        assert torch.equal(out, ref), (score, select, block)
     assert (out[~retrieve] == -1).all() and (out[2] == -1).all()
     if k > 600:
         assert (out[1][retrieve[1]][:, 600:] == -1).all()
@@ -89,19 +91,20 @@ def test_radix8_matches_reference(select, k):
 @needs_triton
 @pytest.mark.parametrize("select", NEW_MODES)
 def test_radix8_exact_ties_at_full_depth_across_chunks(select):
-    """2200 equal scores over three chunks with 10 larger ones in the second: after four
-    8-bit passes the equal keys are exact ties; the lowest indices are taken across chunk
-    boundaries, and 700 candidates span three merge blocks."""
+    """2200 equal scores over three chunks of 1024 (two of the default 2048) with 10 larger ones
+    in the second: after four 8-bit passes the equal keys are exact ties; the lowest indices are
+    taken across chunk boundaries, and 700 candidates span three merge blocks."""
     q = torch.ones(1, 2, 4)
     kc = torch.ones(1, 1, 2300, 4)
     kc[0, 0, 1500:1510] = 2.0
     pad = torch.zeros(1, dtype=I32)
     lo, hi = torch.tensor([10], dtype=I32), torch.tensor([2250], dtype=I32)
     retrieve = torch.tensor([[True, False]])
-    out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 700, 1.0, _select=select).cpu()
-    assert out[0, 0].tolist() == list(range(1500, 1510)) + list(range(10, 700))
-    assert (out[0, 1] == -1).all()
-    assert torch.equal(out, topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 700, 1.0))
+    for block in (None, 1024):
+        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 700, 1.0, _select=select, _select_block=block).cpu()
+        assert out[0, 0].tolist() == list(range(1500, 1510)) + list(range(10, 700)), block
+        assert (out[0, 1] == -1).all()
+        assert torch.equal(out, topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 700, 1.0)), block
 
 
 @needs_triton
@@ -117,6 +120,38 @@ def test_radix8_persistent_grid_strides_over_items(select, monkeypatch):
         ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 0.5)
         out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select=select).cpu()
         assert torch.equal(out, ref), k
+
+
+class _Launches:
+    """Stands in for a Triton kernel in ``tk``: counts the launches and runs the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@needs_triton
+@pytest.mark.parametrize("select", ["radix8", "radix8_fused"])
+def test_radix8_one_merge_block_finishes_with_the_row_sort(select, monkeypatch):
+    """k_pad <= 256 (one merge block; cis.yaml's k = 88 has 128): the finish is one row-sort
+    launch, not block sort + merge rank; k = 300 (k_pad 512, two blocks) keeps the merge
+    finish. Both exact."""
+    launches = {name: _Launches(getattr(tk, name))
+                for name in ("_block_sort_kernel", "_merge_rank_kernel", "_row_sort_kernel")}
+    for name, fake in launches.items():
+        monkeypatch.setattr(tk, name, fake)
+    q, kc, pad, lo, hi = _case(2, 4, 2, 4, 900, [0, 30], [880, 400], 260, levels=3)
+    retrieve = torch.tensor([[True, False, True, True], [False, True, True, False]])
+    for k, merge in ((88, False), (200, False), (300, True)):
+        before = {name: fake.count for name, fake in launches.items()}
+        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select=select).cpu()
+        assert torch.equal(out, topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 0.5)), k
+        ran = {name: fake.count - before[name] for name, fake in launches.items()}
+        assert ran == ({"_block_sort_kernel": 1, "_merge_rank_kernel": 1, "_row_sort_kernel": 0} if merge else
+                       {"_block_sort_kernel": 0, "_merge_rank_kernel": 0, "_row_sort_kernel": 1}), (k, ran)
 
 
 @needs_triton

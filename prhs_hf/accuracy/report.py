@@ -105,7 +105,8 @@ def load_rows(path: str | os.PathLike[str]) -> list[Row]:
 def earlier_runs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The runs an existing JSON report was built from (its own and those it resumed), oldest first.
 
-    Each is ``{"command", "date", "gpu"}``; ``--resume`` keeps them in ``meta["earlier_runs"]`` so a
+    Each is ``{"command", "date", "gpu", "commit"}`` (commit None for reports written before it was
+    recorded); ``--resume`` keeps them in ``meta["earlier_runs"]`` so a
     table assembled over several runs (or device sessions) says which commands made it.
     """
     p = Path(path)
@@ -113,7 +114,7 @@ def earlier_runs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         return []
     meta = json.loads(p.read_text()).get("meta", {})
     env = meta.get("environment", {})
-    own = {"command": meta.get("command"), "date": env.get("date"), "gpu": env.get("gpu")}
+    own = {"command": meta.get("command"), "date": env.get("date"), "gpu": env.get("gpu"), "commit": meta.get("commit")}
     return [*meta.get("earlier_runs", []), own]
 
 
@@ -134,10 +135,11 @@ def render_markdown(meta: Mapping[str, Any], rows: Sequence[Row]) -> str:
         f"- model: {meta.get('model')} ({meta.get('dtype')}, {meta.get('device')}), engine {meta.get('engine')}, "
         f"batch {meta.get('batch_size')}, limit {meta.get('limit')}",
         f"- GPU: {env.get('gpu') or 'none (CPU)'}; torch {env.get('torch')} (CUDA {env.get('cuda')}); {versions}",
-        f"- date: {env.get('date')}",
+        f"- date: {env.get('date')}" + (f"; commit {meta['commit']}" if meta.get("commit") else ""),
     ]
     for run in meta.get("earlier_runs", []):
-        lines.append(f"- resumed from: `{run.get('command')}` ({run.get('date')}, {run.get('gpu') or 'CPU'})")
+        commit = f", commit {run['commit']}" if run.get("commit") else ""
+        lines.append(f"- resumed from: `{run.get('command')}` ({run.get('date')}, {run.get('gpu') or 'CPU'}{commit})")
     lines.append("")
     metric_names = [m for m in _METRIC_ORDER if any(m in r.metrics for r in rows)]
     metric_names += sorted({m for r in rows for m in r.metrics} - set(metric_names))
