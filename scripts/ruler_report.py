@@ -9,13 +9,15 @@ Input: the report of ``scripts/run_accuracy.py --tasks ruler_<task>_<length>,…
   row's time, its prefill time (``prefill_seconds``, None in reports written before it was measured)
   and the prefill time saved vs dense (``prefill_saved`` = 1 − prefill / prefill of the ``--dense``
   config at the same task and length; None unless both were measured on the same examples); per
-  (config, length) the mean over tasks (prefill summed, saved vs dense likewise); per (config, depth
+  (config, length) the mean over tasks (prefill summed, saved vs dense likewise) and dense's mean
+  over the same cells with the difference (``dense_same_tasks``, ``delta_vs_dense``); per (config, depth
   bin) the share of needles found (needle tasks, from the saved generations); plus the command, GPU
   and versions of the run;
 - ``<out>.md``: the same as tables (tasks × lengths, one column per config; the prefill times with
   the share saved in brackets);
 - ``<out>_length.png`` and ``<out>_depth.png`` (with matplotlib, the ``plots`` extra): accuracy vs
-  length and vs needle depth, one line per config.
+  length (each config's mean minus dense's over the same cells, since configs may have run on fewer
+  tasks) and needle recall vs depth, one line per config.
 
 Example::
 
@@ -109,6 +111,22 @@ def _with_saving(entries: list[dict[str, Any]], key: Sequence[str], same: Sequen
         e["prefill_saved"] = prefill_saved(e["prefill_seconds"], d["prefill_seconds"]) if comparable else None
 
 
+def _with_dense_score(means: list[dict[str, Any]], table: Sequence[Mapping[str, Any]], dense_config: str) -> None:
+    """Set ``dense_same_tasks`` of each (config, length) mean to ``dense_config``'s mean over the same
+    tasks at that length with the same n per task, and ``delta_vs_dense`` to the difference (both None
+    where dense lacks one of those cells): configs run on fewer tasks than dense have means over other
+    task sets, which only this difference compares."""
+    dense = {(t["task"], t["length"]): t for t in table if t["config"] == dense_config}
+    for m in means:
+        cells = [t for t in table if t["config"] == m["config"] and t["length"] == m["length"]]
+        ref = [dense.get((t["task"], t["length"])) for t in cells]
+        if cells and all(d is not None and d["n"] == t["n"] for d, t in zip(ref, cells)):
+            m["dense_same_tasks"] = sum(d["score"] for d in ref) / len(ref)
+            m["delta_vs_dense"] = m["mean_score"] - m["dense_same_tasks"]
+        else:
+            m["dense_same_tasks"] = m["delta_vs_dense"] = None
+
+
 def summarize(rows: Sequence[Mapping[str, Any]], hits: Sequence[Mapping[str, Any]],
               dense_config: str = DENSE_CONFIG) -> dict[str, Any]:
     """Per-row table, per-(config, length) means over tasks, per-(config, depth bin) needle recall; the
@@ -138,6 +156,7 @@ def summarize(rows: Sequence[Mapping[str, Any]], hits: Sequence[Mapping[str, Any
                                  else any(t["prunes_prefill"] for t in ts))}
              for (c, n), ts in sorted(by_length.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
     _with_saving(means, ("length",), ("task_names", "examples"), dense_config)
+    _with_dense_score(means, table, dense_config)
     bins: dict[tuple[str, int], list[bool]] = defaultdict(list)
     for h in hits:
         b = min(DEPTH_BINS - 1, int(h["depth"] * DEPTH_BINS))
@@ -216,16 +235,20 @@ def render_markdown(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
         for task, length in keys:
             lines.append(f"| {task} | {length} | "
                          + " | ".join(prefill_cell(cell.get((c, task, length))) for c in configs) + " |")
-    lines += ["", "Mean over the tasks run at each length (tasks, examples):", "",
-              "| config | length | tasks | examples | mean score | seconds | prefill s (saved) | ρ̂ | KV/step (dense) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Mean over the tasks run at each length (tasks, examples); dense's mean over the same cells "
+              "(same tasks and n) and the difference, the column that compares configs run on different tasks:", "",
+              "| config | length | tasks | examples | mean score | dense, same cells | Δ vs dense | seconds | "
+              "prefill s (saved) | ρ̂ | KV/step (dense) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in summary["by_length"]:
         ts = [t for t in table if t["config"] == m["config"] and t["length"] == m["length"]]
         rho = [t["rho_hat"] for t in ts if t["rho_hat"] is not None]
         kv = [t["processed_kv_per_step"] for t in ts if t["processed_kv_per_step"] is not None]
         dense = [t["dense_kv_per_step"] for t in ts if t["dense_kv_per_step"] is not None]
+        same = "—" if m.get("dense_same_tasks") is None else f"{m['dense_same_tasks']:.3f}"
+        delta = "—" if m.get("delta_vs_dense") is None else f"{m['delta_vs_dense']:+.3f}"
         lines.append(f"| {m['config']} | {m['length']} | {m['tasks']} | {m['examples']} | {m['mean_score']:.3f} | "
-                     f"{m['seconds']:.0f} | {prefill_cell(m)} | {f'{100 * sum(rho) / len(rho):.1f} %' if rho else '—'} | "
+                     f"{same} | {delta} | {m['seconds']:.0f} | {prefill_cell(m)} | {f'{100 * sum(rho) / len(rho):.1f} %' if rho else '—'} | "
                      f"{f'{sum(kv) / len(kv):.0f} ({sum(dense) / len(dense):.0f})' if kv and dense else '—'} |")
     if summary["by_depth"]:
         lines += ["", "Needles found by depth in the haystack (needle tasks, all lengths):", "",
@@ -246,8 +269,11 @@ def plot(summary: Mapping[str, Any], out: Path) -> list[Path]:
         print("ruler_report: matplotlib is not installed (the 'plots' extra): no plots", file=sys.stderr)
         return []
     written = []
+    # accuracy vs length as the difference to dense over the same cells (configs run on fewer tasks
+    # than dense have means over other task sets); needle recall by depth as it is
+    by_length = [m for m in summary["by_length"] if m.get("delta_vs_dense") is not None and m["config"] != DENSE_CONFIG]
     for name, series, x, y, xlabel in (
-            ("length", summary["by_length"], "length", "mean_score", "prompt length (tokens)"),
+            ("length", by_length, "length", "delta_vs_dense", "prompt length (tokens)"),
             ("depth", summary["by_depth"], "depth_from", "found", "needle depth in the haystack (bin start)")):
         if not series:
             continue
@@ -257,9 +283,12 @@ def plot(summary: Mapping[str, Any], out: Path) -> list[Path]:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=config)
         if name == "length":
             ax.set_xscale("log", base=2)
+            ax.axhline(0.0, color="black", linewidth=0.8)
+            ax.set_ylabel("mean score − dense (same cells)")
+        else:
+            ax.set_ylabel("share of needles found")
+            ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("score" if name == "length" else "share of needles found")
-        ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         path = out.with_name(f"{out.name}_{name}.png")

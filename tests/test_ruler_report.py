@@ -56,6 +56,7 @@ def test_report_tables_and_depth_recall(run, tmp_path) -> None:
         ("dense", "niah_single_2", 4096), ("cpe", "niah_single_2", 4096), ("dense", "vt", 4096), ("cpe", "vt", 4096)}
     means = {(m["config"], m["length"]): m["mean_score"] for m in got["by_length"]}
     assert means == {("dense", 4096): 1.0, ("cpe", 4096): 0.25}
+    assert {m["config"]: m["delta_vs_dense"] for m in got["by_length"]} == {"dense": 0.0, "cpe": -0.75}
     depth = {(d["config"], d["depth_from"]): (d["needles"], d["found"]) for d in got["by_depth"]}
     assert depth == {("dense", 0.0): (1, 1.0), ("dense", 0.9): (1, 1.0), ("cpe", 0.0): (1, 0.0), ("cpe", 0.9): (1, 1.0)}
     md = (out.parent / "ruler_qwen1.5b.md").read_text()
@@ -143,3 +144,15 @@ def test_several_reports_side_by_side_and_a_repeated_cell_is_an_error(run, tmp_p
     assert hits and sum(d["needles"] for d in hits) == 2 and sum(d["found"] * d["needles"] for d in hits) == 1
     with pytest.raises(SystemExit, match="dense / ruler_niah_single_2_4096 is also in"):
         ruler_report.main(["--results", str(results), str(results), "--data-dir", str(data), "--out", str(out)])
+
+
+def test_a_config_on_fewer_tasks_is_compared_with_dense_on_the_same_cells() -> None:
+    """Means over different task sets are not comparable: a config run on one of dense's two tasks
+    gets dense's score on that task beside its own, and none where dense ran other examples."""
+    rows = [_row("dense", "ruler_vt_4096", 1.0, 15), _row("dense", "ruler_fwe_4096", 0.4, 15),
+            _row("quest-lb", "ruler_fwe_4096", 0.5, 15), _row("h2o-lb", "ruler_vt_4096", 0.9, 25)]
+    means = {m["config"]: m for m in ruler_report.summarize(rows, [])["by_length"]}
+    assert means["dense"]["mean_score"] == pytest.approx(0.7) and means["quest-lb"]["mean_score"] == 0.5
+    assert means["quest-lb"]["dense_same_tasks"] == pytest.approx(0.4)
+    assert means["quest-lb"]["delta_vs_dense"] == pytest.approx(0.1)  # not 0.5 - 0.7
+    assert means["h2o-lb"]["dense_same_tasks"] is None and means["h2o-lb"]["delta_vs_dense"] is None
