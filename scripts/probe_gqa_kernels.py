@@ -17,7 +17,8 @@ mode of :data:`SELECT_MODES` after group scoring, timed to each stop point of
 :data:`STOP_POINTS`; the columns are differences of those times in us: ``passes`` (radix
 histogram passes), ``collect`` (candidate collect), ``finish`` (sort / rank-scatter / merge),
 ``sel`` (the whole select = pipeline - scoring), ``blocksort`` (``radix8`` / ``radix8_fused``: the
-block sorts, part of finish), ``score`` (compaction + scoring; ``radix8_fused``: including the
+block sorts, part of finish; about 0 when the candidates fit one block, k <= ~200, whose finish is
+the per-row sort alone), ``score`` (compaction + scoring; ``radix8_fused``: including the
 pass-0 histogram the score kernel builds, so its ``passes`` are passes 1-3 only), ``total`` (the
 whole retrieval: score + sel; the column to compare ``radix8_fused`` with ``radix8``), ``exact``
 (output equal to the row select's).
@@ -76,10 +77,11 @@ def _budget_k(S: int) -> int:
 
 
 def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda: bool,
-                 topk: Optional[int] = None, variants: tuple[tuple[int, int], ...] = ()) -> list[dict]:
+                 topk: Optional[int] = None, variants: tuple[tuple[int, ...], ...] = ()) -> list[dict]:
     """Select time of every select mode, split into stages (see the module docstring). ``topk``
     replaces the budget-1/8 k (``cis.yaml``'s 88, say); each ``(block, warps)`` of ``variants``
-    adds a ``radix8`` row with that many keys per select item and warps (``_select_block``)."""
+    adds a ``radix8`` row with that many keys per select item and warps (``_select_block``), each
+    ``(tile, warps, stages, keys per program)`` one with that group score kernel (``_score_cfg``)."""
     dev = torch.device("cuda" if cuda else "cpu")
     stops = ("score", "passes", "collect", "blocksort", "select")
     print(f"\nselect stages, us (group scoring, {'CUDA graph replay' if cuda else 'CPU interpreter: not timings'}), "
@@ -154,7 +156,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     if args.quick:
-        select_shapes = [(1, 1100, 2, 1, 16)]  # two select chunks
+        select_shapes = [(1, 1100, 2, 1, 16)]  # one select chunk of 2048 (two of 1024: --select-variants 1024x4)
     else:
         select_shapes = [(16, 16384, 32, 8, 128), (16, 16384, 32, 32, 128), (32, 16384, 12, 2, 128)]
     if args.select_shape:

@@ -1033,3 +1033,18 @@ def test_probe_gqa_kernels_quick(capsys):
     # the names test_gpu_probe_gqa_kernels_runs compares (it read a stale one once)
     assert {mod.OLD_RETRIEVAL, mod.DEFAULT_RETRIEVAL, "retrieval grouped", "attention per-head", "attention grouped"} <= names
     assert mod.DEFAULT_RETRIEVAL in out and all(r["ms"] > 0 for r in rows)
+
+
+@needs_triton
+def test_probe_select_table_at_a_given_k_shape_and_variants(capsys):
+    """The select table at the real model's pattern: --topk, --select-shape and the radix8 variants
+    (keys per select item x warps; the score kernel's tile x warps x stages x keys per program) run
+    and are exact."""
+    mod = load_script("probe_gqa_kernels")
+    rows = mod.main(["--quick", "--select-only", "--select-shape", "1,600,2,1", "--topk", "9",
+                     "--select-variants", "256x4,32x4x2x128", "--retrieve-frac", "0.5"])
+    by_name = {r["name"]: r for r in rows}
+    assert {"select B1 0k 2/1 r1 k9 radix8", "select B1 0k 2/1 r1 k9 radix8 b256w4",
+            "select B1 0k 2/1 r1 k9 radix8 score n32w4s2c128"} <= set(by_name)
+    assert all(r["exact"] for r in rows)
+    assert "radix8 b256w4" in capsys.readouterr().out
