@@ -238,6 +238,23 @@ def test_bench_e2e_decode_quick_cpu_json(tmp_path):
     assert "ρ̂ and processed KV: from the eager, telemetry on" in (tmp_path / "bench_e2e_decode.md").read_text()
 
 
+def test_bench_e2e_decode_repeats_report_the_median_run_and_every_run(tmp_path):
+    """--repeats 3: three timed runs per cell, the row is the median one by ms/step, all three beside it
+    (in the JSON and as a range in the table)."""
+    _run_script("bench_e2e_decode.py", "--quick", "--modes", "eager", "--configs", "dense-gqa",
+                "--new-tokens", "4", "--repeats", "3", "--out", str(tmp_path))
+    row, = json.loads((tmp_path / "bench_e2e_decode.json").read_text())["rows"]
+    runs = row["ms_per_step_runs"]
+    assert len(runs) == 3 and row["ms_per_step"] == sorted(runs)[1]
+    assert f"({min(runs):.2f}–{max(runs):.2f}, 3 runs)" in (tmp_path / "bench_e2e_decode.md").read_text()
+
+
+def test_bench_e2e_decode_repeats_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        load_script("bench_e2e_decode").main(["--quick", "--repeats", "0"])
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
 def test_bench_e2e_decode_names_allowed_configs():
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_e2e_decode.py"), "--configs", "dense,nope"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
