@@ -104,12 +104,11 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
         scale = 1 / math.sqrt(D)
         tag = f"B{B} {S // 1024}k {Hq}/{Hkv} r{int(retrieve.sum())} k{k}"
         base = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select="row")
-        modes = [(select, {}) for select in SELECT_MODES]
-        modes += [(f"radix8 b{v[0]}w{v[1]}", {"_select_block": v[0], "_select_warps": v[1]})
+        modes = [(select, select, {}) for select in SELECT_MODES]
+        modes += [(f"radix8 b{v[0]}w{v[1]}", "radix8", {"_select_block": v[0], "_select_warps": v[1]})
                   if len(v) == 2 else
-                  (f"radix8 score n{v[0]}w{v[1]}s{v[2]}c{v[3]}", {"_score_cfg": v}) for v in variants]
-        for label, extra in modes:
-            select = label.split()[0]
+                  (f"radix8 score n{v[0]}w{v[1]}s{v[2]}c{v[3]}", "radix8", {"_score_cfg": v}) for v in variants]
+        for label, select, extra in modes:
             t = {}
             for stop in stops:
                 if stop == "blocksort" and select not in ("radix8", "radix8_fused"):

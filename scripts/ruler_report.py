@@ -111,15 +111,16 @@ def _with_saving(entries: list[dict[str, Any]], key: Sequence[str], same: Sequen
         e["prefill_saved"] = prefill_saved(e["prefill_seconds"], d["prefill_seconds"]) if comparable else None
 
 
-def _with_dense_score(means: list[dict[str, Any]], table: Sequence[Mapping[str, Any]], dense_config: str) -> None:
+def _with_dense_score(means: list[dict[str, Any]], cells_of: Mapping[tuple[str, int], Sequence[Mapping[str, Any]]],
+                      dense_config: str) -> None:
     """Set ``dense_same_tasks`` of each (config, length) mean to ``dense_config``'s mean over the same
     tasks at that length with the same n per task, and ``delta_vs_dense`` to the difference (both None
     where dense lacks one of those cells): configs run on fewer tasks than dense have means over other
-    task sets, which only this difference compares."""
-    dense = {(t["task"], t["length"]): t for t in table if t["config"] == dense_config}
+    task sets, which only this difference compares. ``cells_of``: the rows of each (config, length)."""
     for m in means:
-        cells = [t for t in table if t["config"] == m["config"] and t["length"] == m["length"]]
-        ref = [dense.get((t["task"], t["length"])) for t in cells]
+        cells = cells_of[(m["config"], m["length"])]
+        dense = {t["task"]: t for t in cells_of.get((dense_config, m["length"]), ())}
+        ref = [dense.get(t["task"]) for t in cells]
         if cells and all(d is not None and d["n"] == t["n"] for d, t in zip(ref, cells)):
             m["dense_same_tasks"] = sum(d["score"] for d in ref) / len(ref)
             m["delta_vs_dense"] = m["mean_score"] - m["dense_same_tasks"]
@@ -156,7 +157,7 @@ def summarize(rows: Sequence[Mapping[str, Any]], hits: Sequence[Mapping[str, Any
                                  else any(t["prunes_prefill"] for t in ts))}
              for (c, n), ts in sorted(by_length.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
     _with_saving(means, ("length",), ("task_names", "examples"), dense_config)
-    _with_dense_score(means, table, dense_config)
+    _with_dense_score(means, by_length, dense_config)
     bins: dict[tuple[str, int], list[bool]] = defaultdict(list)
     for h in hits:
         b = min(DEPTH_BINS - 1, int(h["depth"] * DEPTH_BINS))
@@ -258,7 +259,7 @@ def render_markdown(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: Mapping[str, Any], out: Path) -> list[Path]:
+def plot(summary: Mapping[str, Any], out: Path, dense_config: str = DENSE_CONFIG) -> list[Path]:
     """Accuracy vs length and vs depth (PNG); nothing without matplotlib."""
     try:
         import matplotlib
@@ -271,7 +272,7 @@ def plot(summary: Mapping[str, Any], out: Path) -> list[Path]:
     written = []
     # accuracy vs length as the difference to dense over the same cells (configs run on fewer tasks
     # than dense have means over other task sets); needle recall by depth as it is
-    by_length = [m for m in summary["by_length"] if m.get("delta_vs_dense") is not None and m["config"] != DENSE_CONFIG]
+    by_length = [m for m in summary["by_length"] if m.get("delta_vs_dense") is not None and m["config"] != dense_config]
     for name, series, x, y, xlabel in (
             ("length", by_length, "length", "delta_vs_dense", "prompt length (tokens)"),
             ("depth", summary["by_depth"], "depth_from", "found", "needle depth in the haystack (bin start)")):
@@ -326,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = render_markdown(summary, meta)
     args.out.with_name(f"{args.out.name}.md").write_text(md)
     print(md)
-    for p in plot(summary, args.out):
+    for p in plot(summary, args.out, args.dense):
         print(f"wrote {p}")
     return 0
 
