@@ -769,6 +769,8 @@ def _retrieve(
         raise ValueError(f"_stop_after='blocksort' needs _select in {_MERGE_SELECTS}, got _select={select!r}")
     if grouped and score != "group":
         raise ValueError("_score='row' has no group-shared variant: use _score='group'")
+    if score_cfg is not None and score != "group":
+        raise ValueError("_score_cfg tunes the group score kernel: it needs _score='group'")
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = gqa_group(Hq, Hkv)

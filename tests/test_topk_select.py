@@ -194,6 +194,16 @@ def test_stop_points_run_and_are_checked():
         topk_retrieval(*args, 20, 1.0, _stop_after="sort")
 
 
+@needs_triton
+def test_score_tuning_of_the_row_score_kernel_is_refused():
+    """``_score_cfg`` tunes the group score kernel only: with ``_score="row"`` it would be ignored
+    silently, so it is refused by name."""
+    q, kc, pad, lo, hi = _case(1, 2, 1, 4, 200, [0], [190], 260)
+    retrieve = torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="_score_cfg.*_score='group'"):
+        topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 20, 1.0, _score="row", _score_cfg=(32, 4, 2, 0))
+
+
 _SM90_CHECK = r"""
 import triton
 from triton.backends.compiler import GPUTarget
