@@ -29,6 +29,8 @@ __all__ = [
     "SCORE_MODES",
     "SELECT_MODES",
     "STOP_POINTS",
+    "TILEMAX_MAX_K",
+    "default_select",
 ]
 
 # Design (H200: the cost is reading the K rows of the middle region, bandwidth bound):
@@ -79,7 +81,17 @@ SCORE_MODES = ("group", "row")
 #: 11-bit digits and rank compares, split radix select with 8-bit digits and a merge finish,
 #: the same with a per-row register sort finish, radix8 with its first pass's histogram built
 #: by the score kernel. The default is ``"radix8"`` (fastest measured).
-SELECT_MODES = ("row", "split", "radix8", "radix8_sort", "radix8_fused")
+SELECT_MODES = ("row", "split", "radix8", "radix8_sort", "radix8_fused", "tilemax")
+#: Largest k whose default select is ``"tilemax"`` (above it ``"radix8"``: the threshold from k
+#: sub-tile maxima needs k of them, and its candidates grow with k * _TILE_SUB).
+TILEMAX_MAX_K = 256
+
+
+def default_select(k: int) -> str:
+    """The select kernel ``_select="auto"`` (the default) runs for top-``k``."""
+    return "tilemax" if int(k) <= TILEMAX_MAX_K else "radix8"
+
+
 #: Where ``_stop_after=`` may stop (probe breakdowns): "passes"/"collect" stop inside the
 #: select (every select mode), "blocksort" after the first merge step (merge finishes only).
 #: With ``"radix8_fused"``, "score" includes the pass-0 histogram built by the score kernel.
@@ -94,6 +106,12 @@ _MERGE_SELECTS = ("radix8", "radix8_fused")
 _MERGE_BLOCK = 256  # candidates per block of the merge finish
 _RANK_BLOCK = 64  # candidates ranked per program of _rank_scatter_kernel
 _RANK_TILE = 256  # candidates compared per step
+#: ``_select="tilemax"``: keys per sub-tile whose maximum the score kernel writes (the candidates
+#: are at most about k * _TILE_SUB), the candidate buffer sorted when the first tier (k rounded
+#: up to a power of two) overflows, and the radix passes that narrow theta (8 bits each).
+_TILE_SUB = 32
+_TILE_CAP = 1024
+_THETA_PASSES = 2
 
 
 @triton.jit
@@ -174,17 +192,19 @@ def _score_range(PAD, LO, HI, b, sp, CHUNK, S, live):
 
 @triton.jit
 def _score_kernel(
-    Q, K, PAD, LO, HI, ORDER, COUNT, KEYS, HIST,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys,
+    Q, K, PAD, LO, HI, ORDER, COUNT, KEYS, HIST, TMAX,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys, stride_tmax,
     scale, S, CHUNK,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     FUSE_HIST: tl.constexpr = False, HIST_ROW: tl.constexpr = 1,
+    TILE_MAX: tl.constexpr = False, SUB: tl.constexpr = 32,
 ):
     """Old path (``_score="row"``): scores of one chunk of one retrieving row's middle region,
     as order-preserving keys, into that row's scratch row. FUSE_HIST: the 256-bin histogram
     of the keys' pass-0 digit, built in registers, is added atomically to ``HIST[row, :256]``
-    (zeroed by the launcher before this launch)."""
+    (zeroed by the launcher before this launch). TILE_MAX: the sub-tile maxima as the group
+    score kernel writes them."""
     c = tl.program_id(0)
     sp = tl.program_id(1)
     live = c < tl.load(COUNT)
@@ -208,6 +228,9 @@ def _score_kernel(
         s = (tl.sum(kt * q[None, :], axis=1) * scale).to(tl.float32)  # fp32 even if a compiler passes scale as fp64
         key = _orderable_key(s)
         tl.store(key_base + j, key, mask=m)
+        if TILE_MAX:
+            _tile_max_store(TMAX + row.to(tl.int64) * stride_tmax, key, m, n0,
+                            tl.maximum(tl.load(LO + b), 0), end, BLOCK_N, SUB)
         if FUSE_HIST:
             hist += tl.histogram(_digit0(key), 256, mask=m)
     if FUSE_HIST:
@@ -216,13 +239,14 @@ def _score_kernel(
 
 @triton.jit
 def _group_score_kernel(
-    Q, K, PAD, LO, HI, FLAG, GORDER, GCOUNT, KEYS, HIST, TAKEN,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys,
+    Q, K, PAD, LO, HI, FLAG, GORDER, GCOUNT, KEYS, HIST, TAKEN, TMAX,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys, stride_tmax,
     scale, S, CHUNK,
     HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, AGG_MAX: tl.constexpr, IEEE: tl.constexpr,
     ZERO_SCRATCH: tl.constexpr, ZROWS: tl.constexpr, HIST_PASSES: tl.constexpr,
     HIST_BINS: tl.constexpr, FUSE_HIST: tl.constexpr = False, GP: tl.constexpr = 2,
+    TILE_MAX: tl.constexpr = False, SUB: tl.constexpr = 32,
 ):
     """Scores of one chunk of one live KV group's middle region, for all G heads at once.
 
@@ -238,7 +262,8 @@ def _group_score_kernel(
     on the keys in registers: each program adds its chunk's 256-bin histogram of the pass-0
     digit of every row it writes to ``HIST[row, 0, :]`` atomically (zeroed by the compaction
     launch, which runs before this one); ZERO_SCRATCH then zeroes passes 1.. only. GP: rows of
-    the per-head accumulator (next_pow2(GROUP), at least 2).
+    the per-head accumulator (next_pow2(GROUP), at least 2). TILE_MAX (``_select="tilemax"``):
+    also the largest key of every SUB-key sub-tile of each row written, to ``TMAX[row, t]``.
     """
     c = tl.program_id(0)
     sp = tl.program_id(1)
@@ -247,6 +272,7 @@ def _group_score_kernel(
     b = gid // HKV
     kvh = gid % HKV
     pad, start, end = _score_range(PAD, LO, HI, b, sp, CHUNK, S, live)
+    lo = tl.maximum(tl.load(LO + b), 0)  # sub-tiles of the tile maxima count from lo
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -300,12 +326,20 @@ def _group_score_kernel(
             s = tl.max(tl.where(mrow[:, None], s, float("-inf")), axis=0)
             key = _orderable_key(s)
             tl.store(KEYS + out_row * stride_keys + j, key, mask=m)
+            if TILE_MAX:
+                _tile_max_store(TMAX + out_row * stride_tmax, key, m, n0, lo, end, BLOCK_N, SUB)
             if FUSE_HIST:
                 hist += tl.histogram(_digit0(key), 256, mask=m)
         else:
             key = _orderable_key(s)
             tl.store(KEYS + out_row[:, None] * stride_keys + j[None, :], key,
                      mask=wrow[:, None] & m[None, :])
+            if TILE_MAX:  # [BLOCK_M, sub-tiles]: the largest key of each sub-tile of each head
+                km = tl.where(m[None, :], key, -2147483648)
+                tmax = tl.max(tl.reshape(km, [BLOCK_M, BLOCK_N // SUB, SUB]), axis=2)
+                t = tl.arange(0, BLOCK_N // SUB)
+                tl.store(TMAX + out_row[:, None] * stride_tmax + ((n0 - lo) // SUB + t)[None, :], tmax,
+                         mask=wrow[:, None] & (n0 + t * SUB < end)[None, :])
             if FUSE_HIST:
                 for g in tl.static_range(GROUP):  # only the retrieving heads' rows
                     sel_g = offs_m == g
@@ -356,60 +390,173 @@ def _select_kernel(
         pad = tl.load(PAD + b)
         lo = tl.maximum(tl.load(LO + b), 0)
         hi = tl.maximum(tl.minimum(tl.load(HI + b), S - pad), lo)
-        n = hi - lo
-        kk = tl.minimum(n, K)
-        key_base = KEYS + row.to(tl.int64) * stride_keys
-        offs = tl.arange(0, BLOCK)
-        bins = tl.arange(0, 256)
-        krem = kk
-        n_eq = n
-        prefix = (kk * 0).to(tl.int64)
-        depth = kk * 0
-        for p in tl.static_range(4):  # pass p resolves bits [24 - 8p, 32 - 8p)
-            if kk - krem + n_eq > K_PAD:
-                hist = tl.zeros([256], dtype=tl.int32)
-                for n0 in range(lo, hi, BLOCK):
-                    j = n0 + offs
-                    m = j < hi
-                    u = tl.load(key_base + j, mask=m, other=0).to(tl.int64) + 2147483648
-                    match = m & ((u >> (32 - 8 * p)) == prefix)
-                    digit = tl.where(match, (u >> (24 - 8 * p)) & 255, 0).to(tl.int32)
-                    hist += tl.histogram(digit, 256)
-                    # the non-matching lanes went to bin 0: take them out again
-                    miss = BLOCK - tl.sum(match.to(tl.int32), axis=0)
-                    hist -= tl.where(bins == 0, miss, 0)
-                gt = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # matching, larger digit
-                ge = gt + hist
-                d = tl.max(tl.where((gt < krem) & (ge >= krem), bins, -1), axis=0)
-                krem = krem - tl.sum(tl.where(bins == d, gt, 0), axis=0)
-                n_eq = tl.sum(tl.where(bins == d, hist, 0), axis=0)
-                prefix = prefix * 256 + d.to(tl.int64)
-                depth = depth * 0 + (p + 1)
-        if STOP == 1:
-            tl.store(OUT + row * K, (prefix + krem + n_eq).to(tl.int32))
-        else:
-            shift = (32 - 8 * depth).to(tl.int64)
-            take_eq = tl.where(depth == 4, krem, n_eq)
-            # Collect, in index order: keys above the prefix, and take_eq of the keys equal to it.
-            taken = kk * 0
-            eq_seen = kk * 0
-            cand_base = CAND + c * K_PAD
+        _row_radix_select(KEYS + row.to(tl.int64) * stride_keys, CAND + c * K_PAD, OUT + row * K,
+                          lo, hi, K, K_PAD, BLOCK, STOP)
+
+
+@triton.jit
+def _row_radix_select(key_base, cand_base, out_row, lo, hi, K, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                      STOP: tl.constexpr = 0):
+    """The one-program select of one row (keys ``key_base[lo:hi]``, candidate buffer of K_PAD at
+    ``cand_base``): radix refinement, collect, sort; ``out_row[:K]`` written (STOP as in
+    :func:`_select_kernel`)."""
+    n = hi - lo
+    kk = tl.minimum(n, K)
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    krem = kk
+    n_eq = n
+    prefix = (kk * 0).to(tl.int64)
+    depth = kk * 0
+    for p in tl.static_range(4):  # pass p resolves bits [24 - 8p, 32 - 8p)
+        if kk - krem + n_eq > K_PAD:
+            hist = tl.zeros([256], dtype=tl.int32)
             for n0 in range(lo, hi, BLOCK):
                 j = n0 + offs
                 m = j < hi
-                key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
-                top = (key + 2147483648) >> shift
-                eq = (m & (top == prefix)).to(tl.int32)
-                eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
-                sel = ((m & (top > prefix)) | ((eq != 0) & (eq_rank < take_eq))).to(tl.int32)
-                pos = taken + tl.cumsum(sel, axis=0) - sel
-                packed = (key << 32) | (2147483647 - j).to(tl.int64)
-                tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < K_PAD))
-                taken += tl.sum(sel, axis=0)
-                eq_seen += tl.sum(eq, axis=0)
+                u = tl.load(key_base + j, mask=m, other=0).to(tl.int64) + 2147483648
+                match = m & ((u >> (32 - 8 * p)) == prefix)
+                digit = tl.where(match, (u >> (24 - 8 * p)) & 255, 0).to(tl.int32)
+                hist += tl.histogram(digit, 256)
+                # the non-matching lanes went to bin 0: take them out again
+                miss = BLOCK - tl.sum(match.to(tl.int32), axis=0)
+                hist -= tl.where(bins == 0, miss, 0)
+            gt = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # matching, larger digit
+            ge = gt + hist
+            d = tl.max(tl.where((gt < krem) & (ge >= krem), bins, -1), axis=0)
+            krem = krem - tl.sum(tl.where(bins == d, gt, 0), axis=0)
+            n_eq = tl.sum(tl.where(bins == d, hist, 0), axis=0)
+            prefix = prefix * 256 + d.to(tl.int64)
+            depth = depth * 0 + (p + 1)
+    if STOP == 1:
+        tl.store(out_row, (prefix + krem + n_eq).to(tl.int32))
+    else:
+        shift = (32 - 8 * depth).to(tl.int64)
+        take_eq = tl.where(depth == 4, krem, n_eq)
+        # Collect, in index order: keys above the prefix, and take_eq of the keys equal to it.
+        taken = kk * 0
+        eq_seen = kk * 0
+        for n0 in range(lo, hi, BLOCK):
+            j = n0 + offs
+            m = j < hi
+            key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
+            top = (key + 2147483648) >> shift
+            eq = (m & (top == prefix)).to(tl.int32)
+            eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
+            sel = ((m & (top > prefix)) | ((eq != 0) & (eq_rank < take_eq))).to(tl.int32)
+            pos = taken + tl.cumsum(sel, axis=0) - sel
+            packed = (key << 32) | (2147483647 - j).to(tl.int64)
+            tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < K_PAD))
+            taken += tl.sum(sel, axis=0)
+            eq_seen += tl.sum(eq, axis=0)
+        if STOP == 0:
+            tl.debug_barrier()
+            _sort_store(cand_base, taken, kk, out_row, K, K_PAD)
+
+
+@triton.jit
+def _tile_max_store(TMAX_ROW, key, m, n0, lo, end, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
+    """``_select="tilemax"``: the largest key of each SUB-key sub-tile of a [BLOCK_N] score tile
+    (sub-tile t of a row covers real keys ``[lo + t*SUB, lo + (t+1)*SUB)``; ``n0 - lo`` is a
+    multiple of SUB) to ``TMAX_ROW[t]``. Masked lanes do not count."""
+    km = tl.where(m, key, -2147483648)
+    tmax = tl.max(tl.reshape(km, [BLOCK_N // SUB, SUB]), axis=1)
+    t = tl.arange(0, BLOCK_N // SUB)
+    tl.store(TMAX_ROW + (n0 - lo) // SUB + t, tmax, mask=n0 + t * SUB < end)
+
+
+@triton.jit
+def _tilemax_select_kernel(
+    KEYS, TMAX, CAND, OUT, PAD, LO, HI, ORDER, COUNT,
+    stride_keys, stride_tmax, S, K,
+    H: tl.constexpr, SUB: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr,
+    RADIX_PAD: tl.constexpr, BLOCK: tl.constexpr, TBLOCK: tl.constexpr, THETA_PASSES: tl.constexpr,
+    STOP: tl.constexpr = 0,
+):
+    """``_select="tilemax"``: exact top-K of one retrieving row in one program, from a threshold.
+
+    The score kernel also wrote the largest key of every SUB-key sub-tile of the row (TMAX).
+    1. theta: a lower bound of the kk-th largest key. The kk-th largest sub-tile maximum is one
+       (those kk maxima are kk distinct keys >= it); THETA_PASSES 8-bit radix passes over the
+       ``cdiv(n, SUB)`` maxima narrow it to the low end of its digit bucket (still a lower bound).
+       With fewer sub-tiles than kk, theta is the smallest key (every key is a candidate).
+    2. Collect, in index order, every key >= theta (all of the top-kk, exact ties included):
+       packed as (key << 32 | ~index) at CAND[c, :CAP]; blocks of keys whose sub-tiles all lie
+       below theta are skipped.
+    3. Sort the candidates in registers (K_PAD of them when they fit, else CAP): descending key,
+       ties by ascending index, the reference's order. More than CAP candidates (at most about
+       kk * SUB, e.g. long runs of exact ties): the one-program radix select of the whole row
+       (:func:`_row_radix_select`, buffer RADIX_PAD), exact but slower.
+    STOP (probe breakdown): 1 stops after theta, 2 after the collect.
+    """
+    c = tl.program_id(0)
+    live = c < tl.load(COUNT)
+    row = tl.load(ORDER + c)
+    out_row = OUT + row.to(tl.int64) * K
+    if not live:  # a row that does not retrieve: all -1 (no separate fill of the output)
+        offs_f = tl.arange(0, K_PAD)
+        tl.store(out_row + offs_f, tl.full([K_PAD], -1, tl.int32), mask=offs_f < K)
+    else:
+        b = row // H
+        pad = tl.load(PAD + b)
+        lo = tl.maximum(tl.load(LO + b), 0)
+        hi = tl.maximum(tl.minimum(tl.load(HI + b), S - pad), lo)
+        n = hi - lo
+        kk = tl.minimum(n, K)
+        nt = (n + SUB - 1) // SUB
+        key_base = KEYS + row.to(tl.int64) * stride_keys
+        tmax_base = TMAX + row.to(tl.int64) * stride_tmax
+        cand_base = CAND + c.to(tl.int64) * CAP
+        # 1. theta, as u = key + 2^31 in [0, 2^32): radix passes over the sub-tile maxima
+        offs_t = tl.arange(0, TBLOCK)
+        bins = tl.arange(0, 256)
+        krem = kk
+        prefix = (kk * 0).to(tl.int64)
+        for p in tl.static_range(THETA_PASSES):  # pass p resolves bits [24 - 8p, 32 - 8p)
+            hist = tl.zeros([256], dtype=tl.int32)
+            for t0 in range(0, nt, TBLOCK):
+                t = t0 + offs_t
+                mt = t < nt
+                u = tl.load(tmax_base + t, mask=mt, other=0).to(tl.int64) + 2147483648
+                match = mt & ((u >> (32 - 8 * p)) == prefix)
+                digit = tl.where(match, (u >> (24 - 8 * p)) & 255, 0).to(tl.int32)
+                hist += tl.histogram(digit, 256)
+                hist -= tl.where(bins == 0, TBLOCK - tl.sum(match.to(tl.int32), axis=0), 0)
+            gt = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # matching, larger digit
+            ge = gt + hist
+            d = tl.max(tl.where((gt < krem) & (ge >= krem), bins, -1), axis=0)
+            krem = krem - tl.sum(tl.where(bins == d, gt, 0), axis=0)
+            prefix = prefix * 256 + d.to(tl.int64)
+        theta = (prefix << (32 - 8 * THETA_PASSES)) - 2147483648  # a key value (int64)
+        theta = tl.where(nt >= kk, theta, -2147483648)
+        if STOP == 1:
+            tl.store(out_row, theta.to(tl.int32))
+        else:
+            # 2. collect every key >= theta, in index order
+            offs = tl.arange(0, BLOCK)
+            offs_s = tl.arange(0, BLOCK // SUB)
+            taken = kk * 0
+            for n0 in range(lo, hi, BLOCK):
+                ts = (n0 - lo) // SUB + offs_s
+                hot = tl.max(tl.load(tmax_base + ts, mask=ts < nt, other=-2147483648), axis=0)
+                if hot.to(tl.int64) >= theta:
+                    j = n0 + offs
+                    m = j < hi
+                    key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
+                    sel = (m & (key >= theta)).to(tl.int32)
+                    pos = taken + tl.cumsum(sel, axis=0) - sel
+                    packed = (key << 32) | (2147483647 - j).to(tl.int64)
+                    tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < CAP))
+                    taken += tl.sum(sel, axis=0)
             if STOP == 0:
+                # 3. sort
                 tl.debug_barrier()
-                _sort_store(cand_base, taken, kk, OUT + row * K, K, K_PAD)
+                if taken <= K_PAD:
+                    _sort_store(cand_base, taken, kk, out_row, K, K_PAD)
+                elif taken <= CAP:
+                    _sort_store(cand_base, taken, kk, out_row, K, CAP)
+                else:
+                    _row_radix_select(key_base, cand_base, out_row, lo, hi, K, RADIX_PAD, BLOCK)
 
 
 # ----------------------------------------------------------------------------- split selects
@@ -763,7 +910,7 @@ def _retrieve(
     (flags [B, Hkv], scores = max over the group's heads). Returns [B, rows per sequence, k]."""
     require_triton(q, k_cache)
     _check_mode("_score", score, SCORE_MODES)
-    _check_mode("_select", select, SELECT_MODES)
+    _check_mode("_select", select, SELECT_MODES + ("auto",))
     _check_mode("_stop_after", stop_after, STOP_POINTS)
     if stop_after == "blocksort" and select not in _MERGE_SELECTS:
         raise ValueError(f"_stop_after='blocksort' needs _select in {_MERGE_SELECTS}, got _select={select!r}")
@@ -776,6 +923,8 @@ def _retrieve(
     group = gqa_group(Hq, Hkv)
     H = Hkv if grouped else Hq  # rows per sequence
     k = int(k)
+    if select == "auto":
+        select = default_select(k)
     R = B * H
     if R == 0 or k == 0 or S == 0:
         return torch.full((B, H, k), -1, dtype=torch.int32, device=q.device)
@@ -786,7 +935,8 @@ def _retrieve(
         k_cache = k_cache.contiguous()
     flags = flags.reshape(-1).contiguous()
     by_group = score == "group"
-    split = select != "row"
+    split = select not in ("row", "tilemax")
+    tile_max = select == "tilemax"
     fused = select in _FUSED_SELECTS  # pass 0 done by the score kernel
     w, np_ = _SPLIT_DIGITS[select] if split else (8, 4)
     bins = 1 << w
@@ -798,6 +948,7 @@ def _retrieve(
     if stop_after == "compact":
         return out
     keys = torch.empty((R, S), dtype=torch.int32, device=q.device)
+    sel_block = (_select_chunk(S) if select_block is None else next_pow2(int(select_block), 16))
     taken = torch.empty((R,) if split else (1,), dtype=torch.int32, device=q.device)
     block_d = next_pow2(D, 16)
     # expected live score items: about 1 retrieving row in 16 (CIS at s = 16), capped
@@ -812,15 +963,18 @@ def _retrieve(
         if score_cfg is not None:  # (block_n, warps, stages, chunk or 0): the probe's tuning
             block_n, score_warps, score_stages = score_cfg[0], score_cfg[1], score_cfg[2]
             chunk = max(score_cfg[3] or chunk, block_n)
+        sub = min(_TILE_SUB, block_n, sel_block)
+        tmax = torch.empty((R, triton.cdiv(S, sub)) if tile_max else (1, 1), dtype=torch.int32, device=q.device)
         _group_score_kernel[(B * Hkv, triton.cdiv(S, chunk))](
-            q, k_cache, pad, lo, hi, flags, gorder, gcount, keys, hist, taken,
+            q, k_cache, pad, lo, hi, flags, gorder, gcount, keys, hist, taken, tmax,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            keys.stride(0), float(scale), S, chunk,
+            keys.stride(0), tmax.stride(0), float(scale), S, chunk,
             HKV=Hkv, GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             AGG_MAX=grouped,
             IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
             ZERO_SCRATCH=split, ZROWS=1 if grouped else group, HIST_PASSES=np_, HIST_BINS=bins,
-            FUSE_HIST=fused, GP=max(2, next_pow2(group)), num_warps=score_warps, num_stages=score_stages,
+            FUSE_HIST=fused, GP=max(2, next_pow2(group)), TILE_MAX=tile_max, SUB=sub,
+            num_warps=score_warps, num_stages=score_stages,
         )
     else:
         if split:
@@ -828,16 +982,30 @@ def _retrieve(
             taken.zero_()
         block_n = max(16, min(128, 8192 // block_d))
         chunk = max(_score_chunk(S, live, q.device), block_n)
+        sub = min(_TILE_SUB, block_n, sel_block)
+        tmax = torch.empty((R, triton.cdiv(S, sub)) if tile_max else (1, 1), dtype=torch.int32, device=q.device)
         _score_kernel[(R, triton.cdiv(S, chunk))](
-            q, k_cache, pad, lo, hi, order, count, keys, hist,
+            q, k_cache, pad, lo, hi, order, count, keys, hist, tmax,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            keys.stride(0), float(scale), S, chunk,
+            keys.stride(0), tmax.stride(0), float(scale), S, chunk,
             H=Hq, GROUP=group, D=D, BLOCK_N=block_n, BLOCK_D=block_d,
-            FUSE_HIST=fused, HIST_ROW=np_ * bins, num_warps=4,
+            FUSE_HIST=fused, HIST_ROW=np_ * bins, TILE_MAX=tile_max, SUB=sub, num_warps=4,
         )
     if stop_after == "score":
         return out
     k_pad = _candidate_capacity(k)
+    if tile_max:
+        small = next_pow2(k, 16)  # the first sort tier: at least k slots, so every output slot is written
+        cap = max(small, k_pad, _TILE_CAP)
+        cand = torch.empty((R, cap), dtype=torch.int64, device=q.device)
+        _tilemax_select_kernel[(R,)](
+            keys, tmax, cand, out, pad, lo, hi, order, count,
+            keys.stride(0), tmax.stride(0), S, k,
+            H=H, SUB=sub, K_PAD=small, CAP=cap, RADIX_PAD=k_pad, BLOCK=sel_block,
+            TBLOCK=min(1024, next_pow2(triton.cdiv(S, sub), 16)), THETA_PASSES=_THETA_PASSES,
+            STOP={"passes": 1, "collect": 2}.get(stop_after, 0), num_warps=select_warps,
+        )
+        return out
     cand = torch.empty((R, k_pad), dtype=torch.int64, device=q.device)
     if not split:
         _select_kernel[(R,)](
@@ -848,7 +1016,7 @@ def _retrieve(
             num_warps=8 if k_pad >= 1024 else 4,
         )
         return out
-    sel_chunk = _select_chunk(S) if select_block is None else next_pow2(int(select_block), 16)
+    sel_chunk = sel_block
     nch = triton.cdiv(S, sel_chunk)
     persistent = select != "split"  # the measured split path keeps its (rows, chunks) grid
     grid = (min(R * nch, _persistent_programs(q.device)),) if persistent else (R, nch)
@@ -911,7 +1079,7 @@ def topk_retrieval(
     *,
     _stop_after: str = "select",
     _score: str = "group",
-    _select: str = "radix8",
+    _select: str = "auto",
     _select_block: int | None = None,
     _select_warps: int = 4,
     _score_cfg: tuple[int, int, int, int] | None = None,
@@ -954,7 +1122,7 @@ def topk_retrieval_grouped(
     scale: float,
     *,
     _stop_after: str = "select",
-    _select: str = "radix8",
+    _select: str = "auto",
     _select_block: int | None = None,
     _select_warps: int = 4,
     _score_cfg: tuple[int, int, int, int] | None = None,

@@ -27,7 +27,8 @@
 #            --prompts REAL_PROMPTS, REAL_CASES x REAL_CONFIGS, --resume into $OUT/real (issue 12's
 #            Qwen2.5-Coder-1.5B rows; the checkpoint is the one tools/gpu_join_and_eval.sh exports).
 #
-# Environment: STEPS (default "install tests op es e2e"), E2E_CASES (default
+# Environment: STEPS (default "install tests op es e2e"), TEST_FILES (the tests step's files, default
+# the decode, model, prefill and top-k select tests), E2E_CASES (default
 # "llama2-7b:8:16384,llama3-8b:16:16384"), E2E_CONFIGS (default
 # "dense,dense-gqa,cis-s16-share,cpe-s16-share"), E2E_TOKENS (256), E2E_EXTRA (more bench_e2e_decode.py
 # arguments for the e2e and real steps, e.g. "--profile-steps 8": kernels per step and the launch gap, issue 12's item 3), DEADLINE_S (560: the e2e step
@@ -133,8 +134,9 @@ gpu_shards() {
 
 if want tests; then
   stamp "tests: pytest -m gpu in $TEST_SHARDS processes"
-  gpu_shards pytest_gpu tests/test_kernels_decode_gpu.py tests/test_model_gpu.py tests/test_kernels_prefill_gpu.py \
-    tests/test_topk_select.py
+  # shellcheck disable=SC2086  # TEST_FILES: a list, word-split on purpose
+  gpu_shards pytest_gpu ${TEST_FILES:-tests/test_kernels_decode_gpu.py tests/test_model_gpu.py \
+    tests/test_kernels_prefill_gpu.py tests/test_topk_select.py}
 fi
 
 if [ -n "$FI_PID" ]; then

@@ -105,7 +105,9 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
         tag = f"B{B} {S // 1024}k {Hq}/{Hkv} r{int(retrieve.sum())} k{k}"
         base = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select="row")
         modes = [(select, select, {}) for select in SELECT_MODES]
-        modes += [(f"radix8 b{v[0]}w{v[1]}", "radix8", {"_select_block": v[0], "_select_warps": v[1]})
+        modes += [(f"{v[0]} b{v[1]}w{v[2]}", v[0], {"_select_block": v[1], "_select_warps": v[2]})
+                  if isinstance(v[0], str) else
+                  (f"radix8 b{v[0]}w{v[1]}", "radix8", {"_select_block": v[0], "_select_warps": v[1]})
                   if len(v) == 2 else
                   (f"radix8 score n{v[0]}w{v[1]}s{v[2]}c{v[3]}", "radix8", {"_score_cfg": v}) for v in variants]
         for label, select, extra in modes:
@@ -147,11 +149,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap.add_argument("--select-shape", default=None, metavar="B,S,HQ,HKV",
                     help="the select table's only shape (default: its three)")
     ap.add_argument("--select-variants", default="", metavar="BLOCKxWARPS,...",
-                    help="extra radix8 rows with these keys per select item and warps, e.g. 2048x4,4096x8; "
+                    help="extra radix8 rows with these keys per select item and warps, e.g. 2048x4,4096x8 "
+                         "(MODE:BLOCKxWARPS for another select mode, e.g. tilemax:2048x8); "
                          "four numbers NxWxSxC: the group score kernel's keys per tile, warps, stages and keys "
                          "per program (0: default)")
     args = ap.parse_args(argv)
-    variants = tuple(tuple(int(x) for x in v.split("x")) for v in args.select_variants.split(",") if v)
+    variants = tuple((v.split(":")[0], *(int(x) for x in v.split(":")[1].split("x"))) if ":" in v else
+                     tuple(int(x) for x in v.split("x")) for v in args.select_variants.split(",") if v)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     if args.quick:

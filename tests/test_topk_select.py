@@ -32,7 +32,7 @@ DEV = torch.device(
     "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 )
 I32 = torch.int32
-NEW_MODES = ("radix8", "radix8_sort", "radix8_fused")
+NEW_MODES = ("radix8", "radix8_sort", "radix8_fused", "tilemax")
 
 
 def _case(B, Hq, Hkv, D, S, pads, mids, seed, levels=2):
@@ -236,6 +236,8 @@ kernels += [
     (tk._block_sort_kernel, dict(c, MB=256), 4),
     (tk._merge_rank_kernel, dict(c, MB=256, LOG_MB=8), 4),
 ]
+tm = dict(H=12, SUB=32, K_PAD=128, CAP=1024, RADIX_PAD=128, BLOCK=2048, TBLOCK=1024, THETA_PASSES=2)
+kernels += [(tk._tilemax_select_kernel, dict(tm, STOP=s), 4) for s in (0, 1, 2)]
 for fn, constexprs, num_warps in kernels:
     assert "cubin" in compile_sm90(fn, constexprs, num_warps).asm, fn.__name__
 print("compiled", len(kernels))
@@ -264,24 +266,67 @@ def test_select_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, "-c", _SM90_CHECK], env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled 11" in res.stdout
+    assert "compiled 14" in res.stdout
 
 
 @needs_triton
 @pytest.mark.parametrize("k", [2049, 4096])
-def test_default_select_is_radix8_and_exact_beyond_the_one_program_buffer(k):
-    """The default select (radix8 since the H200 measurement) at cpe_longbench's top-k (4096): a
-    2900-key run of exact ties straddles k, so the candidates overflow any 2048 buffer."""
+def test_default_select_is_radix8_above_tilemax_k_and_exact_beyond_the_one_program_buffer(k):
+    """The default select ("auto") at cpe_longbench's top-k (4096) is radix8: a 2900-key run of
+    exact ties straddles k, so the candidates overflow any 2048 buffer."""
     import inspect
 
-    assert inspect.signature(topk_retrieval).parameters["_select"].default == "radix8"
-    assert inspect.signature(topk_retrieval_grouped).parameters["_select"].default == "radix8"
+    assert inspect.signature(topk_retrieval).parameters["_select"].default == "auto"
+    assert inspect.signature(topk_retrieval_grouped).parameters["_select"].default == "auto"
+    assert tk.default_select(k) == "radix8" and tk.default_select(tk.TILEMAX_MAX_K) == "tilemax"
     q, kc, pad, lo, hi = _case(1, 2, 1, 16, 6000, [3], [5987], seed=5, levels=3)
     kc[0, 0, 100:3000] = kc[0, 0, 100]
     ret = torch.tensor([[True, False]])
     want = topk_retrieval_reference(q, kc, pad, lo, hi, ret, k, 0.25)
     got = topk_retrieval(*_dev(q, kc, pad, lo, hi, ret), k, 0.25)
     assert torch.equal(got.cpu(), want)
+
+
+@needs_triton
+def test_auto_select_runs_tilemax_up_to_its_k_and_radix8_above(monkeypatch):
+    """``_select="auto"``: one tilemax launch (and no radix pass) for k <= TILEMAX_MAX_K (cis.yaml's
+    88), the radix8 passes above it; both exact."""
+    launches = {name: _Launches(getattr(tk, name)) for name in ("_tilemax_select_kernel", "_radix_pass_kernel")}
+    for name, fake in launches.items():
+        monkeypatch.setattr(tk, name, fake)
+    q, kc, pad, lo, hi = _case(1, 4, 2, 4, 1400, [5], [1390], 7, levels=3)
+    ret = torch.tensor([[True, False, True, True]])
+    for k, tilemax in ((88, True), (tk.TILEMAX_MAX_K, True), (tk.TILEMAX_MAX_K + 1, False)):
+        before = {name: fake.count for name, fake in launches.items()}
+        got = topk_retrieval(*_dev(q, kc, pad, lo, hi, ret), k, 0.5)
+        assert torch.equal(got.cpu(), topk_retrieval_reference(q, kc, pad, lo, hi, ret, k, 0.5)), k
+        ran = {name: fake.count - before[name] for name, fake in launches.items()}
+        assert (ran["_tilemax_select_kernel"], ran["_radix_pass_kernel"] > 0) == ((1, False) if tilemax else (0, True)), k
+
+
+@needs_triton
+@pytest.mark.parametrize("grouped", [False, True])
+def test_tilemax_threshold_paths(grouped):
+    """``_select="tilemax"`` on each of its paths, against the reference: candidates that fit the
+    first sort tier (distinct scores), the CAP tier (a run of 600 ties over the threshold), more
+    than CAP (3000 tied keys: the one-program radix select of the row), and fewer sub-tiles than
+    k (theta is the smallest key: every key a candidate; with 3000 keys, the radix fallback)."""
+    B, Hq, Hkv, D, S = 1, 2, 1, 8, 3200
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(-3, 4, (B, Hq, D), generator=g).float()
+    base = torch.randint(-3, 4, (B, Hkv, S, D), generator=g).float()
+    pad, lo, hi = torch.tensor([4], dtype=I32), torch.tensor([6], dtype=I32), torch.tensor([3150], dtype=I32)
+    retrieve = torch.ones(B, Hkv if grouped else Hq, dtype=torch.bool)
+    ref_fn = topk_retrieval_grouped_reference if grouped else topk_retrieval_reference
+    run = topk_retrieval_grouped if grouped else topk_retrieval
+    ties600 = base.clone()
+    ties600[0, 0, 1000:1600] = 4.0  # 600 equal keys above every other score
+    ties3000 = base.clone()
+    ties3000[0, 0, 100:3100] = 4.0
+    for kc, k in ((base, 40), (ties600, 40), (ties600, 100), (ties3000, 88), (base, 200), (ties3000, 250)):
+        want = ref_fn(q, kc, pad, lo, hi, retrieve, k, 0.5)
+        got = run(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select="tilemax")
+        assert torch.equal(got.cpu(), want), k
 
 
 @needs_triton
@@ -357,6 +402,9 @@ TYPES = {"Q": "*bf16", "K": "*bf16", "FLAG": "*i1", "scale": "fp32", "S": "i32",
 
 
 def compile_sm90(fn, constexprs, num_warps):
+    # constexprs with defaults must still be named (an unnamed upper-case one would become a pointer)
+    constexprs = {**{n: v for n, v in (("TILE_MAX", False), ("SUB", 32), ("FUSE_HIST", False), ("HIST_ROW", 1))
+                       if n in fn.arg_names}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else TYPES.get(n, "*i32" if n.isupper() else "i32")
            for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
@@ -374,6 +422,12 @@ for group, agg in ((4, False), (4, True), (1, False), (6, False)):  # 32/8, grou
     kernels.append((tk._group_score_kernel, dict(score, **hist, HKV=8, GROUP=group, BLOCK_M=16, AGG_MAX=agg,
                                                  IEEE=False, ZROWS=1 if agg else group,
                                                  GP=max(2, triton.next_power_of_2(group))), 4))
+tile = dict(D=128, BLOCK_D=128, BLOCK_N=128, TILE_MAX=True, SUB=32)  # _select="tilemax", bf16 tiles
+kernels.append((tk._score_kernel, dict(tile, H=12, GROUP=6), 4))
+for group, agg in ((6, False), (6, True)):
+    kernels.append((tk._group_score_kernel, dict(tile, HIST_PASSES=4, HIST_BINS=256, ZERO_SCRATCH=False, HKV=2,
+                                                 GROUP=group, BLOCK_M=16, AGG_MAX=agg, IEEE=False,
+                                                 ZROWS=1 if agg else group, GP=8), 4))
 for fn, constexprs, num_warps in kernels:
     assert "cubin" in compile_sm90(fn, constexprs, num_warps).asm, fn.__name__
 print("compiled", len(kernels))
@@ -383,8 +437,8 @@ print("compiled", len(kernels))
 @pytest.mark.skipif(not _has_cuda_backend(), reason="needs Triton with its CUDA backend (ptxas)")
 def test_fused_histogram_kernels_compile_for_sm90():
     """The kernels that ``_select="radix8_fused"`` changes (the compaction that zeroes the pass-0
-    histogram, both score kernels building it in registers: per-head G = 4, 1, 6 and grouped)
-    compile to a cubin for sm_90 at the H200 shapes (d 128)."""
+    histogram, both score kernels building it in registers: per-head G = 4, 1, 6 and grouped),
+    and both score kernels writing ``_select="tilemax"``'s sub-tile maxima (Qwen 12/2), compile to a cubin for sm_90 at the H200 shapes (d 128)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -393,4 +447,4 @@ def test_fused_histogram_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, "-c", _SM90_FUSED_CHECK], env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled 6" in res.stdout
+    assert "compiled 9" in res.stdout
