@@ -59,7 +59,7 @@ __all__ = [
 #      exactly the reference's order, whatever order the atomics appended them in.
 #      `_select_kernel` (``_select="row"``, the default until 2026-12-01): one program per row does
 #      all of it serially (8-bit radix passes, collect, register sort); latency bound.
-#      ``_select="radix8"`` (the default: measured on the H200, B16/16k 32/8, 37 retrieving rows,
+#      ``_select="radix8"`` (the default above k = 256: measured on the H200, B16/16k 32/8, 37 retrieving rows,
 #      54 vs 100 us for "row", same output; docs/notes/decode_tuning.md): the same split kernels with
 #      8-bit digits (256-bin histograms, 4 passes, each a no-op once resolved) on persistent grids
 #      (4 programs per SM striding over the live (row, chunk) items), then `_block_sort_kernel`
@@ -73,6 +73,13 @@ __all__ = [
 #      histogram of every row it writes atomically; `_compact_kernel`, the launch before,
 #      zeroes that histogram of the compacted rows), so the select launches passes 1-3 only:
 #      one launch and one full read of the keys fewer.
+#      ``_select="tilemax"`` (the default up to k = 256, e.g. cis.yaml's 88; H200, B32/16k 12/2, 71
+#      rows, k 88: 19.8 vs 52.1 us for radix8 on random data, one launch instead of six): the score
+#      kernel also writes the largest key of every 32-key sub-tile; `_tilemax_select_kernel`, one
+#      program per row, takes the k-th largest of those maxima as a threshold (a lower bound of the
+#      k-th key: those k maxima are k distinct keys), collects the keys at or above it in index
+#      order, and finishes with a register sort when they fit k rounded up to a power of two, else
+#      with the one-program radix select of the candidates (of the whole row past 4096 of them).
 # Everything is fixed-shape (grids depend on B, Hq, Hkv, S, k only), no host synchronisation.
 
 #: Scoring kernels of :func:`topk_retrieval` (``_score=``): the group-aware default, the old one.
@@ -80,7 +87,9 @@ SCORE_MODES = ("group", "row")
 #: Selection kernels (``_select=``): one program per row, split radix select with
 #: 11-bit digits and rank compares, split radix select with 8-bit digits and a merge finish,
 #: the same with a per-row register sort finish, radix8 with its first pass's histogram built
-#: by the score kernel. The default is ``"radix8"`` (fastest measured).
+#: by the score kernel, one program per row from a threshold of sub-tile maxima. The default
+#: (``"auto"``, :func:`default_select`) is ``"tilemax"`` up to k = 256 and ``"radix8"`` above
+#: (fastest measured).
 SELECT_MODES = ("row", "split", "radix8", "radix8_sort", "radix8_fused", "tilemax")
 #: Largest k whose default select is ``"tilemax"`` (above it ``"radix8"``: the threshold from k
 #: sub-tile maxima needs k of them, and its candidates grow with k * _TILE_SUB).
@@ -107,11 +116,13 @@ _MERGE_BLOCK = 256  # candidates per block of the merge finish
 _RANK_BLOCK = 64  # candidates ranked per program of _rank_scatter_kernel
 _RANK_TILE = 256  # candidates compared per step
 #: ``_select="tilemax"``: keys per sub-tile whose maximum the score kernel writes (the candidates
-#: are at most about k * _TILE_SUB), the candidate buffer sorted when the first tier (k rounded
-#: up to a power of two) overflows, and the radix passes that narrow theta (8 bits each).
+#: are at most about k * _TILE_SUB), the candidate buffer (more candidates than that: the radix
+#: select of the whole row), and the radix passes that narrow theta (8 bits each).
 _TILE_SUB = 32
-_TILE_CAP = 1024
+_TILE_CAP = 4096
 _THETA_PASSES = 2
+#: Warps of the tilemax select (H200, B32/16k 12/2, 71 rows, k 88: 19.8 us with 8, 22.5 with 4).
+_TILEMAX_WARPS = 8
 
 
 @triton.jit
@@ -396,10 +407,13 @@ def _select_kernel(
 
 @triton.jit
 def _row_radix_select(key_base, cand_base, out_row, lo, hi, K, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                      STOP: tl.constexpr = 0):
+                      STOP: tl.constexpr = 0, PACKED: tl.constexpr = False):
     """The one-program select of one row (keys ``key_base[lo:hi]``, candidate buffer of K_PAD at
     ``cand_base``): radix refinement, collect, sort; ``out_row[:K]`` written (STOP as in
-    :func:`_select_kernel`)."""
+    :func:`_select_kernel`). PACKED: ``key_base[lo:hi]`` are packed candidates (key << 32 |
+    ~index) in index order instead of int32 keys at their index (the tilemax select's second
+    stage); they are selected by key, exact ties by position (= by index), and collected as
+    they are; ``cand_base`` must not overlap them."""
     n = hi - lo
     kk = tl.minimum(n, K)
     offs = tl.arange(0, BLOCK)
@@ -414,7 +428,10 @@ def _row_radix_select(key_base, cand_base, out_row, lo, hi, K, K_PAD: tl.constex
             for n0 in range(lo, hi, BLOCK):
                 j = n0 + offs
                 m = j < hi
-                u = tl.load(key_base + j, mask=m, other=0).to(tl.int64) + 2147483648
+                if PACKED:
+                    u = (tl.load(key_base + j, mask=m, other=0) >> 32) + 2147483648
+                else:
+                    u = tl.load(key_base + j, mask=m, other=0).to(tl.int64) + 2147483648
                 match = m & ((u >> (32 - 8 * p)) == prefix)
                 digit = tl.where(match, (u >> (24 - 8 * p)) & 255, 0).to(tl.int32)
                 hist += tl.histogram(digit, 256)
@@ -439,13 +456,17 @@ def _row_radix_select(key_base, cand_base, out_row, lo, hi, K, K_PAD: tl.constex
         for n0 in range(lo, hi, BLOCK):
             j = n0 + offs
             m = j < hi
-            key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
+            if PACKED:
+                packed = tl.load(key_base + j, mask=m, other=0)
+                key = packed >> 32
+            else:
+                key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
+                packed = (key << 32) | (2147483647 - j).to(tl.int64)
             top = (key + 2147483648) >> shift
             eq = (m & (top == prefix)).to(tl.int32)
             eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
             sel = ((m & (top > prefix)) | ((eq != 0) & (eq_rank < take_eq))).to(tl.int32)
             pos = taken + tl.cumsum(sel, axis=0) - sel
-            packed = (key << 32) | (2147483647 - j).to(tl.int64)
             tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < K_PAD))
             taken += tl.sum(sel, axis=0)
             eq_seen += tl.sum(eq, axis=0)
@@ -468,10 +489,10 @@ def _tile_max_store(TMAX_ROW, key, m, n0, lo, end, BLOCK_N: tl.constexpr, SUB: t
 @triton.jit
 def _tilemax_select_kernel(
     KEYS, TMAX, CAND, OUT, PAD, LO, HI, ORDER, COUNT,
-    stride_keys, stride_tmax, S, K,
+    stride_keys, stride_tmax, stride_cand, S, K,
     H: tl.constexpr, SUB: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr,
     RADIX_PAD: tl.constexpr, BLOCK: tl.constexpr, TBLOCK: tl.constexpr, THETA_PASSES: tl.constexpr,
-    STOP: tl.constexpr = 0,
+    CBLOCK: tl.constexpr, STOP: tl.constexpr = 0,
 ):
     """``_select="tilemax"``: exact top-K of one retrieving row in one program, from a threshold.
 
@@ -483,10 +504,11 @@ def _tilemax_select_kernel(
     2. Collect, in index order, every key >= theta (all of the top-kk, exact ties included):
        packed as (key << 32 | ~index) at CAND[c, :CAP]; blocks of keys whose sub-tiles all lie
        below theta are skipped.
-    3. Sort the candidates in registers (K_PAD of them when they fit, else CAP): descending key,
-       ties by ascending index, the reference's order. More than CAP candidates (at most about
-       kk * SUB, e.g. long runs of exact ties): the one-program radix select of the whole row
-       (:func:`_row_radix_select`, buffer RADIX_PAD), exact but slower.
+    3. Up to K_PAD candidates: sort them in registers (descending key, ties by ascending index,
+       the reference's order). Up to CAP: the one-program radix select over the candidates
+       (:func:`_row_radix_select` on the packed buffer, CBLOCK at a time; its K_PAD-sized result
+       at ``CAND[c, CAP:]``). More than CAP (at most about kk * SUB, e.g. long runs of exact
+       ties): the same radix select over the whole row, exact but slower.
     STOP (probe breakdown): 1 stops after theta, 2 after the collect.
     """
     c = tl.program_id(0)
@@ -506,7 +528,7 @@ def _tilemax_select_kernel(
         nt = (n + SUB - 1) // SUB
         key_base = KEYS + row.to(tl.int64) * stride_keys
         tmax_base = TMAX + row.to(tl.int64) * stride_tmax
-        cand_base = CAND + c.to(tl.int64) * CAP
+        cand_base = CAND + c.to(tl.int64) * stride_cand  # CAP collected candidates, then RADIX_PAD
         # 1. theta, as u = key + 2^31 in [0, 2^32): radix passes over the sub-tile maxima
         offs_t = tl.arange(0, TBLOCK)
         bins = tl.arange(0, 256)
@@ -549,12 +571,13 @@ def _tilemax_select_kernel(
                     tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < CAP))
                     taken += tl.sum(sel, axis=0)
             if STOP == 0:
-                # 3. sort
+                # 3. finish
                 tl.debug_barrier()
                 if taken <= K_PAD:
                     _sort_store(cand_base, taken, kk, out_row, K, K_PAD)
-                elif taken <= CAP:
-                    _sort_store(cand_base, taken, kk, out_row, K, CAP)
+                elif taken <= CAP:  # the radix select of the candidates (in index order), then a K_PAD sort
+                    _row_radix_select(cand_base, cand_base + CAP, out_row, 0, taken, K, RADIX_PAD,
+                                      CBLOCK, PACKED=True)
                 else:
                     _row_radix_select(key_base, cand_base, out_row, lo, hi, K, RADIX_PAD, BLOCK)
 
@@ -903,7 +926,7 @@ def _check_mode(name: str, value: str, allowed: tuple[str, ...]) -> None:
 def _retrieve(
     q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     flags: torch.Tensor, k: int, scale: float, *, grouped: bool, score: str, select: str,
-    stop_after: str, select_block: int | None = None, select_warps: int = 4,
+    stop_after: str, select_block: int | None = None, select_warps: int | None = None,
     score_cfg: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Shared launcher: per-head rows (``grouped`` off, flags [B, Hq]) or one row per KV group
@@ -997,13 +1020,15 @@ def _retrieve(
     if tile_max:
         small = next_pow2(k, 16)  # the first sort tier: at least k slots, so every output slot is written
         cap = max(small, k_pad, _TILE_CAP)
-        cand = torch.empty((R, cap), dtype=torch.int64, device=q.device)
+        cand = torch.empty((R, cap + k_pad), dtype=torch.int64, device=q.device)
         _tilemax_select_kernel[(R,)](
             keys, tmax, cand, out, pad, lo, hi, order, count,
-            keys.stride(0), tmax.stride(0), S, k,
+            keys.stride(0), tmax.stride(0), cand.stride(0), S, k,
             H=H, SUB=sub, K_PAD=small, CAP=cap, RADIX_PAD=k_pad, BLOCK=sel_block,
             TBLOCK=min(1024, next_pow2(triton.cdiv(S, sub), 16)), THETA_PASSES=_THETA_PASSES,
-            STOP={"passes": 1, "collect": 2}.get(stop_after, 0), num_warps=select_warps,
+            CBLOCK=min(1024, cap),
+            STOP={"passes": 1, "collect": 2}.get(stop_after, 0),
+            num_warps=_TILEMAX_WARPS if select_warps is None else select_warps,
         )
         return out
     cand = torch.empty((R, k_pad), dtype=torch.int64, device=q.device)
@@ -1017,6 +1042,7 @@ def _retrieve(
         )
         return out
     sel_chunk = sel_block
+    select_warps = 4 if select_warps is None else select_warps
     nch = triton.cdiv(S, sel_chunk)
     persistent = select != "split"  # the measured split path keeps its (rows, chunks) grid
     grid = (min(R * nch, _persistent_programs(q.device)),) if persistent else (R, nch)
@@ -1081,28 +1107,32 @@ def topk_retrieval(
     _score: str = "group",
     _select: str = "auto",
     _select_block: int | None = None,
-    _select_warps: int = 4,
+    _select_warps: int | None = None,
     _score_cfg: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Triton top-k retrieval: work only for retrieving rows, exact order, no host sync.
 
     Launches: row + group compaction (1 program), group-aware scoring (grid live KV groups x
     sequence chunks; each group's keys are read once for all its retrieving heads; programs
-    past the device-side count exit at once), then the select (default ``"radix8"``: 8-bit passes
+    past the device-side count exit at once), then the select (default ``"auto"``: ``"tilemax"``
+    up to k = 256, one program per row from a threshold of the score kernel's sub-tile maxima,
+    19.8 us for 71 rows x 16k at k 88 on the H200 (radix8 52.1); ``"radix8"`` above: 8-bit passes
     and the collect on persistent grids, then a block sort + merge rank, 54 us for 37 rows x 16k
     on the H200; ``"row"``: one program per row, 100 us there; ``"split"``: 11-bit passes and a
     rank-scatter, 149 us; ``"radix8_sort"``: radix8's passes, then one register sort per row,
     169 us; ``"radix8_fused"``: radix8 with pass 0's histogram built by the score kernel, not yet
     measured; all exact, see docs/notes/decode_tuning.md).
     Scratch: ``[B*Hq, S]`` int32 keys, ``[B*Hq, ~1.125 k]`` int64 candidates (split select:
-    also ``[B*Hq, 6144]`` int32 histograms).
+    also ``[B*Hq, 6144]`` int32 histograms; tilemax: ``[B*Hq, S / 32]`` int32 sub-tile maxima and
+    ``[B*Hq, 4096 + ~1.125 k]`` int64 candidates).
 
     Args and result as :func:`topk_retrieval_reference`. Private switches (benchmarks and
     tests): ``_score`` in :data:`SCORE_MODES` (``"row"``: the old per-row scoring),
     ``_select`` in :data:`SELECT_MODES` (``"split"``: the split radix select);
     ``_stop_after`` in :data:`STOP_POINTS` returns the unfinished output after that stage;
     ``_select_block`` / ``_select_warps``: keys per (row, chunk) item and warps of the split
-    select's passes and collect (default: :func:`_select_chunk`, 4 warps); ``_score_cfg``:
+    select's passes and collect (default: :func:`_select_chunk`, 4 warps), or keys per collect
+    block and warps of the tilemax select (default: the same keys, 8 warps); ``_score_cfg``:
     (keys per tile, warps, stages, keys per program or 0) of the group score kernel (the
     probe's tuning).
     """
@@ -1124,7 +1154,7 @@ def topk_retrieval_grouped(
     _stop_after: str = "select",
     _select: str = "auto",
     _select_block: int | None = None,
-    _select_warps: int = 4,
+    _select_warps: int | None = None,
     _score_cfg: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Triton group-shared top-k retrieval: one index list per KV head (no host sync).

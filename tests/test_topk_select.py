@@ -236,7 +236,8 @@ kernels += [
     (tk._block_sort_kernel, dict(c, MB=256), 4),
     (tk._merge_rank_kernel, dict(c, MB=256, LOG_MB=8), 4),
 ]
-tm = dict(H=12, SUB=32, K_PAD=128, CAP=1024, RADIX_PAD=128, BLOCK=2048, TBLOCK=1024, THETA_PASSES=2)
+tm = dict(H=12, SUB=32, K_PAD=128, CAP=4096, RADIX_PAD=128, BLOCK=2048, TBLOCK=1024, THETA_PASSES=2,
+          CBLOCK=1024)
 kernels += [(tk._tilemax_select_kernel, dict(tm, STOP=s), 4) for s in (0, 1, 2)]
 for fn, constexprs, num_warps in kernels:
     assert "cubin" in compile_sm90(fn, constexprs, num_warps).asm, fn.__name__
@@ -306,11 +307,12 @@ def test_auto_select_runs_tilemax_up_to_its_k_and_radix8_above(monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("grouped", [False, True])
-def test_tilemax_threshold_paths(grouped):
+def test_tilemax_threshold_paths(grouped, monkeypatch):
     """``_select="tilemax"`` on each of its paths, against the reference: candidates that fit the
-    first sort tier (distinct scores), the CAP tier (a run of 600 ties over the threshold), more
-    than CAP (3000 tied keys: the one-program radix select of the row), and fewer sub-tiles than
-    k (theta is the smallest key: every key a candidate; with 3000 keys, the radix fallback)."""
+    first sort tier (distinct scores), more than that (runs of 600 and 3000 ties over the
+    threshold: the radix select of the candidates), more than the candidate buffer (the same
+    cases with a 512-slot buffer: the radix select of the whole row), and fewer sub-tiles than k
+    (theta is the smallest key: every key a candidate)."""
     B, Hq, Hkv, D, S = 1, 2, 1, 8, 3200
     g = torch.Generator().manual_seed(11)
     q = torch.randint(-3, 4, (B, Hq, D), generator=g).float()
@@ -323,10 +325,12 @@ def test_tilemax_threshold_paths(grouped):
     ties600[0, 0, 1000:1600] = 4.0  # 600 equal keys above every other score
     ties3000 = base.clone()
     ties3000[0, 0, 100:3100] = 4.0
-    for kc, k in ((base, 40), (ties600, 40), (ties600, 100), (ties3000, 88), (base, 200), (ties3000, 250)):
-        want = ref_fn(q, kc, pad, lo, hi, retrieve, k, 0.5)
-        got = run(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select="tilemax")
-        assert torch.equal(got.cpu(), want), k
+    for cap in (tk._TILE_CAP, 512):
+        monkeypatch.setattr(tk, "_TILE_CAP", cap)
+        for kc, k in ((base, 40), (ties600, 40), (ties600, 100), (ties3000, 88), (base, 200)):
+            want = ref_fn(q, kc, pad, lo, hi, retrieve, k, 0.5)
+            got = run(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select="tilemax")
+            assert torch.equal(got.cpu(), want), (cap, k)
 
 
 @needs_triton
