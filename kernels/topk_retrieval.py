@@ -117,10 +117,13 @@ _RANK_BLOCK = 64  # candidates ranked per program of _rank_scatter_kernel
 _RANK_TILE = 256  # candidates compared per step
 #: ``_select="tilemax"``: keys per sub-tile whose maximum the score kernel writes (the candidates
 #: are at most about k * _TILE_SUB), the candidate buffer (more candidates than that: the radix
-#: select of the whole row), and the radix passes that narrow theta (8 bits each).
+#: select of the whole row), and the radix passes that narrow theta (8 bits each). Measured on
+#: the real Qwen2.5-Coder-1.5B (16k tokens of CoQA stories, k 88, 2,688 (layer, head, query)
+#: rows, CPU): candidates median 339, 99th percentile 938, largest 2,209 with three passes (two:
+#: 349 / 1,419 / 9,303); 16-key sub-tiles: 246 / 568 / 980.
 _TILE_SUB = 32
 _TILE_CAP = 4096
-_THETA_PASSES = 2
+_THETA_PASSES = 3
 #: Warps of the tilemax select (H200, B32/16k 12/2, 71 rows, k 88: 19.8 us with 8, 22.5 with 4).
 _TILEMAX_WARPS = 8
 

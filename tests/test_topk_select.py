@@ -236,7 +236,7 @@ kernels += [
     (tk._block_sort_kernel, dict(c, MB=256), 4),
     (tk._merge_rank_kernel, dict(c, MB=256, LOG_MB=8), 4),
 ]
-tm = dict(H=12, SUB=32, K_PAD=128, CAP=4096, RADIX_PAD=128, BLOCK=2048, TBLOCK=1024, THETA_PASSES=2,
+tm = dict(H=12, SUB=32, K_PAD=128, CAP=4096, RADIX_PAD=128, BLOCK=2048, TBLOCK=1024, THETA_PASSES=3,
           CBLOCK=1024)
 kernels += [(tk._tilemax_select_kernel, dict(tm, STOP=s), 4) for s in (0, 1, 2)]
 for fn, constexprs, num_warps in kernels:
