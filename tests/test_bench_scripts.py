@@ -505,3 +505,26 @@ def test_bench_e2e_decode_kernel_breakdown_sums_families_and_lists_the_pipelines
     assert fam["idle inside the kernel span"] == pytest.approx(0.05)  # 800 µs span over 2 steps, 0.35 ms busy
     assert list(own) == ["_group_score_kernel", "_radix_pass_kernel"]  # slowest first, ours only
     assert own["_radix_pass_kernel"] == {"ms": 0.08, "launches": 1.0}
+
+
+def test_probe_tilemax_candidates_captures_and_counts(e2e_checkpoint, stories, tmp_path):
+    """The capture on a tiny checkpoint (every layer's keys, the last queries), reused from --capture,
+    and the counts: at least k candidates per row (theta is a lower bound of the k-th key), fewer or
+    equal with more theta passes, the exact threshold's count equal to a naive one."""
+    import probe_tilemax_candidates as probe
+
+    cap = tmp_path / "cap.pt"
+    argv = ["--model", str(e2e_checkpoint), "--prompts", str(stories), "--length", "300", "--queries", "8",
+            "--query-stride", "1", "--k", "5", "--sink", "4", "--local", "8", "--subs", "4,8", "--capture", str(cap),
+            "--out", str(tmp_path / "probe")]
+    rows = probe.main(argv)
+    data = torch.load(cap)
+    assert sorted(data["K"]) == [0, 1] and tuple(data["K"][0].shape) == (2, 300, 16)
+    assert tuple(data["Q"][0].shape) == (4, 8, 16)
+    assert json.loads((tmp_path / "probe.json").read_text())["rows"] == rows
+    by = {(r["sub_tile"], r["theta_passes"]): r for r in rows}
+    assert by[(8, 2)]["max"] >= by[(8, 3)]["max"] >= by[(8, "exact")]["max"] and by[(4, "exact")]["median"] >= 5
+    assert probe.main(argv[:2] + ["--prompts", str(tmp_path / "missing.jsonl")] + argv[4:]) == rows  # reused
+    keys = probe.orderable_keys(torch.tensor([3.0, -1.0, 2.0, 5.0, 0.0, 4.0, 1.0, -2.0, 6.0]))
+    # sub-tiles of 2: maxima 3, 5, 4, 1, 6; k 2: theta 5 (keys 5, 6); k 3: theta 4; k 6 > 5 sub-tiles: all
+    assert [probe.candidates(keys, k, 2, "exact") for k in (2, 3, 6)] == [2, 3, 9]
