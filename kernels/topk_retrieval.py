@@ -491,7 +491,7 @@ def _tile_max_store(TMAX_ROW, key, m, n0, lo, end, BLOCK_N: tl.constexpr, SUB: t
 
 @triton.jit
 def _tilemax_select_kernel(
-    KEYS, TMAX, CAND, OUT, PAD, LO, HI, ORDER, COUNT,
+    KEYS, TMAX, HOT, CAND, OUT, PAD, LO, HI, ORDER, COUNT,
     stride_keys, stride_tmax, stride_cand, S, K,
     H: tl.constexpr, SUB: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr,
     RADIX_PAD: tl.constexpr, BLOCK: tl.constexpr, TBLOCK: tl.constexpr, THETA_PASSES: tl.constexpr,
@@ -505,8 +505,8 @@ def _tilemax_select_kernel(
        ``cdiv(n, SUB)`` maxima narrow it to the low end of its digit bucket (still a lower bound).
        With fewer sub-tiles than kk, theta is the smallest key (every key is a candidate).
     2. Collect, in index order, every key >= theta (all of the top-kk, exact ties included):
-       packed as (key << 32 | ~index) at CAND[c, :CAP]; blocks of keys whose sub-tiles all lie
-       below theta are skipped.
+       packed as (key << 32 | ~index) at CAND[c, :CAP]. Only the hot sub-tiles (maximum >= theta;
+       their ids compacted in order to ``HOT[row]``) are read, BLOCK // SUB of them at a time.
     3. Up to K_PAD candidates: sort them in registers (descending key, ties by ascending index,
        the reference's order). Up to CAP: the one-program radix select over the candidates
        (:func:`_row_radix_select` on the packed buffer, CBLOCK at a time; its K_PAD-sized result
@@ -557,22 +557,32 @@ def _tilemax_select_kernel(
         if STOP == 1:
             tl.store(out_row, theta.to(tl.int32))
         else:
-            # 2. collect every key >= theta, in index order
-            offs = tl.arange(0, BLOCK)
-            offs_s = tl.arange(0, BLOCK // SUB)
+            # 2. collect every key >= theta, in index order: first the hot sub-tiles (maximum >=
+            # theta; the others hold no candidate), compacted in order, then their keys, BLOCK // SUB
+            # sub-tiles at a time
+            hot_base = HOT + row.to(tl.int64) * stride_tmax
+            n_hot = kk * 0
+            for t0 in range(0, nt, TBLOCK):
+                t = t0 + offs_t
+                mt = t < nt
+                hot = (mt & (tl.load(tmax_base + t, mask=mt, other=0).to(tl.int64) >= theta)).to(tl.int32)
+                tl.store(hot_base + n_hot + tl.cumsum(hot, axis=0) - hot, t, mask=hot != 0)
+                n_hot += tl.sum(hot, axis=0)
+            tl.debug_barrier()  # the hot ids visible to every thread of this program
+            offs_h = tl.arange(0, BLOCK // SUB)
+            offs_in = tl.arange(0, SUB)
             taken = kk * 0
-            for n0 in range(lo, hi, BLOCK):
-                ts = (n0 - lo) // SUB + offs_s
-                hot = tl.max(tl.load(tmax_base + ts, mask=ts < nt, other=-2147483648), axis=0)
-                if hot.to(tl.int64) >= theta:
-                    j = n0 + offs
-                    m = j < hi
-                    key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
-                    sel = (m & (key >= theta)).to(tl.int32)
-                    pos = taken + tl.cumsum(sel, axis=0) - sel
-                    packed = (key << 32) | (2147483647 - j).to(tl.int64)
-                    tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < CAP))
-                    taken += tl.sum(sel, axis=0)
+            for h0 in range(0, n_hot, BLOCK // SUB):
+                hs = h0 + offs_h
+                tid = tl.load(hot_base + hs, mask=hs < n_hot, other=0)
+                j = tl.reshape(lo + tid[:, None] * SUB + offs_in[None, :], [BLOCK])  # ascending
+                m = tl.reshape((hs < n_hot)[:, None] & (offs_in[None, :] >= 0), [BLOCK]) & (j < hi)
+                key = tl.load(key_base + j, mask=m, other=0).to(tl.int64)
+                sel = (m & (key >= theta)).to(tl.int32)
+                pos = taken + tl.cumsum(sel, axis=0) - sel
+                packed = (key << 32) | (2147483647 - j).to(tl.int64)
+                tl.store(cand_base + pos, packed, mask=(sel != 0) & (pos < CAP))
+                taken += tl.sum(sel, axis=0)
             if STOP == 0:
                 # 3. finish
                 tl.debug_barrier()
@@ -1025,7 +1035,7 @@ def _retrieve(
         cap = max(small, k_pad, _TILE_CAP)
         cand = torch.empty((R, cap + k_pad), dtype=torch.int64, device=q.device)
         _tilemax_select_kernel[(R,)](
-            keys, tmax, cand, out, pad, lo, hi, order, count,
+            keys, tmax, torch.empty_like(tmax), cand, out, pad, lo, hi, order, count,
             keys.stride(0), tmax.stride(0), cand.stride(0), S, k,
             H=H, SUB=sub, K_PAD=small, CAP=cap, RADIX_PAD=k_pad, BLOCK=sel_block,
             TBLOCK=min(1024, next_pow2(triton.cdiv(S, sub), 16)), THETA_PASSES=_THETA_PASSES,
