@@ -931,6 +931,15 @@ def _persistent_programs(device: torch.device) -> int:
     return 4 * num_sms(device)
 
 
+def _tile_max_scratch(tile_max: bool, R: int, S: int, block_n: int, sel_block: int, device: torch.device):
+    """``(SUB, TMAX)`` of the score launch: keys per sub-tile (it divides the score tile and the
+    tilemax collect block) and the ``[R, cdiv(S, SUB)]`` int32 sub-tile maxima (a 1x1 stand-in
+    when the select is not tilemax)."""
+    sub = min(_TILE_SUB, block_n, sel_block)
+    shape = (R, triton.cdiv(S, sub)) if tile_max else (1, 1)
+    return sub, torch.empty(shape, dtype=torch.int32, device=device)
+
+
 def _check_mode(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r}: expected one of {allowed}")
@@ -999,8 +1008,7 @@ def _retrieve(
         if score_cfg is not None:  # (block_n, warps, stages, chunk or 0): the probe's tuning
             block_n, score_warps, score_stages = score_cfg[0], score_cfg[1], score_cfg[2]
             chunk = max(score_cfg[3] or chunk, block_n)
-        sub = min(_TILE_SUB, block_n, sel_block)
-        tmax = torch.empty((R, triton.cdiv(S, sub)) if tile_max else (1, 1), dtype=torch.int32, device=q.device)
+        sub, tmax = _tile_max_scratch(tile_max, R, S, block_n, sel_block, q.device)
         _group_score_kernel[(B * Hkv, triton.cdiv(S, chunk))](
             q, k_cache, pad, lo, hi, flags, gorder, gcount, keys, hist, taken, tmax,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -1018,8 +1026,7 @@ def _retrieve(
             taken.zero_()
         block_n = max(16, min(128, 8192 // block_d))
         chunk = max(_score_chunk(S, live, q.device), block_n)
-        sub = min(_TILE_SUB, block_n, sel_block)
-        tmax = torch.empty((R, triton.cdiv(S, sub)) if tile_max else (1, 1), dtype=torch.int32, device=q.device)
+        sub, tmax = _tile_max_scratch(tile_max, R, S, block_n, sel_block, q.device)
         _score_kernel[(R, triton.cdiv(S, chunk))](
             q, k_cache, pad, lo, hi, order, count, keys, hist, tmax,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -1054,22 +1061,21 @@ def _retrieve(
             num_warps=8 if k_pad >= 1024 else 4,
         )
         return out
-    sel_chunk = sel_block
     select_warps = 4 if select_warps is None else select_warps
-    nch = triton.cdiv(S, sel_chunk)
+    nch = triton.cdiv(S, sel_block)
     persistent = select != "split"  # the measured split path keeps its (rows, chunks) grid
     grid = (min(R * nch, _persistent_programs(q.device)),) if persistent else (R, nch)
     for p in range(1 if fused else 0, np_):  # fused: pass 0's histogram came with the scores
         _radix_pass_kernel[grid](
-            keys, hist, pad, lo, hi, order, count, keys.stride(0), S, k, sel_chunk, nch,
-            H=H, P=p, K_PAD=k_pad, BLOCK=sel_chunk, W=w, BINS=bins, NP=np_, PERSISTENT=persistent,
+            keys, hist, pad, lo, hi, order, count, keys.stride(0), S, k, sel_block, nch,
+            H=H, P=p, K_PAD=k_pad, BLOCK=sel_block, W=w, BINS=bins, NP=np_, PERSISTENT=persistent,
             num_warps=select_warps,
         )
     if stop_after == "passes":
         return out
     _radix_collect_kernel[grid](
-        keys, hist, taken, cand, pad, lo, hi, order, count, keys.stride(0), S, k, sel_chunk, nch,
-        H=H, K_PAD=k_pad, BLOCK=sel_chunk, W=w, BINS=bins, NP=np_, PERSISTENT=persistent,
+        keys, hist, taken, cand, pad, lo, hi, order, count, keys.stride(0), S, k, sel_block, nch,
+        H=H, K_PAD=k_pad, BLOCK=sel_block, W=w, BINS=bins, NP=np_, PERSISTENT=persistent,
         num_warps=select_warps,
     )
     if stop_after == "collect":
