@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 import _bench_common as common
+from prhs_hf.kernels._common import next_pow2
 
 #: theta as the kernel computes it after 2 or 3 radix passes (the low end of the bucket), or exact
 THETA_PASSES = (2, 3, "exact")
@@ -75,7 +76,7 @@ def count_rows(K: dict, Q: dict, positions: list[int], k: int, sink: int, local:
 
 
 def summarize(counts: dict, k: int) -> list[dict]:
-    first_tier = 1 << max(4, (k - 1).bit_length())  # the kernel's register-sort tier
+    first_tier = next_pow2(k, 16)  # the kernel's register-sort tier, as _retrieve sizes it
     rows = []
     for (sub, passes), values in counts.items():
         v = torch.tensor(values, dtype=torch.float64)
