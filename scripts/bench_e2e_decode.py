@@ -42,9 +42,11 @@ ms/step is kept): two runs of the real model a session apart moved the same conf
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import logging
+import pstats
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -66,6 +68,10 @@ SHAPES = {
                       num_key_value_heads=32, vocab_size=32000),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256),
+    # Qwen2.5-1.5B's attention and MLP sizes (12 q / 2 KV heads of 128) as a LLaMA: the real model's
+    # decode kernels, shapes and launches without its checkpoint (no q/k/v biases, random weights)
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
 }
@@ -163,6 +169,30 @@ class ProfileWindow(transformers.LogitsProcessor):
             else:
                 self.seconds += time.perf_counter()
                 self.profiler.stop()
+        self.calls += 1
+        return scores
+
+
+class HostProfileWindow(transformers.LogitsProcessor):
+    """Runs a ``cProfile`` profiler over decode steps ``1 .. steps`` of a generate() call (host side:
+    Python, launches, and the waits for the GPU), as :class:`ProfileWindow` does for torch.profiler."""
+
+    def __init__(self, steps: int, device: torch.device):
+        self.steps, self.device = steps, device
+        self.profiler = cProfile.Profile()
+        self.calls = 0
+        self.seconds = 0.0
+
+    def __call__(self, input_ids, scores):
+        if self.calls in (0, self.steps):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if self.calls == 0:
+                self.seconds = -time.perf_counter()
+                self.profiler.enable()
+            else:
+                self.profiler.disable()
+                self.seconds += time.perf_counter()
         self.calls += 1
         return scores
 
@@ -389,6 +419,78 @@ def step_breakdown(model, ids, steps: int, static_cache=None, trace: Path | None
     return kernel_breakdown(kernels, steps, 1000.0 * window.seconds / steps)
 
 
+def host_profile(model, ids, steps: int, static_cache, top: int = 25) -> dict:
+    """Where a compiled decode step's host time goes (static mode only).
+
+    Two measurements in one generate() call of ``steps + 2`` tokens and after it:
+
+    - ``cProfile`` over decode steps 1..``steps``: the step's wall time and the functions with the
+      most own time per step (``top``; the time a step waits for the GPU shows in the function that
+      synchronises: transformers' stop check reads the device every step);
+    - the compiled decode call alone, ``steps`` times back to back with the last step's inputs (no
+      synchronisation in between): ``compiled_step_ms`` is the larger of its GPU time and its host
+      time, ``host_call_ms`` the host time of one call. A step's wall time minus
+      ``compiled_step_ms`` is then the host work of the generate() loop that the GPU waits for.
+    """
+    if static_cache is None:
+        raise ValueError("host_profile needs the static mode (a StaticCache and the compiled step)")
+    if static_cache.max_cache_len < ids.shape[1] + 2 * steps + 2:
+        raise ValueError(f"host_profile: {steps} profiled steps and as many back-to-back calls need "
+                         f"{2 * steps + 2} new tokens of room in the cache, it has {static_cache.max_cache_len - ids.shape[1]}")
+    window = HostProfileWindow(steps, ids.device)
+    # the decode call generate() makes: the compiled one its warm-up made (transformers' get_compiled_call),
+    # or the model's own __call__ where transformers skipped compilation (e.g. on a CPU)
+    name = "_compiled_call" if "_compiled_call" in model.__dict__ else "__call__"
+    compiled = getattr(model, name)
+    out_name = "compiled" if name == "_compiled_call" else "eager (transformers skipped compilation)"
+    seen = {}
+
+    def recording(*args, **kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        return compiled(*args, **kwargs)
+
+    setattr(model, name, recording)
+    try:
+        run_generate(model, ids, steps + 2, static_cache, extra_processor=window)
+    finally:
+        if name == "__call__":
+            del model.__call__
+        else:
+            model._compiled_call = compiled
+    stats = pstats.Stats(window.profiler).stats
+    functions = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    out = {
+        "steps": steps,
+        "decode_call": out_name,
+        "step_ms": round(1000.0 * window.seconds / steps, 3),
+        "top_functions": [{"function": f"{Path(file).name}:{line}({name})", "own_us": round(1e6 * tt / steps, 1),
+                           "calls": round(nc / steps, 1)} for (file, line, name), (_, nc, tt, _, _) in functions],
+    }
+    if name == "__call__":
+        out["compiled_step_ms"] = out["host_call_ms"] = out["loop_host_ms"] = None
+        return out
+    host = 0.0
+    graphs = counters["stats"].get("unique_graphs", 0)
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(steps):
+            torch.compiler.cudagraph_mark_step_begin()
+            tick = time.perf_counter()
+            result = compiled(*seen["args"], **seen["kwargs"])
+            host += time.perf_counter() - tick
+            del result
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
+    out["compiled_step_ms"] = round(1000.0 * (time.perf_counter() - start) / steps, 3)
+    out["host_call_ms"] = round(1000.0 * host / steps, 3)
+    out["loop_host_ms"] = round(out["step_ms"] - out["compiled_step_ms"], 3)
+    if counters["stats"].get("unique_graphs", 0) != graphs:
+        out["recompiled"] = "the back-to-back calls compiled a new graph: compiled_step_ms includes it"
+    return out
+
+
 PIPELINE_FAMILIES = ("cis match", "retrieval", "composition", "sparse attention")
 
 
@@ -408,9 +510,7 @@ def kernel_breakdown(kernels: list[tuple[str, float, float, float]], steps: int,
         family = _family(name)
         fam[family] = fam.get(family, 0.0) + us / 1000.0 / steps
         if family in PIPELINE_FAMILIES:
-            entry = own.setdefault(name, [0.0, 0.0])
-            entry[0] += us / 1000.0 / steps
-            entry[1] += 1 / steps
+            own.setdefault(name, []).append(us)
         first, last = min(first, start), max(last, end)
     out = {k: round(v, 3) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])}
     gpu = sum(out.values())
@@ -420,8 +520,10 @@ def kernel_breakdown(kernels: list[tuple[str, float, float, float]], steps: int,
     # the GPU's idle time between its first and last kernel: gaps between kernels and between steps
     out["idle inside the kernel span"] = round(max((last - first) / 1000.0 / steps - gpu, 0.0), 3) if kernels else 0.0
     out["kernels per step"] = round(len(kernels) / steps, 1)
-    own_out = {name: {"ms": round(ms, 3), "launches": round(n, 1)}
-               for name, (ms, n) in sorted(own.items(), key=lambda kv: -kv[1][0])}
+    # per step, and per launch (median and largest: a data-dependent slow path shows in the tail)
+    own_out = {name: {"ms": round(sum(us) / 1000.0 / steps, 3), "launches": round(len(us) / steps, 1),
+                      "median_us": round(sorted(us)[len(us) // 2], 1), "max_us": round(max(us), 1)}
+               for name, us in sorted(own.items(), key=lambda kv: -sum(kv[1]))}
     return out, own_out
 
 
@@ -489,10 +591,22 @@ def write_results(rows, args, argv, device, new_tokens) -> None:
                          + " | ".join(f"{b[k]:.2f}" if k in b else "–" for k in families) + " |")
     own = [r for r in rows if r.get("pipeline_kernels_per_step")]
     if own:
-        lines += ["", "The decode pipeline's own kernels per step, ms (launches), slowest first:", ""]
+        lines += ["", "The decode pipeline's own kernels per step, ms (launches; median/largest launch), slowest first:", ""]
         lines += [f"- {r['config']} B{r['batch']} L{r['prompt']}: " + ", ".join(
-            f"`{name}` {v['ms']:.2f} ({v['launches']:g})" for name, v in r["pipeline_kernels_per_step"].items())
+            f"`{name}` {v['ms']:.2f} ({v['launches']:g}" + (f"; {v['median_us']:.0f}/{v['max_us']:.0f} µs" if "max_us" in v else "")
+            + ")" for name, v in r["pipeline_kernels_per_step"].items())
             for r in own]
+    hosts = [r for r in rows if "host_profile" in r]
+    if hosts:
+        lines += ["", "Host side of a decode step, ms (cProfile over the steps; then the compiled step alone, "
+                      "back to back: the larger of its GPU and host time, and its host time per call):", "",
+                  "| config | B | prompt | step (profiled) | compiled step alone | host per compiled call "
+                  "| generate() loop host | most own time per step (µs) |", "|" + "---|" * 8]
+        for r in hosts:
+            h = r["host_profile"]
+            top = ", ".join(f"`{f['function']}` {f['own_us']:.0f}" for f in h["top_functions"][:6])
+            ms = [("–" if h[k] is None else f"{h[k]:.2f}") for k in ("compiled_step_ms", "host_call_ms", "loop_host_ms")]
+            lines.append(f"| {r['config']} | {r['batch']} | {r['prompt']} | {h['step_ms']:.2f} | " + " | ".join(ms) + f" | {top} |")
     compiled = [r for r in rows if "compiled_graphs" in r]
     if compiled:
         lines += ["", "Static mode, what was compiled (fullgraph=True, reduce-overhead): "
@@ -552,6 +666,9 @@ def main(argv=None) -> int:
                              "and ρ̂ from a second, eager run with it on)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="also profile this many decode steps per cell: GPU time by kernel family, and overhead")
+    parser.add_argument("--host-profile-steps", type=int, default=0,
+                        help="static mode: also cProfile this many decode steps per cell and time the compiled "
+                             "step alone, back to back (host_profile in the JSON: where the host time goes)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
     parser.add_argument("--trace-dir", default=None, help="with --profile-steps: write each cell's Chrome trace here")
     parser.add_argument("--resume", action="store_true",
@@ -648,6 +765,10 @@ def main(argv=None) -> int:
                 trace = Path(args.trace_dir) / f"{shape}-B{batch}-L{length}-{mode}-{name}.json" if args.trace_dir else None
                 row["breakdown_ms_per_step"], row["pipeline_kernels_per_step"] = step_breakdown(
                     model, ids, args.profile_steps, cache, trace)
+            if args.host_profile_steps and mode == "static":
+                if prhs_hf.is_patched(model):
+                    prhs_hf.reset(model)
+                row["host_profile"] = host_profile(model, ids, args.host_profile_steps, cache)
             if prhs_hf.is_patched(model) and not args.timed_telemetry:
                 # ρ̂ of the same prompts and tokens, from an untimed eager run with telemetry on
                 select_config(model, name, telemetry=True)

@@ -504,7 +504,31 @@ def test_bench_e2e_decode_kernel_breakdown_sums_families_and_lists_the_pipelines
     assert fam["step (profiled)"] == 0.6 and fam["not kernels (launch, Python, idle)"] == 0.25
     assert fam["idle inside the kernel span"] == pytest.approx(0.05)  # 800 µs span over 2 steps, 0.35 ms busy
     assert list(own) == ["_group_score_kernel", "_radix_pass_kernel"]  # slowest first, ours only
-    assert own["_radix_pass_kernel"] == {"ms": 0.08, "launches": 1.0}
+    # per step, and per launch: the median (upper of two) and the largest
+    assert own["_radix_pass_kernel"] == {"ms": 0.08, "launches": 1.0, "median_us": 100.0, "max_us": 100.0}
+    assert own["_group_score_kernel"]["median_us"] == own["_group_score_kernel"]["max_us"] == 300.0
+
+
+def test_bench_e2e_decode_host_profile_on_a_cpu(tmp_path):
+    """--host-profile-steps in the static mode: cProfile's step time and its functions with the most own
+    time per step; on a CPU transformers skips compilation, so the back-to-back timing of the compiled
+    call is left out (None) and the row says which call it profiled; too few new tokens for the profiled
+    steps and as many back-to-back calls are an error of the cell, naming the room needed."""
+    _run_script("bench_e2e_decode.py", "--quick", "--modes", "static", "--configs", "dense-gqa,cis-s16",
+                "--new-tokens", "12", "--host-profile-steps", "4", "--out", str(tmp_path))
+    rows = {r["config"]: r for r in json.loads((tmp_path / "bench_e2e_decode.json").read_text())["rows"]}
+    for row in rows.values():
+        h = row["host_profile"]
+        assert h["steps"] == 4 and h["step_ms"] > 0 and h["decode_call"].startswith("eager")
+        assert h["compiled_step_ms"] is None and h["loop_host_ms"] is None
+        assert len(h["top_functions"]) == 25 and all(f["own_us"] >= 0 for f in h["top_functions"])
+        assert h["top_functions"][0]["own_us"] >= h["top_functions"][-1]["own_us"]
+    assert any("sparse_decode_attention" in f["function"] for f in rows["cis-s16"]["host_profile"]["top_functions"])
+    assert "Host side of a decode step" in (tmp_path / "bench_e2e_decode.md").read_text()
+    _run_script("bench_e2e_decode.py", "--quick", "--modes", "static", "--configs", "dense-gqa",
+                "--new-tokens", "8", "--host-profile-steps", "4", "--out", str(tmp_path / "short"))
+    row, = json.loads((tmp_path / "short" / "bench_e2e_decode.json").read_text())["rows"]
+    assert "host_profile" in row["error"] and "10 new tokens" in row["error"]
 
 
 def test_probe_tilemax_candidates_captures_and_counts(e2e_checkpoint, stories, tmp_path):
