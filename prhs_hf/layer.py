@@ -12,6 +12,7 @@ changes nothing at all, which keeps transformers' own path and so the unpatched 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -67,15 +68,22 @@ class PrHSLayer:
 
     # ------------------------------------------------------------------ prefill
 
-    def plan_prefill(self, hidden_states: torch.Tensor, device: torch.device | None = None) -> None:
+    def plan_prefill(self, hidden_states: torch.Tensor, device: Callable[[], torch.device] | None = None) -> None:
         """Decoder-layer pre-hook (after :meth:`PrHSRuntime.begin_forward`): decide this layer's
-        PSAW window and ETF frozen rows for this forward, on ``device``, where the layer runs
-        (default: that of ``hidden_states``; a ``device_map`` hook moves them after this hook)."""
+        PSAW window and ETF frozen rows for this forward, on ``device()``, where the layer runs
+        (default: that of ``hidden_states``; a ``device_map`` hook moves them after this hook).
+
+        A layer without PSAW prefill or ETF never has a plan and writes nothing here: under
+        ``torch.compile`` every attribute write is replayed in Python after each compiled step
+        (28 of them, each reached through the layer's hook, cost host time per decode step).
+        """
+        if not (self.psaw_prefill or self.etf):
+            return
         self.plan = None
         q_len = hidden_states.shape[1]
-        if q_len == 1 or not (self.psaw_prefill or self.etf):  # a decode step, or a 1-token prompt: no plan
+        if q_len == 1:  # a decode step, or a 1-token prompt: no plan
             return
-        geom = self.runtime.geometry_on(hidden_states.device if device is None else device)
+        geom = self.runtime.geometry_on(hidden_states.device if device is None else device())
         sink = self.runtime.resolved.config.budget.sink
         real = geom.query_real_index(q_len)
         if self.psaw_prefill:

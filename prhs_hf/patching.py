@@ -77,7 +77,7 @@ def _make_pre_hook(layer, first: bool):
         if first:
             _check_cache(kwargs.get("past_key_values"))
             layer.runtime.begin_forward(hidden, kwargs)
-        layer.plan_prefill(hidden, _execution_device(module, hidden))
+        layer.plan_prefill(hidden, lambda: _execution_device(module, hidden))
 
     return hook
 

@@ -130,3 +130,37 @@ def test_decode_graph_returns_only_the_logits():
         assert len(outputs) == 1, outputs  # the decode step, one graph
         counts.append(outputs[0])
     assert counts[1] == counts[0], f"dense decode graph has {counts[0]} outputs, PrHS {counts[1]}"
+
+
+def test_decode_step_replays_no_attribute_writes(monkeypatch):
+    """A CIS config's compiled decode step writes no Python attribute, as the dense one.
+
+    Dynamo replays every attribute write of the traced code in Python after each compiled step,
+    reaching the object through its source (for a PrHS layer: the decoder layer's hook closure);
+    with one write per layer that was host time in every decode step that CUDA graphs cannot
+    remove. Counted here: the writes Dynamo replays (``object_setattr_ignore_descriptor``) in the
+    compiled steps of one generate() call.
+    """
+    import torch._dynamo.utils as dynamo_utils
+
+    replayed = []
+    setattr_ignore_descriptor = dynamo_utils.object_setattr_ignore_descriptor
+
+    def counting(obj, name, value):
+        replayed.append((type(obj).__name__, name))
+        return setattr_ignore_descriptor(obj, name, value)
+
+    monkeypatch.setattr(dynamo_utils, "object_setattr_ignore_descriptor", counting)
+    ids, mask = padded_batch([90, 70])
+    writes = []
+    for patched in (False, True):
+        model = tiny_model("llama", layers=3)
+        if patched:
+            prhs_hf.patch(model, "configs/cis.yaml", overrides={**SMALL, "backend": {"decode": "torch", "prefill": "torch"}})
+        torch._dynamo.reset()
+        replayed.clear()
+        model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static",
+                       compile_config=_compile_config())
+        writes.append(list(replayed))
+    assert writes[0], "the dense step replays transformers' own writes: the count sees them"
+    assert writes[1] == writes[0], f"PrHS adds {sorted(set(writes[1]) - set(writes[0]))}"
