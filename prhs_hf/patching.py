@@ -160,9 +160,10 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
     runtime.wrapped = []
     for index, (decoder_layer, prhs_layer) in enumerate(zip(decoder_layers(model), runtime.layers)):
         decoder_layer.self_attn._prhs_layer = prhs_layer
-        runtime.hooks.append(
-            decoder_layer.register_forward_pre_hook(_make_pre_hook(prhs_layer, index == 0), with_kwargs=True)
-        )
+        if index == 0 or prhs_layer.psaw_prefill or prhs_layer.etf:  # the others' hook would do nothing
+            runtime.hooks.append(
+                decoder_layer.register_forward_pre_hook(_make_pre_hook(prhs_layer, index == 0), with_kwargs=True)
+            )
         if prhs_layer.etf:
             for module in (decoder_layer.self_attn.q_proj, decoder_layer.self_attn.o_proj, decoder_layer.mlp):
                 install_row_skip(module, prhs_layer.active_rows)

@@ -61,6 +61,22 @@ def test_cpe_runs_and_unpatch_restores(family):
         assert not layer._forward_pre_hooks
 
 
+@pytest.mark.parametrize("config", ["cis.yaml", "cpe.yaml"])
+def test_pre_hooks_only_where_they_do_work(config):
+    """The first decoder layer's pre-hook opens each forward; the others have one only where PSAW
+    prefill or ETF plan work (a hook that does nothing still costs: under torch.compile its
+    closure's objects are guarded on every decode step). unpatch removes them all."""
+    model = tiny_model("llama", layers=6)
+    prhs_hf.patch(model, CONFIGS / config)
+    runtime = model._prhs_runtime
+    hooked = [i for i, layer in enumerate(model.model.layers) if layer._forward_pre_hooks]
+    planning = [l.index for l in runtime.layers if l.psaw_prefill or l.etf]
+    assert hooked == sorted({0, *planning})
+    assert (config == "cis.yaml") == (hooked == [0])
+    prhs_hf.unpatch(model)
+    assert not any(layer._forward_pre_hooks for layer in model.model.layers)
+
+
 def test_patching_twice_is_harmless():
     model = tiny_model("llama")
     ids, mask = _batch()
