@@ -49,7 +49,7 @@ import logging
 import pstats
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import transformers
@@ -152,10 +152,11 @@ class StepClock(transformers.LogitsProcessor):
 
 
 class ProfileWindow(transformers.LogitsProcessor):
-    """Runs ``profiler`` over decode steps ``1 .. steps`` of a generate() call (prefill left out)."""
+    """Runs a profiler over decode steps ``1 .. steps`` of a generate() call (prefill left out):
+    ``start()`` at the first logits, ``stop()`` after step ``steps``, timing the window between."""
 
-    def __init__(self, profiler, steps: int, device: torch.device):
-        self.profiler, self.steps, self.device = profiler, steps, device
+    def __init__(self, start: Callable[[], None], stop: Callable[[], None], steps: int, device: torch.device):
+        self.start, self.stop, self.steps, self.device = start, stop, steps, device
         self.calls = 0
         self.seconds = 0.0
 
@@ -164,35 +165,11 @@ class ProfileWindow(transformers.LogitsProcessor):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             if self.calls == 0:
-                self.profiler.start()
+                self.start()
                 self.seconds = -time.perf_counter()
             else:
                 self.seconds += time.perf_counter()
-                self.profiler.stop()
-        self.calls += 1
-        return scores
-
-
-class HostProfileWindow(transformers.LogitsProcessor):
-    """Runs a ``cProfile`` profiler over decode steps ``1 .. steps`` of a generate() call (host side:
-    Python, launches, and the waits for the GPU), as :class:`ProfileWindow` does for torch.profiler."""
-
-    def __init__(self, steps: int, device: torch.device):
-        self.steps, self.device = steps, device
-        self.profiler = cProfile.Profile()
-        self.calls = 0
-        self.seconds = 0.0
-
-    def __call__(self, input_ids, scores):
-        if self.calls in (0, self.steps):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if self.calls == 0:
-                self.seconds = -time.perf_counter()
-                self.profiler.enable()
-            else:
-                self.profiler.disable()
-                self.seconds += time.perf_counter()
+                self.stop()
         self.calls += 1
         return scores
 
@@ -410,7 +387,7 @@ def step_breakdown(model, ids, steps: int, static_cache=None, trace: Path | None
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.device.type == "cuda" else [])
     prof = profile(activities=activities)
-    window = ProfileWindow(prof, steps, ids.device)
+    window = ProfileWindow(prof.start, prof.stop, steps, ids.device)
     run_generate(model, ids, steps + 2, static_cache, extra_processor=window)
     if trace is not None:
         prof.export_chrome_trace(str(trace))
@@ -439,7 +416,8 @@ def host_profile(model, ids, steps: int, static_cache, top: int = 25) -> dict:
     if static_cache.max_cache_len < ids.shape[1] + 2 * steps + 2:
         raise ValueError(f"host_profile: {steps} profiled steps and as many back-to-back calls need "
                          f"{2 * steps + 2} new tokens of room in the cache, it has {static_cache.max_cache_len - ids.shape[1]}")
-    window = HostProfileWindow(steps, ids.device)
+    profiler = cProfile.Profile()
+    window = ProfileWindow(profiler.enable, profiler.disable, steps, ids.device)
     # the decode call generate() makes: the compiled one its warm-up made (transformers' get_compiled_call),
     # or the model's own __call__ where transformers skipped compilation (e.g. on a CPU)
     name = "_compiled_call" if "_compiled_call" in model.__dict__ else "__call__"
@@ -459,7 +437,7 @@ def host_profile(model, ids, steps: int, static_cache, top: int = 25) -> dict:
             del model.__call__
         else:
             model._compiled_call = compiled
-    stats = pstats.Stats(window.profiler).stats
+    stats = pstats.Stats(profiler).stats
     functions = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     out = {
         "steps": steps,

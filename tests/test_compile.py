@@ -35,6 +35,22 @@ def _generate(model, ids, mask, compiled: bool, new_tokens: int = 14):
     return out, prhs_hf.telemetry(model)
 
 
+def _compiled_dense_then_patched(config: str, layers: int, new_tokens: int, compile_config: CompileConfig, clear):
+    """A static-cache generate() of a fresh tiny LLaMA, unpatched, then patched with ``config`` (PyTorch
+    ops), each with a fresh Dynamo; ``clear()`` runs before each and the caller reads what it
+    collected after each (this yields once per model)."""
+    ids, mask = padded_batch([90, 70])
+    for patched in (False, True):
+        model = tiny_model("llama", layers=layers)
+        if patched:
+            prhs_hf.patch(model, f"configs/{config}", overrides={**SMALL, "backend": {"decode": "torch", "prefill": "torch"}})
+        torch._dynamo.reset()
+        clear()
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                       cache_implementation="static", compile_config=compile_config)
+        yield
+
+
 @pytest.mark.parametrize("config", ["cis.yaml", "cpe.yaml"])
 def test_compiled_static_decode_is_one_graph_with_eager_tokens(config):
     model = tiny_model("llama")
@@ -117,16 +133,9 @@ def test_decode_graph_returns_only_the_logits():
 
     config = CompileConfig(fullgraph=True, backend=backend, mode=None)
     config._compile_all_devices = True
-    ids, mask = padded_batch([90, 70])
     counts = []
-    for patched in (False, True):
-        model = tiny_model("llama", layers=2)
-        if patched:
-            prhs_hf.patch(model, "configs/cpe.yaml", overrides={**SMALL, "backend": {"decode": "torch", "prefill": "torch"}})
-        torch._dynamo.reset()
-        outputs.clear()
-        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
-                       compile_config=config)
+    for _ in _compiled_dense_then_patched("cpe.yaml", layers=2, new_tokens=4, compile_config=config,
+                                          clear=outputs.clear):
         assert len(outputs) == 1, outputs  # the decode step, one graph
         counts.append(outputs[0])
     assert counts[1] == counts[0], f"dense decode graph has {counts[0]} outputs, PrHS {counts[1]}"
@@ -151,16 +160,9 @@ def test_decode_step_replays_no_attribute_writes(monkeypatch):
         return setattr_ignore_descriptor(obj, name, value)
 
     monkeypatch.setattr(dynamo_utils, "object_setattr_ignore_descriptor", counting)
-    ids, mask = padded_batch([90, 70])
     writes = []
-    for patched in (False, True):
-        model = tiny_model("llama", layers=3)
-        if patched:
-            prhs_hf.patch(model, "configs/cis.yaml", overrides={**SMALL, "backend": {"decode": "torch", "prefill": "torch"}})
-        torch._dynamo.reset()
-        replayed.clear()
-        model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static",
-                       compile_config=_compile_config())
+    for _ in _compiled_dense_then_patched("cis.yaml", layers=3, new_tokens=5, compile_config=_compile_config(),
+                                          clear=replayed.clear):
         writes.append(list(replayed))
     assert writes[0], "the dense step replays transformers' own writes: the count sees them"
     assert writes[1] == writes[0], f"PrHS adds {sorted(set(writes[1]) - set(writes[0]))}"
