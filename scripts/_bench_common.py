@@ -130,9 +130,14 @@ class Timing:
 
 
 def _cpu_median(fn: Callable[[], object], rep_ms: float, max_reps: int) -> float:
+    """A warm-up call, then as many as fill ``rep_ms`` (at most ``max_reps``); a warm-up call that
+    alone takes ``rep_ms`` or more is the measurement (a Triton kernel in the CPU interpreter takes
+    seconds: a second call would double the run for a time that means nothing on a CPU anyway)."""
     t0 = time.perf_counter()
     fn()  # warm-up (and the estimate of one call)
     first = (time.perf_counter() - t0) * 1e3
+    if first >= rep_ms:
+        return first
     reps = int(max(1, min(max_reps, rep_ms // max(first, 1e-3))))
     times = []
     for _ in range(reps):

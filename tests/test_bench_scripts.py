@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,12 @@ def test_metadata_and_timing_live_in_the_shared_module_only():
 def test_shared_timing_and_fastest():
     t = common.median_ms(lambda: torch.ones(64).sum(), torch.device("cpu"))
     assert t.method == "cpu" and t.ms > 0
+    calls = []
+    slow = common.median_ms(lambda: (calls.append(1), time.sleep(0.03)), torch.device("cpu"), rep_ms=20)
+    assert len(calls) == 1 and slow.ms >= 30  # a call longer than rep_ms is timed once: its warm-up
+    calls.clear()
+    common.median_ms(lambda: calls.append(1), torch.device("cpu"), rep_ms=20, max_reps=5)
+    assert len(calls) == 6  # fast calls: the warm-up, then max_reps
     assert common.time_calls(lambda: None, torch.device("cpu"), reps=2) >= 0
     assert common.fastest({"a": 2.0, "b": None, "c": 1.5}) == ("c", 1.5)
     assert common.fastest({"a": None}) == (None, None)
