@@ -18,6 +18,7 @@ from ..kernels.compose_indices import compose_indices_reference
 from ..kernels.topk_retrieval import topk_retrieval_reference
 
 __all__ = [
+    "StatelessSelector",
     "StepFrame",  # re-exported from prhs_hf.decode for the selectors
     "step_frame",
     "compose",
@@ -281,6 +282,22 @@ def grow_last(x: torch.Tensor, size: int, fill: float = 0.0) -> torch.Tensor:
     if extra <= 0:
         return x
     return torch.cat([x, x.new_full((*x.shape[:-1], extra), fill)], dim=-1)
+
+
+class StatelessSelector:
+    """A selector that keeps nothing between steps: prefills, beam reorders and resets are no-ops.
+    Subclasses define ``select`` only."""
+
+    def observe_prefill(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
+    ) -> None:
+        """Nothing to remember."""
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Stateless."""
+
+    def reset(self) -> None:
+        """Stateless."""
 
 
 class LayerStates:

@@ -13,18 +13,13 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ._common import compose, retrieve_topk, step_frame
+from ._common import StatelessSelector, compose, retrieve_topk, step_frame
 
 __all__ = ["OracleSelector"]
 
 
-class OracleSelector:
+class OracleSelector(StatelessSelector):
     """Exact top-k of the middle per query (stateless)."""
-
-    def observe_prefill(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
-    ) -> None:
-        """Nothing to remember."""
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -35,9 +30,3 @@ class OracleSelector:
         rows = frame.rows(q.shape[1])
         middle = retrieve_topk(q, k_cache, geom, frame, rows, params.topk, scale)
         return compose(frame, middle, params, retrieved=rows)
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Stateless."""
-
-    def reset(self) -> None:
-        """Stateless."""

@@ -24,7 +24,7 @@ import torch
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
 from ..kernels._common import gqa_group
-from ._common import StepFrame, compose, step_frame, to_real, topk_of_scores
+from ._common import StatelessSelector, StepFrame, compose, step_frame, to_real, topk_of_scores
 
 __all__ = ["QuestSelector", "page_bounds"]
 
@@ -55,18 +55,14 @@ def page_bounds(
     return bound.masked_fill(~in_mid[:, None, :], float("-inf"))
 
 
-class QuestSelector:
-    """Top pages by min/max upper bound, filling ``topk`` middle tokens (stateless)."""
+class QuestSelector(StatelessSelector):
+    """Top pages by min/max upper bound, filling ``topk`` middle tokens (stateless: the page bounds
+    are read from the cache at every step)."""
 
     def __init__(self, page_size: int):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
-
-    def observe_prefill(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
-    ) -> None:
-        """Nothing to remember (the page bounds are read from the cache)."""
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -78,9 +74,3 @@ class QuestSelector:
         score = page_bounds(q, k_cache, geom.pad, frame, self.page_size, scale)
         middle = topk_of_scores(score, frame, rows, params.topk)
         return compose(frame, middle, params, retrieved=rows)
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Stateless."""
-
-    def reset(self) -> None:
-        """Stateless."""

@@ -16,18 +16,13 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ._common import compose, step_frame
+from ._common import StatelessSelector, compose, step_frame
 
 __all__ = ["StreamingSelector"]
 
 
-class StreamingSelector:
+class StreamingSelector(StatelessSelector):
     """Sinks + the most recent ``local + topk`` tokens (stateless)."""
-
-    def observe_prefill(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
-    ) -> None:
-        """Nothing to remember."""
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -38,9 +33,3 @@ class StreamingSelector:
         window = torch.where(frame.active, torch.maximum(frame.lo, frame.hi - params.topk), frame.win_start)
         none = torch.full((q.shape[0], q.shape[1], 1), -1, dtype=torch.int32, device=q.device)
         return compose(frame, none, params, win_start=window)
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Stateless."""
-
-    def reset(self) -> None:
-        """Stateless."""
