@@ -75,7 +75,7 @@ class PrHSLayer:
 
         A layer without PSAW prefill or ETF never has a plan and writes nothing here: under
         ``torch.compile`` every attribute write is replayed in Python after each compiled step
-        (28 of them, each reached through the layer's hook, cost host time per decode step).
+        (one per layer, each reached through the layer's hook: host time in every decode step).
         """
         if not (self.psaw_prefill or self.etf):
             return
