@@ -12,7 +12,6 @@ changes nothing at all, which keeps transformers' own path and so the unpatched 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -53,6 +52,8 @@ class PrHSLayer:
         )
         self.psaw_prefill = r.psaw_prefill and self.psaw_fraction is not None
         self.etf = c.etf.enabled and index >= r.etf_start
+        # PSAW or ETF work to plan at a prefill: only such a layer (and the first) has a pre-hook
+        self.plans_prefill = self.psaw_prefill or self.etf
         self.window_decode = r.psaw_decode and self.psaw_fraction is not None
         self.decode_params = DecodeParams(
             sink=c.budget.sink,
@@ -68,22 +69,20 @@ class PrHSLayer:
 
     # ------------------------------------------------------------------ prefill
 
-    def plan_prefill(self, hidden_states: torch.Tensor, device: Callable[[], torch.device] | None = None) -> None:
-        """Decoder-layer pre-hook (after :meth:`PrHSRuntime.begin_forward`): decide this layer's
-        PSAW window and ETF frozen rows for this forward, on ``device()``, where the layer runs
-        (default: that of ``hidden_states``; a ``device_map`` hook moves them after this hook).
+    def plan_prefill(self, hidden_states: torch.Tensor, device: torch.device | None = None) -> None:
+        """Decoder-layer pre-hook of a layer that :attr:`plans_prefill` (after
+        :meth:`PrHSRuntime.begin_forward`): decide this layer's PSAW window and ETF frozen rows for
+        this forward, on ``device``, where the layer runs (default: that of ``hidden_states``; a
+        ``device_map`` hook moves them after this hook).
 
-        A layer without PSAW prefill or ETF never has a plan and writes nothing here: under
-        ``torch.compile`` every attribute write is replayed in Python after each compiled step
-        (one per layer, each reached through the layer's hook: host time in every decode step).
-        """
-        if not (self.psaw_prefill or self.etf):
-            return
+        Other layers never have a plan and the hook does not call this: under ``torch.compile``
+        every attribute write is replayed in Python after each compiled step (one per layer,
+        reached through the layer's hook: host time in every decode step)."""
         self.plan = None
         q_len = hidden_states.shape[1]
         if q_len == 1:  # a decode step, or a 1-token prompt: no plan
             return
-        geom = self.runtime.geometry_on(hidden_states.device if device is None else device())
+        geom = self.runtime.geometry_on(hidden_states.device if device is None else device)
         sink = self.runtime.resolved.config.budget.sink
         real = geom.query_real_index(q_len)
         if self.psaw_prefill:

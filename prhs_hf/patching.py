@@ -77,7 +77,8 @@ def _make_pre_hook(layer, first: bool):
         if first:
             _check_cache(kwargs.get("past_key_values"))
             layer.runtime.begin_forward(hidden, kwargs)
-        layer.plan_prefill(hidden, lambda: _execution_device(module, hidden))
+        if layer.plans_prefill:
+            layer.plan_prefill(hidden, _execution_device(module, hidden))
 
     return hook
 
@@ -160,7 +161,7 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
     runtime.wrapped = []
     for index, (decoder_layer, prhs_layer) in enumerate(zip(decoder_layers(model), runtime.layers)):
         decoder_layer.self_attn._prhs_layer = prhs_layer
-        if index == 0 or prhs_layer.psaw_prefill or prhs_layer.etf:  # the others' hook would do nothing
+        if index == 0 or prhs_layer.plans_prefill:  # the others' hook would do nothing
             runtime.hooks.append(
                 decoder_layer.register_forward_pre_hook(_make_pre_hook(prhs_layer, index == 0), with_kwargs=True)
             )

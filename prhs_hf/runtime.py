@@ -30,7 +30,7 @@ class PrHSRuntime:
         self.selector = make_selector(resolved, num_heads, self.ops_for)
         # a config that changes nothing keeps transformers' own dense path (the unpatched model's bits)
         self.passthrough = self.selector is None and not any(
-            layer.psaw_prefill or layer.etf or layer.window_decode for layer in self.layers
+            layer.plans_prefill or layer.window_decode for layer in self.layers
         )
         self._ops: dict[torch.device, object] = {}
         # prefill routes per (device, attention dtype): FA4 takes fp16/bf16 only
@@ -98,7 +98,7 @@ class PrHSRuntime:
         telemetry counters for ``device``, so that a compiled decode step that follows only looks them up."""
         if self.selector is not None:
             self.ops_for(device)
-        if any(layer.psaw_prefill or layer.etf for layer in self.layers):
+        if any(layer.plans_prefill for layer in self.layers):
             self.prefill_function(device, dtype)
         if self.telemetry is not None:
             self.telemetry.prepare(device, batch)
