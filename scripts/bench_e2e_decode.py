@@ -420,20 +420,19 @@ def host_profile(model, ids, steps: int, static_cache, top: int = 25) -> dict:
     window = ProfileWindow(profiler.enable, profiler.disable, steps, ids.device)
     # the decode call generate() makes: the compiled one its warm-up made (transformers' get_compiled_call),
     # or the model's own __call__ where transformers skipped compilation (e.g. on a CPU)
-    name = "_compiled_call" if "_compiled_call" in model.__dict__ else "__call__"
-    compiled = getattr(model, name)
-    out_name = "compiled" if name == "_compiled_call" else "eager (transformers skipped compilation)"
+    attr = "_compiled_call" if "_compiled_call" in model.__dict__ else "__call__"
+    compiled = getattr(model, attr)
     seen = {}
 
     def recording(*args, **kwargs):
         seen["args"], seen["kwargs"] = args, kwargs
         return compiled(*args, **kwargs)
 
-    setattr(model, name, recording)
+    setattr(model, attr, recording)
     try:
         run_generate(model, ids, steps + 2, static_cache, extra_processor=window)
     finally:
-        if name == "__call__":
+        if attr == "__call__":
             del model.__call__
         else:
             model._compiled_call = compiled
@@ -441,12 +440,12 @@ def host_profile(model, ids, steps: int, static_cache, top: int = 25) -> dict:
     functions = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     out = {
         "steps": steps,
-        "decode_call": out_name,
+        "decode_call": "compiled" if attr == "_compiled_call" else "eager (transformers skipped compilation)",
         "step_ms": round(1000.0 * window.seconds / steps, 3),
         "top_functions": [{"function": f"{Path(file).name}:{line}({name})", "own_us": round(1e6 * tt / steps, 1),
                            "calls": round(nc / steps, 1)} for (file, line, name), (_, nc, tt, _, _) in functions],
     }
-    if name == "__call__":
+    if attr == "__call__":
         out["compiled_step_ms"] = out["host_call_ms"] = out["loop_host_ms"] = None
         return out
     host = 0.0
