@@ -111,8 +111,8 @@ def patch(
     check_model(model)
     layers = decoder_layers(model)
     resolved = cfg.resolve(len(layers), max_positions=getattr(model.config, "max_position_embeddings", None))
-    heads, _ = local_heads(layers[0].self_attn, model.config)
-    runtime = PrHSRuntime(resolved, heads, layers[0].self_attn.head_dim)
+    heads, kv_heads = local_heads(layers[0].self_attn, model.config)
+    runtime = PrHSRuntime(resolved, heads, layers[0].self_attn.head_dim, kv_heads)
     runtime.reduce_group = _tensor_parallel_group(model)
     previous = _uninstall(model)  # only now: a patch() that raises leaves the patch in force as it was
     runtime.original_attn_implementation = model.config._attn_implementation

@@ -19,12 +19,12 @@ __all__ = ["PrHSRuntime"]
 class PrHSRuntime:
     """Everything :func:`prhs_hf.patch` attaches to a model (``model._prhs_runtime``)."""
 
-    def __init__(self, resolved: ResolvedConfig, num_heads: int, head_dim: int):
+    def __init__(self, resolved: ResolvedConfig, num_heads: int, head_dim: int, num_kv_heads: int | None = None):
         self.resolved = resolved
         self.num_heads = num_heads
         self.head_dim = head_dim
         c = resolved.config
-        self.telemetry = Telemetry(resolved.num_layers, num_heads, c.telemetry.oracle) if c.telemetry.enabled else None
+        self.telemetry = Telemetry(resolved.num_layers, num_heads, c.telemetry.oracle, num_kv_heads) if c.telemetry.enabled else None
         self.layers = [PrHSLayer(self, i) for i in range(resolved.num_layers)]
         # the decode selector: a baseline that baseline.name names, else CIS if it is on, else none
         self.selector = make_selector(resolved, num_heads, self.ops_for)

@@ -40,6 +40,10 @@ class TelemetryReport:
     per_layer_retrieval_ratio: list[float | None] = field(default_factory=list)
     per_layer_processed_kv: list[float] = field(default_factory=list)
     per_head_retrievals: list[list[int]] = field(default_factory=list)
+    #: share of (sparse step, layer, sequence, KV head) in which at least one query head of the KV
+    #: head's group retrieved: the share of the keys an exact retrieval must read (equal to
+    #: ``retrieval_ratio`` without GQA, at most ``G`` times it with G query heads per KV head)
+    kv_group_retrieval_ratio: float | None = None
     prefill_rows: list[int] = field(default_factory=list)
     prefill_rows_frozen: list[int] = field(default_factory=list)
     oracle: OracleReport | None = None
@@ -89,9 +93,12 @@ ORACLE_COUNTERS = ("o_rows", "o_retained", "o_beta", "o_overlap", "o_overlap_hal
 class Telemetry:
     """Device-side counters for every patched layer of one model."""
 
-    def __init__(self, num_layers: int, num_heads: int, oracle: bool):
+    def __init__(self, num_layers: int, num_heads: int, oracle: bool, num_kv_heads: int | None = None):
+        if num_kv_heads is not None and (num_kv_heads < 1 or num_heads % num_kv_heads):
+            raise ValueError(f"telemetry: num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
         self.num_layers = num_layers
         self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
         self.oracle = oracle
         self._t: dict[str, torch.Tensor] = {}
 
@@ -111,7 +118,7 @@ class Telemetry:
         # graph is lost (torch 2.13, aot_eager on the CPU), while a [1] tensor is updated
         one, layers, heads = (1,), (self.num_layers,), (self.num_layers, self.num_heads)
         shapes = {"decode_steps": one, "processed": layers, "dense": layers, "rows": layers, "sparse_rows": layers,
-                  "retrievals": heads, "prefill_rows": layers, "prefill_frozen": layers}
+                  "retrievals": heads, "kv_retrievals": layers, "prefill_rows": layers, "prefill_frozen": layers}
         if self.oracle:
             shapes.update({name: one for name in ORACLE_COUNTERS})
         for name, shape in shapes.items():
@@ -175,6 +182,9 @@ class Telemetry:
             per_layer = stage.sum(2, dtype=torch.float64)  # [L, 3, Hq]
             self._t["processed"].add_(per_layer[:, 0].sum(-1))
             self._t["retrievals"].add_(per_layer[:, 1])
+            # (sequence, KV head) pairs with a retrieving query head: the keys an exact retrieval reads
+            grouped = stage[:, 1].view(self.num_layers, batch, self.num_kv_heads, heads // self.num_kv_heads)
+            self._t["kv_retrievals"].add_(grouped.amax(-1).sum((1, 2), dtype=torch.float64))
             self._t["sparse_rows"].add_(per_layer[:, 2].sum(-1))
             self._t["dense"].add_(t.sum(dtype=torch.float64) * heads)
             self._t["rows"].add_(float(batch * heads))
@@ -217,11 +227,13 @@ class Telemetry:
         sparse_rows = v.get("sparse_rows", zeros)
         retrievals = v.get("retrievals")
         cis_layers = [] if retrievals is None else [i for i in range(self.num_layers) if sparse_rows[i] > 0]
-        ratio = None
+        ratio = kv_ratio = None
         per_layer_ratio: list[float | None] = [None] * self.num_layers
         if retrievals is not None and cis_layers:
             total = float(sum(sparse_rows[i] for i in cis_layers))
             ratio = float(retrievals[cis_layers].sum()) / total
+            if "kv_retrievals" in v:
+                kv_ratio = float(v["kv_retrievals"][cis_layers].sum()) / (total / (self.num_heads // self.num_kv_heads))
             for i in cis_layers:
                 per_layer_ratio[i] = float(retrievals[i].sum() / sparse_rows[i])
         n_rows = float(rows.sum())
@@ -249,6 +261,7 @@ class Telemetry:
             per_layer_retrieval_ratio=per_layer_ratio,
             per_layer_processed_kv=[float(processed[i] / rows[i]) if rows[i] else 0.0 for i in range(self.num_layers)],
             per_head_retrievals=retrievals.long().tolist() if cis_layers else [],
+            kv_group_retrieval_ratio=kv_ratio,
             prefill_rows=v.get("prefill_rows", zeros).long().tolist(),
             prefill_rows_frozen=v.get("prefill_frozen", zeros).long().tolist(),
             oracle=oracle,
@@ -256,7 +269,7 @@ class Telemetry:
 
 
 #: counters of the rows (sequence x head) a rank computed: summed over tensor parallel ranks
-_SUMMED = ("processed", "dense", "rows", "sparse_rows") + ORACLE_COUNTERS
+_SUMMED = ("processed", "dense", "rows", "sparse_rows", "kv_retrievals") + ORACLE_COUNTERS
 
 
 def _reduce_across_ranks(counters: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:

@@ -298,10 +298,11 @@ def select_config(model, name: str, telemetry: bool = False) -> None:
 
 
 def telemetry_row(model) -> dict:
-    """The patched model's last-run statistics, as row fields: ρ̂ and processed / dense KV per step."""
+    """The patched model's last-run statistics, as row fields: ρ̂, its share of KV groups (the keys an
+    exact retrieval reads) and processed / dense KV per step."""
     report = prhs_hf.telemetry(model)
-    return {"rho_hat": report.retrieval_ratio, "processed_kv": report.processed_kv_per_step,
-            "dense_kv": report.dense_kv_per_step}
+    return {"rho_hat": report.retrieval_ratio, "kv_group_rho_hat": report.kv_group_retrieval_ratio,
+            "processed_kv": report.processed_kv_per_step, "dense_kv": report.dense_kv_per_step}
 
 
 def run_generate(model, ids, new_tokens: int, static_cache=None, extra_processor=None):

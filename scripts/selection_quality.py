@@ -190,7 +190,7 @@ class RoutingTelemetry(Telemetry):
     """
 
     def __init__(self, base: Telemetry):
-        super().__init__(base.num_layers, base.num_heads, True)
+        super().__init__(base.num_layers, base.num_heads, True, base.num_kv_heads)
         self._layer = 0
         self.cells: list[tuple[float, float]] = []  # (ΔI_emp, B_MI) of finished cells
         self._clear()
@@ -350,6 +350,7 @@ def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, dev
         "settings": variant.extra,
         "note": variant.note,
         "rho_hat": report.retrieval_ratio,
+        "kv_group_rho_hat": report.kv_group_retrieval_ratio,
         "processed_kv": report.processed_kv_per_step,
         "dense_kv": report.dense_kv_per_step,
         "beta_emp": o.beta_emp,

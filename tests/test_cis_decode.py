@@ -11,6 +11,7 @@ from prhs_hf.geometry import SequenceGeometry
 from prhs_hf.kernels.compose_indices import dilated_set_reference, dilated_set_size
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS
 from prhs_hf.selectors import CISSelector
+from prhs_hf.stats import Telemetry
 from conftest import triton_available
 from tiny_models import tiny_model
 
@@ -172,7 +173,27 @@ def test_retrieval_ratio_counts_block_starts(block):
     assert report.decode_steps == steps and report.sparse_steps == 2 * steps
     assert report.retrieval_ratio == pytest.approx(blocks / steps)
     assert report.per_head_retrievals == [[2 * blocks] * 4] * 4
+    # every head retrieves at the same steps, so every KV group with one retrieving head has all of them
+    assert report.kv_group_retrieval_ratio == pytest.approx(report.retrieval_ratio)
     assert report.processed_kv_per_step < report.dense_kv_per_step
+
+
+def test_kv_group_retrieval_ratio_counts_kv_heads_with_a_retrieving_query_head():
+    # 2 layers, 3 sequences (the third ran no sparse step), 4 query heads in 2 KV groups of 2
+    t, processed, active = torch.tensor([100, 100, 9]), torch.full((3, 4), 10), torch.tensor([True, True, False])
+    retrieved = [torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]),
+                 torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]])]
+    gqa, mha = Telemetry(2, 4, oracle=False, num_kv_heads=2), Telemetry(2, 4, oracle=False)
+    for tel in (gqa, mha):
+        for layer in range(2):
+            tel.record_decode(layer, t, processed, retrieved[layer].bool(), active)
+    # query heads: 3 + 4 of 16 sparse rows; KV groups: layer 0 one per sequence, layer 1 both of the
+    # second sequence: 4 of 8 (pairs); without GQA every head is its own group
+    assert gqa.report().retrieval_ratio == pytest.approx(7 / 16)
+    assert gqa.report().kv_group_retrieval_ratio == pytest.approx(4 / 8)
+    assert mha.report().kv_group_retrieval_ratio == pytest.approx(7 / 16)
+    with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=4"):
+        Telemetry(2, 4, oracle=False, num_kv_heads=3)
 
 
 def test_oracle_telemetry_is_consistent():
