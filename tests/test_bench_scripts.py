@@ -239,10 +239,56 @@ def test_bench_e2e_decode_quick_cpu_json(tmp_path):
         assert r["fastest_dense"] == fastest
         assert math.isclose(r["speedup_vs_fastest_dense"], r["decode_tok_s"] / rows[fastest]["decode_tok_s"])
     assert rows["cis-s16"]["rho_hat"] is not None and rows["cis-s16"]["rho_hat_run"] == "eager, telemetry on"
+    # a KV group reads its keys when any of its query heads retrieves: at least ρ̂ of the groups, at most all
+    assert rows["cis-s16"]["rho_hat"] <= rows["cis-s16"]["kv_group_rho_hat"] <= 1
     # the profiled steps (a CPU has no CUDA kernel events: the wall time is all "not kernels")
     b = rows["cis-s16"]["breakdown_ms_per_step"]
     assert b["all kernels"] == 0 and b["step (profiled)"] > 0 and rows["cis-s16"]["pipeline_kernels_per_step"] == {}
     assert "ρ̂ and processed KV: from the eager, telemetry on" in (tmp_path / "bench_e2e_decode.md").read_text()
+
+
+def _profiled(config: str, ms: float, breakdown: dict, **extra) -> dict:
+    return {"shape": "m", "batch": 2, "prompt": 100, "mode": "static", "config": config, "ms_per_step": ms,
+            "fastest_dense": "dense-gqa", "breakdown_ms_per_step": breakdown, **extra}
+
+
+def test_decode_bound_floor_from_the_dense_rows_parts(tmp_path, capsys):
+    bound = load_script("decode_bound")
+    dense = _profiled("dense-gqa", 10.0, {"dense attention": 6.0, "all kernels": 8.0,
+                                          "linear (proj, MLP, head)": 1.5, "aten (copy, index, reduce)": 0.5})
+    sparse = _profiled("cis", 8.0, {"all kernels": 5.0}, rho_hat=0.2, processed_kv=10.0, dense_kv=100.0,
+                       pipeline_kernels_per_step={"_group_score_kernel": {"ms": 1.5}})
+    report = {"dense_configs": ["dense-gqa"], "rows": [dense, sparse, _profiled("cis-x", 9.0, {})]}
+    # host gap 2 + linear and aten 2 + K reads 0.2 × 6 / 2 + keys and values 10 / 100 × 6 = 4.6 + 0.6
+    (row,) = bound.bounds([("r.json", report)])
+    assert row["kv_group_share_from"] == "ρ̂ (lower bound)" and row["host_gap_ms"] == pytest.approx(2.0)
+    assert row["floor_ms"] == pytest.approx(5.2) and row["bound"] == pytest.approx(10 / 5.2)
+    assert row["bound_without_host_gap"] == pytest.approx(8 / 3.2) and row["score_k_share"] == pytest.approx(0.5)
+    assert row["measured"] == pytest.approx(1.25)
+    # the flag's share where the telemetry has none; the telemetry's where it has one
+    assert bound.bounds([("r.json", report)], 0.5)[0]["floor_ms"] == pytest.approx(5.2 + 0.3 * 3)
+    sparse["kv_group_rho_hat"] = 0.4
+    assert bound.bounds([("r.json", report)], 0.5)[0]["kv_group_share_from"] == "telemetry"
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    assert bound.main(["--results", str(path), "--out", str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["rows"][0]["kv_group_share"] == 0.4
+    assert "| r.json | m B2/100 | cis vs dense-gqa |" in (tmp_path / "b.md").read_text()
+    path.write_text(json.dumps({"rows": [dense]}))
+    with pytest.raises(SystemExit):
+        bound.main(["--results", str(path), "--out", str(tmp_path / "b")])
+    assert "no case has both a profiled dense row and a profiled sparse row" in capsys.readouterr().err
+
+
+def test_probe_kv_group_share_counts_groups_between_rho_and_independent_heads():
+    probe = load_script("probe_kv_group_share")
+    model = tiny_model("llama")  # 4 query / 2 KV heads
+    ids = torch.randint(1, 128, (2, 120))
+    row = probe.measure(model, ids, "cis", 12)
+    assert row["heads_per_kv_head"] == 2 and row["decode_steps"] == 11
+    assert 0 < row["rho_hat"] <= row["kv_group_share"] <= min(1.0, 2 * row["rho_hat"])
+    assert row["independent_heads_share"] == pytest.approx(1 - (1 - row["rho_hat"]) ** 2)
+    assert not hasattr(model, "_prhs_runtime")  # unpatched again
 
 
 def test_bench_e2e_decode_repeats_report_the_median_run_and_every_run(tmp_path):
