@@ -40,6 +40,8 @@ CIS-main, CIS + tail, both at s = 1 (every step retrieves: there the tail step i
 for a query head) and the oracle. ``--schedule group`` runs CIS-main beside group-shared CIS
 (``cis.selection: group``, ranked by the group's largest score, and ``group_mean``, by its mean),
 each also at s = 1, and the oracle: which group ranking loses least against per-head selection.
+``--schedule seeds`` runs the seed systems (CIS + tail, EarlySelectKV, Double Sparsity, CertKV)
+beside CIS-main and the oracle at one budget.
 
 Writes ``docs/results/<--name>.{json,md}`` (default ``selection_quality``) and PNG plots there. Example::
 
@@ -692,6 +694,17 @@ def run_cis_tail_schedule(run, budget: dict[str, int], args: argparse.Namespace)
     run(baseline_variant(budget, "oracle", "Oracle top-k"))
 
 
+def run_seeds_schedule(run, budget: dict[str, int], args: argparse.Namespace) -> None:
+    """``--schedule seeds``: the seed systems at CIS-main's budget: CIS-main, CIS + tail, the
+    EarlySelectKV rows, Double Sparsity (channels from each prompt), CertKV, and the oracle."""
+    run(cis_variant(budget, 16, 0.8, "CIS-main"))
+    run(cis_variant(budget, 16, 0.8, "CIS + tail", tail=True))
+    run_early_select(run, budget, args)
+    run(baseline_variant(budget, "double_sparsity", "Double Sparsity"))
+    run(baseline_variant(budget, "certkv", "CertKV"))
+    run(baseline_variant(budget, "oracle", "Oracle top-k"))
+
+
 def run_group_schedule(run, budget: dict[str, int], args: argparse.Namespace) -> None:
     """``--schedule group``: per-head CIS-main against group-shared selection ranked by the group's
     max and by its mean score, each also at s = 1 (every step retrieves: the ranking alone), and the oracle."""
@@ -747,9 +760,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16, help="Quest page size")
     ap.add_argument("--seed", type=int, default=0, help="RandomExpansion seed")
     ap.add_argument("--es-rank", type=int, default=64, help="rank of the low-rank W_q of the EarlySelectKV rows")
-    ap.add_argument("--schedule", choices=("full", "early_select", "cis_tail", "group", "low_rho"), default="full",
+    ap.add_argument("--schedule", choices=("full", "early_select", "cis_tail", "group", "low_rho", "seeds"),
+                    default="full",
                     help="every selector; or only Quest, CIS-main, the EarlySelectKV rows and the oracle; or only "
-                         "CIS-main, CIS + tail (s = 16 and s = 1) and the oracle")
+                         "CIS-main, CIS + tail (s = 16 and s = 1) and the oracle; seeds: CIS-main, CIS + tail, "
+                         "EarlySelectKV, Double Sparsity, CertKV and the oracle")
     ap.add_argument("--name", default="selection_quality", help="file name (stem) of the report and its plots")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 24 steps, fewer CIS settings (a smoke run)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
@@ -844,6 +859,8 @@ def main(argv=None) -> int:
         run_group_schedule(run, budget, args)
     elif args.schedule == "low_rho":
         run_low_rho_schedule(run, budget, args)
+    elif args.schedule == "seeds":
+        run_seeds_schedule(run, budget, args)
     else:
         run_schedule(run, budget, args, model.config.num_hidden_layers, model.config.num_attention_heads)
 

@@ -51,18 +51,22 @@ def test_quick_run_on_local_data(tmp_path) -> None:
     assert all((out / p).is_file() for p in plots)
 
 
+def _run_schedule(tmp_path, schedule: str) -> dict[str, dict]:
+    """``--quick --schedule SCHEDULE`` on the tiny GQA llama and local CoQA rows: its rows by variant."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    data_dir = write_local_data(tmp_path / "data")
+    out = tmp_path / "out"
+    assert _load_script().main(["--model", str(checkpoint), "--data-dir", str(data_dir), "--datasets", "coqa",
+                                "--quick", "--sink", "4", "--local", "8", "--topk", "16", "--schedule", schedule,
+                                "--name", f"sq_{schedule}", "--out-dir", str(out)]) == 0
+    return {r["variant"]: r for r in json.loads((out / f"sq_{schedule}.json").read_text())["rows"]}
+
+
 def test_group_schedule_compares_the_group_rankings_with_per_head_cis(tmp_path) -> None:
     """``--schedule group`` on the tiny GQA llama (4 query / 2 KV heads): per-head CIS, group max and
     group mean at s = 16 and s = 1, and the oracle. At s = 1 every step retrieves, so per-head CIS is
     the oracle and a group set (one per KV head) keeps at most as much of each head's mass."""
-    selection_quality = _load_script()
-    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
-    data_dir = write_local_data(tmp_path / "data")
-    out = tmp_path / "out"
-    assert selection_quality.main(["--model", str(checkpoint), "--data-dir", str(data_dir), "--datasets", "coqa",
-                                   "--quick", "--sink", "4", "--local", "8", "--topk", "16", "--schedule", "group",
-                                   "--name", "sq_group", "--out-dir", str(out)]) == 0
-    rows = {r["variant"]: r for r in json.loads((out / "sq_group.json").read_text())["rows"]}
+    rows = _run_schedule(tmp_path, "group")
     groups = [f"{tag} group {score}" for tag in ("CIS-main", "CIS s=1") for score in ("max", "mean")]
     assert set(rows) == {"CIS-main", "CIS s=1", "Oracle top-k", *groups}
     for name, selection in zip(groups, ("group", "group_mean") * 2):
@@ -104,3 +108,17 @@ def test_a_missing_text_is_refused_before_the_model_loads(tmp_path, monkeypatch,
     monkeypatch.setattr(selection_quality.fetch, "load_model", no_loading)
     assert selection_quality.main(["--text", str(tmp_path / "none.txt"), "--out-dir", str(tmp_path)]) == 2
     assert "--text: no such file or folder" in capsys.readouterr().err
+
+
+def test_seeds_schedule_runs_the_seed_systems_beside_cis(tmp_path) -> None:
+    """``--schedule seeds``: CIS-main, CIS + tail, the EarlySelectKV rows, Double Sparsity, CertKV and
+    the oracle at one budget, each with its selection quality; the GQA model's CIS rows carry the
+    share of KV groups that retrieve (between ρ̂ and 1)."""
+    rows = _run_schedule(tmp_path, "seeds")
+    assert {"CIS-main", "CIS + tail", "Double Sparsity", "CertKV", "Oracle top-k"} <= set(rows)
+    assert {r["family"] for r in rows.values()} >= {"cis", "cis_tail", "double_sparsity", "certkv", "oracle"}
+    assert {"es_quest", "es_cis"} <= {r["family"] for r in rows.values()}
+    assert not {"Quest", "H2O", "StreamingLLM"} & set(rows)
+    cis = rows["CIS-main"]
+    assert cis["rho_hat"] <= cis["kv_group_rho_hat"] <= 1
+    assert all(r["beta_emp"] >= -1e-6 for r in rows.values())
