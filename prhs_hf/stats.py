@@ -99,6 +99,7 @@ class Telemetry:
         self.num_layers = num_layers
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
+        self.heads_per_kv_head = num_heads // self.num_kv_heads
         self.oracle = oracle
         self._t: dict[str, torch.Tensor] = {}
 
@@ -183,7 +184,7 @@ class Telemetry:
             self._t["processed"].add_(per_layer[:, 0].sum(-1))
             self._t["retrievals"].add_(per_layer[:, 1])
             # (sequence, KV head) pairs with a retrieving query head: the keys an exact retrieval reads
-            grouped = stage[:, 1].view(self.num_layers, batch, self.num_kv_heads, heads // self.num_kv_heads)
+            grouped = stage[:, 1].view(self.num_layers, batch, self.num_kv_heads, self.heads_per_kv_head)
             self._t["kv_retrievals"].add_(grouped.amax(-1).sum((1, 2), dtype=torch.float64))
             self._t["sparse_rows"].add_(per_layer[:, 2].sum(-1))
             self._t["dense"].add_(t.sum(dtype=torch.float64) * heads)
@@ -232,8 +233,7 @@ class Telemetry:
         if retrievals is not None and cis_layers:
             total = float(sum(sparse_rows[i] for i in cis_layers))
             ratio = float(retrievals[cis_layers].sum()) / total
-            if "kv_retrievals" in v:
-                kv_ratio = float(v["kv_retrievals"][cis_layers].sum()) / (total / (self.num_heads // self.num_kv_heads))
+            kv_ratio = float(v["kv_retrievals"][cis_layers].sum()) / (total / self.heads_per_kv_head)
             for i in cis_layers:
                 per_layer_ratio[i] = float(retrievals[i].sum() / sparse_rows[i])
         n_rows = float(rows.sum())

@@ -41,9 +41,6 @@ from typing import Any, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 #: the score kernels that stream K for a retrieval (group-aware and per-row)
 SCORE_KERNELS = ("_group_score_kernel", "_score_kernel")
-COLUMNS = ("source", "shape", "batch", "prompt", "config", "dense_config", "dense_ms", "sparse_ms", "measured",
-           "host_gap_ms", "rho_hat", "kv_group_share", "kv_group_share_from", "score_k_share", "floor_ms",
-           "bound", "bound_without_host_gap")
 
 
 def _case(row: dict) -> tuple:
@@ -52,7 +49,7 @@ def _case(row: dict) -> tuple:
 
 def bound_row(dense: dict, sparse: dict, source: str, kv_group_share: float | None = None) -> dict[str, Any]:
     """The floor of ``sparse``'s step from ``dense``'s measured parts (see the module docstring)."""
-    d, s = dense["breakdown_ms_per_step"], sparse["breakdown_ms_per_step"]
+    d = dense["breakdown_ms_per_step"]
     attention, kernels = d["dense attention"], d["all kernels"]
     host_gap = max(dense["ms_per_step"] - kernels, 0.0)
     rho = sparse.get("rho_hat")
@@ -67,8 +64,8 @@ def bound_row(dense: dict, sparse: dict, source: str, kv_group_share: float | No
     kv_reads = sparse["processed_kv"] / sparse["dense_kv"] * attention
     shared = d.get("linear (proj, MLP, head)", 0.0) + d.get("aten (copy, index, reduce)", 0.0)
     floor = host_gap + shared + k_reads + kv_reads
-    score = next((sparse.get("pipeline_kernels_per_step", {}).get(k) for k in SCORE_KERNELS
-                  if k in sparse.get("pipeline_kernels_per_step", {})), None)
+    pipeline = sparse.get("pipeline_kernels_per_step") or {}
+    score = next((pipeline[k] for k in SCORE_KERNELS if k in pipeline), None)
     return {
         "source": source, "shape": sparse["shape"], "batch": sparse["batch"], "prompt": sparse["prompt"],
         "config": sparse["config"], "dense_config": dense["config"], "dense_ms": dense["ms_per_step"],
@@ -132,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             reports.append((path.name, json.loads(path.read_text())))
         except (OSError, json.JSONDecodeError) as exc:
             ap.error(f"--results: {path}: {exc}")
-    rows = bounds(reports, args.kv_group_share)
+    try:
+        rows = bounds(reports, args.kv_group_share)
+    except ValueError as exc:
+        ap.error(f"--results: {exc}")
     if not rows:
         ap.error("--results: no case has both a profiled dense row and a profiled sparse row (--profile-steps)")
     command = "python scripts/decode_bound.py " + shlex.join(argv if argv is not None else sys.argv[1:])

@@ -278,6 +278,11 @@ def test_decode_bound_floor_from_the_dense_rows_parts(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bound.main(["--results", str(path), "--out", str(tmp_path / "b")])
     assert "no case has both a profiled dense row and a profiled sparse row" in capsys.readouterr().err
+    del sparse["rho_hat"]  # a sparse row without telemetry: named, not a traceback
+    path.write_text(json.dumps(report))
+    with pytest.raises(SystemExit):
+        bound.main(["--results", str(path), "--out", str(tmp_path / "b")])
+    assert "r.json: cis has no ρ̂" in capsys.readouterr().err
 
 
 def test_probe_kv_group_share_counts_groups_between_rho_and_independent_heads():
