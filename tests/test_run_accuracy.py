@@ -13,6 +13,7 @@ import torch
 
 from script_loader import load_script
 from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, save_tiny_checkpoint, write_local_data
+import prhs_hf
 from prhs_hf.accuracy import configs as accuracy_configs
 from prhs_hf.accuracy import direct
 from prhs_hf.lm_eval import metrics, prompts
@@ -214,15 +215,20 @@ def test_hshare_rows_are_the_papers_two_settings() -> None:
 
 
 def test_long_context_baselines_are_the_baselines_at_cis_lb_budget() -> None:
-    """The RULER table's baseline rows: each baseline as configured for the 128-key rows, at cis-lb's
-    64/256/4096 budget; not in the default set (short prompts fit that budget whole)."""
+    """The RULER table's baseline and seed-selector rows: each as configured for the 128-key rows, at
+    cis-lb's 64/256/4096 budget; not in the default set (short prompts fit that budget whole)."""
     ac = accuracy_configs
     lb = ac.load_named_config(ac.named_config("cis-lb")).budget
+    assert {"es-cis", "es-quest", "cis-tail"} <= set(ac.LONG_CONTEXT_BASELINES)
     for name in ac.LONG_CONTEXT_BASELINES:
         short, long = (ac.load_named_config(ac.named_config(n)) for n in (name, f"{name}-lb"))
         assert long.budget == lb != short.budget
-        assert long.baseline == short.baseline and long.baseline.name is not None
+        assert (long.baseline, long.cis, long.early_select) == (short.baseline, short.cis, short.early_select)
+        assert long.baseline.name is not None or long.cis.tail_slot or long.early_select.enabled
         assert f"{name}-lb" not in ac.DEFAULT_CONFIGS and name in ac.DEFAULT_CONFIGS
+    ds = ac.load_named_config(ac.named_config("ds-cal-lb"))
+    shipped = prhs_hf.load_config("ds_qwen2.5-coder-1.5b")
+    assert ds.budget == lb and ds.baseline == shipped.baseline and ds.baseline.label_channels.endswith(".pt")
 
 
 # The device-call plan of tools/pack_for_gpu.py: the rest of its tests are in tests/test_gpu_transfer.py.
