@@ -204,11 +204,16 @@ class EarlySelectConfig:
     (ES-CIS) or ``baseline.name: quest`` (ES-Quest). ``tap`` is the hidden state the proxy is built
     from: ``early`` (entering layer ℓ) or ``mid`` (after layer ℓ's attention residual); ``rank``
     null projects it with layer ℓ+1's exact ``W_q``, an int ``r`` with the rank-``r`` SVD of it.
+    ``side_stream`` (ES-CIS only, ``budget.local >= 1``): layer ℓ+1's CIS selection is launched at
+    layer ℓ's tap on a side CUDA stream and joined before layer ℓ+1's attention, so it can overlap
+    the rest of layer ℓ (eager and compiled ``generate()``; on the CPU it runs in order). Same
+    indices and tokens as without.
     """
 
     enabled: bool = True
     tap: str = "mid"
     rank: int | None = None
+    side_stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -367,6 +372,7 @@ _RULES: dict[str, tuple] = {
     "early_select.enabled": ("bool",),
     "early_select.tap": ("choice", EARLY_SELECT_TAPS),
     "early_select.rank": ("int", 1, MAX_EARLY_SELECT_RANK, False, True),
+    "early_select.side_stream": ("bool",),
 }
 
 _KIND_TEXT = {"int": "an int", "float": "a float"}
@@ -464,6 +470,13 @@ def config_from_dict(data: Mapping[str, Any] | None) -> PrHSConfig:
     return config
 
 
+def _require_no_baseline(config: PrHSConfig, key: str, applies_to: str, fix: str) -> None:
+    """``key`` is a CIS option: raise if a baseline replaces CIS."""
+    if config.baseline.name is not None:
+        raise ConfigError(f"{key}: applies to {applies_to} (no baseline.name); this config has baseline.name: "
+                          f"{config.baseline.name} ({fix})")
+
+
 def _check_sizes(config: PrHSConfig) -> None:
     """The bounds that involve several keys: ``dilation_topm`` within top-k, the index set and the CIS state."""
     b, cis = config.budget, config.cis
@@ -473,9 +486,7 @@ def _check_sizes(config: PrHSConfig) -> None:
         raise ConfigError(f"budget.topk: {b.topk} leaves CertKV no real-token slot beside its tail slot "
                           f"(baseline.tail_slot: true charges one per KV head); allowed >= 2, or tail_slot: false")
     if cis.enabled and cis.tail_slot:
-        if config.baseline.name is not None:
-            raise ConfigError(f"cis.tail_slot: applies to CIS (no baseline.name); this config has baseline.name: "
-                              f"{config.baseline.name} (set cis.tail_slot: false, or baseline.tail_slot for certkv)")
+        _require_no_baseline(config, "cis.tail_slot", "CIS", "set cis.tail_slot: false, or baseline.tail_slot for certkv")
         if b.topk < 2:
             raise ConfigError(f"budget.topk: {b.topk} leaves CIS no real-token slot beside its tail slot "
                               f"(cis.tail_slot: true charges one per row); allowed >= 2, or cis.tail_slot: false")
@@ -484,6 +495,11 @@ def _check_sizes(config: PrHSConfig) -> None:
         selector = f"baseline.name: {config.baseline.name}" if config.baseline.name else "no selector (cis is off)"
         raise ConfigError(f"early_select: applies to {' or '.join(EARLY_SELECT_APPLIES_TO)}; this config has "
                           f"{selector} (remove the early_select section or set early_select.enabled: false)")
+    if es.enabled and es.side_stream:
+        _require_no_baseline(config, "early_select.side_stream", "ES-CIS", "set early_select.side_stream: false")
+        if b.local < 1:
+            raise ConfigError(f"budget.local: {b.local} with early_select.side_stream: the side stream reads the "
+                              f"middle while the current token's key is written; allowed >= 1")
     index_set = config._index_set(config._dilation_topm())
     if index_set > MAX_INDEX_SET:
         raise ConfigError(

@@ -4,7 +4,7 @@ Patching selects the ``"prhs"`` attention implementation (registered with transf
 ``AttentionInterface`` and ``AttentionMaskInterface``), attaches a :class:`~prhs_hf.layer.PrHSLayer`
 to every attention module, adds one forward pre-hook per decoder layer (the PSAW/ETF prefill
 plan), wraps ``q_proj``/``o_proj``/``mlp`` of ETF layers so frozen rows are not computed, registers
-the hooks a selector asks for (``selector.attach(layers)``: EarlySelectKV's taps), and lets beam
+the hooks a selector asks for (``selector.attach(layers, runtime)``: EarlySelectKV's taps), and lets beam
 search reorder the CIS state. Unpatching removes all of it and restores the original
 attention implementation; patching twice replaces the first patch, and leaving the `with` block of the
 second puts the first back (nested blocks nest).
@@ -171,7 +171,7 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
                 runtime.wrapped.append(module)
     attach = getattr(runtime.selector, "attach", None)  # a selector with hooks of its own (EarlySelectKV's taps)
     if attach is not None:
-        runtime.hooks.extend(attach(decoder_layers(model)))
+        runtime.hooks.extend(attach(decoder_layers(model), runtime))
     model.set_attn_implementation(attention.ATTENTION_NAME)
 
     def reorder_cache(cache, beam_idx):

@@ -120,6 +120,14 @@ CONFIGS: dict[str, PatchConfig | None] = {
     # tau 0.7 + keep_anchor_local + dilation +-2: about half cis's retrievals (GSM8K 8-shot rho-hat 9.7 %)
     "cis-low-rho": PatchConfig(ROOT / "configs" / "cis_low_rho.yaml", {}),
     "cpe-calibrated": PatchConfig(ROOT / "configs" / "cpe_qwen2.5-coder-1.5b.yaml", {}),
+    # EarlySelectKV on CIS (mid tap, exact W_q), its next layer's selection on the main stream, and
+    # forked at the tap onto a side CUDA stream (issue 15: does the side stream hide it in the step?)
+    "es-cis": PatchConfig(ROOT / "configs" / "cis.yaml", {"early_select": {"tap": "mid"}}),
+    "es-cis-side": PatchConfig(ROOT / "configs" / "cis.yaml", {"early_select": {"tap": "mid", "side_stream": True}}),
+    "es-cis-s16-share": PatchConfig(CPE, {"cis": {"block_size": 16, "tau": -1.0}, "early_select": {"tap": "mid"},
+                                          **_CIS_ALONE}),
+    "es-cis-side-s16-share": PatchConfig(CPE, {"cis": {"block_size": 16, "tau": -1.0},
+                                               "early_select": {"tap": "mid", "side_stream": True}, **_CIS_ALONE}),
 }
 
 #: the fields a --prompts record may carry its text in, the first present wins

@@ -66,7 +66,8 @@ def make_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable | 
     es = c.early_select
     if selector is None or not es.enabled:
         return selector
-    return EarlySelectSelector(selector, es.tap, es.rank, fidelity=c.telemetry.enabled and c.telemetry.oracle)
+    return EarlySelectSelector(selector, es.tap, es.rank, fidelity=c.telemetry.enabled and c.telemetry.oracle,
+                               side_stream=es.side_stream)
 
 
 def _base_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable | None) -> Selector | None:

@@ -43,18 +43,31 @@ accumulating ``Σ e^s k``, ``Σ e^s v``, ``Σ e^s`` and subtracting the kept set
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from ..cis_state import CISState
-from ..decode import DecodeParams, DecodeSelection, step_frame
+from ..decode import DecodeParams, DecodeSelection, StepFrame, step_frame
 from ..geometry import SequenceGeometry
 from ..kernels.compose_indices import SET_NONE
-from ..kernels.decode_ops import CISSelection, DecodeOps, cis_select
+from ..kernels.decode_ops import CISSelection, DecodeOps, cis_select, group_query
+from ..kernels.side_stream import fork_cis_select, join_cis_select
 from ._common import tail_summaries
 
-__all__ = ["CISSelector"]
+__all__ = ["CISSelector", "CISStart"]
+
+
+class CISStart(NamedTuple):
+    """A step :meth:`CISSelector.start` began: its frame and the selection, or, forked onto the side
+    stream, ``forked = (ticket, keep, sizes)`` for the join."""
+
+    layer: int
+    params: DecodeParams
+    frame: StepFrame
+    win_start: torch.Tensor
+    selection: CISSelection | None
+    forked: tuple | None
 
 
 class CISSelector:
@@ -148,6 +161,16 @@ class CISSelector:
     ) -> DecodeSelection:
         """One decode step of ``layer`` for ``q [B, Hq, D]`` (SPEC §4 steps 1-4); the first layer
         of each device's state opens the step for its layers."""
+        return self.finish(self.start(layer, q, k_cache, geom, params, scale), q, k_cache, v_cache, geom, scale)
+
+    def start(
+        self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, geom: SequenceGeometry, params: DecodeParams,
+        scale: float, fork: bool = False,
+    ) -> CISStart:
+        """Match, retrieval and composition of ``layer``'s step (:func:`cis_select`), the part that
+        reads only the anchors, the middle of the cache and ``q``. ``fork=True`` launches it on a
+        side CUDA stream (:func:`~prhs_hf.kernels.side_stream.fork_cis_select`; EarlySelectKV's
+        ``side_stream``), unless ``layer`` opens its device's step; :meth:`finish` joins it."""
         slot = self._slot.get(layer)
         if slot is None:
             raise RuntimeError("CIS decode step before any prefill: run the prompt through the patched model first")
@@ -165,18 +188,39 @@ class CISSelector:
             since_block_start = torch.remainder(state.step - 1, self.block_size).to(torch.int32)
             win_start = torch.minimum(f.win_start, torch.maximum(f.hi - since_block_start, f.lo))
         k = p.topk - 1 if self.tail_slot else p.topk  # the tail slot is charged to the top-k budget
-        sel = cis_select(
-            self.ops_for(q.device), q, k_cache, geom.pad, f.t, f.lo, f.hi, win_start,
-            anchor_q, anchor_count, anchor_set, f.active,
-            tau=p.tau, sink=p.sink, k=k, dil_m=p.dilation_topm, dil_r=p.dilation_radius, cap=p.capacity, scale=scale,
-            grouped=self.grouped, group_score=self.group_score,
-        )
+        sizes = dict(tau=p.tau, sink=p.sink, k=k, dil_m=p.dilation_topm, dil_r=p.dilation_radius, cap=p.capacity,
+                     scale=scale, grouped=self.grouped, group_score=self.group_score)
+        ops = self.ops_for(q.device)
+        args = (q, k_cache, geom.pad, f.t, f.lo, f.hi, win_start, anchor_q, anchor_count, anchor_set, f.active)
+        if fork and local > 0:
+            ticket, keep = fork_cis_select(layer, ops.name, *args, **sizes)
+            return CISStart(layer, p, f, win_start, None, (ticket, keep, sizes))
+        return CISStart(layer, p, f, win_start, cis_select(ops, *args, **sizes), None)
+
+    def finish(
+        self, started: CISStart, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        geom: SequenceGeometry, scale: float,
+    ) -> DecodeSelection:
+        """The rest of the step :meth:`start` began (joined first if it was forked): the anchors of
+        the retrieving rows recorded, the tail pairs with ``cis.tail_slot``, the selection."""
+        device, local = self._slot[started.layer]
+        state = self.states[device]
+        f = started.frame
+        sel = started.selection
+        if sel is None:
+            ticket, keep, sizes = started.forked
+            kv_heads = k_cache.shape[1]
+            rows = kv_heads if self.grouped else q.shape[1]
+            best, new_idx, new_set, idx, count = join_cis_select(
+                ticket, keep, started.layer, rows=rows, k=sizes["k"], dil_m=sizes["dil_m"], dil_r=sizes["dil_r"],
+                cap=sizes["cap"])
+            sel = CISSelection(best, new_idx, new_set, idx, count, group_query(q, kv_heads) if self.grouped else q)
         retrieved = sel.best == -1
         if not self.tail_slot:
             state.record(local, sel.match_q, sel.new_set, retrieved)
             return DecodeSelection(sel.idx, sel.count, retrieved, f.active)
         tail, stored = self._tail_step(state, local, q, k_cache, v_cache, geom, f.t, f.lo,
-                                       torch.minimum(f.hi, win_start), sel, p, scale)
+                                       torch.minimum(f.hi, started.win_start), sel, started.params, scale)
         state.record(local, sel.match_q, sel.new_set, retrieved, stored)
         charged = torch.isfinite(tail[2])
         return DecodeSelection(sel.idx, sel.count + charged.to(sel.count.dtype), retrieved, f.active, tail)

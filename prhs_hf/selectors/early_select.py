@@ -20,23 +20,26 @@ anchor match, the retrieval and the anchors themselves use the proxy). The wrapp
 unchanged, so the budget accounting, ρ̂ and telemetry are exactly its own; the attention of
 :class:`~prhs_hf.layer.PrHSLayer` always receives the real query.
 
-Latency hiding (not built here; for the H200): the proxy of layer ℓ+1 is computed in layer ℓ's
-hook and only consumed by layer ℓ+1's :meth:`EarlySelectSelector.select`. Everything that
-selection reads is ready at the end of the tap: the proxy, and layer ℓ+1's cache rows of the
-middle region (the current token is always in the local window, so it is never scored). The proxy
-projection and the selection can therefore be launched on a side CUDA stream from layer ℓ's hook
-and joined with an event in layer ℓ+1's ``select``; here both run on the main stream, the
-projection in the hook and the selection at layer ℓ+1. Whether the side stream would hide the
-selection is measured per layer by ``scripts/probe_es_side_stream.py`` (CUDA graphs of the
-sequential and the forked/joined step, on the model's kernels) before it is built into the step.
+Latency hiding (``early_select.side_stream``, ES-CIS): the proxy of layer ℓ+1 is computed in layer
+ℓ's hook and only consumed by layer ℓ+1's :meth:`EarlySelectSelector.select`. Everything that
+selection reads is ready at the end of the tap: the proxy, layer ℓ+1's anchors, and its cache rows
+of the middle region (the current token is always in the local window, so it is never scored).
+With ``side_stream`` the hook therefore starts layer ℓ+1's CIS selection
+(:meth:`CISSelector.start <prhs_hf.selectors.cis.CISSelector.start>` with ``fork=True``) on a side
+CUDA stream (:mod:`prhs_hf.kernels.side_stream`), and layer ℓ+1's ``select`` joins it and finishes
+the step (anchors recorded, on the main stream). Without it the selection runs at layer ℓ+1. The
+same indices either way; under ``torch.compile`` the fork and the join are two custom ops, and the
+CUDA graph holds both streams. Not forked: layer 1 with the early tap (its fork would come before
+layer 0 opens the step) and the first layer of each device under a ``device_map``.
+``scripts/probe_es_side_stream.py`` measures the overlap per layer, ``scripts/bench_e2e_decode.py``
+(configs ``es-cis`` and ``es-cis-side``) in the compiled ``generate()`` step.
 
 Fidelity telemetry (``telemetry.oracle``): at every decode step of layers ℓ ≥ 1 the selector
 compares the exact top-k middle sets of the proxy and of the real query (overlap
 ``|S_proxy ∩ S_real| / |S_real|``) and the attention mass of ``sink ∪ S ∪ local`` under the real
 query's full attention; :meth:`EarlySelectSelector.fidelity` gives the per-layer means.
 
-Not covered: tensor parallelism (a sharded ``q_proj`` would need its shard's SVD) and
-``torch.compile`` of the hooked step (untested).
+Not covered: tensor parallelism (a sharded ``q_proj`` would need its shard's SVD).
 """
 
 from __future__ import annotations
@@ -51,8 +54,10 @@ from torch import nn
 from ..config import ConfigError
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
+from ..kernels.side_stream import drop_pending
 from ._common import compose, retrieve_topk, step_frame, to_real, visible_probabilities
 from .base import Selector
+from .cis import CISSelector, CISStart
 
 __all__ = ["EarlySelectSelector", "QueryProjection", "TAPS", "low_rank_factors"]
 
@@ -109,29 +114,45 @@ class EarlySelectSelector:
         tap: ``"early"`` or ``"mid"`` (``early_select.tap``).
         rank: ``None`` for the exact ``W_q``, else the rank of its SVD factorisation (``early_select.rank``).
         fidelity: measure proxy fidelity per layer at every decode step (``telemetry.oracle``).
+        side_stream: start layer ℓ+1's selection at layer ℓ's tap on a side CUDA stream
+            (``early_select.side_stream``; ``base`` a :class:`~prhs_hf.selectors.cis.CISSelector`).
     """
 
-    def __init__(self, base: Selector, tap: str = "mid", rank: int | None = None, fidelity: bool = False):
+    def __init__(self, base: Selector, tap: str = "mid", rank: int | None = None, fidelity: bool = False,
+                 side_stream: bool = False):
         if tap not in TAPS:
             raise ConfigError(f"early_select.tap: {tap!r} is not allowed; allowed: {', '.join(TAPS)}")
         if rank is not None and rank < 1:
             raise ConfigError(f"early_select.rank: {rank} is out of range; allowed >= 1 or null")
+        if side_stream and not isinstance(base, CISSelector):
+            raise ConfigError(f"early_select.side_stream: applies to ES-CIS; the selector is {type(base).__name__}")
         self.base = base
         self.tap = tap
         self.rank = rank
         self.measure_fidelity = fidelity
+        self.side_stream = side_stream
         self.projections: dict[int, QueryProjection] = {}  # target layer -> its query path (layers >= 1)
         self.proxies: dict[int, torch.Tensor] = {}  # target layer -> this step's proxy query
+        self.started: dict[int, CISStart] = {}  # target layer -> its selection started at the tap (side_stream)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cache = None  # this forward's past_key_values (side_stream)
+        self._runtime = None  # geometry, decode params and scaling of the patched model (side_stream)
+        self._layers: nn.ModuleList | None = None
         self._fid: dict[int, torch.Tensor] = {}  # layer -> float64 [rows, overlap, mass_proxy, mass_real]
 
     # ------------------------------------------------------------------ hooks
 
-    def attach(self, layers: nn.ModuleList) -> list:
+    def attach(self, layers: nn.ModuleList, runtime=None) -> list:
         """Build layers 1..N-1's query paths (the SVDs once per selector) and register the taps on ``layers``.
 
-        Returns the hook handles; the caller removes them (``patch`` keeps them with its own hooks).
+        ``runtime`` (the model's :class:`~prhs_hf.runtime.PrHSRuntime`: the step's geometry and each
+        layer's decode params) is needed with ``side_stream``. Returns the hook handles; the caller
+        removes them (``patch`` keeps them with its own hooks).
         """
+        if self.side_stream and runtime is None:
+            raise ValueError("early_select.side_stream: attach(layers, runtime) needs the patched model's runtime")
+        self._runtime = runtime
+        self._layers = layers
         if not self.projections:
             self.projections = {i: QueryProjection(layers[i], self.rank) for i in range(1, len(layers))}
         handles = []
@@ -147,8 +168,9 @@ class EarlySelectSelector:
             if hidden.shape[1] != 1:  # a prompt: nothing to precompute
                 return
             self._rope = kwargs["position_embeddings"]
+            self._cache = kwargs.get("past_key_values")
             if self.tap == "early":
-                self.proxies[i + 1] = self.projections[i + 1](hidden, *self._rope)
+                self._tap(i + 1, hidden, fork=i > 0)  # layer 1's fork would come before layer 0 opens the step
 
         return hook
 
@@ -156,9 +178,24 @@ class EarlySelectSelector:
         def hook(module, args):
             hidden = args[0]
             if hidden.shape[1] == 1:
-                self.proxies[i + 1] = self.projections[i + 1](hidden, *self._rope)
+                self._tap(i + 1, hidden, fork=True)
 
         return hook
+
+    def _tap(self, layer: int, hidden: torch.Tensor, fork: bool) -> None:
+        """Layer ``layer``'s proxy from the tap's ``hidden``; with ``side_stream``, its selection started."""
+        proxy = self.projections[layer](hidden, *self._rope)
+        self.proxies[layer] = proxy
+        layers = getattr(self._cache, "layers", None)
+        if not (self.side_stream and fork and self._runtime.is_decoding(hidden.shape[1])
+                and layers is not None and len(layers) > layer):
+            return  # a 1-token prompt is a prefill: nothing to select
+        k_cache = layers[layer].keys
+        geom = self._runtime.geometry_on(k_cache.device)
+        params = self._runtime.layers[layer].decode_params
+        scale = self._layers[layer].self_attn.scaling
+        self.started[layer] = self.base.start(layer, proxy.to(device=k_cache.device, dtype=k_cache.dtype), k_cache,
+                                              geom, params, scale, fork=True)
 
     # ------------------------------------------------------------------ selector protocol
 
@@ -168,6 +205,8 @@ class EarlySelectSelector:
         """The wrapped selector's prefill (a prompt's queries are real: nothing is precomputed)."""
         if layer == 0:
             self.proxies.clear()
+            self.started.clear()
+            drop_pending()
         self.base.observe_prefill(layer, query, key, geom, scale)
 
     def select(
@@ -184,6 +223,9 @@ class EarlySelectSelector:
             proxy = proxy.to(device=q.device, dtype=q.dtype)
             if self.measure_fidelity:
                 self._record_fidelity(layer, proxy, q, k_cache, geom, params, scale)
+            started = self.started.pop(layer, None)
+            if started is not None:
+                return self.base.finish(started, proxy, k_cache, v_cache, geom, scale)
         return self.base.select(layer, proxy, k_cache, v_cache, geom, params, scale)
 
     def reorder(self, index: torch.Tensor) -> None:
@@ -194,6 +236,8 @@ class EarlySelectSelector:
         """Forget the wrapped selector's state, the proxies and the fidelity counters."""
         self.base.reset()
         self.proxies.clear()
+        self.started.clear()
+        drop_pending()
         self._fid.clear()
 
     # ------------------------------------------------------------------ fidelity
