@@ -74,9 +74,7 @@ def dilated_set_op(sel_idx: Tensor, rows: Tensor, dil_m: int, dil_r: int, span: 
 @dilated_set_op.register_fake
 def _(sel_idx, rows, dil_m, dil_r, span=0):
     B, H, K = sel_idx.shape
-    r = max(int(dil_r), 0)
-    m = min(int(dil_m), K) if r > 0 else 0
-    return _int32(B, H, dilated_set_size(K, m, r), like=sel_idx)
+    return _int32(B, H, dilated_set_size(K, dil_m, dil_r), like=sel_idx)
 
 
 @torch.library.custom_op("prhs::compose_from_sets", mutates_args=())

@@ -111,12 +111,10 @@ def _join_op(
 
 @_join_op.register_fake
 def _(ticket, keep, layer, rows, k, dil_m, dil_r, cap):
-    batch = keep[0].shape[0]
-    r = max(int(dil_r), 0)
-    m = min(int(dil_m), k) if r > 0 else 0
     like = keep[0]
+    batch = like.shape[0]
     return (like.new_empty(batch, rows, dtype=torch.int32), like.new_empty(batch, rows, k, dtype=torch.int32),
-            like.new_empty(batch, rows, dilated_set_size(k, m, r), dtype=torch.int32),
+            like.new_empty(batch, rows, dilated_set_size(k, dil_m, dil_r), dtype=torch.int32),
             like.new_empty(batch, rows, cap, dtype=torch.int32), like.new_empty(batch, rows, dtype=torch.int32))
 
 

@@ -189,7 +189,7 @@ class EarlySelectSelector:
         layers = getattr(self._cache, "layers", None)
         if not (self.side_stream and fork and self._runtime.is_decoding(hidden.shape[1])
                 and layers is not None and len(layers) > layer):
-            return  # a 1-token prompt is a prefill: nothing to select
+            return  # selected at the layer itself (also a 1-token prompt: a prefill, nothing to select)
         k_cache = layers[layer].keys
         geom = self._runtime.geometry_on(k_cache.device)
         params = self._runtime.layers[layer].decode_params
