@@ -65,6 +65,7 @@ __all__ = [
     "NORM_EPS",
     "num_sms",
     "interpreting",
+    "layer_rows",
 ]
 
 #: Floor of a vector norm in the cosine of `cis_match` (a zero vector has cosine 0).
@@ -113,3 +114,15 @@ def num_sms(device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+def layer_rows(layer: int, batch: int, heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index tensors ``(layer, b, h)`` broadcasting to ``[B, H]``: where ``index_put_`` writes one
+    entry per row of ``layer`` into a selector's ``[L, B, H, ...]`` state buffer.
+
+    The decode state of all layers lives in one buffer per kind (fewer graph inputs); it is written
+    through the buffer itself, not a view of one layer's slice, because under torch.compile a
+    mutated view becomes a ``select_scatter``: copies of the slice per layer and of the whole buffer
+    back into it at every step (docs/DECODE_PIPELINE.md)."""
+    return (torch.full((1, 1), layer, dtype=torch.long, device=device),
+            torch.arange(batch, device=device)[:, None], torch.arange(heads, device=device)[None, :])

@@ -3,7 +3,9 @@
 Contract (docs/DECODE_PIPELINE.md §1): for an active row ``(b, h)``,
 ``sim_a = cos(q[b, h], anchor_q[b, h, a])`` for ``a < anchor_count[b, h]`` (fp32; a zero vector
 has cosine 0); ``best = argmax_a sim_a`` (lowest ``a`` on ties) if ``max sim >= tau`` else
-``-1`` (the head retrieves); no anchors gives ``-1``; an inactive sequence gives ``-2``.
+``-1`` (the head retrieves); no anchors gives ``-1``; an inactive sequence gives ``-2``. Beside
+``best`` the step returns ``retrieve = best == -1`` as a bool tensor of its own: the retrieval
+takes it as is, where a compiled step would otherwise launch a kernel to compare.
 
 Both operands are normalised here (``x / max(|x|, NORM_EPS)``), so the anchors need not be
 exactly unit vectors.
@@ -14,16 +16,25 @@ launcher :func:`cis_match`, and the PyTorch reference :func:`cis_match_reference
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ._common import NORM_EPS, next_pow2, require_triton, tl, triton
 
-__all__ = ["cis_match", "cis_match_reference"]
+__all__ = ["CISMatch", "cis_match", "cis_match_reference"]
+
+
+class CISMatch(NamedTuple):
+    """What :func:`cis_match` returns."""
+
+    best: torch.Tensor  # [B, H] int32 matched anchor, -1 retrieve, -2 inactive sequence
+    retrieve: torch.Tensor  # [B, H] bool: best == -1
 
 
 @triton.jit
 def _cis_match_kernel(
-    Q, A, CNT, ACT, OUT,
+    Q, A, CNT, ACT, OUT, RETR,
     stride_qb, stride_qh,
     stride_ab, stride_ah, stride_as,
     stride_cb, stride_ch,
@@ -54,6 +65,7 @@ def _cis_match_kernel(
     act = tl.load(ACT + b).to(tl.int32)
     best = tl.where(act != 0, best, -2)
     tl.store(OUT + pid, best.to(tl.int32))
+    tl.store(RETR + pid, (best == -1).to(tl.int8))
 
 
 def cis_match(
@@ -62,7 +74,7 @@ def cis_match(
     anchor_count: torch.Tensor,
     active: torch.Tensor,
     tau: float,
-) -> torch.Tensor:
+) -> CISMatch:
     """Triton CIS matching: one launch, one program per (batch, query head) row, no sync.
 
     Args and result as :func:`cis_match_reference`.
@@ -75,10 +87,11 @@ def cis_match(
     if anchor_q.stride(-1) != 1:
         anchor_q = anchor_q.contiguous()
     out = torch.empty((B, H), dtype=torch.int32, device=q.device)
+    retrieve = torch.empty((B, H), dtype=torch.bool, device=q.device)
     if B * H == 0:
-        return out
+        return CISMatch(out, retrieve)
     _cis_match_kernel[(B * H,)](
-        q, anchor_q, anchor_count, active, out,
+        q, anchor_q, anchor_count, active, out, retrieve.view(torch.int8),
         q.stride(0), q.stride(1),
         anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
         anchor_count.stride(0), anchor_count.stride(1),
@@ -87,7 +100,7 @@ def cis_match(
         BLOCK_A=next_pow2(s, 2), BLOCK_D=next_pow2(D, 16),
         num_warps=4 if D * s >= 2048 else 2,
     )
-    return out
+    return CISMatch(out, retrieve)
 
 
 def cis_match_reference(
@@ -96,7 +109,7 @@ def cis_match_reference(
     anchor_count: torch.Tensor,
     active: torch.Tensor,
     tau: float,
-) -> torch.Tensor:
+) -> CISMatch:
     """PyTorch reference of :func:`cis_match` (vectorised, sync-free).
 
     Args:
@@ -107,7 +120,8 @@ def cis_match_reference(
         tau: cosine threshold for sharing.
 
     Returns:
-        ``[B, Hq]`` int32: best anchor, ``-1`` (retrieve) or ``-2`` (inactive sequence).
+        ``(best, retrieve)``: ``[B, Hq]`` int32 best anchor, ``-1`` (retrieve) or ``-2`` (inactive
+        sequence), and ``[B, Hq]`` bool ``best == -1``.
     """
     s = anchor_q.shape[2]
     qf = q.float()
@@ -124,4 +138,5 @@ def cis_match_reference(
     best = torch.argmax(sim, dim=-1).to(torch.int32)
     share = (anchor_count > 0) & (best_sim >= tau)
     best = torch.where(share, best, torch.full_like(best, -1))
-    return torch.where(active.unsqueeze(-1), best, torch.full_like(best, -2))
+    best = torch.where(active.unsqueeze(-1), best, torch.full_like(best, -2))
+    return CISMatch(best, best == -1)

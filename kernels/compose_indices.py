@@ -31,6 +31,8 @@ __all__ = [
     "dilated_set_size",
     "compose_from_sets",
     "compose_from_sets_reference",
+    "dilate_and_compose",
+    "dilate_and_compose_reference",
     "SET_NONE",
 ]
 
@@ -95,6 +97,63 @@ def _dilated_candidates(SEL, i, K, M, R):
 
 
 @triton.jit
+def _write_composed(out, cnt_ptr, v, keep, rank, n_mid, n_below, s_end, w0, wlen, CAP, BLOCK: tl.constexpr):
+    """Write a row's composed list to ``out``: the kept middle values ``v`` (ascending, ``rank``
+    among them) at their closed-form slots, the sinks ``[0, s_end)``, the window ``[w0, w0 + wlen)``,
+    ``-1`` after the count; the count to ``cnt_ptr``."""
+    pos = s_end + rank + tl.where(v >= w0, wlen, 0)
+    tl.store(out + pos, v, mask=(keep != 0) & (pos < CAP))
+    offs = tl.arange(0, BLOCK)
+    for j0 in range(0, s_end, BLOCK):
+        j = j0 + offs
+        tl.store(out + j, j, mask=(j < s_end) & (j < CAP))
+    base = s_end + n_below
+    for j0 in range(0, wlen, BLOCK):
+        j = j0 + offs
+        tl.store(out + base + j, w0 + j, mask=(j < wlen) & (base + j < CAP))
+    count = tl.minimum(s_end + n_mid + wlen, CAP)
+    for j0 in range(count, CAP, BLOCK):
+        j = j0 + offs
+        tl.store(out + j, tl.full([BLOCK], -1, tl.int32), mask=j < CAP)
+    tl.store(cnt_ptr, count)
+
+
+@triton.jit
+def _compose_from_set(T, LO, HI, WS, b, SINK, x, out, cnt_ptr, CAP, BLOCK: tl.constexpr):
+    """Compose a row from its middle candidates ``x`` (set entries ``(v << 1) | flag`` ascending in
+    ``v``, each index once, SET_NONE anywhere): those in the middle and outside sink and window."""
+    t, lo, hi, s_end, w0, wlen = _step_regions(T, LO, HI, WS, b, SINK)
+    v = x >> 1
+    ok = (x != 2147483647) & (v >= lo) & (v < hi) & (v >= s_end) & ((v < w0) | (v >= t))
+    keep = ok.to(tl.int32)
+    rank = tl.cumsum(keep, axis=0) - keep
+    n_mid = tl.sum(keep, axis=0)
+    n_below = tl.sum(tl.where(v < w0, keep, 0), axis=0)
+    _write_composed(out, cnt_ptr, v, keep, rank, n_mid, n_below, s_end, w0, wlen, CAP, BLOCK)
+
+
+@triton.jit
+def _sorted_dilated_set(SEL_ROW, i, K, M, R):
+    """A row's dilated set in registers: ``(x, first)``, ``x`` its candidates ``(v << 1) |
+    only_neighbour`` sorted ascending (SET_NONE where none), ``first`` the first entry of each
+    index (the selected one where an index is both)."""
+    p, off, is_sel, ok = _dilated_candidates(SEL_ROW, i, K, M, R)
+    x = tl.sort(tl.where(ok, ((p + off) << 1) | tl.where(is_sel, 0, 1), 2147483647))
+    _, prev = tl.associative_scan((x, tl.full(x.shape, -2147483648, tl.int32)), 0, _last_two)
+    return x, (x != 2147483647) & ((x >> 1) != (prev >> 1))
+
+
+@triton.jit
+def _store_set(out, x, first, i, NSET):
+    """Store the entries ``first`` of ``x`` compacted to ``out[:n]``, SET_NONE after."""
+    keep = first.to(tl.int32)
+    pos = tl.cumsum(keep, axis=0) - keep
+    n = tl.sum(keep, axis=0)
+    tl.store(out + pos, x, mask=first & (pos < NSET))
+    tl.store(out + i, tl.full(x.shape, 2147483647, tl.int32), mask=(i >= n) & (i < NSET))
+
+
+@triton.jit
 def _compose_kernel(
     T, LO, HI, WS, SEL, DIL, IDX, CNT,
     stride_sb, stride_sh, stride_db, stride_dh,
@@ -118,23 +177,7 @@ def _compose_kernel(
     rank = tl.cumsum(keep, axis=0) - keep
     n_mid = tl.sum(keep, axis=0)
     n_below = tl.sum(tl.where(v < w0, keep, 0), axis=0)
-    out = IDX + pid * CAP
-    pos = s_end + rank + tl.where(v >= w0, wlen, 0)
-    tl.store(out + pos, v, mask=(keep != 0) & (pos < CAP))
-
-    offs = tl.arange(0, BLOCK)
-    for j0 in range(0, s_end, BLOCK):
-        j = j0 + offs
-        tl.store(out + j, j, mask=(j < s_end) & (j < CAP))
-    base = s_end + n_below
-    for j0 in range(0, wlen, BLOCK):
-        j = j0 + offs
-        tl.store(out + base + j, w0 + j, mask=(j < wlen) & (base + j < CAP))
-    count = tl.minimum(s_end + n_mid + wlen, CAP)
-    for j0 in range(count, CAP, BLOCK):
-        j = j0 + offs
-        tl.store(out + j, tl.full([BLOCK], -1, tl.int32), mask=j < CAP)
-    tl.store(CNT + pid, count)
+    _write_composed(IDX + pid * CAP, CNT + pid, v, keep, rank, n_mid, n_below, s_end, w0, wlen, CAP, BLOCK)
 
 
 def compose_indices(
@@ -219,15 +262,8 @@ def _dilated_set_kernel(
     i = tl.arange(0, NC)
     out = OUT + pid.to(tl.int64) * NSET
     if flag != 0:
-        p, off, is_sel, ok = _dilated_candidates(SEL + b * stride_sb + h * stride_sh, i, K, M, R)
-        x = tl.where(ok, ((p + off) << 1) | tl.where(is_sel, 0, 1), 2147483647)
-        x = tl.sort(x)
-        _, prev = tl.associative_scan((x, tl.full([NC], -2147483648, tl.int32)), 0, _last_two)
-        keep = ((x != 2147483647) & ((x >> 1) != (prev >> 1))).to(tl.int32)
-        pos = tl.cumsum(keep, axis=0) - keep
-        n = tl.sum(keep, axis=0)
-        tl.store(out + pos, x, mask=(keep != 0) & (pos < NSET))
-        tl.store(out + i, tl.full([NC], 2147483647, tl.int32), mask=(i >= n) & (i < NSET))
+        x, first = _sorted_dilated_set(SEL + b * stride_sb + h * stride_sh, i, K, M, R)
+        _store_set(out, x, first, i, NSET)
     else:
         tl.store(out + i, tl.full([NC], 2147483647, tl.int32), mask=i < NSET)
 
@@ -383,40 +419,16 @@ def _compose_sets_kernel(
 ):
     """One program per row: filter its (sorted, unique) set, prefix-sum the output slots."""
     pid, b, h = _program_bh(H)
-    t, lo, hi, s_end, w0, wlen = _step_regions(T, LO, HI, WS, b, SINK)
     best = tl.load(BEST + b * stride_bb + h * stride_bh)
-    shared = best >= 0
     i = tl.arange(0, NC)
     im = i < NSET
     xa = tl.load(ASET + b.to(tl.int64) * stride_ab + h * stride_ah + tl.maximum(best, 0) * stride_as + i,
-                 mask=im & shared, other=2147483647)
+                 mask=im & (best >= 0), other=2147483647)
     xn = tl.load(NSETP + b.to(tl.int64) * stride_nb + h * stride_nh + i,
                  mask=im & (best == -1), other=2147483647)
-    x = tl.where(shared, xa, xn)
-    v = x >> 1
-    ok = (x != 2147483647) & (shared | ((x & 1) == 0))
-    ok = ok & (v >= lo) & (v < hi) & (v >= s_end) & ((v < w0) | (v >= t))
-    keep = ok.to(tl.int32)
-    rank = tl.cumsum(keep, axis=0) - keep
-    n_mid = tl.sum(keep, axis=0)
-    n_below = tl.sum(tl.where(v < w0, keep, 0), axis=0)
-    out = IDX + pid.to(tl.int64) * CAP
-    pos = s_end + rank + tl.where(v >= w0, wlen, 0)
-    tl.store(out + pos, v, mask=ok & (pos < CAP))
-
-    offs = tl.arange(0, BLOCK)
-    for j0 in range(0, s_end, BLOCK):
-        j = j0 + offs
-        tl.store(out + j, j, mask=(j < s_end) & (j < CAP))
-    base = s_end + n_below
-    for j0 in range(0, wlen, BLOCK):
-        j = j0 + offs
-        tl.store(out + base + j, w0 + j, mask=(j < wlen) & (base + j < CAP))
-    count = tl.minimum(s_end + n_mid + wlen, CAP)
-    for j0 in range(count, CAP, BLOCK):
-        j = j0 + offs
-        tl.store(out + j, tl.full([BLOCK], -1, tl.int32), mask=j < CAP)
-    tl.store(CNT + pid, count)
+    # a retrieving row attends to its own top-k: the neighbours of its set are for its sharers
+    x = tl.where(best >= 0, xa, tl.where((xn & 1) == 0, xn, 2147483647))
+    _compose_from_set(T, LO, HI, WS, b, SINK, x, IDX + pid.to(tl.int64) * CAP, CNT + pid, CAP, BLOCK)
 
 
 def compose_from_sets(
@@ -459,6 +471,82 @@ def compose_from_sets(
         num_warps=4 if nc <= 1024 else 8,
     )
     return idx, cnt
+
+
+@triton.jit
+def _dilate_compose_kernel(
+    T, LO, HI, WS, BEST, ASET, SEL, NEWSET, IDX, CNT,
+    stride_bb, stride_bh, stride_ab, stride_ah, stride_as, stride_sb, stride_sh,
+    K, M, R, NSET, SINK, CAP,
+    H: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per row: a retrieving row sorts its dilated set (stored) and composes from its
+    selected entries; a sharing row composes from its anchor's set (``_dilated_set_kernel`` then
+    ``_compose_sets_kernel``, in one launch)."""
+    pid, b, h = _program_bh(H)
+    best = tl.load(BEST + b * stride_bb + h * stride_bh)
+    i = tl.arange(0, NC)
+    new_row = NEWSET + pid.to(tl.int64) * NSET
+    if best == -1:
+        x, first = _sorted_dilated_set(SEL + b * stride_sb + h * stride_sh, i, K, M, R)
+        _store_set(new_row, x, first, i, NSET)
+        x = tl.where(first & ((x & 1) == 0), x, 2147483647)
+    else:
+        tl.store(new_row + i, tl.full([NC], 2147483647, tl.int32), mask=i < NSET)
+        x = tl.load(ASET + b.to(tl.int64) * stride_ab + h * stride_ah + tl.maximum(best, 0) * stride_as + i,
+                    mask=(i < NSET) & (best >= 0), other=2147483647)
+    _compose_from_set(T, LO, HI, WS, b, SINK, x, IDX + pid.to(tl.int64) * CAP, CNT + pid, CAP, BLOCK)
+
+
+def _check_dilate_and_compose(best, anchor_sets, new_idx, dil_m, dil_r) -> int:
+    B, H, _, nset = anchor_sets.shape
+    want = dilated_set_size(new_idx.shape[-1], dil_m, dil_r)
+    if best.shape != (B, H) or new_idx.shape[:2] != (B, H) or nset != want:
+        raise ValueError(f"dilate_and_compose: best {tuple(best.shape)} / new_idx {tuple(new_idx.shape)} / anchor_sets "
+                         f"{tuple(anchor_sets.shape)}: expected [B, H] / [B, H, k] / [B, H, s, "
+                         f"dilated_set_size(k, dil_m, dil_r) = {want}]")
+    return nset
+
+
+def dilate_and_compose(
+    t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, win_start: torch.Tensor, best: torch.Tensor,
+    anchor_sets: torch.Tensor, new_idx: torch.Tensor, sink: int, cap: int, dil_m: int, dil_r: int, span: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton dilated sets of the retrieving rows and composition of every row, in one launch
+    (:func:`dilated_set` then :func:`compose_from_sets`, which it equals). Sets that
+    :func:`dilated_set` would build on its map path (``span`` given and at least
+    :data:`MAP_FROM_ENTRIES` entries) take those two launchers instead.
+
+    Args and result as :func:`dilate_and_compose_reference`.
+    """
+    require_triton(best, anchor_sets, new_idx)
+    nset = _check_dilate_and_compose(best, anchor_sets, new_idx, dil_m, dil_r)
+    B, H, K = new_idx.shape
+    r = max(int(dil_r), 0)
+    m = min(int(dil_m), K) if r > 0 else 0
+    nc = next_pow2(max(nset, 1), 16)
+    cap = int(cap)
+    if B * H == 0 or cap == 0 or nset == 0 or (span > 0 and nc >= MAP_FROM_ENTRIES):
+        new_set = dilated_set(new_idx, best == -1, dil_m, dil_r, span)
+        return (new_set, *compose_from_sets(t, lo, hi, win_start, best, anchor_sets, new_set, sink, cap))
+    dev = best.device
+    new_set = torch.empty((B, H, nset), dtype=torch.int32, device=dev)
+    idx = torch.empty((B, H, cap), dtype=torch.int32, device=dev)
+    cnt = torch.empty((B, H), dtype=torch.int32, device=dev)
+    if anchor_sets.stride(-1) != 1:
+        anchor_sets = anchor_sets.contiguous()
+    if new_idx.stride(-1) != 1:
+        new_idx = new_idx.contiguous()
+    _dilate_compose_kernel[(B * H,)](
+        t, lo, hi, win_start, best, anchor_sets, new_idx, new_set, idx, cnt,
+        best.stride(0), best.stride(1),
+        anchor_sets.stride(0), anchor_sets.stride(1), anchor_sets.stride(2),
+        new_idx.stride(0), new_idx.stride(1),
+        K, m, max(r, 1), nset, int(sink), cap,
+        H=H, NC=nc, BLOCK=min(1024, next_pow2(cap, 16)),
+        num_warps=4 if nc <= 1024 else 8,
+    )
+    return new_set, idx, cnt
 
 
 def compose_from_sets_reference(
@@ -521,6 +609,23 @@ def compose_from_sets_reference(
     keep = cand != big
     idx = torch.where(keep, cand, -1).to(torch.int32)
     return idx, keep.sum(dim=-1).to(torch.int32)
+
+
+def dilate_and_compose_reference(
+    t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, win_start: torch.Tensor, best: torch.Tensor,
+    anchor_sets: torch.Tensor, new_idx: torch.Tensor, sink: int, cap: int, dil_m: int, dil_r: int, span: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`dilate_and_compose`: the retrieving rows' (``best == -1``)
+    dilated sets of their fresh top-k ``new_idx [B, H, k]`` (:func:`dilated_set_reference`), and
+    every row composed from its set (:func:`compose_from_sets_reference`). ``anchor_sets`` is
+    ``[B, H, s, dilated_set_size(k, dil_m, dil_r)]``.
+
+    Returns:
+        ``(new_set [B, H, n] int32, idx [B, H, cap] int32, count [B, H] int32)``.
+    """
+    _check_dilate_and_compose(best, anchor_sets, new_idx, dil_m, dil_r)
+    new_set = dilated_set_reference(new_idx, best == -1, dil_m, dil_r, span)
+    return (new_set, *compose_from_sets_reference(t, lo, hi, win_start, best, anchor_sets, new_set, sink, cap))
 
 
 def dilate_mask(dilate: DilateArg, B: int, Hq: int, device: torch.device) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The four decode steps by backend name: ``REFERENCE_OPS`` (PyTorch) and ``TRITON_OPS``.
 
 Each is a :class:`DecodeOps` with ``cis_match``, ``topk_retrieval``, ``compose_indices`` and
-``sparse_decode_attention`` of the signatures in docs/DECODE_PIPELINE.md (plus ``dilated_set``
-and ``compose_from_sets``, the anchor-set fast path, see compose_indices.py);
+``sparse_decode_attention`` of the signatures in docs/DECODE_PIPELINE.md (plus
+``dilate_and_compose``, the anchor-set fast path, see compose_indices.py, and ``record_anchors``);
 :func:`get_decode_ops` picks one by name (``"torch"``/``"reference"`` or ``"triton"``);
 :func:`cis_select` chains match, retrieval and composition from the anchors' sets (the CIS
 selector, ``prhs_hf.selectors.cis``, calls it around its state); :func:`cis_decode_step` adds the
@@ -20,15 +20,14 @@ from ._common import HAS_TRITON
 from . import library_ops
 from .cis_match import cis_match, cis_match_reference
 from .compose_indices import (
-    compose_from_sets,
-    compose_from_sets_reference,
     compose_indices,
     compose_indices_reference,
-    dilated_set,
-    dilated_set_reference,
+    dilate_and_compose,
+    dilate_and_compose_reference,
     dilated_set_size,
 )
 from ._common import NORM_EPS
+from .record_anchors import record_anchors, record_anchors_reference
 from .sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,
@@ -66,11 +65,12 @@ class DecodeOps:
     topk_retrieval: Callable
     compose_indices: Callable
     sparse_decode_attention: Callable
-    dilated_set: Callable
-    compose_from_sets: Callable
+    dilate_and_compose: Callable
     # group-shared selection (cis.selection: group): one set per KV head for its query heads
     topk_retrieval_grouped: Callable
     sparse_decode_attention_grouped: Callable
+    # the retrieving rows' anchors written into the state of every layer, in place
+    record_anchors: Callable
 
 
 REFERENCE_OPS = DecodeOps(
@@ -79,10 +79,10 @@ REFERENCE_OPS = DecodeOps(
     topk_retrieval=topk_retrieval_reference,
     compose_indices=compose_indices_reference,
     sparse_decode_attention=sparse_decode_attention_reference,
-    dilated_set=dilated_set_reference,
-    compose_from_sets=compose_from_sets_reference,
+    dilate_and_compose=dilate_and_compose_reference,
     topk_retrieval_grouped=topk_retrieval_grouped_reference,
     sparse_decode_attention_grouped=sparse_decode_attention_grouped_reference,
+    record_anchors=record_anchors_reference,
 )
 
 #: The Triton launchers (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), called
@@ -95,10 +95,10 @@ TRITON_OPS = DecodeOps(
     topk_retrieval=_via(topk_retrieval),
     compose_indices=_via(compose_indices),
     sparse_decode_attention=_via(sparse_decode_attention),
-    dilated_set=_via(dilated_set),
-    compose_from_sets=_via(compose_from_sets),
+    dilate_and_compose=_via(dilate_and_compose),
     topk_retrieval_grouped=_via(topk_retrieval_grouped),
     sparse_decode_attention_grouped=_via(sparse_decode_attention_grouped),
+    record_anchors=_via(record_anchors),
 )
 
 
@@ -170,7 +170,7 @@ def cis_select(
     group_score: str = "max",
 ) -> CISSelection:
     """SPEC §4 steps 1-4 from the anchors' dilated sets (``anchor_set [B, H, s, n]``, as made by
-    ``ops.dilated_set``): match each query against its head's anchors, retrieve a fresh exact
+    ``ops.dilate_and_compose``): match each query against its head's anchors, retrieve a fresh exact
     top-k where none is similar enough, build the retrieving rows' dilated sets once, and compose
     every row's index list from a set without sorting.
 
@@ -183,8 +183,7 @@ def cis_select(
         raise ValueError(f"cis_select: group_score={group_score!r}; expected 'max' or 'mean'")
     kv_heads = k_cache.shape[1]
     match_q = group_query(q, kv_heads) if grouped else q
-    best = ops.cis_match(match_q, anchor_q, anchor_count, active, tau)
-    retrieve = best == -1
+    best, retrieve = ops.cis_match(match_q, anchor_q, anchor_count, active, tau)
     if grouped and group_score == "mean":
         B, H, D = q.shape
         mean_q = q.view(B, kv_heads, H // kv_heads, D).float().mean(2).to(q.dtype)
@@ -192,8 +191,8 @@ def cis_select(
     else:
         retrieval = ops.topk_retrieval_grouped if grouped else ops.topk_retrieval
         new_idx = retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
-    new_set = ops.dilated_set(new_idx, retrieve, dil_m, dil_r, k_cache.shape[2])
-    idx, count = ops.compose_from_sets(t, lo, hi, win_start, best, anchor_set, new_set, sink, cap)
+    new_set, idx, count = ops.dilate_and_compose(t, lo, hi, win_start, best, anchor_set, new_idx, sink, cap,
+                                                 dil_m, dil_r, k_cache.shape[2])
     return CISSelection(best, new_idx, new_set, idx, count, match_q)
 
 
@@ -232,7 +231,7 @@ def cis_decode_step(
     and every row's dilated set is sorted in ``compose_indices`` at every step.
     ``anchor_sets=True`` (fast path, the anchor sets of compose_indices.py): ``anchor_idx
     [B, Hq, s, dilated_set_size(k, dil_m, dil_r)]`` holds each anchor's dilated set (as made by
-    ``ops.dilated_set``); the retrieving rows' sets are built once (``result.new_set``, to be
+    ``ops.dilate_and_compose``); the retrieving rows' sets are built once (``result.new_set``, to be
     stored as their anchors) and every row is composed from a set without sorting. Both give
     the same ``best``, ``new_idx``, ``idx``, ``count`` and ``out``.
 
@@ -251,8 +250,7 @@ def cis_decode_step(
         attention = ops.sparse_decode_attention_grouped if grouped else ops.sparse_decode_attention
         out = attention(q, k_cache, v_cache, pad, sel.idx, sel.count, scale)
         return DecodeStepResult(sel.best, sel.new_idx, sel.idx, sel.count, out, sel.new_set)
-    best = ops.cis_match(q, anchor_q, anchor_count, active, tau)
-    retrieve = best == -1
+    best, retrieve = ops.cis_match(q, anchor_q, anchor_count, active, tau)
     new_idx = ops.topk_retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
     B, H, s, kk = anchor_idx.shape
     shared = best >= 0

@@ -18,8 +18,9 @@ from typing import Callable
 
 import torch
 
-from .cis_match import cis_match
-from .compose_indices import compose_from_sets, compose_indices, dilate_mask, dilated_set, dilated_set_size
+from .cis_match import CISMatch, cis_match
+from .record_anchors import record_anchors
+from .compose_indices import compose_indices, dilate_and_compose, dilate_mask, dilated_set_size
 from .sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_grouped
 from .topk_retrieval import topk_retrieval, topk_retrieval_grouped
 
@@ -33,13 +34,19 @@ def _int32(*shape, like: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("prhs::cis_match", mutates_args=())
-def cis_match_op(q: Tensor, anchor_q: Tensor, anchor_count: Tensor, active: Tensor, tau: float) -> Tensor:
-    return cis_match(q, anchor_q, anchor_count, active, tau)
+def cis_match_op(
+    q: Tensor, anchor_q: Tensor, anchor_count: Tensor, active: Tensor, tau: float
+) -> tuple[Tensor, Tensor]:
+    return tuple(cis_match(q, anchor_q, anchor_count, active, tau))
 
 
 @cis_match_op.register_fake
 def _(q, anchor_q, anchor_count, active, tau):
-    return _int32(q.shape[0], q.shape[1], like=q)
+    return _int32(q.shape[0], q.shape[1], like=q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.bool)
+
+
+def _cis_match_via_op(q, anchor_q, anchor_count, active, tau):
+    return CISMatch(*cis_match_op(q, anchor_q, anchor_count, active, tau))
 
 
 @torch.library.custom_op("prhs::topk_retrieval", mutates_args=())
@@ -66,29 +73,20 @@ def _(q, k_cache, pad, lo, hi, retrieve, k, scale):
     return _int32(q.shape[0], k_cache.shape[1], int(k), like=q)
 
 
-@torch.library.custom_op("prhs::dilated_set", mutates_args=())
-def dilated_set_op(sel_idx: Tensor, rows: Tensor, dil_m: int, dil_r: int, span: int = 0) -> Tensor:
-    return dilated_set(sel_idx, rows, dil_m, dil_r, span)
+@torch.library.custom_op("prhs::dilate_and_compose", mutates_args=())
+def dilate_and_compose_op(
+    t: Tensor, lo: Tensor, hi: Tensor, win_start: Tensor, best: Tensor, anchor_sets: Tensor, new_idx: Tensor,
+    sink: int, cap: int, dil_m: int, dil_r: int, span: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return dilate_and_compose(t, lo, hi, win_start, best, anchor_sets, new_idx, sink, cap, dil_m, dil_r, span)
 
 
-@dilated_set_op.register_fake
-def _(sel_idx, rows, dil_m, dil_r, span=0):
-    B, H, K = sel_idx.shape
-    return _int32(B, H, dilated_set_size(K, dil_m, dil_r), like=sel_idx)
-
-
-@torch.library.custom_op("prhs::compose_from_sets", mutates_args=())
-def compose_from_sets_op(
-    t: Tensor, lo: Tensor, hi: Tensor, win_start: Tensor, best: Tensor, anchor_sets: Tensor, new_set: Tensor,
-    sink: int, cap: int,
-) -> tuple[Tensor, Tensor]:
-    return compose_from_sets(t, lo, hi, win_start, best, anchor_sets, new_set, sink, cap)
-
-
-@compose_from_sets_op.register_fake
-def _(t, lo, hi, win_start, best, anchor_sets, new_set, sink, cap):
+@dilate_and_compose_op.register_fake
+def _(t, lo, hi, win_start, best, anchor_sets, new_idx, sink, cap, dil_m, dil_r, span=0):
     B, H = best.shape
-    return _int32(B, H, int(cap), like=best), _int32(B, H, like=best)
+    # dilated_set_size clips m to k and ignores m for r = 0, as the launcher does
+    nset = dilated_set_size(new_idx.shape[-1], dil_m, dil_r)
+    return _int32(B, H, nset, like=best), _int32(B, H, int(cap), like=best), _int32(B, H, like=best)
 
 
 @torch.library.custom_op("prhs::compose_indices", mutates_args=())
@@ -129,6 +127,19 @@ def _(q, k_cache, v_cache, pad, idx, count, scale):
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("prhs::record_anchors", mutates_args=("anchor_q", "anchor_idx", "anchor_count"))
+def record_anchors_op(
+    anchor_q: Tensor, anchor_idx: Tensor, anchor_count: Tensor, layer: int, q: Tensor, new_set: Tensor, best: Tensor,
+    step: Tensor,
+) -> None:
+    record_anchors(anchor_q, anchor_idx, anchor_count, layer, q, new_set, best, step)
+
+
+@record_anchors_op.register_fake
+def _(anchor_q, anchor_idx, anchor_count, layer, q, new_set, best, step):
+    return None
+
+
 def _dilate_tensor(sel_idx: Tensor, dilate) -> Tensor:
     if isinstance(dilate, torch.Tensor):
         return dilate
@@ -139,19 +150,15 @@ def _compose_indices_via_op(t, lo, hi, win_start, sel_idx, dilate, sink, dil_m, 
     return compose_indices_op(t, lo, hi, win_start, sel_idx, _dilate_tensor(sel_idx, dilate), sink, dil_m, dil_r, cap)
 
 
-def _dilated_set_via_op(sel_idx, rows, dil_m, dil_r, span=0):
-    return dilated_set_op(sel_idx, _dilate_tensor(sel_idx, rows), dil_m, dil_r, span)
-
-
 _OPS: dict[Callable, Callable] = {
-    cis_match: cis_match_op,
+    cis_match: _cis_match_via_op,
     topk_retrieval: topk_retrieval_op,
-    dilated_set: _dilated_set_via_op,
-    compose_from_sets: compose_from_sets_op,
+    dilate_and_compose: dilate_and_compose_op,
     compose_indices: _compose_indices_via_op,
     sparse_decode_attention: sparse_decode_attention_op,
     topk_retrieval_grouped: topk_retrieval_grouped_op,
     sparse_decode_attention_grouped: sparse_decode_attention_grouped_op,
+    record_anchors: record_anchors_op,
 }
 
 

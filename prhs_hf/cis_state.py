@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .decode import layer_rows
+from .kernels._common import layer_rows
 from .kernels.compose_indices import SET_NONE
+from .kernels.decode_ops import DecodeOps
 
 __all__ = ["CISState"]
 
@@ -80,10 +81,9 @@ class CISState:
         self.step.zero_()
 
     def begin_step(self) -> None:
-        """Open a decode step (once per forward, before any layer): at the first step of every
-        block of ``s`` steps, every layer's anchors are cleared."""
-        block_start = torch.remainder(self.step, self.block_size) == 0
-        self.anchor_count.masked_fill_(block_start, 0)
+        """Open a decode step (once per forward, before any layer). The anchors of a block of ``s``
+        steps are cleared by each layer's :meth:`record` at the block's last step (the contract of
+        ``record_anchors``)."""
         # add_(), not +=: ``x += y`` rebinds the attribute, which Dynamo replays after every
         # compiled step as an extra graph output and a Python setattr (host time per step)
         self.step.add_(1)
@@ -93,29 +93,22 @@ class CISState:
         return self.anchor_q[layer], self.anchor_idx[layer], self.anchor_count[layer]
 
     def record(
-        self, layer: int, q: torch.Tensor, indices: torch.Tensor, retrieved: torch.Tensor,
+        self, ops: DecodeOps, layer: int, q: torch.Tensor, indices: torch.Tensor, best: torch.Tensor,
         tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Store ``(q / ||q||, dilated set)`` (and, with ``tail``, its tail pair ``(key [B, H, D],
-        value [B, H, D], log_mass [B, H])``) as a new anchor of each row of ``layer`` that retrieved.
-
-        Every row writes its slot ``anchor_count``, the first one not in use; only the rows that
-        retrieved count it. A row that did not retrieve so writes a slot that nothing reads (the
-        valid anchors are the first ``anchor_count``) and the next retrieval overwrites: no
-        read-modify-write of the old slot contents. A block of ``s`` steps takes at most ``s``
-        anchors, so the slot is always in range before ``begin_step`` clears them.
-        """
-        _, b, h, s, _ = self.anchor_q.shape
-        rows = layer_rows(layer, b, h, self.anchor_q.device)  # in place, not through a view of the layer
-        slot = self.anchor_count[layer].clamp(max=s - 1).long()
-        where = (*rows, slot)
-        self.anchor_q.index_put_(where, torch.nn.functional.normalize(q.float(), dim=-1))
-        self.anchor_idx.index_put_(where, indices)
-        if tail is not None:
+        value [B, H, D], log_mass [B, H])``) as a new anchor of each row of ``layer`` that retrieved
+        (``best == -1``), with ``ops.record_anchors`` (its contract: every row writes its slot
+        ``anchor_count``, the first one not in use, and only the rows that retrieved count it; a
+        block of ``s`` steps takes at most ``s`` anchors, so the slot is always in range, and at
+        the block's last step the record clears the layer's anchors for the next block)."""
+        if tail is not None:  # at the slot the record takes, before it counts
+            _, b, h, s, _ = self.anchor_q.shape
+            where = (*layer_rows(layer, b, h, self.anchor_q.device), self.anchor_count[layer].clamp(max=s - 1).long())
             self.tail_k.index_put_(where, tail[0])
             self.tail_v.index_put_(where, tail[1])
             self.tail_log_mass.index_put_(where, tail[2])
-        self.anchor_count.index_put_(rows, retrieved.to(torch.int32), accumulate=True)
+        ops.record_anchors(self.anchor_q, self.anchor_idx, self.anchor_count, layer, q, indices, best, self.step)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Follow a beam reordering: sequence ``i`` becomes old sequence ``index[i]`` in every layer."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .geometry import SequenceGeometry
+from .kernels._common import layer_rows
 from .schedules import psaw_window_start_tensor
 
 __all__ = ["DecodeParams", "DecodeSelection", "StepFrame", "layer_rows", "middle_start", "step_frame", "window_decode_step"]
@@ -51,18 +52,6 @@ class DecodeSelection:
             return self
         rep = lambda x: x.repeat_interleave(group, dim=1)  # noqa: E731
         return DecodeSelection(rep(self.idx), rep(self.count), rep(self.retrieved), self.active)
-
-
-def layer_rows(layer: int, batch: int, heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Index tensors ``(layer, b, h)`` broadcasting to ``[B, H]``: where ``index_put_`` writes one
-    entry per row of ``layer`` into a selector's ``[L, B, H, ...]`` state buffer.
-
-    The decode state of all layers lives in one buffer per kind (fewer graph inputs); it is written
-    through the buffer itself, not a view of one layer's slice, because under torch.compile a
-    mutated view becomes a ``select_scatter``: copies of the slice per layer and of the whole buffer
-    back into it at every step (docs/DECODE_PIPELINE.md)."""
-    return (torch.full((1, 1), layer, dtype=torch.long, device=device),
-            torch.arange(batch, device=device)[:, None], torch.arange(heads, device=device)[None, :])
 
 
 def middle_start(t: torch.Tensor, p: DecodeParams) -> torch.Tensor:

@@ -364,9 +364,10 @@ KERNEL_FAMILIES = (
     ("cis match", ("_cis_match_kernel",)),
     ("retrieval", ("_compact_kernel", "_score_kernel", "_select_kernel", "_radix_pass_kernel", "_radix_collect_kernel",
                    "_rank_scatter_kernel", "_row_sort_kernel", "_block_sort_kernel", "_merge_rank_kernel")),
-    ("composition", ("_dilated_set_kernel", "_dilated_mark_kernel", "_dilated_collect_kernel", "_compose_sets_kernel",
-                     "_compose_kernel")),
+    ("composition", ("_dilate_compose_kernel", "_dilated_set_kernel", "_dilated_mark_kernel", "_dilated_collect_kernel",
+                     "_compose_sets_kernel", "_compose_kernel")),
     ("sparse attention", ("_sparse_attn_kernel", "_combine_kernel")),
+    ("anchor record", ("_record_anchors_kernel",)),
     ("dense attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
     ("linear (proj, MLP, head)", ("gemm", "gemv", "nvjet", "sm90_", "sm80_", "cutlass", "xmma", "cublas", "splitk")),
     # what torch.compile generated around them (norms, rotary, the cache write, the selectors' glue)
@@ -479,7 +480,7 @@ def host_profile(model, ids, steps: int, static_cache, top: int = 25) -> dict:
     return out
 
 
-PIPELINE_FAMILIES = ("cis match", "retrieval", "composition", "sparse attention")
+PIPELINE_FAMILIES = ("cis match", "retrieval", "composition", "sparse attention", "anchor record")
 
 
 def kernel_breakdown(kernels: list[tuple[str, float, float, float]], steps: int, step_ms: float) -> tuple[dict, dict]:

@@ -196,8 +196,9 @@ def test_bench_decode_attention_quick_cpu_json(tmp_path):
         assert r["retrieving_groups_s16"] == math.ceil(r["B"] * r["Hkv"] / 16)
         assert r["cis16_group_ms"] > 0 and r["cis16_group_max_abs_diff"] < 0.05
         assert math.isclose(r["cis16_group_speedup_vs_fastest_dense"], ms / r["cis16_group_ms"])
-        # the dilated-set stage as the model path runs it, and the sort path beside it
-        assert r["stage16_dilated_set_ms"] > 0 and r["stage16_dilated_set_sort_ms"] > 0
+        # the fused dilated set + compose as the model path runs it, the two launches beside it, the record
+        assert r["stage16_dilate_compose_ms"] > 0 and r["stage16_dilated_set_ms"] > 0 and r["stage16_compose_ms"] > 0
+        assert r["stage16_record_ms"] > 0
     md = (tmp_path / "bench_decode_attention.md").read_text()
     assert "DS step (r, top-k)" in md and "Double Sparsity step" in md and "CIS-16 group step" in md
 
@@ -327,7 +328,7 @@ def test_bench_e2e_decode_profile_names_a_family_for_every_decode_kernel():
 
     bench = load_script("bench_e2e_decode")
     stages = {"cis_match.py": "cis match", "topk_retrieval.py": "retrieval", "compose_indices.py": "composition",
-              "sparse_decode_attention.py": "sparse attention"}
+              "sparse_decode_attention.py": "sparse attention", "record_anchors.py": "anchor record"}
     for file, family in stages.items():
         source = (REPO / "kernels" / file).read_text()
         kernels = re.findall(r"@triton\.jit\ndef (_\w+_kernel)\(", source)

@@ -32,6 +32,8 @@ from prhs_hf.kernels.compose_indices import (
     compose_from_sets_reference,
     compose_indices,
     compose_indices_reference,
+    dilate_and_compose,
+    dilate_and_compose_reference,
     dilated_set,
     dilated_set_reference,
     dilated_set_size,
@@ -197,9 +199,10 @@ def test_reference_cis_match_against_naive():
     count = i32([[0, 1, 5, 3], [5, 2, 4, 5], [5, 5, 5, 5]])
     active = torch.tensor([True, True, False])
     for tau in (-1.0, 0.0, 0.2, 0.8):
-        ref = cis_match_reference(q, anchors, count, active, tau)
+        ref, retrieve = cis_match_reference(q, anchors, count, active, tau)
         assert torch.equal(ref, naive_cis_match(q, anchors, count, active, tau))
-    ref = cis_match_reference(q, anchors, count, active, 0.8)
+        assert retrieve.dtype == torch.bool and torch.equal(retrieve, ref == -1)
+    ref = cis_match_reference(q, anchors, count, active, 0.8).best
     assert ref[1, 0] == 1 and ref[0, 0] == -1 and (ref[2] == -2).all()
     assert ref[0, 1] == -1  # zero query against tau > 0
 
@@ -299,9 +302,10 @@ def test_cis_match_kernel(dtype, s, D):
     count[0, 0] = 0
     active = torch.tensor([True, True, False])
     for tau in (-1.0, 0.05, 0.97):
-        out = cis_match(q.to(DEV), anchors.to(DEV), count.to(DEV), active.to(DEV), tau).cpu()
-        ref = cis_match_reference(q, anchors, count, active, tau)
+        out, retrieve = (x.cpu() for x in cis_match(q.to(DEV), anchors.to(DEV), count.to(DEV), active.to(DEV), tau))
+        ref = cis_match_reference(q, anchors, count, active, tau).best
         assert out.dtype == I32 and torch.equal(out, ref)
+        assert retrieve.dtype == torch.bool and torch.equal(retrieve, ref == -1)
     assert out[1, 2] == 1 and (out[2] == -2).all() and out[0, 0] == -1
 
 
@@ -719,6 +723,36 @@ def test_compose_from_sets_kernel(m, r):
 
 
 @needs_triton
+@pytest.mark.parametrize("k,m,r", [(8, 0, 1), (8, 3, 1), (8, 8, 2), (8, 4, 0), (40, 13, 3)])
+def test_dilate_and_compose_kernel(k, m, r):
+    """One launch = dilated_set then compose_from_sets: the retrieving rows' sets and every row's list."""
+    B, H, s, sink, local = 3, 4, 3, 4, 6
+    t, lo, hi, ws, best, _, new_idx, sets, _, cap = _sets_case(170 + k + m + r, B, H, s, k, m, r, 90, sink, local)
+    for c in (cap, cap - 5):  # also a capacity that truncates
+        want = dilate_and_compose_reference(t, lo, hi, ws, best, sets, new_idx, sink, c, m, r, 90)
+        got = dilate_and_compose(*(x.to(DEV) for x in (t, lo, hi, ws, best, sets, new_idx)), sink, c, m, r, 90)
+        for g_, w_ in zip(got, want):
+            assert torch.equal(g_.cpu(), w_)
+    assert (want[0][best == -1] != SET_NONE).any() and (want[0][best != -1] == SET_NONE).all()
+
+
+@needs_triton
+def test_dilate_and_compose_map_sized_sets_and_errors():
+    """Sets of the map path's size (k 600, m 200, r 1: 1000 entries, 1024 padded) take the two
+    launchers and give the same; a set size that does not match the anchors' is refused."""
+    B, H, s, k, m, r, sink, local, T = 1, 3, 2, 600, 200, 1, 4, 8, 2000
+    t, lo, hi, ws, best, _, new_idx, sets, _, cap = _sets_case(7, B + 1, H, s, k, m, r, T, sink, local)
+    want = dilate_and_compose_reference(t, lo, hi, ws, best, sets, new_idx, sink, cap, m, r, T)
+    for span in (T, 0):  # with span: the map path; without: the fused sort
+        got = dilate_and_compose(*(x.to(DEV) for x in (t, lo, hi, ws, best, sets, new_idx)), sink, cap, m, r, span)
+        for g_, w_ in zip(got, want):
+            assert torch.equal(g_.cpu(), w_)
+    for fn in (dilate_and_compose_reference, dilate_and_compose):
+        with pytest.raises(ValueError, match="dilated_set_size"):
+            fn(*(x.to(DEV) for x in (t, lo, hi, ws, best, sets, new_idx)), sink, cap, m + 1, r)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_full_decode_step_anchor_sets(dtype):
     """The §3b fast path (anchor sets) gives the same step as the top-k path, both backends."""
@@ -743,7 +777,7 @@ def test_full_decode_step_anchor_sets(dtype):
     )[:5]]
     for ops, dev in ((REFERENCE_OPS, torch.device("cpu")), (TRITON_OPS, DEV)):
         a = [x.to(dev) for x in (q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count, anchor_idx, active)]
-        sets = ops.dilated_set(a[10].view(B, H * s, k), True, m, r).view(B, H, s, -1)
+        sets = dilated_set_reference(a[10].view(B, H * s, k), True, m, r).view(B, H, s, -1)
         a[10] = sets
         res = cis_decode_step(ops, *a, **kw, anchor_sets=True)
         got = [x.cpu() for x in res[:5]]
@@ -782,7 +816,7 @@ def test_grouped_decode_step_is_the_group_selection_then_the_grouped_attention(d
     base = None
     for ops, dev in ((REFERENCE_OPS, torch.device("cpu")), (TRITON_OPS, DEV)):
         a = [x.to(dev) for x in (q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count, raw, active)]
-        a[10] = ops.dilated_set(a[10], True, m, r).view(B, Hkv, s, -1)
+        a[10] = dilated_set_reference(a[10], True, m, r).view(B, Hkv, s, -1)
         res = cis_decode_step(ops, *a, **kw, anchor_sets=True, grouped=True)
         got = [x.cpu() for x in res[:5]]
         if base is None:

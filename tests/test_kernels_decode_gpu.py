@@ -20,6 +20,9 @@ from prhs_hf.kernels.compose_indices import (
     compose_from_sets_reference,
     compose_indices,
     compose_indices_reference,
+    dilate_and_compose,
+    dilate_and_compose_reference,
+    dilated_set_reference,
 )
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step
 from prhs_hf.kernels.sparse_decode_attention import (
@@ -75,9 +78,9 @@ def test_gpu_cis_match(dtype, B, s, D):
     anchors[:, :, 3] = torch.where(plant[..., None], q.float() / q.float().norm(dim=-1, keepdim=True), anchors[:, :, 3])
     count = torch.randint(0, s + 1, (B, H), generator=g, device=DEV).to(I32)
     active = torch.rand(B, generator=g, device=DEV) < 0.8
-    out = cis_match(q, anchors, count, active, 0.8)
-    ref = cis_match_reference(q, anchors, count, active, 0.8)
-    assert torch.equal(out, ref)
+    out, retrieve = cis_match(q, anchors, count, active, 0.8)
+    ref = cis_match_reference(q, anchors, count, active, 0.8).best
+    assert torch.equal(out, ref) and torch.equal(retrieve, ref == -1)
     assert (out == 3).any() and (out == -1).any()
 
 
@@ -154,6 +157,46 @@ def test_gpu_compose(k, m, r):
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
+@pytest.mark.parametrize("k,m,r", [(88, 29, 1), (256, 64, 3), (1036, 345, 1)])
+def test_gpu_dilate_and_compose(k, m, r):
+    """The fused launch (k 88, 256) and the map-path launchers (k 1036) equal the reference."""
+    g = torch.Generator(device=DEV).manual_seed(6)
+    B, H, S, s, sink, local = 16, 12, 16384, 16, 64, 256
+    pad, t, lo, hi = ragged_geometry(B, S, sink, local, g)
+    new_idx = (lo.long()[:, None, None] + torch.randint(-4, S, (B, H, k), generator=g, device=DEV)).to(I32)
+    new_idx[:, :, -3:] = -1
+    best = torch.randint(-1, s, (B, H), generator=g, device=DEV).to(I32)
+    best[0] = -2
+    anchors = torch.randint(0, S, (B, H * s, k), generator=g, device=DEV).to(I32)
+    sets = dilated_set_reference(anchors, True, m, r).view(B, H, s, -1)
+    cap = sink + local + k + 2 * r * m
+    want = dilate_and_compose_reference(t, lo, hi, hi, best, sets, new_idx, sink, cap, m, r, S)
+    got = dilate_and_compose(t, lo, hi, hi, best, sets, new_idx, sink, cap, m, r, S)
+    for g_, w_ in zip(got, want):
+        assert torch.equal(g_, w_)
+
+
+@pytest.mark.parametrize("step", [5, 16])
+def test_gpu_record_anchors(step):
+    """The anchor record at the real model's state shape (28 layers, B32, 12 heads, s 16, set 146)."""
+    from prhs_hf.kernels.record_anchors import record_anchors, record_anchors_reference
+
+    g = torch.Generator(device=DEV).manual_seed(8)
+    L, B, H, s, D, n = 28, 32, 12, 16, 128, 146
+    state = (torch.randn(L, B, H, s, D, generator=g, device=DEV),
+             torch.randint(0, 16384, (L, B, H, s, n), generator=g, device=DEV).to(I32),
+             torch.randint(0, s, (L, B, H), generator=g, device=DEV).to(I32))
+    q = torch.randn(B, H, D, generator=g, device=DEV).to(torch.bfloat16)
+    new_set = torch.randint(0, 16384, (B, H, n), generator=g, device=DEV).to(I32)
+    best = torch.randint(-2, s, (B, H), generator=g, device=DEV).to(I32)
+    step_t = torch.tensor(step, device=DEV)
+    want = [x.clone() for x in state]
+    record_anchors_reference(*want, 7, q, new_set, best, step_t)
+    record_anchors(*state, 7, q, new_set, best, step_t)
+    torch.testing.assert_close(state[0], want[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(state[1], want[1]) and torch.equal(state[2], want[2])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,Hkv,D", [(16, 32, 128), (16, 8, 128), (8, 8, 64), (8, 8, 256), (8, 8, 80)])
 def test_gpu_attention(dtype, B, Hkv, D):
@@ -203,7 +246,7 @@ def _step(ops, x, anchor_sets=False):
 
 def _with_sets(ops, x):
     B, Hq, s, k = x["anchor_idx"].shape
-    sets = ops.dilated_set(x["anchor_idx"].view(B, Hq * s, k), True, x["m"], x["r"])
+    sets = dilated_set_reference(x["anchor_idx"].view(B, Hq * s, k), True, x["m"], x["r"])
     return dict(x, anchor_sets=sets.view(B, Hq, s, -1))
 
 
@@ -264,7 +307,7 @@ def test_gpu_anchor_set_step_equals_topk_step():
     for i in range(4):
         assert torch.equal(fast[i], slow[i])
     torch.testing.assert_close(fast.out.float(), slow.out.float(), atol=0, rtol=0)
-    ref_sets = REFERENCE_OPS.dilated_set(fast.new_idx, fast.best == -1, x["m"], x["r"])
+    ref_sets = dilated_set_reference(fast.new_idx, fast.best == -1, x["m"], x["r"])
     assert torch.equal(fast.new_set, ref_sets)
     ref = compose_from_sets_reference(
         x["t"], x["lo"], x["hi"], x["hi"], fast.best, _with_sets(REFERENCE_OPS, x)["anchor_sets"],

@@ -216,12 +216,13 @@ class CISSelector:
                 cap=sizes["cap"])
             sel = CISSelection(best, new_idx, new_set, idx, count, group_query(q, kv_heads) if self.grouped else q)
         retrieved = sel.best == -1
+        ops = self.ops_for(q.device)
         if not self.tail_slot:
-            state.record(local, sel.match_q, sel.new_set, retrieved)
+            state.record(ops, local, sel.match_q, sel.new_set, sel.best)
             return DecodeSelection(sel.idx, sel.count, retrieved, f.active)
         tail, stored = self._tail_step(state, local, q, k_cache, v_cache, geom, f.t, f.lo,
                                        torch.minimum(f.hi, started.win_start), sel, started.params, scale)
-        state.record(local, sel.match_q, sel.new_set, retrieved, stored)
+        state.record(ops, local, sel.match_q, sel.new_set, sel.best, stored)
         charged = torch.isfinite(tail[2])
         return DecodeSelection(sel.idx, sel.count + charged.to(sel.count.dtype), retrieved, f.active, tail)
 

@@ -1,0 +1,145 @@
+"""The last step of a CIS decode step: store the retrieving rows' queries and sets as new anchors.
+
+Contract (docs/DECODE_PIPELINE.md §5), for every row ``(b, h)`` of ``layer``, with
+``slot = min(anchor_count[layer, b, h], s - 1)`` (``s`` slots: the block size)::
+
+    anchor_q[layer, b, h, slot]   = q[b, h] / max(|q[b, h]|, NORM_EPS)      (fp32)
+    anchor_idx[layer, b, h, slot] = new_set[b, h]
+    anchor_count[layer, b, h]     = 0 if step % s == 0                      (the block's last step)
+                                    else anchor_count[layer, b, h] + (best[b, h] == -1)
+
+Every row writes its slot, the first one not in use; only the rows that retrieved (``best == -1``)
+count it. A row that did not retrieve so writes a slot that nothing reads (the valid anchors are
+the first ``anchor_count``), and no slot in use is ever written: a block of ``s`` steps takes at
+most ``s`` anchors, so ``anchor_count < s`` before every write that counts. ``step`` is the
+number of decode steps taken since the prefill, this one included (``CISState.step``): at the
+last step of every block the record clears the layer's anchors for the next block, so the step
+needs no separate clear (a masked fill of the state before the first layer, which under
+``torch.compile`` made the whole count buffer a copy, written back at the end of the step).
+The buffers are the state of every layer (``CISState``, ``[L, B, H, ...]``) and are written in
+place through ``layer``, not through a view of one layer: one launch, no copies, under
+``torch.compile`` too.
+
+One launch replaces the three ``index_put_`` kernels of the PyTorch reference in a compiled step
+(``scripts/probe_decode_kernels.py``).
+
+Layout follows the Triton tutorial 06-fused-attention: the ``@triton.jit`` kernel, its launcher
+:func:`record_anchors`, and the PyTorch reference :func:`record_anchors_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import NORM_EPS, layer_rows, next_pow2, require_triton, tl, triton
+
+__all__ = ["record_anchors", "record_anchors_reference"]
+
+
+@triton.jit
+def _record_anchors_kernel(
+    Q, SET, BEST, STEP, AQ, AIDX, ACNT,
+    stride_qb, stride_qh, stride_sb, stride_sh, stride_bb, stride_bh,
+    stride_aql, stride_aqb, stride_aqh, stride_aqs,
+    stride_ail, stride_aib, stride_aih, stride_ais,
+    stride_cl, stride_cb, stride_ch,
+    layer, eps,
+    H: tl.constexpr, S_ANCH: tl.constexpr, D: tl.constexpr, NSET: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SET: tl.constexpr,
+):
+    """One program per (batch, head) row of ``layer``."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    cnt_ptr = ACNT + layer * stride_cl + b * stride_cb + h * stride_ch
+    cnt = tl.load(cnt_ptr)
+    slot = tl.minimum(cnt, S_ANCH - 1).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    qn = q / tl.maximum(tl.sqrt(tl.sum(q * q, axis=0)), eps)
+    aq = AQ + layer * stride_aql + b * stride_aqb + h * stride_aqh + slot * stride_aqs
+    tl.store(aq + offs_d, qn, mask=dmask)
+    ai = AIDX + layer * stride_ail + b.to(tl.int64) * stride_aib + h * stride_aih + slot * stride_ais
+    set_row = SET + b.to(tl.int64) * stride_sb + h * stride_sh
+    for j0 in range(0, NSET, BLOCK_SET):
+        j = j0 + tl.arange(0, BLOCK_SET)
+        tl.store(ai + j, tl.load(set_row + j, mask=j < NSET), mask=j < NSET)
+    best = tl.load(BEST + b * stride_bb + h * stride_bh)
+    block_end = (tl.load(STEP) % S_ANCH) == 0
+    tl.store(cnt_ptr, tl.where(block_end, 0, cnt + (best == -1).to(tl.int32)))
+
+
+def record_anchors(
+    anchor_q: torch.Tensor, anchor_idx: torch.Tensor, anchor_count: torch.Tensor, layer: int, q: torch.Tensor,
+    new_set: torch.Tensor, best: torch.Tensor, step: torch.Tensor,
+) -> None:
+    """Triton anchor record: one launch, one program per row, in place, no sync.
+
+    Args as :func:`record_anchors_reference`.
+    """
+    require_triton(anchor_q, q)
+    L, B, H, s, D = anchor_q.shape
+    nset = anchor_idx.shape[-1]
+    _check(anchor_q, anchor_idx, anchor_count, layer, q, new_set, best, step)
+    if B * H == 0:
+        return
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if new_set.stride(-1) != 1:
+        new_set = new_set.contiguous()
+    _record_anchors_kernel[(B * H,)](
+        q, new_set, best, step, anchor_q, anchor_idx, anchor_count,
+        q.stride(0), q.stride(1), new_set.stride(0), new_set.stride(1), best.stride(0), best.stride(1),
+        anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2), anchor_q.stride(3),
+        anchor_idx.stride(0), anchor_idx.stride(1), anchor_idx.stride(2), anchor_idx.stride(3),
+        anchor_count.stride(0), anchor_count.stride(1), anchor_count.stride(2),
+        int(layer), NORM_EPS,
+        H=H, S_ANCH=s, D=D, NSET=nset,
+        BLOCK_D=next_pow2(D, 16), BLOCK_SET=min(1024, next_pow2(max(nset, 1), 16)),
+        num_warps=4 if nset >= 1024 else 2,
+    )
+
+
+def _check(anchor_q, anchor_idx, anchor_count, layer, q, new_set, best, step) -> None:
+    L, B, H, s, D = anchor_q.shape
+    if anchor_q.stride(-1) != 1 or anchor_idx.stride(-1) != 1:
+        raise ValueError("record_anchors: anchor_q and anchor_idx need a contiguous last dim (they are written in place)")
+    if anchor_idx.shape[:4] != (L, B, H, s) or anchor_count.shape != (L, B, H):
+        raise ValueError(f"record_anchors: anchor_idx {tuple(anchor_idx.shape)} / anchor_count "
+                         f"{tuple(anchor_count.shape)} do not match anchor_q {tuple(anchor_q.shape)}")
+    if q.shape != (B, H, D) or new_set.shape != (B, H, anchor_idx.shape[-1]) or best.shape != (B, H):
+        raise ValueError(f"record_anchors: q {tuple(q.shape)} / new_set {tuple(new_set.shape)} / best "
+                         f"{tuple(best.shape)}: expected [{B}, {H}, {D}] / [{B}, {H}, {anchor_idx.shape[-1]}] / [{B}, {H}]")
+    if step.shape != () or step.dtype != torch.int64:
+        raise ValueError(f"record_anchors: step {tuple(step.shape)} {step.dtype}: expected a 0-dim int64 tensor")
+    if not 0 <= int(layer) < L:
+        raise ValueError(f"record_anchors: layer {layer} not in [0, {L})")
+
+
+def record_anchors_reference(
+    anchor_q: torch.Tensor, anchor_idx: torch.Tensor, anchor_count: torch.Tensor, layer: int, q: torch.Tensor,
+    new_set: torch.Tensor, best: torch.Tensor, step: torch.Tensor,
+) -> None:
+    """PyTorch reference of :func:`record_anchors` (vectorised, sync-free, in place).
+
+    Args:
+        anchor_q: ``[L, B, H, s, D]`` fp32 the anchors' unit queries of every layer.
+        anchor_idx: ``[L, B, H, s, n]`` int32 their dilated sets.
+        anchor_count: ``[L, B, H]`` int32 valid anchors per row.
+        layer: the layer whose rows are written.
+        q: ``[B, H, D]`` the queries the anchors are matched on.
+        new_set: ``[B, H, n]`` int32 the dilated sets of the retrieving rows.
+        best: ``[B, H]`` int32 from ``cis_match`` (``-1``: the row retrieved).
+        step: ``[]`` int64 decode steps since the prefill, this one included.
+    """
+    _check(anchor_q, anchor_idx, anchor_count, layer, q, new_set, best, step)
+    _, b, h, s, _ = anchor_q.shape
+    rows = layer_rows(int(layer), b, h, anchor_q.device)  # the whole buffers, not a view of the layer
+    slot = anchor_count[int(layer)].clamp(max=s - 1).long()
+    where = (*rows, slot)
+    qf = q.float()
+    anchor_q.index_put_(where, qf / qf.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS))
+    anchor_idx.index_put_(where, new_set.to(anchor_idx.dtype))
+    counted = anchor_count[int(layer)] + (best == -1).to(anchor_count.dtype)
+    anchor_count.index_put_(rows, torch.where(step % s == 0, torch.zeros_like(counted), counted))
