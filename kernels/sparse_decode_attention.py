@@ -170,14 +170,16 @@ def attention_schedule(
     """``(block_n, chunk, num_splits)`` of :func:`sparse_decode_attention` for a shape.
 
     Tiles of ~16 KiB of K (64 keys at D = 128 in 16-bit; no spills on sm_90 at 3 stages).
-    The index list is split into chunks of at most 8 tiles (short programs balance the uneven
-    counts of the rows), and further until there are about 4 programs per SM, keeping at
-    least 2 tiles per chunk.
+    The index list is split only until there are about 2 programs per SM, and never into chunks
+    of fewer than 8 tiles: one split needs no combine launch, and on the H200 it was the fastest
+    of 1/2/4/8 splits at 9 of the 10 operator-bench shapes (``sparse_ms_by_splits`` in
+    docs/results/bench_decode_attention.json, 2026-12-02: e.g. Qwen 12/2 B32/16k, 384 rows of 186
+    keys, 16.2 us against 20.4 for the 2 splits of the old rule of 4 programs per SM; the tenth,
+    MHA B8/16k, 256 rows of 2046, takes the 2 it measured best).
     """
     block_n = max(16, min(64, 16384 // (next_pow2(head_dim, 16) * elem_bytes)))
     if num_splits is None:
-        want = max(triton.cdiv(4 * num_sms(device), max(rows, 1)), triton.cdiv(cap, 8 * block_n))
-        num_splits = max(1, min(want, triton.cdiv(cap, 2 * block_n)))
+        num_splits = min(triton.cdiv(2 * num_sms(device), max(rows, 1)), triton.cdiv(cap, 8 * block_n))
     num_splits = max(1, int(num_splits))
     chunk = triton.cdiv(triton.cdiv(max(cap, 1), num_splits), block_n) * block_n
     return block_n, chunk, triton.cdiv(max(cap, 1), chunk)

@@ -570,6 +570,21 @@ def test_attention_kernel(dtype, Hkv, D, splits):
 
 
 @needs_triton
+def test_attention_schedule_splits_only_below_two_programs_per_sm():
+    """The split rule the H200 sweep picked (docs/results/bench_decode_attention.json): one split (no
+    combine launch) from about 2 programs per SM or for lists under 8 tiles, else chunks of >= 8 tiles."""
+    from prhs_hf.kernels.sparse_decode_attention import attention_schedule
+
+    cpu = torch.device("cpu")  # num_sms: 132, the H200's, off CUDA
+    assert attention_schedule(32 * 12, 186, 128, cpu)[2] == 1  # Qwen 12/2 B32/16k (was 2)
+    assert attention_schedule(8 * 12, 186, 128, cpu)[2] == 1  # B8/32k: 96 rows, a 3-tile list
+    assert attention_schedule(16 * 32, 2046, 128, cpu)[2] == 1  # MHA B16/16k (was 4)
+    assert attention_schedule(8 * 32, 2046, 128, cpu)[2] == 2  # MHA B8/16k: 2 measured best
+    assert attention_schedule(32, 4500, 128, cpu)[2] == 9  # few rows, a long list: chunks of 8 tiles
+    block_n, chunk, n = attention_schedule(4, 1000, 128, cpu, num_splits=3)
+    assert (block_n, n) == (64, 3) and chunk * n >= 1000
+
+
 def test_attention_kernel_hf_strides():
     # Caches as HF slices of a [B, S, Hkv, D] buffer (non-contiguous head/seq strides).
     B, H, Hkv, D, S, cap = 2, 4, 2, 32, 50, 24
