@@ -16,9 +16,10 @@ number of decode steps taken since the prefill, this one included (``CISState.st
 last step of every block the record clears the layer's anchors for the next block, so the step
 needs no separate clear (a masked fill of the state before the first layer, which under
 ``torch.compile`` made the whole count buffer a copy, written back at the end of the step).
-The buffers are the state of every layer (``CISState``, ``[L, B, H, ...]``) and are written in
-place through ``layer``, not through a view of one layer: one launch, no copies, under
-``torch.compile`` too.
+The op takes the state of every layer (``CISState``, ``[L, B, H, ...]``) and the layer index, not
+a view of one layer's slice: a view mutated in a compiled step becomes copies of the slice and of
+the buffer (docs/DECODE_PIPELINE.md). One launch, in place, no copies; inside the launcher (opaque
+to the compiler) the kernel is given the layer's slices.
 
 One launch replaces the three ``index_put_`` kernels of the PyTorch reference in a compiled step
 (``scripts/probe_decode_kernels.py``).
@@ -40,27 +41,27 @@ __all__ = ["record_anchors", "record_anchors_reference"]
 def _record_anchors_kernel(
     Q, SET, BEST, STEP, AQ, AIDX, ACNT,
     stride_qb, stride_qh, stride_sb, stride_sh, stride_bb, stride_bh,
-    stride_aql, stride_aqb, stride_aqh, stride_aqs,
-    stride_ail, stride_aib, stride_aih, stride_ais,
-    stride_cl, stride_cb, stride_ch,
-    layer, eps,
+    stride_aqb, stride_aqh, stride_aqs,
+    stride_aib, stride_aih, stride_ais,
+    stride_cb, stride_ch,
+    eps,
     H: tl.constexpr, S_ANCH: tl.constexpr, D: tl.constexpr, NSET: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SET: tl.constexpr,
 ):
-    """One program per (batch, head) row of ``layer``."""
+    """One program per (batch, head) row; AQ, AIDX, ACNT point at the layer's slices of the state."""
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
-    cnt_ptr = ACNT + layer * stride_cl + b * stride_cb + h * stride_ch
+    cnt_ptr = ACNT + b * stride_cb + h * stride_ch
     cnt = tl.load(cnt_ptr)
     slot = tl.minimum(cnt, S_ANCH - 1).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
     qn = q / tl.maximum(tl.sqrt(tl.sum(q * q, axis=0)), eps)
-    aq = AQ + layer * stride_aql + b * stride_aqb + h * stride_aqh + slot * stride_aqs
+    aq = AQ + b.to(tl.int64) * stride_aqb + h * stride_aqh + slot * stride_aqs
     tl.store(aq + offs_d, qn, mask=dmask)
-    ai = AIDX + layer * stride_ail + b.to(tl.int64) * stride_aib + h * stride_aih + slot * stride_ais
+    ai = AIDX + b.to(tl.int64) * stride_aib + h * stride_aih + slot * stride_ais
     set_row = SET + b.to(tl.int64) * stride_sb + h * stride_sh
     for j0 in range(0, NSET, BLOCK_SET):
         j = j0 + tl.arange(0, BLOCK_SET)
@@ -88,13 +89,16 @@ def record_anchors(
         q = q.contiguous()
     if new_set.stride(-1) != 1:
         new_set = new_set.contiguous()
+    # the layer's slices: views of the buffers, written in place (their offset from the buffer's start,
+    # layer x stride, stays on the host in 64-bit, where an in-kernel int32 product could overflow)
+    aq, ai, ac = anchor_q[int(layer)], anchor_idx[int(layer)], anchor_count[int(layer)]
     _record_anchors_kernel[(B * H,)](
-        q, new_set, best, step, anchor_q, anchor_idx, anchor_count,
+        q, new_set, best, step, aq, ai, ac,
         q.stride(0), q.stride(1), new_set.stride(0), new_set.stride(1), best.stride(0), best.stride(1),
-        anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2), anchor_q.stride(3),
-        anchor_idx.stride(0), anchor_idx.stride(1), anchor_idx.stride(2), anchor_idx.stride(3),
-        anchor_count.stride(0), anchor_count.stride(1), anchor_count.stride(2),
-        int(layer), NORM_EPS,
+        aq.stride(0), aq.stride(1), aq.stride(2),
+        ai.stride(0), ai.stride(1), ai.stride(2),
+        ac.stride(0), ac.stride(1),
+        NORM_EPS,
         H=H, S_ANCH=s, D=D, NSET=nset,
         BLOCK_D=next_pow2(D, 16), BLOCK_SET=min(1024, next_pow2(max(nset, 1), 16)),
         num_warps=4 if nset >= 1024 else 2,
