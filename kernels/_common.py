@@ -66,6 +66,7 @@ __all__ = [
     "num_sms",
     "interpreting",
     "layer_rows",
+    "unit_vectors",
 ]
 
 #: Floor of a vector norm in the cosine of `cis_match` (a zero vector has cosine 0).
@@ -126,3 +127,10 @@ def layer_rows(layer: int, batch: int, heads: int, device: torch.device) -> tupl
     back into it at every step (docs/DECODE_PIPELINE.md)."""
     return (torch.full((1, 1), layer, dtype=torch.long, device=device),
             torch.arange(batch, device=device)[:, None], torch.arange(heads, device=device)[None, :])
+
+
+def unit_vectors(x: torch.Tensor) -> torch.Tensor:
+    """``x / max(|x|, NORM_EPS)`` along the last dim, in fp32: the normalisation of every cosine and
+    stored anchor of CIS (a zero vector stays zero)."""
+    xf = x.float()
+    return xf / xf.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)

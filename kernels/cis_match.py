@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._common import NORM_EPS, next_pow2, require_triton, tl, triton
+from ._common import NORM_EPS, next_pow2, require_triton, tl, triton, unit_vectors
 
 __all__ = ["CISMatch", "cis_match", "cis_match_reference"]
 
@@ -124,10 +124,8 @@ def cis_match_reference(
         sequence), and ``[B, Hq]`` bool ``best == -1``.
     """
     s = anchor_q.shape[2]
-    qf = q.float()
-    qn = qf / qf.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
-    af = anchor_q.float()
-    an = af / af.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
+    qn = unit_vectors(q)
+    an = unit_vectors(anchor_q)
     # Elementwise product + sum: exact fp32 (a matmul could silently use TF32).
     sim = (an * qn.unsqueeze(2)).sum(dim=-1)  # [B, Hq, s]
     slot = torch.arange(s, device=q.device)

@@ -26,7 +26,7 @@ from .compose_indices import (
     dilate_and_compose_reference,
     dilated_set_size,
 )
-from ._common import NORM_EPS
+from ._common import unit_vectors
 from .record_anchors import record_anchors, record_anchors_reference
 from .sparse_decode_attention import (
     sparse_decode_attention,
@@ -140,8 +140,7 @@ def group_query(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     side. The cosine of two such vectors is the mean of the heads' cosines: group-shared CIS
     matches a group's queries as one."""
     B, H, D = q.shape
-    qf = q.float()
-    qn = qf / qf.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
+    qn = unit_vectors(q)
     return qn.reshape(B, kv_heads, (H // kv_heads) * D)
 
 

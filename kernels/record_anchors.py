@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from ._common import NORM_EPS, layer_rows, next_pow2, require_triton, tl, triton
+from ._common import NORM_EPS, layer_rows, next_pow2, require_triton, tl, triton, unit_vectors
 
-__all__ = ["record_anchors", "record_anchors_reference"]
+__all__ = ["anchor_slots", "record_anchors", "record_anchors_reference"]
 
 
 @triton.jit
@@ -138,12 +138,19 @@ def record_anchors_reference(
         step: ``[]`` int64 decode steps since the prefill, this one included.
     """
     _check(anchor_q, anchor_idx, anchor_count, layer, q, new_set, best, step)
-    _, b, h, s, _ = anchor_q.shape
-    rows = layer_rows(int(layer), b, h, anchor_q.device)  # the whole buffers, not a view of the layer
-    slot = anchor_count[int(layer)].clamp(max=s - 1).long()
-    where = (*rows, slot)
-    qf = q.float()
-    anchor_q.index_put_(where, qf / qf.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS))
+    s = anchor_q.shape[3]
+    where = anchor_slots(anchor_count, layer, s)
+    anchor_q.index_put_(where, unit_vectors(q))
     anchor_idx.index_put_(where, new_set.to(anchor_idx.dtype))
     counted = anchor_count[int(layer)] + (best == -1).to(anchor_count.dtype)
-    anchor_count.index_put_(rows, torch.where(step % s == 0, torch.zeros_like(counted), counted))
+    anchor_count.index_put_(where[:3], torch.where(step % s == 0, torch.zeros_like(counted), counted))
+
+
+def anchor_slots(anchor_count: torch.Tensor, layer: int, slots: int) -> tuple[torch.Tensor, ...]:
+    """Where a record writes each row of ``layer``: index tensors ``(layer, b, h, slot)`` into the
+    ``[L, B, H, s, ...]`` state buffers (the whole buffers, not a view of the layer), ``slot =
+    min(anchor_count[layer, b, h], slots - 1)``; ``[:3]`` indexes ``anchor_count`` itself. Read the
+    slots before the record counts (``CISState`` writes its tail pairs there)."""
+    _, b, h = anchor_count.shape
+    rows = layer_rows(int(layer), b, h, anchor_count.device)
+    return (*rows, anchor_count[int(layer)].clamp(max=slots - 1).long())

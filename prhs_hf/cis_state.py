@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .kernels._common import layer_rows
 from .kernels.compose_indices import SET_NONE
 from .kernels.decode_ops import DecodeOps
+from .kernels.record_anchors import anchor_slots
 
 __all__ = ["CISState"]
 
@@ -103,8 +103,7 @@ class CISState:
         block of ``s`` steps takes at most ``s`` anchors, so the slot is always in range, and at
         the block's last step the record clears the layer's anchors for the next block)."""
         if tail is not None:  # at the slot the record takes, before it counts
-            _, b, h, s, _ = self.anchor_q.shape
-            where = (*layer_rows(layer, b, h, self.anchor_q.device), self.anchor_count[layer].clamp(max=s - 1).long())
+            where = anchor_slots(self.anchor_count, layer, self.block_size)
             self.tail_k.index_put_(where, tail[0])
             self.tail_v.index_put_(where, tail[1])
             self.tail_log_mass.index_put_(where, tail[2])
