@@ -21,7 +21,7 @@ from transformers import DynamicCache, StaticCache
 
 from . import attention
 from .config import PrHSConfig, load_config
-from .families import check_model, decoder_layers
+from .families import RUNTIME_ATTRIBUTE, check_model, decoder_layers, is_patched
 from .row_skip import install_row_skip, remove_row_skip
 from .runtime import PrHSRuntime
 from .stats import TelemetryReport
@@ -29,7 +29,6 @@ from .stats import TelemetryReport
 __all__ = ["PatchHandle", "patch", "unpatch", "is_patched", "telemetry", "reset", "local_heads"]
 
 SUPPORTED_CACHES = (DynamicCache, StaticCache)
-_RUNTIME = "_prhs_runtime"
 
 
 class PatchHandle:
@@ -58,7 +57,7 @@ class PatchHandle:
         return self
 
     def __exit__(self, *exc) -> None:
-        if getattr(self.model, _RUNTIME, None) is not self.runtime:
+        if getattr(self.model, RUNTIME_ATTRIBUTE, None) is not self.runtime:
             return  # already unpatched or replaced by hand: leave the model as it is
         _uninstall(self.model)
         if self.previous is not None:
@@ -180,12 +179,12 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
         return cache
 
     model._reorder_cache = reorder_cache
-    setattr(model, _RUNTIME, runtime)
+    setattr(model, RUNTIME_ATTRIBUTE, runtime)
 
 
 def _uninstall(model: nn.Module) -> PrHSRuntime | None:
     """Detach the runtime in force (returned; ``None`` if the model is not patched)."""
-    runtime: PrHSRuntime | None = model.__dict__.pop(_RUNTIME, None)
+    runtime: PrHSRuntime | None = model.__dict__.pop(RUNTIME_ATTRIBUTE, None)
     if runtime is None:
         return None
     for hook in runtime.hooks:
@@ -199,11 +198,6 @@ def _uninstall(model: nn.Module) -> PrHSRuntime | None:
     return runtime
 
 
-def is_patched(model: nn.Module) -> bool:
-    """Whether :func:`patch` is in force on ``model``."""
-    return getattr(model, _RUNTIME, None) is not None
-
-
 def unpatch(model: nn.Module) -> None:
     """Remove PrHS from ``model`` exactly (all of it, whatever was patched before); a model that is
     not patched is left as it is."""
@@ -211,7 +205,7 @@ def unpatch(model: nn.Module) -> None:
 
 
 def _runtime(model: nn.Module) -> PrHSRuntime:
-    runtime = getattr(model, _RUNTIME, None)
+    runtime = getattr(model, RUNTIME_ATTRIBUTE, None)
     if runtime is None:
         raise ValueError("the model is not patched with PrHS (call prhs_hf.patch first)")
     return runtime
