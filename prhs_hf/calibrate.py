@@ -121,9 +121,6 @@ CHUNK_ELEMENTS = 2**23
 LATE_FRACTION = 8
 """The late rows are the last ``L // LATE_FRACTION`` rows of a prompt (at least one)."""
 
-_NAME = "prhs_calibrate"
-_HOOK = "_prhs_calibration"
-
 
 class CalibrationError(ValueError):
     """A calibration option or input is wrong; the message names the option and what is allowed."""
@@ -532,70 +529,46 @@ class Measurement:
         return ZERO if e <= self.grid.sink else self.etf[layer][e]
 
 
-def _calibration_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """Dense SDPA for the model's output; on the way, the module's calibration hook sees ``query`` and ``key``."""
-    from .attention import gqa_sdpa_attention_forward
-
-    hook = getattr(module, _HOOK, None)
-    if hook is not None:
-        hook(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5)
-    return gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
 def measure(model: "PreTrainedModel", prompts: "torch.Tensor", grid: Grid, *, oracle_rows: int = 8,
             progress: bool = False) -> Measurement:
     """One dense forward per prompt (``prompts [n, L]``), measuring every candidate of ``grid`` at every layer.
 
     The model's attention is swapped for a function that runs dense SDPA and hands each layer's
-    query and key to the measurement; the model is restored afterwards. ``oracle_rows`` late rows
-    per prompt and layer keep their full attention row for :func:`beta_emp`.
+    query and key to the measurement (:func:`~prhs_hf.calibration_pass.layer_qk_hooks`); the model
+    is restored afterwards. ``oracle_rows`` late rows per prompt and layer keep their full attention
+    row for :func:`beta_emp`.
     """
     import torch
     from tqdm.auto import tqdm
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from .families import check_model, decoder_layers
-    from .patching import is_patched
+    from .calibration_pass import layer_qk_hooks
 
-    check_model(model)
-    if is_patched(model):
-        raise CalibrationError("the model is patched with PrHS; calibrate the unpatched model (prhs_hf.unpatch(model))")
-    layers = decoder_layers(model)
-    if len(layers) != grid.num_layers:
-        raise CalibrationError(f"the grid is for {grid.num_layers} layers, the model has {len(layers)}")
-    n, length = prompts.shape
-    heads = model.config.num_attention_heads
-    sample_rows = _oracle_rows(length, oracle_rows)
-    accs = [_Accumulator(heads, grid.windows(i), grid.frozen_counts(length, i)) if i >= grid.first_layer else None
-            for i in range(len(layers))]
-    AttentionInterface.register(_NAME, _calibration_attention)
-    AttentionMaskInterface.register(_NAME, sdpa_mask)
-    previous = model.config._attn_implementation
-    device = next(model.parameters()).device
-    bar = tqdm(total=n * len(layers), desc="calibrating", unit="layer", disable=not progress, file=sys.stderr)
+    accs: list[_Accumulator | None] = []  # one per layer, made once the model is checked
 
     def make_hook(index: int) -> Callable:
-        def hook(query, key, scaling):
+        def hook(query, key, scaling):  # runs only in the forwards below, after accs, sample_rows and bar exist
             acc = accs[index]
             if acc is not None:
                 _measure_layer(acc, query[0], key[0, :, :query.shape[2]], float(scaling), grid.sink, sample_rows)
             bar.update(1)
         return hook
 
-    try:
-        for i, layer in enumerate(layers):
-            setattr(layer.self_attn, _HOOK, make_hook(i))
-        model.set_attn_implementation(_NAME)
-        with torch.inference_mode():
-            for p in range(n):
-                model(input_ids=prompts[p:p + 1].to(device), use_cache=False, logits_to_keep=1)
-    finally:
-        bar.close()
-        model.set_attn_implementation(previous)
-        for layer in layers:
-            if _HOOK in layer.self_attn.__dict__:
-                delattr(layer.self_attn, _HOOK)
+    with layer_qk_hooks(model, make_hook, error=CalibrationError) as layers:
+        if len(layers) != grid.num_layers:
+            raise CalibrationError(f"the grid is for {grid.num_layers} layers, the model has {len(layers)}")
+        n, length = prompts.shape
+        heads = model.config.num_attention_heads
+        sample_rows = _oracle_rows(length, oracle_rows)
+        accs.extend(_Accumulator(heads, grid.windows(i), grid.frozen_counts(length, i)) if i >= grid.first_layer
+                    else None for i in range(len(layers)))
+        device = next(model.parameters()).device
+        bar = tqdm(total=n * len(layers), desc="calibrating", unit="layer", disable=not progress, file=sys.stderr)
+        try:
+            with torch.inference_mode():
+                for p in range(n):
+                    model(input_ids=prompts[p:p + 1].to(device), use_cache=False, logits_to_keep=1)
+        finally:
+            bar.close()
     psaw, etf, samples = [], [], []
     for acc in accs:
         if acc is None:

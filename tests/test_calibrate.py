@@ -110,6 +110,43 @@ def test_dropped_mass_matches_a_full_matrix_reference(monkeypatch) -> None:
     assert max(s.late_max for s in m.psaw[5].values()) > max(s.late for s in m.psaw[5].values()) > 0.01
 
 
+def test_the_calibration_pass_gives_the_model_back_when_a_forward_raises() -> None:
+    from prhs_hf.calibration_pass import layer_qk_hooks
+
+    model = tiny_model("llama", layers=3)
+    before = model.config._attn_implementation
+    seen: list[int] = []
+
+    def make_hook(index: int):
+        def hook(query, key, scaling):
+            seen.append(index)
+            if index == 1:
+                raise RuntimeError("the forward failed")
+        return hook
+
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        with layer_qk_hooks(model, make_hook) as layers:
+            assert len(layers) == 3 and model.config._attn_implementation != before
+            assert all(callable(layer.self_attn.__dict__.get("_prhs_calibration")) for layer in layers)
+            with torch.inference_mode():
+                model(input_ids=torch.tensor([[1, 2, 3, 4]]), use_cache=False)
+    assert seen == [0, 1]  # the hooks ran, in layer order, until the failing one
+    assert model.config._attn_implementation == before
+    assert not any("_prhs_calibration" in layer.self_attn.__dict__ for layer in model.model.layers)
+
+
+def test_measure_refuses_a_patched_model_with_a_calibration_error() -> None:
+    model = tiny_model("llama", layers=4)
+    grid = cal.Grid(4, (1, 2), (0.5,), (0.5,), 1.0, 1.0, SINK)
+    prompts = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    with prhs_hf.patch(model, {"budget": {"sink": 2, "local": 4, "topk": 16}}):
+        with pytest.raises(cal.CalibrationError, match=r"calibrate the unpatched model \(prhs_hf.unpatch\(model\)\)"):
+            cal.measure(model, prompts, grid)
+        assert prhs_hf.is_patched(model)
+    with pytest.raises(cal.CalibrationError, match="the grid is for 4 layers, the model has 3"):
+        cal.measure(tiny_model("llama", layers=3), prompts, grid)
+
+
 def test_the_tail_histogram_gives_torch_quantile_within_a_bin_and_the_exact_maximum() -> None:
     g = torch.Generator().manual_seed(3)
     values = torch.rand(500, 3, generator=g) ** 4  # skewed toward 0, as dropped masses are

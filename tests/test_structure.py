@@ -61,3 +61,16 @@ def test_the_direct_runner_has_one_home() -> None:
     """The moved modules live in prhs_hf/accuracy only: no alias or copy stays in lm_eval/."""
     for name in ("direct", "accuracy_configs", "report", "configs"):
         assert not (PACKAGE / "lm_eval" / f"{name}.py").exists(), name
+
+
+def test_the_selectors_calibrate_without_importing_patching() -> None:
+    """Double Sparsity's calibration once took its attention function from calibrate.py and
+    ``is_patched`` from patching.py, which imports the runtime and with it every selector: a cycle.
+    The calibration pass and the patch check live in modules below both."""
+    for path in (PACKAGE / "selectors").glob("*.py"):
+        imported = _imported_modules(path)
+        assert {"prhs_hf.patching", "prhs_hf.calibrate", "prhs_hf.runtime"} & imported == set(), path.name
+    assert "prhs_hf.patching" not in _imported_modules(PACKAGE / "calibration_pass.py")
+    loaded = _imports_in_a_fresh_interpreter(
+        "import prhs_hf.calibration_pass", ("prhs_hf.patching", "prhs_hf.runtime", "prhs_hf.selectors"))
+    assert loaded == []

@@ -339,21 +339,12 @@ def label_contributions(model: "PreTrainedModel", prompts: Iterable[torch.Tensor
     query head, channel), each token's post-RoPE query with its own key.
 
     ``prompts`` yields token ids, ``[1, T]`` or ``[T]`` each (one dense forward of the *unpatched*
-    model per prompt; each layer's query and key are read on the way by the attention function of
-    :mod:`prhs_hf.calibrate`, which runs dense SDPA).
+    model per prompt; each layer's query and key are read on the way by
+    :func:`~prhs_hf.calibration_pass.layer_qk_hooks`, whose attention runs dense SDPA).
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from ..calibration_pass import layer_qk_hooks
 
-    from ..calibrate import _HOOK, _NAME, _calibration_attention
-    from ..families import check_model, decoder_layers
-    from ..patching import is_patched
-
-    check_model(model)
-    if is_patched(model):
-        raise ValueError("the model is patched with PrHS; calibrate the unpatched model (prhs_hf.unpatch(model))")
-    layers = decoder_layers(model)
-    sums: list[torch.Tensor | None] = [None] * len(layers)
+    sums: list[torch.Tensor | None] = []  # one per layer, made once the model is checked
     tokens = 0
 
     def make_hook(index: int):
@@ -364,14 +355,9 @@ def label_contributions(model: "PreTrainedModel", prompts: Iterable[torch.Tensor
             sums[index] = s.sum(0) if sums[index] is None else sums[index] + s.sum(0)
         return hook
 
-    AttentionInterface.register(_NAME, _calibration_attention)
-    AttentionMaskInterface.register(_NAME, sdpa_mask)
-    previous = model.config._attn_implementation
-    device = next(model.parameters()).device
-    try:
-        for i, layer in enumerate(layers):
-            setattr(layer.self_attn, _HOOK, make_hook(i))
-        model.set_attn_implementation(_NAME)
+    with layer_qk_hooks(model, make_hook) as layers:
+        sums.extend([None] * len(layers))
+        device = next(model.parameters()).device
         with torch.inference_mode():
             for ids in prompts:
                 ids = ids.reshape(1, -1)
@@ -379,11 +365,6 @@ def label_contributions(model: "PreTrainedModel", prompts: Iterable[torch.Tensor
                     continue
                 model(input_ids=ids.to(device), use_cache=False, logits_to_keep=1)
                 tokens += ids.shape[1]
-    finally:
-        model.set_attn_implementation(previous)
-        for layer in layers:
-            if _HOOK in layer.self_attn.__dict__:
-                delattr(layer.self_attn, _HOOK)
     if tokens == 0:
         raise ValueError("texts: no calibration tokens (give at least one non-empty text)")
     return (torch.stack(sums) / tokens).float().cpu()
