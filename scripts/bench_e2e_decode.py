@@ -313,8 +313,9 @@ def telemetry_row(model) -> dict:
             "processed_kv": report.processed_kv_per_step, "dense_kv": report.dense_kv_per_step}
 
 
-def run_generate(model, ids, new_tokens: int, static_cache=None, extra_processor=None):
-    """One generate() call; ``static_cache`` (reset here) makes it a static-cache, compiled run."""
+def run_generate(model, ids, new_tokens: int, static_cache=None, extra_processor=None, compiled: bool = True):
+    """One generate() call; ``static_cache`` (reset here) makes it a static-cache run, compiled
+    unless ``compiled`` is False (the same cache, eager: no second KV cache beside it)."""
     clock = StepClock(ids.device, new_tokens)
     processors = [clock] if extra_processor is None else [clock, extra_processor]
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -323,6 +324,7 @@ def run_generate(model, ids, new_tokens: int, static_cache=None, extra_processor
         static_cache.reset()
         kwargs["past_key_values"] = static_cache
         kwargs["compile_config"] = COMPILE_CONFIG
+        kwargs["disable_compile"] = not compiled
     if ids.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -737,7 +739,12 @@ def main(argv=None) -> int:
             counters.clear()
             skips.messages.clear()
             start = time.perf_counter()
-            run_generate(model, ids, min(new_tokens, 16), cache)  # warm-up: compile, autotune, allocator
+            # warm-up: compile, autotune, allocator. Eager runs as many steps as the timed run: its
+            # kernels meet each step's cache length, and a Triton variant first met later compiles
+            # inside the timed steps (H200, llama2-7b B8/16k eager: 167 ms/step after a 16-token
+            # warm-up, 57 with every variant compiled); the compiled step is one graph.
+            warm_tokens = min(new_tokens, 16) if mode == "static" else new_tokens
+            run_generate(model, ids, warm_tokens, cache)
             row["warmup_s"] = time.perf_counter() - start
             row.update(timed_runs(model, ids, new_tokens, cache, args.repeats))
             if mode == "static":
@@ -760,9 +767,11 @@ def main(argv=None) -> int:
                     prhs_hf.reset(model)
                 row["host_profile"] = host_profile(model, ids, args.host_profile_steps, cache)
             if prhs_hf.is_patched(model) and not args.timed_telemetry:
-                # ρ̂ of the same prompts and tokens, from an untimed eager run with telemetry on
+                # ρ̂ of the same prompts and tokens, from an untimed eager run with telemetry on; in
+                # static mode in the cell's own cache (a second cache of a 7B model at B8/16k does
+                # not fit beside it on a 141 GB GPU)
                 select_config(model, name, telemetry=True)
-                run_generate(model, ids, new_tokens)
+                run_generate(model, ids, new_tokens, cache, compiled=False)
                 row.update(telemetry_row(model), rho_hat_run="eager, telemetry on")
         except Exception as exc:  # a failing cell is reported, the table goes on
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -611,3 +611,32 @@ def test_probe_tilemax_candidates_captures_and_counts(e2e_checkpoint, stories, t
     keys = probe.orderable_keys(torch.tensor([3.0, -1.0, 2.0, 5.0, 0.0, 4.0, 1.0, -2.0, 6.0]))
     # sub-tiles of 2: maxima 3, 5, 4, 1, 6; k 2: theta 5 (keys 5, 6); k 3: theta 4; k 6 > 5 sub-tiles: all
     assert [probe.candidates(keys, k, 2, "exact") for k in (2, 3, 6)] == [2, 3, 9]
+
+
+def test_bench_e2e_decode_warm_up_and_rho_run_shapes(tmp_path, monkeypatch):
+    """Eager: the warm-up runs as many tokens as the timed run (a Triton variant first met later would
+    compile inside the timed steps). Static: every generate() of the cell uses the cell's one static
+    cache, the untimed ρ̂ run too (eagerly), so no second KV cache is allocated beside it."""
+    import bench_e2e_decode as bench
+
+    calls = []
+    real_run = bench.run_generate
+
+    def recording_run(model, ids, new_tokens, static_cache=None, *args, **kwargs):
+        calls.append((new_tokens, static_cache, kwargs.get("compiled", True)))
+        return real_run(model, ids, new_tokens, static_cache, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_generate", recording_run)
+    for mode in ("eager", "static"):
+        calls.clear()
+        assert bench.main(["--quick", "--modes", mode, "--configs", "cis-s16", "--new-tokens", "20",
+                           "--out", str(tmp_path / mode)]) == 0
+        row, = json.loads((tmp_path / mode / "bench_e2e_decode.json").read_text())["rows"]
+        assert "error" not in row, row
+        warm, timed, rho = calls
+        assert timed[0] == rho[0] == 20
+        if mode == "eager":
+            assert warm[0] == 20 and all(c[1] is None for c in calls)
+        else:
+            assert warm[0] == 16 and warm[1] is not None
+            assert timed[1] is warm[1] and rho[1] is warm[1] and rho[2] is False
