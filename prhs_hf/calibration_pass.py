@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from .attention import gqa_sdpa_attention_forward
 from .families import check_model, decoder_layers, is_patched
 
 __all__ = ["QKHook", "layer_qk_hooks"]
@@ -36,8 +37,6 @@ _HOOK = "_prhs_calibration"
 
 def _calibration_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Dense SDPA for the model's output; on the way, the module's calibration hook sees ``query`` and ``key``."""
-    from .attention import gqa_sdpa_attention_forward
-
     hook = getattr(module, _HOOK, None)
     if hook is not None:
         hook(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5)

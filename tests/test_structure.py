@@ -74,3 +74,11 @@ def test_the_selectors_calibrate_without_importing_patching() -> None:
     loaded = _imports_in_a_fresh_interpreter(
         "import prhs_hf.calibration_pass", ("prhs_hf.patching", "prhs_hf.runtime", "prhs_hf.selectors"))
     assert loaded == []
+
+
+def test_is_patched_has_one_home_below_the_runtime() -> None:
+    """``prhs_hf.is_patched`` is the function of families.py (patching re-exports it): asking
+    whether a model is patched loads neither the runtime nor the selectors."""
+    loaded = _imports_in_a_fresh_interpreter(
+        "import prhs_hf; prhs_hf.is_patched", ("prhs_hf.patching", "prhs_hf.runtime", "prhs_hf.selectors"))
+    assert loaded == []
