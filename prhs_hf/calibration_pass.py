@@ -19,6 +19,8 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import gqa_sdpa_attention_forward
 from .families import check_model, decoder_layers, is_patched
@@ -58,9 +60,6 @@ def layer_qk_hooks(
     ends, by an exception too, every hook is removed and the model's attention implementation is
     the one it had before.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     check_model(model)
     if is_patched(model):
         raise error("the model is patched with PrHS; calibrate the unpatched model (prhs_hf.unpatch(model))")
