@@ -36,8 +36,12 @@ __all__ = [
 # Design (H200: the cost is reading the K rows of the middle region, bandwidth bound):
 #   1. `_compact_kernel` (one program): the retrieving rows' ids packed to the front and their
 #      count, and the same for the KV groups (b, kvh) that hold at least one retrieving row.
-#   2. Scoring. `_group_score_kernel` (default), grid (groups, splits of the sequence): a
-#      program of a live group streams its chunk of the KV head's keys ONCE and scores all G
+#   2. Scoring. `_group_score_kernel` (default), a persistent grid (4 programs per SM) striding
+#      over the (live group, split) items; the split count comes from the device-side live count
+#      (about one item per program, so a step where every group retrieves reads long chunks and
+#      one where few do reads short ones; a host-side guess of the live count had sized all steps
+#      for 1 row in 16, e.g. 8,448 programs of 512 keys on llama2-7b's shape). An item of a live
+#      group streams its chunk of the KV head's keys ONCE and scores all G
 #      query heads of the group with one tensor-core dot per tile (the G heads in the M
 #      dimension, padded to 16); it writes an order-preserving int32 key of each fp32 score
 #      into the scratch row of every retrieving head (grouped mode: one row per group, the
@@ -255,14 +259,51 @@ def _score_kernel(
 def _group_score_kernel(
     Q, K, PAD, LO, HI, FLAG, GORDER, GCOUNT, KEYS, HIST, TAKEN, TMAX,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys, stride_tmax,
-    scale, S, CHUNK,
+    scale, S, CHUNK, MIN_CHUNK, MAX_SPLITS,
     HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, AGG_MAX: tl.constexpr, IEEE: tl.constexpr,
     ZERO_SCRATCH: tl.constexpr, ZROWS: tl.constexpr, HIST_PASSES: tl.constexpr,
     HIST_BINS: tl.constexpr, FUSE_HIST: tl.constexpr = False, GP: tl.constexpr = 2,
     TILE_MAX: tl.constexpr = False, SUB: tl.constexpr = 32,
 ):
-    """Scores of one chunk of one live KV group's middle region, for all G heads at once.
+    """Persistent grid of the group scoring: the programs stride over the (live group, split)
+    items, ``splits`` per live group, items ``i = c * splits + sp``.
+
+    CHUNK > 0: ``splits = MAX_SPLITS`` (= cdiv(S, CHUNK)) of CHUNK keys (the probe's fixed
+    tuning). CHUNK == 0 (the default): the split follows the device-side live count, so one
+    launch fits both a step where a few groups retrieve and one where all do (no host sync):
+    ``splits = clamp(programs // live groups, 1, MAX_SPLITS)``, and each group's region is cut
+    into ``splits`` chunks of at least MIN_CHUNK keys (multiples of BLOCK_N): about one item
+    per program, each reading the same number of keys."""
+    nprog = tl.num_programs(0)
+    gcount = tl.load(GCOUNT)
+    if CHUNK > 0:
+        splits = MAX_SPLITS
+    else:
+        splits = tl.minimum(tl.maximum(nprog // tl.maximum(gcount, 1), 1), MAX_SPLITS)
+    for item in range(tl.program_id(0), gcount * splits, nprog):
+        _group_score_item(
+            Q, K, PAD, LO, HI, FLAG, GORDER, KEYS, HIST, TAKEN, TMAX,
+            stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys, stride_tmax,
+            scale, S, CHUNK, MIN_CHUNK, item // splits, item % splits, splits,
+            HKV, GROUP, D, BLOCK_M, BLOCK_N, BLOCK_D, AGG_MAX, IEEE, ZERO_SCRATCH, ZROWS,
+            HIST_PASSES, HIST_BINS, FUSE_HIST, GP, TILE_MAX, SUB,
+        )
+
+
+@triton.jit
+def _group_score_item(
+    Q, K, PAD, LO, HI, FLAG, GORDER, KEYS, HIST, TAKEN, TMAX,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys, stride_tmax,
+    scale, S, CHUNK, MIN_CHUNK, c, sp, splits,
+    HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, AGG_MAX: tl.constexpr, IEEE: tl.constexpr,
+    ZERO_SCRATCH: tl.constexpr, ZROWS: tl.constexpr, HIST_PASSES: tl.constexpr,
+    HIST_BINS: tl.constexpr, FUSE_HIST: tl.constexpr, GP: tl.constexpr,
+    TILE_MAX: tl.constexpr, SUB: tl.constexpr,
+):
+    """Scores of split ``sp`` (of ``splits``) of live KV group number ``c``'s middle region, for
+    all G heads at once.
 
     The G query heads of group (b, kvh) sit in the M rows of a [BLOCK_M, BLOCK_D] tile (rows
     >= G are zero and masked); each [BLOCK_N, BLOCK_D] tile of the KV head's keys is loaded
@@ -279,14 +320,16 @@ def _group_score_kernel(
     the per-head accumulator (next_pow2(GROUP), at least 2). TILE_MAX (``_select="tilemax"``):
     also the largest key of every SUB-key sub-tile of each row written, to ``TMAX[row, t]``.
     """
-    c = tl.program_id(0)
-    sp = tl.program_id(1)
-    live = c < tl.load(GCOUNT)
-    gid = tl.load(GORDER + c, mask=live, other=0)
+    gid = tl.load(GORDER + c)
     b = gid // HKV
     kvh = gid % HKV
-    pad, start, end = _score_range(PAD, LO, HI, b, sp, CHUNK, S, live)
     lo = tl.maximum(tl.load(LO + b), 0)  # sub-tiles of the tile maxima count from lo
+    if CHUNK > 0:
+        chunk = CHUNK
+    else:  # the region in `splits` chunks, each a multiple of BLOCK_N (so of SUB) and >= MIN_CHUNK
+        n = tl.maximum(tl.minimum(tl.load(HI + b), S - tl.load(PAD + b)) - lo, 0)
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(n, splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    pad, start, end = _score_range(PAD, LO, HI, b, sp, chunk, S, sp < splits)  # items are live
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -296,7 +339,7 @@ def _group_score_kernel(
         wrow = mrow  # every head of the group takes part in the maximum
         out_row = (b * HKV + kvh).to(tl.int64)
     else:
-        wrow = mrow & (tl.load(FLAG + b * (HKV * GROUP) + head, mask=mrow & live, other=0) != 0)
+        wrow = mrow & (tl.load(FLAG + b * (HKV * GROUP) + head, mask=mrow, other=0) != 0)
         out_row = (b * (HKV * GROUP) + head).to(tl.int64)
     q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=mrow[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
@@ -304,16 +347,14 @@ def _group_score_kernel(
         q = q.to(tl.float32)
     k_base = K + b.to(tl.int64) * stride_kb + kvh * stride_kh  # > 2^31 elements ok
     if ZERO_SCRATCH:
-        if (sp == 0) & live:
+        if sp == 0:
             offs_z = tl.arange(0, HIST_BINS)
             for g in tl.static_range(ZROWS):  # the scratch rows this group writes
                 if AGG_MAX:
-                    zr = b * HKV + kvh
-                    zw = live
+                    zr = b * HKV + kvh  # a live group: its flag is set
                 else:
                     zr = b * (HKV * GROUP) + kvh * GROUP + g
-                    zw = tl.load(FLAG + zr) != 0
-                if zw:
+                if tl.load(FLAG + zr) != 0:
                     for p in tl.static_range(1 if FUSE_HIST else 0, HIST_PASSES):
                         tl.store(HIST + zr.to(tl.int64) * (HIST_PASSES * HIST_BINS) + p * HIST_BINS + offs_z,
                                  tl.zeros([HIST_BINS], tl.int32))
@@ -367,7 +408,7 @@ def _group_score_kernel(
         else:
             head_gp = kvh * GROUP + offs_gp
             w_gp = (offs_gp < GROUP) & (tl.load(FLAG + b * (HKV * GROUP) + head_gp,
-                                                mask=(offs_gp < GROUP) & live, other=0) != 0)
+                                                mask=offs_gp < GROUP, other=0) != 0)
             row_gp = (b * (HKV * GROUP) + head_gp).to(tl.int64)
             tl.atomic_add(HIST + row_gp[:, None] * (HIST_PASSES * HIST_BINS) + bins[None, :], hist,
                           mask=w_gp[:, None] & (hist != 0))
@@ -907,8 +948,15 @@ def _compact(flags: torch.Tensor, group: int, with_groups: bool, zero_hist: torc
     return order, count, (gorder if with_groups else None), (gcount if with_groups else None)
 
 
+#: The group score kernel's persistent grid (programs per SM) and its smallest split (keys): the
+#: split is chosen on the device from the live group count (see `_group_score_kernel`).
+_SCORE_PROGRAMS_PER_SM = 4
+_SCORE_MIN_CHUNK = 256
+
+
 def _score_chunk(S: int, live: int, device: torch.device) -> int:
-    """Keys per score program: about 4 programs per SM when about ``live`` items score."""
+    """Keys per program of the row score kernel: about 4 programs per SM when about ``live``
+    items score."""
     target_splits = triton.cdiv(4 * num_sms(device), max(1, live))
     return max(256, min(4096, next_pow2(triton.cdiv(S, target_splits))))
 
@@ -949,7 +997,7 @@ def _retrieve(
     q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     flags: torch.Tensor, k: int, scale: float, *, grouped: bool, score: str, select: str,
     stop_after: str, select_block: int | None = None, select_warps: int | None = None,
-    score_cfg: tuple[int, int, int, int] | None = None,
+    score_cfg: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Shared launcher: per-head rows (``grouped`` off, flags [B, Hq]) or one row per KV group
     (flags [B, Hkv], scores = max over the group's heads). Returns [B, rows per sequence, k]."""
@@ -996,23 +1044,24 @@ def _retrieve(
     sel_block = (_select_chunk(S) if select_block is None else next_pow2(int(select_block), 16))
     taken = torch.empty((R,) if split else (1,), dtype=torch.int32, device=q.device)
     block_d = next_pow2(D, 16)
-    # expected live score items: about 1 retrieving row in 16 (CIS at s = 16), capped
-    live = max(1, min(B * Hkv if by_group else R, (B * Hq) // 16))
     if by_group:
         block_m = max(16, next_pow2(group))
         # 128 keys per tile for 2-byte keys (H200, 12/2 B32/16k, 71 rows: 54.2 vs 62.0 us for 64;
         # 32/8 B16: 41.8 vs 42.5); fp32 keeps 32 KB tiles so that three stages fit in shared memory
         block_n = max(16, min(128, 16384 // block_d) if k_cache.element_size() <= 2 else min(64, 8192 // block_d))
-        chunk = max(_score_chunk(S, live, q.device), block_n)
-        score_warps, score_stages = 4, 3
-        if score_cfg is not None:  # (block_n, warps, stages, chunk or 0): the probe's tuning
+        score_warps, score_stages, fixed_chunk, per_sm = 4, 3, 0, _SCORE_PROGRAMS_PER_SM
+        if score_cfg is not None:  # (block_n, warps, stages, chunk or 0[, programs per SM]): the probe's tuning
             block_n, score_warps, score_stages = score_cfg[0], score_cfg[1], score_cfg[2]
-            chunk = max(score_cfg[3] or chunk, block_n)
+            fixed_chunk = triton.cdiv(score_cfg[3], block_n) * block_n if score_cfg[3] else 0
+            per_sm = score_cfg[4] if len(score_cfg) > 4 else per_sm
+        min_chunk = triton.cdiv(_SCORE_MIN_CHUNK, block_n) * block_n
+        max_splits = triton.cdiv(S, fixed_chunk or min_chunk)
+        programs = max(1, min(per_sm * num_sms(q.device), B * Hkv * max_splits))
         sub, tmax = _tile_max_scratch(tile_max, R, S, block_n, sel_block, q.device)
-        _group_score_kernel[(B * Hkv, triton.cdiv(S, chunk))](
+        _group_score_kernel[(programs,)](
             q, k_cache, pad, lo, hi, flags, gorder, gcount, keys, hist, taken, tmax,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            keys.stride(0), tmax.stride(0), float(scale), S, chunk,
+            keys.stride(0), tmax.stride(0), float(scale), S, fixed_chunk, min_chunk, max_splits,
             HKV=Hkv, GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             AGG_MAX=grouped,
             IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
@@ -1025,7 +1074,8 @@ def _retrieve(
             hist.zero_()  # all passes (the fused one too), before the score launch
             taken.zero_()
         block_n = max(16, min(128, 8192 // block_d))
-        chunk = max(_score_chunk(S, live, q.device), block_n)
+        # expected live rows: about 1 in 16 (CIS at s = 16)
+        chunk = max(_score_chunk(S, max(1, min(R, (B * Hq) // 16)), q.device), block_n)
         sub, tmax = _tile_max_scratch(tile_max, R, S, block_n, sel_block, q.device)
         _score_kernel[(R, triton.cdiv(S, chunk))](
             q, k_cache, pad, lo, hi, order, count, keys, hist, tmax,
@@ -1127,13 +1177,13 @@ def topk_retrieval(
     _select: str = "auto",
     _select_block: int | None = None,
     _select_warps: int | None = None,
-    _score_cfg: tuple[int, int, int, int] | None = None,
+    _score_cfg: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Triton top-k retrieval: work only for retrieving rows, exact order, no host sync.
 
-    Launches: row + group compaction (1 program), group-aware scoring (grid live KV groups x
-    sequence chunks; each group's keys are read once for all its retrieving heads; programs
-    past the device-side count exit at once), then the select (default ``"auto"``: ``"tilemax"``
+    Launches: row + group compaction (1 program), group-aware scoring (a persistent grid over
+    the live KV groups x sequence chunks, the chunks sized on the device from the live count;
+    each group's keys are read once for all its retrieving heads), then the select (default ``"auto"``: ``"tilemax"``
     up to k = 256, one program per row from a threshold of the score kernel's sub-tile maxima,
     19.8 us for 71 rows x 16k at k 88 on the H200 (radix8 52.1); ``"radix8"`` above: 8-bit passes
     and the collect on persistent grids, then a block sort + merge rank, 54 us for 37 rows x 16k
@@ -1152,8 +1202,8 @@ def topk_retrieval(
     ``_select_block`` / ``_select_warps``: keys per (row, chunk) item and warps of the split
     select's passes and collect (default: :func:`_select_chunk`, 4 warps), or keys per collect
     block and warps of the tilemax select (default: the same keys, 8 warps); ``_score_cfg``:
-    (keys per tile, warps, stages, keys per program or 0) of the group score kernel (the
-    probe's tuning).
+    (keys per tile, warps, stages, keys per program or 0 for the device-side split[, programs
+    per SM of its persistent grid]) of the group score kernel (the probe's tuning).
     """
     return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=False,
                      score=_score, select=_select, stop_after=_stop_after,
@@ -1174,7 +1224,7 @@ def topk_retrieval_grouped(
     _select: str = "auto",
     _select_block: int | None = None,
     _select_warps: int | None = None,
-    _score_cfg: tuple[int, int, int, int] | None = None,
+    _score_cfg: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Triton group-shared top-k retrieval: one index list per KV head (no host sync).
 

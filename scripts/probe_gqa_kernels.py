@@ -22,6 +22,13 @@ the per-row sort alone), ``score`` (compaction + scoring; ``radix8_fused``: incl
 pass-0 histogram the score kernel builds, so its ``passes`` are passes 1-3 only), ``total`` (the
 whole retrieval: score + sel; the column to compare ``radix8_fused`` with ``radix8``), ``exact``
 (output equal to the row select's).
+Score table (``--score-only``): the group score stage alone (compaction + scoring, CUDA graph
+replay) at each ``--score-shapes`` entry ``B,S,HQ,HKV,FRAC`` (FRAC of the query rows retrieve; 1.0
+is a block's first step, where every row does), for the default (the split sized on the device
+from the live count) and each ``--select-variants`` score tuning; with the MB of K it reads, the
+implied GB/s, and whether the retrieval's output equals the default's.
+    python scripts/probe_gqa_kernels.py --score-only --topk 88 \
+        --score-shapes 8,16384,32,32,1.0,8,16384,32,32,0.0625 --select-variants 128x4x3x512,128x4x3x4096
     TRITON_INTERPRET=1 python scripts/probe_gqa_kernels.py --quick   # CPU smoke run (a test)
 """
 
@@ -109,7 +116,7 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
                   if isinstance(v[0], str) else
                   (f"radix8 b{v[0]}w{v[1]}", "radix8", {"_select_block": v[0], "_select_warps": v[1]})
                   if len(v) == 2 else
-                  (f"radix8 score n{v[0]}w{v[1]}s{v[2]}c{v[3]}", "radix8", {"_score_cfg": v}) for v in variants]
+                  (f"radix8 score {_score_label(v)}", "radix8", {"_score_cfg": v}) for v in variants]
         for label, select, extra in modes:
             t = {}
             for stop in stops:
@@ -132,6 +139,44 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
     return rows
 
 
+def _score_label(v: tuple[int, ...]) -> str:
+    return f"n{v[0]}w{v[1]}s{v[2]}c{v[3]}" + (f"p{v[4]}" if len(v) > 4 else "")
+
+
+def score_table(shapes: list[tuple[int, int, int, int, int, float]], cuda: bool, topk: Optional[int] = None,
+                variants: tuple[tuple[int, ...], ...] = ()) -> list[dict]:
+    """Group score stage time (us) at each ``(B, S, Hq, Hkv, D, frac)``: the default and each
+    ``(tile, warps, stages, keys per program or 0[, programs per SM])`` of ``variants``."""
+    dev = torch.device("cuda" if cuda else "cpu")
+    print(f"\ngroup score stage, us ({'CUDA graph replay' if cuda else 'CPU interpreter: not timings'})")
+    print(f"| {'shape':26s} | {'score':22s} | {'us':>8s} | {'MB of K':>8s} | {'GB/s':>6s} | exact |")
+    print(f"|{'-' * 28}|{'-' * 24}|{'-' * 10}|{'-' * 10}|{'-' * 8}|-------|")
+    rows = []
+    for B, S, Hq, Hkv, D, frac in shapes:
+        k = _budget_k(S) if topk is None else topk
+        g = torch.Generator(device=dev).manual_seed(2)
+        q = torch.randn(B, Hq, D, generator=g, device=dev).to(torch.bfloat16)
+        kc = torch.randn(B, Hkv, S, D, generator=g, device=dev).to(torch.bfloat16)
+        pad = torch.zeros(B, dtype=torch.int32, device=dev)
+        n = S // 8
+        lo = torch.full((B,), max(8, n // 32), dtype=torch.int32, device=dev)
+        hi = torch.full((B,), S - n // 8, dtype=torch.int32, device=dev)
+        retrieve = torch.rand(B, Hq, generator=g, device=dev) < frac
+        retrieve[0, 0] = True
+        groups = int(retrieve.view(B, Hkv, -1).any(-1).sum())
+        mb = groups * int(hi[0] - lo[0]) * D * q.element_size() / 1e6
+        scale = 1 / math.sqrt(D)
+        tag = f"B{B} {S // 1024}k {Hq}/{Hkv} r{int(retrieve.sum())} g{groups}"
+        base = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale)
+        for label, extra in [("default (device split)", {})] + [(_score_label(v), {"_score_cfg": v}) for v in variants]:
+            ms = _time_ms(lambda extra=extra: topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale,
+                                                             _stop_after="score", **extra), cuda, graph=True)
+            exact = torch.equal(topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, **extra), base)
+            print(f"| {tag:26s} | {label:22s} | {ms * 1e3:8.1f} | {mb:8.1f} | {mb / ms / 1e3:6.0f} | {str(exact):5s} |")
+            rows.append({"name": f"score {tag} {label}", "ms": ms, "mb": mb, "exact": exact})
+    return rows
+
+
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shape (CPU interpreter smoke run)")
@@ -144,6 +189,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                     help="fraction of query rows that retrieve (CIS-16: about 1/16)")
     ap.add_argument("--select-only", action="store_true", help="only the select stage table")
     ap.add_argument("--no-select", action="store_true", help="skip the select stage table")
+    ap.add_argument("--score-only", action="store_true", help="only the group score stage table")
+    ap.add_argument("--score-shapes", default=None, metavar="B,S,HQ,HKV,FRAC[,...]",
+                    help="the score table's shapes, five numbers each (default: llama2-7b's 32/32 B8 and the "
+                         "Qwen 12/2 B32 at 16k, every row and 1 in 16 retrieving)")
     ap.add_argument("--topk", type=int, default=None,
                     help="k of the select table (default: the budget 1/8; cis.yaml's is 88)")
     ap.add_argument("--select-shape", default=None, metavar="B,S,HQ,HKV",
@@ -152,7 +201,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                     help="extra radix8 rows with these keys per select item and warps, e.g. 2048x4,4096x8 "
                          "(MODE:BLOCKxWARPS for another select mode, e.g. tilemax:2048x8); "
                          "four numbers NxWxSxC: the group score kernel's keys per tile, warps, stages and keys "
-                         "per program (0: default)")
+                         "per program (0: the device-side split); a fifth: the score grid's programs per SM")
     args = ap.parse_args(argv)
     variants = tuple((v.split(":")[0], *(int(x) for x in v.split(":")[1].split("x"))) if ":" in v else
                      tuple(int(x) for x in v.split("x")) for v in args.select_variants.split(",") if v)
@@ -165,6 +214,19 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     if args.select_shape:
         B, S, Hq, Hkv = (int(x) for x in args.select_shape.split(","))
         select_shapes = [(B, S, Hq, Hkv, args.head_dim if not args.quick else 16)]
+    if args.score_only:
+        if args.score_shapes:
+            vals = [float(x) for x in args.score_shapes.split(",")]
+            if len(vals) % 5:
+                ap.error("--score-shapes: five numbers per shape (B,S,HQ,HKV,FRAC)")
+            score_shapes = [(int(v[0]), int(v[1]), int(v[2]), int(v[3]), args.head_dim if not args.quick else 16, v[4])
+                            for v in (vals[i:i + 5] for i in range(0, len(vals), 5))]
+        elif args.quick:
+            score_shapes = [(2, 1100, 4, 2, 16, 1.0), (2, 1100, 4, 2, 16, 0.25)]
+        else:
+            score_shapes = [(B, 16384, hq, hkv, args.head_dim, f) for B, hq, hkv in ((8, 32, 32), (32, 12, 2))
+                            for f in (1.0, 1 / 16)]
+        return score_table(score_shapes, cuda, args.topk, variants)
     if args.select_only:
         return select_table(select_shapes, args.retrieve_frac, cuda, args.topk, variants)
     if args.quick:

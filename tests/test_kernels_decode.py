@@ -1097,3 +1097,17 @@ def test_probe_select_table_at_a_given_k_shape_and_variants(capsys):
             "select B1 0k 2/1 r1 k9 radix8 score n32w4s2c128"} <= set(by_name)
     assert all(r["exact"] for r in rows)
     assert "radix8 b256w4" in capsys.readouterr().out
+
+
+@needs_triton
+def test_probe_score_table_default_and_variants(capsys):
+    """The group score table (--score-only): the default (device-side split) and the score tunings
+    (a fixed chunk; a fifth number, programs per SM) run at every row and at a quarter retrieving,
+    and each variant's retrieval equals the default's."""
+    mod = load_script("probe_gqa_kernels")
+    rows = mod.main(["--quick", "--score-only", "--topk", "9", "--select-variants", "64x4x2x128,64x4x2x0x1"])
+    names = [r["name"] for r in rows]
+    assert len(rows) == 6 and all(r["exact"] and r["ms"] > 0 and r["mb"] > 0 for r in rows)
+    assert "score B2 1k 4/2 r8 g4 default (device split)" in names
+    assert any(n.endswith("n64w4s2c128") for n in names) and any(n.endswith("n64w4s2c0p1") for n in names)
+    assert "group score stage" in capsys.readouterr().out

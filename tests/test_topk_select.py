@@ -125,6 +125,31 @@ def test_radix8_persistent_grid_strides_over_items(select, monkeypatch):
         assert torch.equal(out, ref), k
 
 
+@needs_triton
+@pytest.mark.parametrize("select", ["tilemax", "radix8_fused"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_group_score_splits_follow_the_live_count(select, grouped, monkeypatch):
+    """The group score kernel's persistent grid cuts each live group's region into a number of
+    chunks chosen on the device from the live count: every group live (1 long chunk each with 4
+    programs, 6 of 256 keys with 24), one group live (4 or 6 chunks), and a fixed chunk of 128 keys
+    with fewer programs than items (each program strides over several, of different groups).
+    Ragged regions (1,490 and 1,000 keys behind a pad of 130), so chunks end inside a tile; the
+    tile maxima (tilemax) and the pass-0 histogram (radix8_fused) are built per item."""
+    B, Hq, Hkv, D, S = 2, 4, 2, 4, 1500
+    q, kc, pad, lo, hi = _case(B, Hq, Hkv, D, S, [0, 130], [1490, 1000], 240, levels=3)
+    rows = Hkv if grouped else Hq
+    one = torch.zeros(B, rows, dtype=torch.bool)
+    one[1, rows - 1] = True
+    fn, ref_fn = ((topk_retrieval_grouped, topk_retrieval_grouped_reference) if grouped
+                  else (topk_retrieval, topk_retrieval_reference))
+    for sms, cfg in ((132, None), (1, None), (1, (64, 4, 2, 128))):
+        monkeypatch.setattr(tk, "num_sms", lambda device, n=sms: n)
+        for retrieve in (torch.ones(B, rows, dtype=torch.bool), one):
+            ref = ref_fn(q, kc, pad, lo, hi, retrieve, 30, 0.5)
+            out = fn(*_dev(q, kc, pad, lo, hi, retrieve), 30, 0.5, _select=select, _score_cfg=cfg).cpu()
+            assert torch.equal(out, ref), (sms, cfg, int(retrieve.sum()))
+
+
 class _Launches:
     """Stands in for a Triton kernel in ``tk``: counts the launches and runs the real kernel."""
 
@@ -405,7 +430,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from prhs_hf.kernels import topk_retrieval as tk
 
-TYPES = {"Q": "*bf16", "K": "*bf16", "FLAG": "*i1", "scale": "fp32", "S": "i32", "CHUNK": "i32", "R": "i32"}
+TYPES = {"Q": "*bf16", "K": "*bf16", "FLAG": "*i1", "scale": "fp32", "S": "i32", "CHUNK": "i32", "R": "i32",
+         "MIN_CHUNK": "i32", "MAX_SPLITS": "i32"}
 
 
 def compile_sm90(fn, constexprs, num_warps):
