@@ -36,7 +36,7 @@ __all__ = [
 # Design (H200: the cost is reading the K rows of the middle region, bandwidth bound):
 #   1. `_compact_kernel` (one program): the retrieving rows' ids packed to the front and their
 #      count, and the same for the KV groups (b, kvh) that hold at least one retrieving row.
-#   2. Scoring. `_group_score_kernel` (default), a persistent grid (4 programs per SM) striding
+#   2. Scoring. `_group_score_kernel` (default), a persistent grid (2 programs per SM) striding
 #      over the (live group, split) items; the split count comes from the device-side live count
 #      (about one item per program, so a step where every group retrieves reads long chunks and
 #      one where few do reads short ones; a host-side guess of the live count had sized all steps
@@ -950,7 +950,7 @@ def _compact(flags: torch.Tensor, group: int, with_groups: bool, zero_hist: torc
 
 #: The group score kernel's persistent grid (programs per SM) and its smallest split (keys): the
 #: split is chosen on the device from the live group count (see `_group_score_kernel`).
-_SCORE_PROGRAMS_PER_SM = 4
+_SCORE_PROGRAMS_PER_SM = 2
 _SCORE_MIN_CHUNK = 256
 
 

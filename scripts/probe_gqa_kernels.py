@@ -172,7 +172,7 @@ def score_table(shapes: list[tuple[int, int, int, int, int, float]], cuda: bool,
             ms = _time_ms(lambda extra=extra: topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale,
                                                              _stop_after="score", **extra), cuda, graph=True)
             exact = torch.equal(topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, **extra), base)
-            print(f"| {tag:26s} | {label:22s} | {ms * 1e3:8.1f} | {mb:8.1f} | {mb / ms / 1e3:6.0f} | {str(exact):5s} |")
+            print(f"| {tag:26s} | {label:22s} | {ms * 1e3:8.1f} | {mb:8.1f} | {mb / ms:6.0f} | {str(exact):5s} |")
             rows.append({"name": f"score {tag} {label}", "ms": ms, "mb": mb, "exact": exact})
     return rows
 
