@@ -83,6 +83,21 @@ def _budget_k(S: int) -> int:
     return 3 * (n - sink - local) // 5
 
 
+def _retrieval_case(B: int, S: int, Hq: int, Hkv: int, D: int, frac: float, dev: torch.device, seed: int):
+    """Random bf16 ``(q, k_cache, pad, lo, hi, retrieve, scale)`` at the budget-1/8 region (sink and
+    local cut off), ``frac`` of the rows retrieving (row (0, 0) always)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(B, Hq, D, generator=g, device=dev).to(torch.bfloat16)
+    kc = torch.randn(B, Hkv, S, D, generator=g, device=dev).to(torch.bfloat16)
+    pad = torch.zeros(B, dtype=torch.int32, device=dev)
+    n = S // 8
+    lo = torch.full((B,), max(8, n // 32), dtype=torch.int32, device=dev)
+    hi = torch.full((B,), S - n // 8, dtype=torch.int32, device=dev)
+    retrieve = torch.rand(B, Hq, generator=g, device=dev) < frac
+    retrieve[0, 0] = True
+    return q, kc, pad, lo, hi, retrieve, 1 / math.sqrt(D)
+
+
 def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda: bool,
                  topk: Optional[int] = None, variants: tuple[tuple[int, ...], ...] = ()) -> list[dict]:
     """Select time of every select mode, split into stages (see the module docstring). ``topk``
@@ -99,16 +114,7 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
     rows = []
     for B, S, Hq, Hkv, D in shapes:
         k = _budget_k(S) if topk is None else topk
-        g = torch.Generator(device=dev).manual_seed(1)
-        q = torch.randn(B, Hq, D, generator=g, device=dev).to(torch.bfloat16)
-        kc = torch.randn(B, Hkv, S, D, generator=g, device=dev).to(torch.bfloat16)
-        pad = torch.zeros(B, dtype=torch.int32, device=dev)
-        n = S // 8
-        lo = torch.full((B,), max(8, n // 32), dtype=torch.int32, device=dev)
-        hi = torch.full((B,), S - n // 8, dtype=torch.int32, device=dev)
-        retrieve = torch.rand(B, Hq, generator=g, device=dev) < frac
-        retrieve[0, 0] = True
-        scale = 1 / math.sqrt(D)
+        q, kc, pad, lo, hi, retrieve, scale = _retrieval_case(B, S, Hq, Hkv, D, frac, dev, seed=1)
         tag = f"B{B} {S // 1024}k {Hq}/{Hkv} r{int(retrieve.sum())} k{k}"
         base = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select="row")
         modes = [(select, select, {}) for select in SELECT_MODES]
@@ -154,18 +160,9 @@ def score_table(shapes: list[tuple[int, int, int, int, int, float]], cuda: bool,
     rows = []
     for B, S, Hq, Hkv, D, frac in shapes:
         k = _budget_k(S) if topk is None else topk
-        g = torch.Generator(device=dev).manual_seed(2)
-        q = torch.randn(B, Hq, D, generator=g, device=dev).to(torch.bfloat16)
-        kc = torch.randn(B, Hkv, S, D, generator=g, device=dev).to(torch.bfloat16)
-        pad = torch.zeros(B, dtype=torch.int32, device=dev)
-        n = S // 8
-        lo = torch.full((B,), max(8, n // 32), dtype=torch.int32, device=dev)
-        hi = torch.full((B,), S - n // 8, dtype=torch.int32, device=dev)
-        retrieve = torch.rand(B, Hq, generator=g, device=dev) < frac
-        retrieve[0, 0] = True
+        q, kc, pad, lo, hi, retrieve, scale = _retrieval_case(B, S, Hq, Hkv, D, frac, dev, seed=2)
         groups = int(retrieve.view(B, Hkv, -1).any(-1).sum())
         mb = groups * int(hi[0] - lo[0]) * D * q.element_size() / 1e6
-        scale = 1 / math.sqrt(D)
         tag = f"B{B} {S // 1024}k {Hq}/{Hkv} r{int(retrieve.sum())} g{groups}"
         base = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale)
         for label, extra in [("default (device split)", {})] + [(_score_label(v), {"_score_cfg": v}) for v in variants]:
