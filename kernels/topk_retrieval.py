@@ -197,15 +197,13 @@ def _digit0(key):
 
 
 @triton.jit
-def _score_range(PAD, LO, HI, b, sp, CHUNK, S, live):
-    """``(pad, start, end)``: split ``sp`` of sequence ``b``'s middle region (empty if not live)."""
+def _score_region(PAD, LO, HI, b, S):
+    """``(pad, lo, hi)``: sequence ``b``'s left pad and its middle region ``[lo, hi)`` (in
+    positions after the pad), clamped to the cache: the range both score kernels split."""
     pad = tl.load(PAD + b)
     lo = tl.maximum(tl.load(LO + b), 0)
     hi = tl.minimum(tl.load(HI + b), S - pad)
-    start = lo + sp * CHUNK
-    end = tl.minimum(hi, start + CHUNK)
-    end = tl.where(live, end, start)
-    return pad, start, end
+    return pad, lo, hi
 
 
 @triton.jit
@@ -229,7 +227,9 @@ def _score_kernel(
     row = tl.load(ORDER + c, mask=live, other=0)
     b = row // H
     h = row % H
-    pad, start, end = _score_range(PAD, LO, HI, b, sp, CHUNK, S, live)
+    pad, lo, hi = _score_region(PAD, LO, HI, b, S)
+    start = lo + sp * CHUNK
+    end = tl.where(live, tl.minimum(hi, start + CHUNK), start)  # a dead program scores nothing
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
@@ -247,8 +247,7 @@ def _score_kernel(
         key = _orderable_key(s)
         tl.store(key_base + j, key, mask=m)
         if TILE_MAX:
-            _tile_max_store(TMAX + row.to(tl.int64) * stride_tmax, key, m, n0,
-                            tl.maximum(tl.load(LO + b), 0), end, BLOCK_N, SUB)
+            _tile_max_store(TMAX + row.to(tl.int64) * stride_tmax, key, m, n0, lo, end, BLOCK_N, SUB)
         if FUSE_HIST:
             hist += tl.histogram(_digit0(key), 256, mask=m)
     if FUSE_HIST:
@@ -323,13 +322,13 @@ def _group_score_item(
     gid = tl.load(GORDER + c)
     b = gid // HKV
     kvh = gid % HKV
-    lo = tl.maximum(tl.load(LO + b), 0)  # sub-tiles of the tile maxima count from lo
+    pad, lo, hi = _score_region(PAD, LO, HI, b, S)  # sub-tiles of the tile maxima count from lo
     if CHUNK > 0:
         chunk = CHUNK
     else:  # the region in `splits` chunks, each a multiple of BLOCK_N (so of SUB) and >= MIN_CHUNK
-        n = tl.maximum(tl.minimum(tl.load(HI + b), S - tl.load(PAD + b)) - lo, 0)
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(n, splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
-    pad, start, end = _score_range(PAD, LO, HI, b, sp, chunk, S, sp < splits)  # items are live
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    start = lo + sp * chunk  # every item is live: the grid strides over live groups only
+    end = tl.minimum(hi, start + chunk)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
