@@ -26,3 +26,12 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# The Triton interpreter's two slow spots, sped up for the tests (same values; see the module)
+from triton_interpreter_speedups import install as _install_interpreter_speedups  # noqa: E402
+
+INTERPRETER_SPEEDUPS = _install_interpreter_speedups()
+if INTERPRETER_SPEEDUPS:  # and in the scripts the tests run as subprocesses (they inherit the environment)
+    _SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "subprocess_site")
+    os.environ["PYTHONPATH"] = os.pathsep.join([_SITE, *filter(None, [os.environ.get("PYTHONPATH")])])

@@ -1,0 +1,124 @@
+"""The test suite's Triton interpreter speed-ups (tests/triton_interpreter_speedups.py): kernels
+compute the same with and without them, the language is restored after a run, and the scripts the
+tests run as subprocesses get them too. The kernels here also run on CUDA (no speed-up there)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import INTERPRETER_SPEEDUPS, triton_available
+
+needs_triton = pytest.mark.skipif(
+    not triton_available(), reason="Triton kernels need CUDA or TRITON_INTERPRET=1"
+)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter_only = pytest.mark.skipif(not INTERPRET, reason="the speed-ups exist under TRITON_INTERPRET=1 only")
+DEV = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
+TESTS = Path(__file__).resolve().parent
+
+
+def test_installed_exactly_under_the_interpreter():
+    assert INTERPRETER_SPEEDUPS == INTERPRET
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _xor_kernel(X, OUT_ROWS, OUT_COLS, OUT_ALL, OUT_KEEP, M: tl.constexpr, N: tl.constexpr):
+        offs_m = tl.arange(0, M)
+        offs_n = tl.arange(0, N)
+        x = tl.load(X + offs_m[:, None] * N + offs_n[None, :])
+        tl.store(OUT_ROWS + offs_m, tl.xor_sum(x, axis=1))
+        tl.store(OUT_COLS + offs_n, tl.xor_sum(x, axis=0))
+        tl.store(OUT_ALL, tl.xor_sum(tl.reshape(x, [M * N]), axis=0))
+        keep = tl.xor_sum(x, axis=0, keep_dims=True)  # [1, N]
+        tl.store(OUT_KEEP + offs_n[None, :], keep)
+
+    @triton.jit
+    def _twice(x):
+        return x * 2
+
+    @triton.jit
+    def _sort_kernel(X, OUT, N: tl.constexpr, DESCENDING: tl.constexpr):
+        offs = tl.arange(0, N)
+        x = _twice(tl.load(X + offs))  # a nested helper, then the sort's own
+        tl.store(OUT + offs, tl.sort(x, descending=DESCENDING))
+
+
+def _xor_run(x):
+    M, N = x.shape
+    outs = [torch.empty(M, dtype=x.dtype, device=DEV), torch.empty(N, dtype=x.dtype, device=DEV),
+            torch.empty(1, dtype=x.dtype, device=DEV), torch.empty(N, dtype=x.dtype, device=DEV)]
+    _xor_kernel[(1,)](x.to(DEV), *outs, M=M, N=N)
+    return [o.cpu() for o in outs]
+
+
+def _sort_run(v, descending):
+    out = torch.empty_like(v, device=DEV)
+    _sort_kernel[(1,)](v.to(DEV), out, N=v.numel(), DESCENDING=descending)
+    return out.cpu()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_xor_sum_over_each_axis_equals_numpy(dtype):
+    x = torch.randint(-(2**30), 2**30, (8, 16), dtype=dtype)
+    rows, cols, whole, keep = _xor_run(x)
+    a = x.numpy()
+    assert np.array_equal(rows.numpy(), np.bitwise_xor.reduce(a, axis=1))
+    assert np.array_equal(cols.numpy(), np.bitwise_xor.reduce(a, axis=0))
+    assert whole.item() == int(np.bitwise_xor.reduce(a.reshape(-1)))
+    assert np.array_equal(keep.numpy(), np.bitwise_xor.reduce(a, axis=0))
+
+
+@needs_triton
+@pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32])
+def test_sort_equals_torch_with_ties_and_negatives(dtype, descending):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-50, 50, (256,), generator=g).to(dtype)  # many ties, both signs
+    if dtype.is_floating_point:
+        x = x / 7
+    assert torch.equal(_sort_run(x, descending), torch.sort(x * 2, descending=descending).values)
+
+
+@interpreter_only
+def test_the_same_bits_as_the_interpreter_alone(monkeypatch):
+    """The xor kernel and a sort with nested helpers, with the speed-ups and with the
+    interpreter's own reduce and language patching."""
+    from triton.runtime import interpreter
+
+    x = torch.randint(-(2**31), 2**31 - 1, (4, 8), dtype=torch.int32)
+    v = torch.randint(-9, 9, (64,), dtype=torch.int32)
+    fast = [*_xor_run(x), _sort_run(v, True)]
+    monkeypatch.setattr(interpreter.ReduceOps, "apply_impl", interpreter.ReduceOps._prhs_generic_apply_impl)
+    monkeypatch.setattr(interpreter, "_patch_lang", interpreter._prhs_patch_lang)
+    slow = [*_xor_run(x), _sort_run(v, True)]
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
+@interpreter_only
+def test_a_run_leaves_the_language_as_it_found_it():
+    before = {name: getattr(tl, name) for name in ("reduce", "load", "sort", "xor_sum")}
+    before_core = {name: getattr(tl.core, name) for name in ("reduce", "associative_scan")}
+    _sort_run(torch.arange(16, dtype=torch.int32), False)
+    assert {name: getattr(tl, name) for name in before} == before
+    assert {name: getattr(tl.core, name) for name in before_core} == before_core
+
+
+@interpreter_only
+def test_a_script_run_as_a_subprocess_gets_them():
+    """tests/conftest.py puts the ``subprocess_site`` folder first on the PYTHONPATH they inherit."""
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(TESTS / "subprocess_site")
+    code = "from triton.runtime import interpreter; print(interpreter.ReduceOps._prhs_speedups)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
