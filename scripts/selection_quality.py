@@ -326,8 +326,7 @@ def match_hshare(target: float, layers: int, heads: int) -> dict[str, float]:
 
 def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, device: str) -> dict[str, Any]:
     """Patch, run every prompt teacher-forced, unpatch; the row of measurements."""
-    prhs_hf.patch(model, variant.config)
-    rt = model._prhs_runtime
+    rt = prhs_hf.patch(model, variant.config).runtime
     rt.telemetry = RoutingTelemetry(rt.telemetry)
     h_err, l_err, top1 = [], [], []
     start = time.perf_counter()
