@@ -117,8 +117,12 @@ def test_a_run_leaves_the_language_as_it_found_it():
 
 @interpreter_only
 def test_a_script_run_as_a_subprocess_gets_them():
-    """tests/conftest.py puts the ``subprocess_site`` folder first on the PYTHONPATH they inherit."""
+    """tests/conftest.py puts the ``subprocess_site`` folder first on the PYTHONPATH they inherit;
+    the speed-ups come with ``import triton``, and a script that does not import it does not get it."""
     assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(TESTS / "subprocess_site")
-    code = "from triton.runtime import interpreter; print(interpreter.ReduceOps._prhs_speedups)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+    for code, expected in (
+        ("import triton; from triton.runtime import interpreter; print(interpreter.ReduceOps._prhs_speedups)", "True"),
+        ("import sys; print('triton' in sys.modules)", "False"),
+    ):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == expected, (code, out.stderr[-2000:])
