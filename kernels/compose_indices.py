@@ -20,7 +20,8 @@ from typing import Union
 
 import torch
 
-from ._common import next_pow2, require_triton, tl, triton
+from ._common import NORM_EPS, next_pow2, require_triton, tl, triton
+from .record_anchors import _record_row, check_record, record_anchors, record_anchors_reference, record_launch_args
 
 __all__ = [
     "compose_indices",
@@ -33,6 +34,8 @@ __all__ = [
     "compose_from_sets_reference",
     "dilate_and_compose",
     "dilate_and_compose_reference",
+    "dilate_compose_and_record",
+    "dilate_compose_and_record_reference",
     "SET_NONE",
 ]
 
@@ -478,11 +481,18 @@ def _dilate_compose_kernel(
     T, LO, HI, WS, BEST, ASET, SEL, NEWSET, IDX, CNT,
     stride_bb, stride_bh, stride_ab, stride_ah, stride_as, stride_sb, stride_sh,
     K, M, R, NSET, SINK, CAP,
+    Q, STEP, AQ, AIDX, ACNT,
+    stride_qb, stride_qh, stride_aqb, stride_aqh, stride_aqs, stride_aib, stride_aih, stride_ais,
+    stride_cb, stride_ch, eps,
     H: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
+    RECORD: tl.constexpr = False, S_ANCH: tl.constexpr = 1, D: tl.constexpr = 1, BLOCK_D: tl.constexpr = 16,
 ):
     """One program per row: a retrieving row sorts its dilated set (stored) and composes from its
     selected entries; a sharing row composes from its anchor's set (``_dilated_set_kernel`` then
-    ``_compose_sets_kernel``, in one launch)."""
+    ``_compose_sets_kernel``, in one launch). RECORD: then the row's anchor record
+    (``record_anchors``: its unit query ``Q``, its new set, its count) into the layer's state
+    ``AQ, AIDX, ACNT``, of which ``ASET`` is the set part: the row reads its anchor's set before it
+    writes its slot, which is never one in use."""
     pid, b, h = _program_bh(H)
     best = tl.load(BEST + b * stride_bb + h * stride_bh)
     i = tl.arange(0, NC)
@@ -490,11 +500,22 @@ def _dilate_compose_kernel(
     if best == -1:
         x, first = _sorted_dilated_set(SEL + b * stride_sb + h * stride_sh, i, K, M, R)
         _store_set(new_row, x, first, i, NSET)
+        if RECORD:
+            slot_row = _record_row(Q, STEP, AQ, AIDX, ACNT, b, h, best, stride_qb, stride_qh, stride_aqb, stride_aqh,
+                                   stride_aqs, stride_aib, stride_aih, stride_ais, stride_cb, stride_ch, eps,
+                                   S_ANCH, D, BLOCK_D)
+            _store_set(slot_row, x, first, i, NSET)
         x = tl.where(first & ((x & 1) == 0), x, 2147483647)
     else:
-        tl.store(new_row + i, tl.full([NC], 2147483647, tl.int32), mask=i < NSET)
+        none = tl.full([NC], 2147483647, tl.int32)
+        tl.store(new_row + i, none, mask=i < NSET)
         x = tl.load(ASET + b.to(tl.int64) * stride_ab + h * stride_ah + tl.maximum(best, 0) * stride_as + i,
                     mask=(i < NSET) & (best >= 0), other=2147483647)
+        if RECORD:  # after the load of the anchor's set: a row writes no slot in use, but stay in order
+            slot_row = _record_row(Q, STEP, AQ, AIDX, ACNT, b, h, best, stride_qb, stride_qh, stride_aqb, stride_aqh,
+                                   stride_aqs, stride_aib, stride_aih, stride_ais, stride_cb, stride_ch, eps,
+                                   S_ANCH, D, BLOCK_D)
+            tl.store(slot_row + i, none, mask=i < NSET)
     _compose_from_set(T, LO, HI, WS, b, SINK, x, IDX + pid.to(tl.int64) * CAP, CNT + pid, CAP, BLOCK)
 
 
@@ -520,6 +541,34 @@ def dilate_and_compose(
     Args and result as :func:`dilate_and_compose_reference`.
     """
     require_triton(best, anchor_sets, new_idx)
+    return _dilate_compose(t, lo, hi, win_start, best, anchor_sets, new_idx, sink, cap, dil_m, dil_r, span, None)
+
+
+def dilate_compose_and_record(
+    t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, win_start: torch.Tensor, best: torch.Tensor,
+    new_idx: torch.Tensor, anchor_q: torch.Tensor, anchor_idx: torch.Tensor, anchor_count: torch.Tensor, layer: int,
+    q: torch.Tensor, step: torch.Tensor, sink: int, cap: int, dil_m: int, dil_r: int, span: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton :func:`dilate_and_compose` on ``layer``'s anchor sets and the anchor record of every
+    row of ``layer`` (``record_anchors``, in place) in the same launch: one kernel per layer fewer.
+
+    Args and result as :func:`dilate_compose_and_record_reference`.
+    """
+    require_triton(best, anchor_idx, new_idx, q)
+    _check_record(best, new_idx, anchor_q, anchor_idx, anchor_count, layer, q, step, dil_m, dil_r)
+    return _dilate_compose(t, lo, hi, win_start, best, anchor_idx[int(layer)], new_idx, sink, cap, dil_m, dil_r, span,
+                           (anchor_q, anchor_idx, anchor_count, layer, q, step))
+
+
+def _check_record(best, new_idx, anchor_q, anchor_idx, anchor_count, layer, q, step, dil_m, dil_r) -> None:
+    B, H = best.shape
+    check_record(anchor_q, anchor_idx, anchor_count, layer, q, (B, H, dilated_set_size(new_idx.shape[-1], dil_m, dil_r)),
+                 best, step, name="dilate_compose_and_record")
+
+
+def _dilate_compose(t, lo, hi, win_start, best, anchor_sets, new_idx, sink, cap, dil_m, dil_r, span, record):
+    """The launcher of both: ``record`` is None or ``(anchor_q, anchor_idx, anchor_count, layer, q,
+    step)``, the arguments of ``record_anchors`` but the new sets."""
     nset = _check_dilate_and_compose(best, anchor_sets, new_idx, dil_m, dil_r)
     B, H, K = new_idx.shape
     r = max(int(dil_r), 0)
@@ -528,22 +577,33 @@ def dilate_and_compose(
     cap = int(cap)
     if B * H == 0 or cap == 0 or nset == 0 or (span > 0 and nc >= MAP_FROM_ENTRIES):
         new_set = dilated_set(new_idx, best == -1, dil_m, dil_r, span)
-        return (new_set, *compose_from_sets(t, lo, hi, win_start, best, anchor_sets, new_set, sink, cap))
+        out = (new_set, *compose_from_sets(t, lo, hi, win_start, best, anchor_sets, new_set, sink, cap))
+        if record is not None:
+            record_anchors(*record[:5], new_set, best, record[5])
+        return out
     dev = best.device
     new_set = torch.empty((B, H, nset), dtype=torch.int32, device=dev)
     idx = torch.empty((B, H, cap), dtype=torch.int32, device=dev)
     cnt = torch.empty((B, H), dtype=torch.int32, device=dev)
     if anchor_sets.stride(-1) != 1:
+        if record is not None:
+            raise ValueError("dilate_compose_and_record: anchor_idx needs a contiguous last dim (it is written in place)")
         anchor_sets = anchor_sets.contiguous()
     if new_idx.stride(-1) != 1:
         new_idx = new_idx.contiguous()
+    if record is None:  # stand-ins for the record's arguments, unused
+        rec_tensors, rec_strides, rec_sizes = (best,) * 5, (0,) * 10, {}
+    else:
+        rec_tensors, rec_strides, rec_sizes = record_launch_args(*record)
     _dilate_compose_kernel[(B * H,)](
         t, lo, hi, win_start, best, anchor_sets, new_idx, new_set, idx, cnt,
         best.stride(0), best.stride(1),
         anchor_sets.stride(0), anchor_sets.stride(1), anchor_sets.stride(2),
         new_idx.stride(0), new_idx.stride(1),
         K, m, max(r, 1), nset, int(sink), cap,
+        *rec_tensors, *rec_strides, NORM_EPS,
         H=H, NC=nc, BLOCK=min(1024, next_pow2(cap, 16)),
+        RECORD=record is not None, **rec_sizes,
         num_warps=4 if nc <= 1024 else 8,
     )
     return new_set, idx, cnt
@@ -626,6 +686,30 @@ def dilate_and_compose_reference(
     _check_dilate_and_compose(best, anchor_sets, new_idx, dil_m, dil_r)
     new_set = dilated_set_reference(new_idx, best == -1, dil_m, dil_r, span)
     return (new_set, *compose_from_sets_reference(t, lo, hi, win_start, best, anchor_sets, new_set, sink, cap))
+
+
+def dilate_compose_and_record_reference(
+    t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, win_start: torch.Tensor, best: torch.Tensor,
+    new_idx: torch.Tensor, anchor_q: torch.Tensor, anchor_idx: torch.Tensor, anchor_count: torch.Tensor, layer: int,
+    q: torch.Tensor, step: torch.Tensor, sink: int, cap: int, dil_m: int, dil_r: int, span: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`dilate_compose_and_record`: :func:`dilate_and_compose_reference`
+    on ``anchor_idx[layer]`` (the layer's anchor sets), then
+    :func:`~prhs_hf.kernels.record_anchors.record_anchors_reference` of its new sets (in place).
+
+    Args:
+        t, lo, hi, win_start, best, new_idx, sink, cap, dil_m, dil_r, span: as
+            :func:`dilate_and_compose_reference`.
+        anchor_q, anchor_idx, anchor_count, layer, q, step: as ``record_anchors_reference``.
+
+    Returns:
+        ``(new_set, idx, count)`` as :func:`dilate_and_compose_reference`.
+    """
+    _check_record(best, new_idx, anchor_q, anchor_idx, anchor_count, layer, q, step, dil_m, dil_r)
+    out = dilate_and_compose_reference(t, lo, hi, win_start, best, anchor_idx[int(layer)], new_idx, sink, cap,
+                                       dil_m, dil_r, span)
+    record_anchors_reference(anchor_q, anchor_idx, anchor_count, layer, q, out[0], best, step)
+    return out
 
 
 def dilate_mask(dilate: DilateArg, B: int, Hq: int, device: torch.device) -> torch.Tensor:

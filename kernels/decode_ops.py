@@ -24,6 +24,8 @@ from .compose_indices import (
     compose_indices_reference,
     dilate_and_compose,
     dilate_and_compose_reference,
+    dilate_compose_and_record,
+    dilate_compose_and_record_reference,
     dilated_set_size,
 )
 from ._common import unit_vectors
@@ -50,6 +52,7 @@ __all__ = [
     "cis_decode_step",
     "cis_select",
     "CISSelection",
+    "AnchorRecord",
     "group_query",
     "DecodeStepResult",
     "dilated_set_size",
@@ -71,6 +74,8 @@ class DecodeOps:
     sparse_decode_attention_grouped: Callable
     # the retrieving rows' anchors written into the state of every layer, in place
     record_anchors: Callable
+    # dilate_and_compose and record_anchors in one launch (the layer's anchor sets read from the state)
+    dilate_compose_and_record: Callable
 
 
 REFERENCE_OPS = DecodeOps(
@@ -83,6 +88,7 @@ REFERENCE_OPS = DecodeOps(
     topk_retrieval_grouped=topk_retrieval_grouped_reference,
     sparse_decode_attention_grouped=sparse_decode_attention_grouped_reference,
     record_anchors=record_anchors_reference,
+    dilate_compose_and_record=dilate_compose_and_record_reference,
 )
 
 #: The Triton launchers (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), called
@@ -99,6 +105,7 @@ TRITON_OPS = DecodeOps(
     topk_retrieval_grouped=_via(topk_retrieval_grouped),
     sparse_decode_attention_grouped=_via(sparse_decode_attention_grouped),
     record_anchors=_via(record_anchors),
+    dilate_compose_and_record=_via(dilate_compose_and_record),
 )
 
 
@@ -135,6 +142,19 @@ class CISSelection(NamedTuple):
     match_q: torch.Tensor  # [B, H, D] or [B, Hkv, G*D]: the query the anchors are matched on
 
 
+class AnchorRecord(NamedTuple):
+    """Where :func:`cis_select` records the step's anchors in its composition launch
+    (``ops.dilate_compose_and_record``): the state buffers of every layer (``CISState``) whose
+    ``layer`` slices are the ``anchor_q``, ``anchor_count`` and ``anchor_set`` it is given, and the
+    step counter."""
+
+    anchor_q: torch.Tensor  # [L, B, H, s, D] fp32
+    anchor_idx: torch.Tensor  # [L, B, H, s, n] int32
+    anchor_count: torch.Tensor  # [L, B, H] int32
+    layer: int
+    step: torch.Tensor  # [] int64
+
+
 def group_query(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """``q [B, Hq, D]`` → ``[B, Hkv, G*D]``: each KV head's query heads, each normalised, side by
     side. The cosine of two such vectors is the mean of the heads' cosines: group-shared CIS
@@ -167,6 +187,7 @@ def cis_select(
     scale: float,
     grouped: bool = False,
     group_score: str = "max",
+    record: Optional[AnchorRecord] = None,
 ) -> CISSelection:
     """SPEC §4 steps 1-4 from the anchors' dilated sets (``anchor_set [B, H, s, n]``, as made by
     ``ops.dilate_and_compose``): match each query against its head's anchors, retrieve a fresh exact
@@ -177,7 +198,11 @@ def cis_select(
     matched as one (:func:`group_query`; ``anchor_q [B, Hkv, s, G*D]``) and retrieve one top-k,
     ranked by the largest of the group's scores (``ops.topk_retrieval_grouped``), or with
     ``group_score="mean"`` by their mean: the score of the group's mean query, one row per KV head
-    of ``ops.topk_retrieval``."""
+    of ``ops.topk_retrieval``.
+
+    ``record`` (the state the anchors are slices of): the retrieving rows are recorded as anchors
+    (``ops.record_anchors`` of ``match_q`` and ``new_set``) in the composition's launch
+    (``ops.dilate_compose_and_record``); the caller must not record them again."""
     if group_score not in ("max", "mean"):
         raise ValueError(f"cis_select: group_score={group_score!r}; expected 'max' or 'mean'")
     kv_heads = k_cache.shape[1]
@@ -190,8 +215,13 @@ def cis_select(
     else:
         retrieval = ops.topk_retrieval_grouped if grouped else ops.topk_retrieval
         new_idx = retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
-    new_set, idx, count = ops.dilate_and_compose(t, lo, hi, win_start, best, anchor_set, new_idx, sink, cap,
-                                                 dil_m, dil_r, k_cache.shape[2])
+    if record is None:
+        new_set, idx, count = ops.dilate_and_compose(t, lo, hi, win_start, best, anchor_set, new_idx, sink, cap,
+                                                     dil_m, dil_r, k_cache.shape[2])
+    else:
+        new_set, idx, count = ops.dilate_compose_and_record(
+            t, lo, hi, win_start, best, new_idx, record.anchor_q, record.anchor_idx, record.anchor_count, record.layer,
+            match_q, record.step, sink, cap, dil_m, dil_r, k_cache.shape[2])
     return CISSelection(best, new_idx, new_set, idx, count, match_q)
 
 

@@ -20,7 +20,13 @@ import torch
 
 from .cis_match import CISMatch, cis_match
 from .record_anchors import record_anchors
-from .compose_indices import compose_indices, dilate_and_compose, dilate_mask, dilated_set_size
+from .compose_indices import (
+    compose_indices,
+    dilate_and_compose,
+    dilate_compose_and_record,
+    dilate_mask,
+    dilated_set_size,
+)
 from .sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_grouped
 from .topk_retrieval import topk_retrieval, topk_retrieval_grouped
 
@@ -83,10 +89,31 @@ def dilate_and_compose_op(
 
 @dilate_and_compose_op.register_fake
 def _(t, lo, hi, win_start, best, anchor_sets, new_idx, sink, cap, dil_m, dil_r, span=0):
+    return _composed(best, new_idx, cap, dil_m, dil_r)
+
+
+def _composed(best: Tensor, new_idx: Tensor, cap: int, dil_m: int, dil_r: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Empty ``(new_set, idx, count)`` of the shapes a dilate-and-compose returns."""
     B, H = best.shape
     # dilated_set_size clips m to k and ignores m for r = 0, as the launcher does
     nset = dilated_set_size(new_idx.shape[-1], dil_m, dil_r)
     return _int32(B, H, nset, like=best), _int32(B, H, int(cap), like=best), _int32(B, H, like=best)
+
+
+@torch.library.custom_op("prhs::dilate_compose_and_record", mutates_args=("anchor_q", "anchor_idx", "anchor_count"))
+def dilate_compose_and_record_op(
+    t: Tensor, lo: Tensor, hi: Tensor, win_start: Tensor, best: Tensor, new_idx: Tensor, anchor_q: Tensor,
+    anchor_idx: Tensor, anchor_count: Tensor, layer: int, q: Tensor, step: Tensor,
+    sink: int, cap: int, dil_m: int, dil_r: int, span: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return dilate_compose_and_record(t, lo, hi, win_start, best, new_idx, anchor_q, anchor_idx, anchor_count, layer, q,
+                                     step, sink, cap, dil_m, dil_r, span)
+
+
+@dilate_compose_and_record_op.register_fake
+def _(t, lo, hi, win_start, best, new_idx, anchor_q, anchor_idx, anchor_count, layer, q, step, sink, cap, dil_m, dil_r,
+      span=0):
+    return _composed(best, new_idx, cap, dil_m, dil_r)
 
 
 @torch.library.custom_op("prhs::compose_indices", mutates_args=())
@@ -154,6 +181,7 @@ _OPS: dict[Callable, Callable] = {
     cis_match: _cis_match_via_op,
     topk_retrieval: topk_retrieval_op,
     dilate_and_compose: dilate_and_compose_op,
+    dilate_compose_and_record: dilate_compose_and_record_op,
     compose_indices: _compose_indices_via_op,
     sparse_decode_attention: sparse_decode_attention_op,
     topk_retrieval_grouped: topk_retrieval_grouped_op,

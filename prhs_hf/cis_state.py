@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.compose_indices import SET_NONE
-from .kernels.decode_ops import DecodeOps
+from .kernels.decode_ops import AnchorRecord, DecodeOps
 from .kernels.record_anchors import anchor_slots
 
 __all__ = ["CISState"]
@@ -91,6 +91,11 @@ class CISState:
     def anchors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(anchor_q, anchor_idx, anchor_count)`` of ``layer`` (views)."""
         return self.anchor_q[layer], self.anchor_idx[layer], self.anchor_count[layer]
+
+    def anchor_record(self, layer: int) -> AnchorRecord:
+        """Where a selection records ``layer``'s anchors in its own launch (``decode_ops.cis_select``'s
+        ``record``, the same contract as :meth:`record`)."""
+        return AnchorRecord(self.anchor_q, self.anchor_idx, self.anchor_count, layer, self.step)
 
     def record(
         self, ops: DecodeOps, layer: int, q: torch.Tensor, indices: torch.Tensor, best: torch.Tensor,

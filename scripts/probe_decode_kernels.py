@@ -258,8 +258,8 @@ class LaunchCounter(_Patched):
     """Counts the Triton launches (interpreter) of each custom op per decode step: the prhs ops
     run their launchers through ``prhs_hf.kernels.library_ops``'s module globals, wrapped here."""
 
-    OPS = ("cis_match", "topk_retrieval", "topk_retrieval_grouped", "dilate_and_compose", "compose_indices",
-           "sparse_decode_attention", "sparse_decode_attention_grouped", "record_anchors")
+    OPS = ("cis_match", "topk_retrieval", "topk_retrieval_grouped", "dilate_and_compose", "dilate_compose_and_record",
+           "compose_indices", "sparse_decode_attention", "sparse_decode_attention_grouped", "record_anchors")
 
     def __init__(self):
         self.current: str | None = None

@@ -157,6 +157,38 @@ def test_dilation_is_clipped_to_the_middle_region():
     assert got == [0, 1, 2, 3, 4, 14, 15, 16, 17, 18, 28, 29, 30, 31, 32, 33, 34, 35]
 
 
+@pytest.mark.parametrize("tail_slot", [False, True])
+def test_the_selection_records_its_anchors_in_its_composition_launch(tail_slot):
+    """A plain CIS step records its anchors in the composition's launch
+    (``ops.dilate_compose_and_record``), no ``record_anchors`` launch of its own; with tail pairs
+    (recorded with the anchor) the separate record stays. The anchors are recorded either way."""
+    import dataclasses
+
+    calls = []
+
+    def counted(name):
+        fn = getattr(REFERENCE_OPS, name)
+        return lambda *a, **kw: (calls.append(name), fn(*a, **kw))[1]
+
+    ops = dataclasses.replace(REFERENCE_OPS, **{n: counted(n) for n in ("record_anchors", "dilate_compose_and_record",
+                                                                         "dilate_and_compose")})
+    p = _params(tau=2.0)  # every step retrieves: one anchor more per step
+    B, H, D, T = 2, 2, 8, 40
+    cis = CISSelector(1, 4, dilated_set_size(p.topk - int(tail_slot), p.dilation_topm, p.dilation_radius),
+                      lambda d: ops, tail_slot=tail_slot)
+    cis.setup(B, H, D, torch.device("cpu"))
+    torch.manual_seed(3)
+    k, v = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    geom = SequenceGeometry(torch.zeros(B, dtype=torch.int32), torch.full((B,), T, dtype=torch.int32),
+                            torch.full((B,), T - 1, dtype=torch.int32))
+    for step in range(3):
+        q = torch.randn(B, H, D)
+        cis_step(cis, q, k, v, geom, p, 0.5)
+        assert (cis.state.anchor_count == step + 1).all()
+        torch.testing.assert_close(cis.state.anchor_q[0, :, :, step], q / q.norm(dim=-1, keepdim=True))
+    assert calls == (["dilate_and_compose", "record_anchors"] if tail_slot else ["dilate_compose_and_record"]) * 3
+
+
 @pytest.mark.parametrize("block", [1, 4])
 def test_retrieval_ratio_counts_block_starts(block):
     # tau = -1 shares whenever the block has an anchor: only each block's first step retrieves

@@ -34,6 +34,8 @@ from prhs_hf.kernels.compose_indices import (
     compose_indices_reference,
     dilate_and_compose,
     dilate_and_compose_reference,
+    dilate_compose_and_record,
+    dilate_compose_and_record_reference,
     dilated_set,
     dilated_set_reference,
     dilated_set_size,
@@ -765,6 +767,73 @@ def test_dilate_and_compose_map_sized_sets_and_errors():
     for fn in (dilate_and_compose_reference, dilate_and_compose):
         with pytest.raises(ValueError, match="dilated_set_size"):
             fn(*(x.to(DEV) for x in (t, lo, hi, ws, best, sets, new_idx)), sink, cap, m + 1, r)
+
+
+def _record_case(seed, k, m, r, s=4, L=3, D=16, dtype=torch.float32):
+    """A dilate-and-compose case and a state of L layers consistent with it: every sharing row's
+    anchor is in use (best < count) and no row holds s anchors before a step."""
+    B, H, sink, local, T = 3, 4, 4, 6, 90
+    t, lo, hi, ws, _, _, new_idx, sets, _, cap = _sets_case(seed, B, H, s, k, m, r, T, sink, local)
+    g = torch.Generator().manual_seed(seed + 1)
+    best = torch.arange(B * H, dtype=I32).view(B, H) % s - 1  # -1 (retrieve), 0 .. s - 2 (share)
+    best[-1] = -2  # an inactive sequence
+    new_idx = torch.where((best == -1)[..., None], torch.randint(-1, T, (B, H, k), generator=g, dtype=I32), -1)
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    q[0, 1] = 0  # a zero query stores a zero vector
+    aq = torch.randn(L, B, H, s, D, generator=g)
+    ai = torch.randint(0, 2 * T, (L, B, H, s, sets.shape[-1]), generator=g, dtype=I32)
+    ac = torch.randint(0, s, (L, B, H), generator=g, dtype=I32)
+    base = (best + 1).clamp_min(0)  # counts in [base, s - 1]
+    ac[1] = base + (torch.rand(B, H, generator=g) * (s - base).float()).floor().to(I32)
+    ai[1] = sets
+    return (t, lo, hi, ws, best, new_idx), (aq, ai, ac), q, (sink, cap, m, r)
+
+
+@pytest.mark.parametrize("step", [5, 8])
+def test_reference_dilate_compose_and_record_is_compose_then_record(step):
+    """The reference reads the layer's sets as dilate_and_compose and records as record_anchors."""
+    from prhs_hf.kernels.record_anchors import record_anchors_reference
+
+    frame, state, q, (sink, cap, m, r) = _record_case(180, 8, 3, 1)
+    step = torch.tensor(step)
+    want_state = [x.clone() for x in state]
+    t, lo, hi, ws, best, new_idx = frame
+    want = dilate_and_compose_reference(t, lo, hi, ws, best, want_state[1][1].clone(), new_idx, sink, cap, m, r, 90)
+    record_anchors_reference(*want_state, 1, q, want[0], best, step)
+    got = dilate_compose_and_record_reference(*frame, *state, 1, q, step, sink, cap, m, r, 90)
+    for g_, w_ in zip((*got, *state), (*want, *want_state)):
+        assert torch.equal(g_, w_)
+    assert (state[2][1] == 0).all() if int(step) % 4 == 0 else (state[2][1] >= 1).any()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,m,r,step", [(8, 3, 1, 5), (40, 13, 3, 8), (8, 4, 0, 6)])
+def test_dilate_compose_and_record_kernel(dtype, k, m, r, step):
+    """One launch = dilate_and_compose on the layer's anchor sets, then record_anchors of its new
+    sets: the same outputs and the same state of every layer."""
+    frame, state, q, (sink, cap, m, r) = _record_case(190 + k + m + r, k, m, r, dtype=dtype)
+    step = torch.tensor(step)
+    want_state = [x.clone() for x in state]
+    want = dilate_compose_and_record_reference(*frame, *want_state, 1, q, step, sink, cap, m, r, 90)
+    dev_state = [x.clone().to(DEV) for x in state]
+    got = dilate_compose_and_record(*(x.to(DEV) for x in frame), *dev_state, 1, q.to(DEV), step.to(DEV),
+                                    sink, cap, m, r, 90)
+    for g_, w_ in zip(got, want):
+        assert torch.equal(g_.cpu(), w_)
+    torch.testing.assert_close(dev_state[0].cpu(), want_state[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(dev_state[1].cpu(), want_state[1]) and torch.equal(dev_state[2].cpu(), want_state[2])
+    assert not torch.equal(want_state[1], state[1])  # the record wrote the layer's slots
+
+
+@needs_triton
+def test_dilate_compose_and_record_errors_name_the_op():
+    frame, state, q, (sink, cap, m, r) = _record_case(7, 8, 3, 1)
+    for fn in (dilate_compose_and_record_reference, dilate_compose_and_record):
+        with pytest.raises(ValueError, match="layer 3 not in"):
+            fn(*frame, *state, 3, q, torch.tensor(5), sink, cap, m, r)
+    with pytest.raises(ValueError, match="dilate_compose_and_record: step"):
+        dilate_compose_and_record(*frame, *state, 1, q, torch.tensor(5, dtype=torch.int32), sink, cap, m, r)
 
 
 @needs_triton

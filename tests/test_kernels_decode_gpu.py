@@ -198,6 +198,37 @@ def test_gpu_record_anchors(step):
     assert torch.equal(state[1], want[1]) and torch.equal(state[2], want[2])
 
 
+@pytest.mark.parametrize("step", [5, 16])
+def test_gpu_dilate_compose_and_record(step):
+    """The composition with the anchor record in its launch at the real model's shape (28 layers,
+    B32, 12 heads, s 16, k 88, m 29, r 1: sets of 146) equals dilate_and_compose then the record."""
+    from prhs_hf.kernels.compose_indices import dilate_compose_and_record, dilate_compose_and_record_reference
+
+    g = torch.Generator(device=DEV).manual_seed(9)
+    L, B, H, s, D, S, k, m, r, sink, local = 28, 32, 12, 16, 128, 16384, 88, 29, 1, 8, 32
+    n = k + 2 * r * m
+    pad, t, lo, hi = ragged_geometry(B, S, sink, local, g)
+    best = (torch.arange(B * H, device=DEV) % (s - 1) - 1).view(B, H).to(I32)  # -1, 0 .. s - 3
+    best[0] = -2
+    new_idx = torch.randint(0, S, (B, H, k), generator=g, device=DEV).to(I32)
+    new_idx[best != -1] = -1
+    anchors = torch.randint(0, S, (L, B, H * s, k), generator=g, device=DEV).to(I32)
+    sets = dilated_set_reference(anchors.view(L * B, H * s, k), True, m, r).view(L, B, H, s, n)
+    count = (best + 1).clamp_min(0)  # every sharing row's anchor in use, fewer than s anchors
+    count = torch.stack([count] * L)
+    state = (torch.randn(L, B, H, s, D, generator=g, device=DEV), sets, count)
+    q = torch.randn(B, H, D, generator=g, device=DEV).to(torch.bfloat16)
+    step_t = torch.tensor(step, device=DEV)
+    cap = sink + local + n
+    want_state = [x.clone() for x in state]
+    want = dilate_compose_and_record_reference(t, lo, hi, hi, best, new_idx, *want_state, 7, q, step_t, sink, cap, m, r, S)
+    got = dilate_compose_and_record(t, lo, hi, hi, best, new_idx, *state, 7, q, step_t, sink, cap, m, r, S)
+    for g_, w_ in zip(got, want):
+        assert torch.equal(g_, w_)
+    torch.testing.assert_close(state[0], want_state[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(state[1], want_state[1]) and torch.equal(state[2], want_state[2])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,Hkv,D", [(16, 32, 128), (16, 8, 128), (8, 8, 64), (8, 8, 256), (8, 8, 80)])
 def test_gpu_attention(dtype, B, Hkv, D):

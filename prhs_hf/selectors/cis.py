@@ -60,7 +60,8 @@ __all__ = ["CISSelector", "CISStart"]
 
 class CISStart(NamedTuple):
     """A step :meth:`CISSelector.start` began: its frame and the selection, or, forked onto the side
-    stream, ``forked = (ticket, keep, sizes)`` for the join."""
+    stream, ``forked = (ticket, keep, sizes)`` for the join; ``recorded``: the selection recorded
+    its anchors itself (in its composition launch)."""
 
     layer: int
     params: DecodeParams
@@ -68,6 +69,7 @@ class CISStart(NamedTuple):
     win_start: torch.Tensor
     selection: CISSelection | None
     forked: tuple | None
+    recorded: bool = False
 
 
 class CISSelector:
@@ -195,14 +197,17 @@ class CISSelector:
         if fork and local > 0:
             ticket, keep = fork_cis_select(layer, ops.name, *args, **sizes)
             return CISStart(layer, p, f, win_start, None, (ticket, keep, sizes))
-        return CISStart(layer, p, f, win_start, cis_select(ops, *args, **sizes), None)
+        # the anchors recorded in the composition's launch, unless the tail pairs go with them
+        record = None if self.tail_slot else state.anchor_record(local)
+        return CISStart(layer, p, f, win_start, cis_select(ops, *args, **sizes, record=record), None, record is not None)
 
     def finish(
         self, started: CISStart, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         geom: SequenceGeometry, scale: float,
     ) -> DecodeSelection:
         """The rest of the step :meth:`start` began (joined first if it was forked): the anchors of
-        the retrieving rows recorded, the tail pairs with ``cis.tail_slot``, the selection."""
+        the retrieving rows recorded (unless the selection did), the tail pairs with
+        ``cis.tail_slot``, the selection."""
         device, local = self._slot[started.layer]
         state = self.states[device]
         f = started.frame
@@ -218,7 +223,8 @@ class CISSelector:
         retrieved = sel.best == -1
         ops = self.ops_for(q.device)
         if not self.tail_slot:
-            state.record(ops, local, sel.match_q, sel.new_set, sel.best)
+            if not started.recorded:
+                state.record(ops, local, sel.match_q, sel.new_set, sel.best)
             return DecodeSelection(sel.idx, sel.count, retrieved, f.active)
         tail, stored = self._tail_step(state, local, q, k_cache, v_cache, geom, f.t, f.lo,
                                        torch.minimum(f.hi, started.win_start), sel, started.params, scale)
