@@ -34,8 +34,11 @@ __all__ = [
 ]
 
 # Design (H200: the cost is reading the K rows of the middle region, bandwidth bound):
-#   1. `_compact_kernel` (one program): the retrieving rows' ids packed to the front and their
-#      count, and the same for the KV groups (b, kvh) that hold at least one retrieving row.
+#   1. Compaction: the retrieving rows' ids packed to the front and their count, and the same
+#      for the KV groups (b, kvh) that hold at least one retrieving row. With the group score
+#      kernel (the default) that kernel does it: every program finds the live groups from the
+#      flags in registers and program 0 writes the rows' order for the select (one launch per
+#      layer fewer); else `_compact_kernel` (one program) runs first.
 #   2. Scoring. `_group_score_kernel` (default), a persistent grid (2 programs per SM) striding
 #      over the (live group, split) items; the split count comes from the device-side live count
 #      (about one item per program, so a step where every group retrieves reads long chunks and
@@ -108,6 +111,8 @@ def default_select(k: int) -> str:
 #: Where ``_stop_after=`` may stop (probe breakdowns): "passes"/"collect" stop inside the
 #: select (every select mode), "blocksort" after the first merge step (merge finishes only).
 #: With ``"radix8_fused"``, "score" includes the pass-0 histogram built by the score kernel.
+#: Where the group score kernel compacts the flags itself (the default), "compact" launches
+#: nothing and "score" includes the compaction.
 STOP_POINTS = ("compact", "score", "passes", "collect", "blocksort", "select")
 
 #: Digit bits and passes of the split selects: 11/11/10-bit digits (bits [21, 32), [10, 21),
@@ -153,6 +158,26 @@ def _compact_into(FLAG, ORDER, COUNT, R, GROUP: tl.constexpr, GP: tl.constexpr, 
         total += tl.sum(f, axis=0)
     tl.store(COUNT, total)
     return total
+
+
+@triton.jit
+def _live_groups(FLAG, NG, GROUP: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr):
+    """The compaction of ``_compact_into(FLAG, ..., NG, GROUP, ...)`` in registers, for a kernel
+    that needs it without a launch before: ``(offs, live, pos, count)``, group ``offs[i]`` is live
+    (any of its GROUP flags set) and then the ``pos[i]``-th live one; ``count`` live groups."""
+    offs = tl.arange(0, NGP)
+    offs_g = tl.arange(0, GP)
+    fl = tl.load(FLAG + offs[:, None] * GROUP + offs_g[None, :],
+                 mask=(offs[:, None] < NG) & (offs_g[None, :] < GROUP), other=0).to(tl.int32)
+    live = tl.where(tl.max(tl.where(fl != 0, 1, 0), axis=1) != 0, 1, 0)
+    pos = tl.cumsum(live, axis=0) - live
+    return offs, live, pos, tl.sum(live, axis=0)
+
+
+@triton.jit
+def _nth_live(offs, live, pos, c):
+    """The id of live group number ``c`` (of :func:`_live_groups`)."""
+    return tl.sum(tl.where((live != 0) & (pos == c), offs, 0), axis=0)
 
 
 @triton.jit
@@ -256,14 +281,16 @@ def _score_kernel(
 
 @triton.jit
 def _group_score_kernel(
-    Q, K, PAD, LO, HI, FLAG, GORDER, GCOUNT, KEYS, HIST, TAKEN, TMAX,
+    Q, K, PAD, LO, HI, FLAG, GORDER, GCOUNT, KEYS, HIST, TAKEN, TMAX, ORDER, COUNT,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys, stride_tmax,
-    scale, S, CHUNK, MIN_CHUNK, MAX_SPLITS,
+    scale, S, CHUNK, MIN_CHUNK, MAX_SPLITS, R,
     HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, AGG_MAX: tl.constexpr, IEEE: tl.constexpr,
     ZERO_SCRATCH: tl.constexpr, ZROWS: tl.constexpr, HIST_PASSES: tl.constexpr,
     HIST_BINS: tl.constexpr, FUSE_HIST: tl.constexpr = False, GP: tl.constexpr = 2,
     TILE_MAX: tl.constexpr = False, SUB: tl.constexpr = 32,
+    COMPACT: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, FG: tl.constexpr = 1, FGP: tl.constexpr = 1,
+    NGP: tl.constexpr = 16,
 ):
     """Persistent grid of the group scoring: the programs stride over the (live group, split)
     items, ``splits`` per live group, items ``i = c * splits + sp``.
@@ -273,18 +300,34 @@ def _group_score_kernel(
     launch fits both a step where a few groups retrieve and one where all do (no host sync):
     ``splits = clamp(programs // live groups, 1, MAX_SPLITS)``, and each group's region is cut
     into ``splits`` chunks of at least MIN_CHUNK keys (multiples of BLOCK_N): about one item
-    per program, each reading the same number of keys."""
+    per program, each reading the same number of keys.
+
+    COMPACT: no compaction launch before this one. Each program finds the live groups from FLAG
+    itself (``_live_groups``: the flags of FG consecutive rows per group, one row per group in
+    grouped mode), and program 0 also writes the rows' compaction (``ORDER``, ``COUNT`` of the
+    ``R`` flags, what the select launched after this one reads). Else the live groups are
+    ``GORDER[:GCOUNT]``, from ``_compact_kernel``."""
     nprog = tl.num_programs(0)
-    gcount = tl.load(GCOUNT)
+    if COMPACT:
+        if tl.program_id(0) == 0:
+            _compact_into(FLAG, ORDER, COUNT, R, 1, 1, BLOCK_R)
+        g_offs, g_live, g_pos, gcount = _live_groups(FLAG, R // FG, FG, FGP, NGP)
+    else:
+        gcount = tl.load(GCOUNT)
     if CHUNK > 0:
         splits = MAX_SPLITS
     else:
         splits = tl.minimum(tl.maximum(nprog // tl.maximum(gcount, 1), 1), MAX_SPLITS)
     for item in range(tl.program_id(0), gcount * splits, nprog):
+        c = item // splits
+        if COMPACT:
+            gid = _nth_live(g_offs, g_live, g_pos, c)
+        else:
+            gid = tl.load(GORDER + c)
         _group_score_item(
-            Q, K, PAD, LO, HI, FLAG, GORDER, KEYS, HIST, TAKEN, TMAX,
+            Q, K, PAD, LO, HI, FLAG, KEYS, HIST, TAKEN, TMAX,
             stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys, stride_tmax,
-            scale, S, CHUNK, MIN_CHUNK, item // splits, item % splits, splits,
+            scale, S, CHUNK, MIN_CHUNK, gid, item % splits, splits,
             HKV, GROUP, D, BLOCK_M, BLOCK_N, BLOCK_D, AGG_MAX, IEEE, ZERO_SCRATCH, ZROWS,
             HIST_PASSES, HIST_BINS, FUSE_HIST, GP, TILE_MAX, SUB,
         )
@@ -292,17 +335,17 @@ def _group_score_kernel(
 
 @triton.jit
 def _group_score_item(
-    Q, K, PAD, LO, HI, FLAG, GORDER, KEYS, HIST, TAKEN, TMAX,
+    Q, K, PAD, LO, HI, FLAG, KEYS, HIST, TAKEN, TMAX,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys, stride_tmax,
-    scale, S, CHUNK, MIN_CHUNK, c, sp, splits,
+    scale, S, CHUNK, MIN_CHUNK, gid, sp, splits,
     HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, AGG_MAX: tl.constexpr, IEEE: tl.constexpr,
     ZERO_SCRATCH: tl.constexpr, ZROWS: tl.constexpr, HIST_PASSES: tl.constexpr,
     HIST_BINS: tl.constexpr, FUSE_HIST: tl.constexpr, GP: tl.constexpr,
     TILE_MAX: tl.constexpr, SUB: tl.constexpr,
 ):
-    """Scores of split ``sp`` (of ``splits``) of live KV group number ``c``'s middle region, for
-    all G heads at once.
+    """Scores of split ``sp`` (of ``splits``) of live KV group ``gid``'s (``b * Hkv + kvh``)
+    middle region, for all G heads at once.
 
     The G query heads of group (b, kvh) sit in the M rows of a [BLOCK_M, BLOCK_D] tile (rows
     >= G are zero and masked); each [BLOCK_N, BLOCK_D] tile of the KV head's keys is loaded
@@ -319,7 +362,6 @@ def _group_score_item(
     the per-head accumulator (next_pow2(GROUP), at least 2). TILE_MAX (``_select="tilemax"``):
     also the largest key of every SUB-key sub-tile of each row written, to ``TMAX[row, t]``.
     """
-    gid = tl.load(GORDER + c)
     b = gid // HKV
     kvh = gid % HKV
     pad, lo, hi = _score_region(PAD, LO, HI, b, S)  # sub-tiles of the tile maxima count from lo
@@ -947,6 +989,9 @@ def _compact(flags: torch.Tensor, group: int, with_groups: bool, zero_hist: torc
     return order, count, (gorder if with_groups else None), (gcount if with_groups else None)
 
 
+#: Largest flag tile (groups x flags per group, padded) the group score kernel compacts in
+#: registers; above it a `_compact_kernel` launch does it first.
+_SCORE_COMPACT_MAX = 16384
 #: The group score kernel's persistent grid (programs per SM) and its smallest split (keys): the
 #: split is chosen on the device from the live group count (see `_group_score_kernel`).
 _SCORE_PROGRAMS_PER_SM = 2
@@ -1033,10 +1078,19 @@ def _retrieve(
     w, np_ = _SPLIT_DIGITS[select] if split else (8, 4)
     bins = 1 << w
     hist = torch.empty((R, np_ * bins) if split else (1,), dtype=torch.int32, device=q.device)
-    order, count, gorder, gcount = _compact(flags, group, with_groups=by_group and not grouped,
-                                            zero_hist=hist if fused and by_group else None)
-    if grouped:
-        gorder, gcount = order, count
+    flags_per_group = 1 if grouped else group  # the rows are the groups in grouped mode
+    ngp, fgp = next_pow2(R // flags_per_group, 16), next_pow2(flags_per_group)
+    # the group score kernel compacts (no launch for it), unless its histogram must be zeroed first
+    compact_in_score = by_group and not fused and ngp * fgp <= _SCORE_COMPACT_MAX
+    if compact_in_score:
+        order = torch.empty(R, dtype=torch.int32, device=q.device)
+        count = torch.empty(1, dtype=torch.int32, device=q.device)
+        gorder, gcount = order, count  # unused
+    else:
+        order, count, gorder, gcount = _compact(flags, group, with_groups=by_group and not grouped,
+                                                zero_hist=hist if fused and by_group else None)
+        if grouped:
+            gorder, gcount = order, count
     if stop_after == "compact":
         return out
     keys = torch.empty((R, S), dtype=torch.int32, device=q.device)
@@ -1058,14 +1112,15 @@ def _retrieve(
         programs = max(1, min(per_sm * num_sms(q.device), B * Hkv * max_splits))
         sub, tmax = _tile_max_scratch(tile_max, R, S, block_n, sel_block, q.device)
         _group_score_kernel[(programs,)](
-            q, k_cache, pad, lo, hi, flags, gorder, gcount, keys, hist, taken, tmax,
+            q, k_cache, pad, lo, hi, flags, gorder, gcount, keys, hist, taken, tmax, order, count,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            keys.stride(0), tmax.stride(0), float(scale), S, fixed_chunk, min_chunk, max_splits,
+            keys.stride(0), tmax.stride(0), float(scale), S, fixed_chunk, min_chunk, max_splits, R,
             HKV=Hkv, GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             AGG_MAX=grouped,
             IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
             ZERO_SCRATCH=split, ZROWS=1 if grouped else group, HIST_PASSES=np_, HIST_BINS=bins,
             FUSE_HIST=fused, GP=max(2, next_pow2(group)), TILE_MAX=tile_max, SUB=sub,
+            COMPACT=compact_in_score, BLOCK_R=min(next_pow2(R, 16), 1024), FG=flags_per_group, FGP=fgp, NGP=ngp,
             num_warps=score_warps, num_stages=score_stages,
         )
     else:
@@ -1180,9 +1235,10 @@ def topk_retrieval(
 ) -> torch.Tensor:
     """Triton top-k retrieval: work only for retrieving rows, exact order, no host sync.
 
-    Launches: row + group compaction (1 program), group-aware scoring (a persistent grid over
-    the live KV groups x sequence chunks, the chunks sized on the device from the live count;
-    each group's keys are read once for all its retrieving heads), then the select (default ``"auto"``: ``"tilemax"``
+    Launches: group-aware scoring (a persistent grid over the live KV groups x sequence chunks,
+    the chunks sized on the device from the live count; each group's keys are read once for all
+    its retrieving heads; it also compacts the retrieving rows, in a launch of its own only with
+    ``_score="row"``, ``"radix8_fused"`` or more than 16k flags), then the select (default ``"auto"``: ``"tilemax"``
     up to k = 256, one program per row from a threshold of the score kernel's sub-tile maxima,
     19.8 us for 71 rows x 16k at k 88 on the H200 (radix8 52.1); ``"radix8"`` above: 8-bit passes
     and the collect on persistent grids, then a block sort + merge rank, 54 us for 37 rows x 16k

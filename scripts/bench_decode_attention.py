@@ -607,6 +607,7 @@ def stage_breakdown(x: dict, bud: Budget, st16: tuple, attention_ms: float, time
     fns = {
         "match": lambda: cis_match(q, aq, ac, x["active"], TAU),
         "retrieval": retrieval,
+        # the group score kernel compacts the rows itself: "compact" then launches nothing
         "retrieval_compact": lambda: retrieval("compact"),
         "retrieval_score": lambda: retrieval("score"),  # compact + score
         # as cis_select: one launch (the two below it replaces, for comparison)

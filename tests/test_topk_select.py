@@ -196,6 +196,37 @@ def test_radix8_grouped(select):
 
 
 @needs_triton
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("select", ["tilemax", "radix8", "row"])
+def test_group_score_compacts_the_flags_without_a_launch(select, grouped, monkeypatch):
+    """The group score kernel finds the live groups itself and writes the rows' order for the
+    select: no `_compact_kernel` launch, the same output as the reference for no, some (in
+    several groups, not the first) and all rows, over scratch that starts as garbage. With more
+    flags than it compacts in registers, or the row score kernel, the compaction launch comes back."""
+    _poison_empty(monkeypatch)
+    B, Hq, Hkv, D, S = 3, 6, 2, 4, 400
+    q, kc, pad, lo, hi = _case(B, Hq, Hkv, D, S, [0, 9, 30], [390, 200, 5], 270, levels=3)
+    rows = Hkv if grouped else Hq
+    some = torch.zeros(B, rows, dtype=torch.bool)
+    some[1, rows - 1] = some[2, 0] = some[0, rows // 2] = True
+    fn, ref_fn = ((topk_retrieval_grouped, topk_retrieval_grouped_reference) if grouped
+                  else (topk_retrieval, topk_retrieval_reference))
+    spy = _Launches(tk._compact_kernel)
+    monkeypatch.setattr(tk, "_compact_kernel", spy)
+    for retrieve in (torch.zeros(B, rows, dtype=torch.bool), some, torch.ones(B, rows, dtype=torch.bool)):
+        ref = ref_fn(q, kc, pad, lo, hi, retrieve, 12, 0.5)
+        out = fn(*_dev(q, kc, pad, lo, hi, retrieve), 12, 0.5, _select=select).cpu()
+        assert torch.equal(out, ref), int(retrieve.sum())
+    assert spy.count == 0
+    monkeypatch.setattr(tk, "_SCORE_COMPACT_MAX", 8)
+    out = fn(*_dev(q, kc, pad, lo, hi, some), 12, 0.5, _select=select).cpu()
+    assert torch.equal(out, ref_fn(q, kc, pad, lo, hi, some, 12, 0.5)) and spy.count == 1
+    if not grouped:
+        out = fn(*_dev(q, kc, pad, lo, hi, some), 12, 0.5, _select=select, _score="row").cpu()
+        assert torch.equal(out, ref_fn(q, kc, pad, lo, hi, some, 12, 0.5)) and spy.count == 2
+
+
+@needs_triton
 def test_radix8_no_row_retrieves():
     q, kc, pad, lo, hi = _case(2, 2, 1, 4, 300, [0, 5], [290, 290], 250)
     retrieve = torch.zeros(2, 2, dtype=torch.bool)
@@ -436,7 +467,8 @@ TYPES = {"Q": "*bf16", "K": "*bf16", "FLAG": "*i1", "scale": "fp32", "S": "i32",
 
 def compile_sm90(fn, constexprs, num_warps):
     # constexprs with defaults must still be named (an unnamed upper-case one would become a pointer)
-    constexprs = {**{n: v for n, v in (("TILE_MAX", False), ("SUB", 32), ("FUSE_HIST", False), ("HIST_ROW", 1))
+    constexprs = {**{n: v for n, v in (("TILE_MAX", False), ("SUB", 32), ("FUSE_HIST", False), ("HIST_ROW", 1),
+                                       ("COMPACT", False), ("BLOCK_R", 16), ("FG", 1), ("FGP", 1), ("NGP", 16))
                        if n in fn.arg_names}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else TYPES.get(n, "*i32" if n.isupper() else "i32")
            for n in fn.arg_names}
@@ -457,10 +489,14 @@ for group, agg in ((4, False), (4, True), (1, False), (6, False)):  # 32/8, grou
                                                  GP=max(2, triton.next_power_of_2(group))), 4))
 tile = dict(D=128, BLOCK_D=128, BLOCK_N=128, TILE_MAX=True, SUB=32)  # _select="tilemax", bf16 tiles
 kernels.append((tk._score_kernel, dict(tile, H=12, GROUP=6), 4))
-for group, agg in ((6, False), (6, True)):
+for group, agg, compact in ((6, False, False), (6, True, False), (6, False, True), (6, True, True)):
+    # compact: the flags compacted in the kernel (the default), Qwen B32: 384 rows, 64 groups
+    fg = 1 if agg else group
     kernels.append((tk._group_score_kernel, dict(tile, HIST_PASSES=4, HIST_BINS=256, ZERO_SCRATCH=False, HKV=2,
                                                  GROUP=group, BLOCK_M=16, AGG_MAX=agg, IEEE=False,
-                                                 ZROWS=1 if agg else group, GP=8), 4))
+                                                 ZROWS=1 if agg else group, GP=8, COMPACT=compact,
+                                                 BLOCK_R=512 if not agg else 64, FG=fg,
+                                                 FGP=triton.next_power_of_2(fg), NGP=64), 4))
 for fn, constexprs, num_warps in kernels:
     assert "cubin" in compile_sm90(fn, constexprs, num_warps).asm, fn.__name__
 print("compiled", len(kernels))
@@ -480,4 +516,4 @@ def test_fused_histogram_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, "-c", _SM90_FUSED_CHECK], env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled 9" in res.stdout
+    assert "compiled 11" in res.stdout
