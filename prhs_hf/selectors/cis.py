@@ -60,8 +60,8 @@ __all__ = ["CISSelector", "CISStart"]
 
 class CISStart(NamedTuple):
     """A step :meth:`CISSelector.start` began: its frame and the selection, or, forked onto the side
-    stream, ``forked = (ticket, keep, sizes)`` for the join; ``recorded``: the selection recorded
-    its anchors itself (in its composition launch)."""
+    stream, ``forked = (ticket, keep, sizes)`` for the join. A selection that was not forked
+    recorded its anchors itself (in its composition launch) unless ``cis.tail_slot`` is on."""
 
     layer: int
     params: DecodeParams
@@ -69,7 +69,6 @@ class CISStart(NamedTuple):
     win_start: torch.Tensor
     selection: CISSelection | None
     forked: tuple | None
-    recorded: bool = False
 
 
 class CISSelector:
@@ -199,14 +198,14 @@ class CISSelector:
             return CISStart(layer, p, f, win_start, None, (ticket, keep, sizes))
         # the anchors recorded in the composition's launch, unless the tail pairs go with them
         record = None if self.tail_slot else state.anchor_record(local)
-        return CISStart(layer, p, f, win_start, cis_select(ops, *args, **sizes, record=record), None, record is not None)
+        return CISStart(layer, p, f, win_start, cis_select(ops, *args, **sizes, record=record), None)
 
     def finish(
         self, started: CISStart, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         geom: SequenceGeometry, scale: float,
     ) -> DecodeSelection:
         """The rest of the step :meth:`start` began (joined first if it was forked): the anchors of
-        the retrieving rows recorded (unless the selection did), the tail pairs with
+        the retrieving rows recorded (a forked selection's; the others recorded them), the tail pairs with
         ``cis.tail_slot``, the selection."""
         device, local = self._slot[started.layer]
         state = self.states[device]
@@ -223,7 +222,7 @@ class CISSelector:
         retrieved = sel.best == -1
         ops = self.ops_for(q.device)
         if not self.tail_slot:
-            if not started.recorded:
+            if started.forked is not None:
                 state.record(ops, local, sel.match_q, sel.new_set, sel.best)
             return DecodeSelection(sel.idx, sel.count, retrieved, f.active)
         tail, stored = self._tail_step(state, local, q, k_cache, v_cache, geom, f.t, f.lo,
