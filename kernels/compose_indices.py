@@ -497,13 +497,14 @@ def _dilate_compose_kernel(
     best = tl.load(BEST + b * stride_bb + h * stride_bh)
     i = tl.arange(0, NC)
     new_row = NEWSET + pid.to(tl.int64) * NSET
+    if RECORD:  # the query and the count only: the slot's set is stored below, after the anchor's set is read
+        slot_row = _record_row(Q, STEP, AQ, AIDX, ACNT, b, h, best, stride_qb, stride_qh, stride_aqb, stride_aqh,
+                               stride_aqs, stride_aib, stride_aih, stride_ais, stride_cb, stride_ch, eps,
+                               S_ANCH, D, BLOCK_D)
     if best == -1:
         x, first = _sorted_dilated_set(SEL + b * stride_sb + h * stride_sh, i, K, M, R)
         _store_set(new_row, x, first, i, NSET)
         if RECORD:
-            slot_row = _record_row(Q, STEP, AQ, AIDX, ACNT, b, h, best, stride_qb, stride_qh, stride_aqb, stride_aqh,
-                                   stride_aqs, stride_aib, stride_aih, stride_ais, stride_cb, stride_ch, eps,
-                                   S_ANCH, D, BLOCK_D)
             _store_set(slot_row, x, first, i, NSET)
         x = tl.where(first & ((x & 1) == 0), x, 2147483647)
     else:
@@ -512,9 +513,6 @@ def _dilate_compose_kernel(
         x = tl.load(ASET + b.to(tl.int64) * stride_ab + h * stride_ah + tl.maximum(best, 0) * stride_as + i,
                     mask=(i < NSET) & (best >= 0), other=2147483647)
         if RECORD:  # after the load of the anchor's set: a row writes no slot in use, but stay in order
-            slot_row = _record_row(Q, STEP, AQ, AIDX, ACNT, b, h, best, stride_qb, stride_qh, stride_aqb, stride_aqh,
-                                   stride_aqs, stride_aib, stride_aih, stride_ais, stride_cb, stride_ch, eps,
-                                   S_ANCH, D, BLOCK_D)
             tl.store(slot_row + i, none, mask=i < NSET)
     _compose_from_set(T, LO, HI, WS, b, SINK, x, IDX + pid.to(tl.int64) * CAP, CNT + pid, CAP, BLOCK)
 

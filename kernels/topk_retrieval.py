@@ -138,18 +138,25 @@ _TILEMAX_WARPS = 8
 
 
 @triton.jit
+def _any_flag(FLAG, items, inb, GROUP: tl.constexpr, GP: tl.constexpr):
+    """1 where any of item ``i``'s GROUP flags ``FLAG[i*GROUP : (i+1)*GROUP]`` is set, else 0
+    (0 where ``inb`` is false)."""
+    offs_g = tl.arange(0, GP)
+    fl = tl.load(FLAG + items[:, None] * GROUP + offs_g[None, :],
+                 mask=inb[:, None] & (offs_g[None, :] < GROUP), other=0).to(tl.int32)
+    return tl.where(tl.max(tl.where(fl != 0, 1, 0), axis=1) != 0, 1, 0)
+
+
+@triton.jit
 def _compact_into(FLAG, ORDER, COUNT, R, GROUP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr):
     """Item ``i < R`` is flagged when any of ``FLAG[i*GROUP : (i+1)*GROUP]`` is set: write the
     flagged ids to ORDER[:count] (ascending), the others to ORDER[count:] (descending)."""
     offs = tl.arange(0, BLOCK)
-    offs_g = tl.arange(0, GP)
     total = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
     for r0 in range(0, R, BLOCK):
         rows = r0 + offs
         inb = rows < R
-        fl = tl.load(FLAG + rows[:, None] * GROUP + offs_g[None, :],
-                     mask=inb[:, None] & (offs_g[None, :] < GROUP), other=0).to(tl.int32)
-        f = tl.where(tl.max(tl.where(fl != 0, 1, 0), axis=1) != 0, 1, 0)
+        f = _any_flag(FLAG, rows, inb, GROUP, GP)
         pos = total + tl.cumsum(f, axis=0) - f
         tl.store(ORDER + pos, rows, mask=f != 0)
         # unflagged item number u (0-based, ascending) goes to R - 1 - u
@@ -166,10 +173,7 @@ def _live_groups(FLAG, NG, GROUP: tl.constexpr, GP: tl.constexpr, NGP: tl.conste
     that needs it without a launch before: ``(offs, live, pos, count)``, group ``offs[i]`` is live
     (any of its GROUP flags set) and then the ``pos[i]``-th live one; ``count`` live groups."""
     offs = tl.arange(0, NGP)
-    offs_g = tl.arange(0, GP)
-    fl = tl.load(FLAG + offs[:, None] * GROUP + offs_g[None, :],
-                 mask=(offs[:, None] < NG) & (offs_g[None, :] < GROUP), other=0).to(tl.int32)
-    live = tl.where(tl.max(tl.where(fl != 0, 1, 0), axis=1) != 0, 1, 0)
+    live = _any_flag(FLAG, offs, offs < NG, GROUP, GP)
     pos = tl.cumsum(live, axis=0) - live
     return offs, live, pos, tl.sum(live, axis=0)
 
