@@ -5,7 +5,8 @@ import torch
 
 import prhs_hf
 from prhs_hf.cis_state import CISState
-from tiny_models import padded_batch, tiny_model
+from prhs_hf.kernels._common import HAS_TRITON, interpreting
+from tiny_models import FAMILIES, decode_by_backend, padded_batch, tiny_model
 
 SMALL_CPE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}, "psaw": {"enabled": True},
              "etf": {"enabled": True}, "backend": {"prefill": "torch", "decode": "torch"}}  # a section left out is off
@@ -118,3 +119,15 @@ def test_sampling_runs():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=20, temperature=0.9)
     prhs_hf.unpatch(model)
     assert out.shape == (2, 68) and int(out.max()) < 128
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs Triton with TRITON_INTERPRET=1 (on a GPU: tests/test_model_gpu.py)")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_triton_decode_equals_the_reference_token_for_token_in_every_family(family):
+    """fp32: the Triton decode step (interpreted) writes the PyTorch reference's tokens, with the
+    same retrievals, in every supported family (GQA 4/2; qwen3/glm head_dim 16, partial rotary, MoE)."""
+    runs = decode_by_backend(family)
+    (ref, ref_rho, ref_steps), (tri, tri_rho, tri_steps) = runs["torch"], runs["triton"]
+    assert torch.equal(ref, tri)
+    assert (ref_rho, ref_steps) == (tri_rho, tri_steps)
+    assert ref_steps > 0 and 0 < ref_rho < 1  # sparse steps ran, and both retrievals and sharing happened

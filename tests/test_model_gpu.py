@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import prhs_hf
-from tiny_models import padded_batch, tiny_model
+from tiny_models import FAMILIES, decode_by_backend, padded_batch, tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +36,16 @@ def test_triton_decode_equals_reference_token_for_token_fp32(head_dim):
     tri, r_tri = _generate(model, ids, mask, {"decode": "triton", "prefill": "torch"}, cfg)
     assert torch.equal(ref, tri)
     assert r_ref.retrieval_ratio == r_tri.retrieval_ratio and r_ref.sparse_steps == r_tri.sparse_steps > 0
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_triton_decode_equals_reference_token_for_token_fp32_in_every_family(family):
+    """tests/test_generate.py::test_triton_decode_equals_the_reference_token_for_token_in_every_family
+    with the kernels compiled for the GPU."""
+    runs = decode_by_backend(family, device="cuda")
+    (ref, ref_rho, ref_steps), (tri, tri_rho, tri_steps) = runs["torch"], runs["triton"]
+    assert torch.equal(ref, tri)
+    assert (ref_rho, ref_steps) == (tri_rho, tri_steps) and ref_steps > 0 and 0 < ref_rho < 1
 
 
 def _teacher_forced_logits(model, ids, mask, tokens, backend):
