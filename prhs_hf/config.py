@@ -3,8 +3,9 @@
 The schema is SPEC.md §1: the key names are the user interface and never change. ``null`` means
 "the paper's default for this model" and is resolved against the model's layer count by
 :meth:`PrHSConfig.resolve`. Every problem (unknown key, wrong type, out-of-range value, a file that
-is missing, empty or not YAML) raises :class:`ConfigError` naming the key (or the file and line)
-and what is allowed.
+is missing, a directory, empty, not UTF-8 or not YAML, a key given twice) raises :class:`ConfigError`
+naming the key (or the file and line) and what is allowed. A numpy scalar (``np.int64(4)``,
+``np.float32(0.7)``, ``np.bool_(True)``) counts as the matching Python scalar and follows its rules.
 
 Sections you leave out are **off**. ``cis``, ``psaw`` and ``etf`` are on when their section is
 present (unless it says ``enabled: false``) and off when it is left out, so ``{cis: {tau: 0.7}}``
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -149,6 +151,21 @@ class BackendConfig:
     decode: str = "auto"
 
 
+POLICIES = ("auto", "sparse", "dense")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Which forwards run sparse (``prhs_hf.policy``): ``auto`` asks the cost model of the device
+    for each forward (on CUDA; elsewhere, where there is no speed to win, ``auto`` is sparse),
+    ``sparse`` always, ``dense`` never (the fair dense path). ``cost_model``: a JSON file of
+    :class:`prhs_hf.policy.CostModel` fields measured on your GPU (null: the shipped H200 constants)."""
+
+    decode: str = "sparse"
+    prefill: str = "sparse"
+    cost_model: str | None = None
+
+
 @dataclass(frozen=True)
 class TelemetryConfig:
     """Statistics of SPEC §5; off by default and free when off."""
@@ -229,6 +246,7 @@ class PrHSConfig:
     psaw: PSAWConfig = field(default_factory=lambda: PSAWConfig(enabled=False))
     etf: ETFConfig = field(default_factory=lambda: ETFConfig(enabled=False))
     backend: BackendConfig = field(default_factory=BackendConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
     early_select: EarlySelectConfig = field(default_factory=lambda: EarlySelectConfig(enabled=False))
@@ -325,6 +343,7 @@ _SECTIONS: dict[str, type] = {
     "psaw": PSAWConfig,
     "etf": ETFConfig,
     "backend": BackendConfig,
+    "policy": PolicyConfig,
     "telemetry": TelemetryConfig,
     "baseline": BaselineConfig,
     "early_select": EarlySelectConfig,
@@ -356,6 +375,9 @@ _RULES: dict[str, tuple] = {
     "etf.gamma": ("float", 0.0, MAX_EXPONENT, False, False),
     "backend.prefill": ("choice", PREFILL_BACKENDS),
     "backend.decode": ("choice", DECODE_BACKENDS),
+    "policy.decode": ("choice", POLICIES),
+    "policy.prefill": ("choice", POLICIES),
+    "policy.cost_model": ("path",),
     "telemetry.enabled": ("bool",),
     "telemetry.oracle": ("bool",),
     "baseline.name": ("choice", (None, *BASELINES)),
@@ -384,9 +406,17 @@ def _range_text(lower, upper, lower_open, upper_open=False) -> str:
     return f"{left}{lower}, {upper}{right}"
 
 
+def _python_scalar(value: Any) -> Any:
+    """A numpy scalar (``np.int64``, ``np.float32``, ``np.bool_``, ...) as the matching Python one
+    (``.item()``); anything else as is. numpy is not imported here: a numpy scalar means it already is."""
+    numpy = sys.modules.get("numpy")
+    return value.item() if numpy is not None and isinstance(value, numpy.generic) else value
+
+
 def _check_value(key: str, value: Any) -> Any:
     rule = _RULES[key]
     kind = rule[0]
+    value = _python_scalar(value)
     if kind == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -402,8 +432,9 @@ def _check_value(key: str, value: Any) -> Any:
     if kind == "phases":
         if isinstance(value, str):
             value = [value]
-        if not isinstance(value, (list, tuple)) or any(v not in PHASES for v in value):
-            raise ConfigError(f"{key}: expected a list drawn from {list(PHASES)}, got {value!r}")
+        if not isinstance(value, (list, tuple)) or not value or any(v not in PHASES for v in value):
+            raise ConfigError(f"{key}: expected a non-empty list drawn from {list(PHASES)} (the phases PSAW windows; "
+                              f"psaw.enabled: false turns it off), got {value!r}")
         return tuple(dict.fromkeys(value))
     _, lower, upper, lower_open, nullable, *rest = rule
     upper_open = bool(rest and rest[0])
@@ -539,34 +570,69 @@ class _MissingConfigFile(ConfigError, FileNotFoundError):
     """A config path that does not exist (a :class:`ConfigError` and a :class:`FileNotFoundError`)."""
 
 
+def _shipped_text() -> str:
+    return f"shipped configs: {', '.join(shipped_configs())} (in {shipped_dir('configs')})"
+
+
 def resolve_config_path(source: "str | Path") -> Path:
     """The file a config source names: a bare name (``"cpe"``: no folder, no ``.yaml``) is the
     shipped config of that name; anything else is a path, which must exist.
 
-    Raises :class:`ConfigError` (also a :class:`FileNotFoundError`) saying "no such file" otherwise.
+    Raises :class:`ConfigError` (also a :class:`FileNotFoundError`) saying "no such file" otherwise,
+    and :class:`ConfigError` saying "is a directory" for a directory that is not a shipped name.
     """
     text = str(source)
     given = Path(source)
-    if isinstance(source, str) and text and "/" not in text and "\\" not in text and given.suffix not in (".yaml", ".yml") \
-            and text not in (".", ".."):
+    bare = isinstance(source, str) and bool(text) and "/" not in text and "\\" not in text \
+        and given.suffix not in (".yaml", ".yml") and text not in (".", "..")
+    if bare:
         candidate = shipped_dir("configs") / f"{text}.yaml"
         if candidate.is_file():
             return candidate
-        raise _MissingConfigFile(
-            f"{text}: no such file, and not a shipped config; shipped configs: {', '.join(shipped_configs())} "
-            f"(in {shipped_dir('configs')})")
+    if text and given.is_dir():
+        raise ConfigError(f"{text}: is a directory; a PrHS config is a YAML file or a shipped config name; "
+                          f"{_shipped_text()}")
+    if bare:
+        raise _MissingConfigFile(f"{text}: no such file, and not a shipped config; {_shipped_text()}")
     if not given.is_file():
         hint = f"; shipped configs are named bare, e.g. {given.stem!r}" if given.stem in shipped_configs() else ""
         raise _MissingConfigFile(f"{text}: no such file (a PrHS config path must exist){hint}")
     return given
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base`` may be overridden: not a duplicate
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {first.start_mark.line + 1}); "
+                                f"a key may appear once per mapping", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> Mapping[str, Any]:
     """The mapping of sections in the YAML file ``path``; :class:`ConfigError` naming the file (and
-    line) if it is not YAML or holds anything but a mapping (empty, a comment, ``0``, ``[]``, ...)."""
+    line) if it is not UTF-8 text, not YAML, repeats a key in a mapping or holds anything but a
+    mapping (empty, a comment, ``0``, ``[]``, ...)."""
+    raw = path.read_bytes()
     try:
-        with path.open() as fh:
-            data = yaml.safe_load(fh)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
+                          f"a PrHS config must be UTF-8 text") from exc
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)

@@ -295,3 +295,96 @@ def test_calibrated_qwen_config_is_cis_alone(name):
     """What calibration at a 1 % target found for both Qwen2.5-Coder models (no PSAW/ETF schedule
     passes at every layer), so the 1.5B's RULER rows are cis-s16's; a change to a file shows here."""
     assert load_config(name) == load_config("cis")
+
+
+# --------------------------------------------------------------------------- issue 39
+
+
+def test_a_non_utf8_file_is_a_config_error_naming_the_file(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("budget: {sink: 8}\n# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.yaml:2: not UTF-8 text .*must be UTF-8") as err:
+        load_config(bad)
+    assert isinstance(err.value.__cause__, UnicodeDecodeError)
+    ok = tmp_path / "utf8.yaml"
+    ok.write_text("# café\ncis: {tau: 0.7}\n", encoding="utf-8")
+    assert load_config(ok).cis.tau == 0.7
+
+
+def test_a_directory_is_not_reported_as_missing(tmp_path, monkeypatch):
+    (tmp_path / "experiments").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for source in (tmp_path / "experiments", str(tmp_path / "experiments"), "experiments", "."):
+        with pytest.raises(ConfigError, match=r"is a directory; a PrHS config is a YAML file or a shipped config "
+                                              r"name; shipped configs: .*cpe.*dense") as err:
+            load_config(source)
+        assert "no such file" not in str(err.value) and not isinstance(err.value, FileNotFoundError)
+    assert load_config("dense") == load_config(CONFIGS / "dense.yaml")  # a shipped name still wins
+
+
+@pytest.mark.parametrize(
+    "key, dtype, value, want",
+    [
+        ("budget.topk", "int64", 4, 4),
+        ("budget.sink", "int32", 0, 0),
+        ("cis.block_size", "float64", 8.0, 8),  # an integral float is an int, as in Python
+        ("psaw.phi", "float32", 0.7, 0.7),
+        ("cis.tau", "int64", 1, 1.0),  # an int is a float, as in Python
+        ("telemetry.enabled", "bool_", True, True),
+        ("cis.keep_anchor_local", "bool_", False, False),
+    ],
+)
+def test_numpy_scalars_are_python_scalars_in_overrides(key, dtype, value, want):
+    np = pytest.importorskip("numpy")
+    section, name = key.split(".")
+    got = getattr(getattr(load_config("cpe", overrides={section: {name: getattr(np, dtype)(value)}}), section), name)
+    assert type(got) is type(want) and got == (pytest.approx(want) if isinstance(want, float) else want)
+
+
+@pytest.mark.parametrize(
+    "overrides, text",
+    [
+        ({"budget": {"topk": ("bool_", True)}}, "budget.topk: expected an int, got True"),
+        ({"cis": {"tau": ("bool_", False)}}, "cis.tau: expected a float, got False"),
+        ({"cis": {"enabled": ("int64", 1)}}, "cis.enabled: expected true or false, got 1"),
+        ({"budget": {"topk": ("float32", 1.5)}}, "budget.topk: expected an int, got 1.5"),
+        ({"budget": {"topk": ("int64", 0)}}, "budget.topk: 0 is out of range; allowed [1, 1048576]"),
+        ({"psaw": {"phi": ("float64", 1.5)}}, "psaw.phi: 1.5 is out of range; allowed (0.0, 1.0]"),
+        ({"etf": {"psi": ("float32", "nan")}}, "etf.psi: expected a finite number, got nan"),
+    ],
+)
+def test_numpy_scalars_follow_the_python_rules(overrides, text):
+    np = pytest.importorskip("numpy")
+    ((section, keys),) = overrides.items()
+    ((key, (dtype, value)),) = keys.items()
+    with pytest.raises(ConfigError, match=re.escape(text)):
+        load_config("cpe", overrides={section: {key: getattr(np, dtype)(value)}})
+
+
+@pytest.mark.parametrize(
+    "text, key, line",
+    [
+        ("cis: {tau: 0.7}\npsaw: {phi: 0.6}\ncis: {tau: 0.9}\n", "cis", 3),
+        ("cis:\n  tau: 0.7\n  block_size: 8\n  tau: 0.9\n", "tau", 4),
+        ("budget: {sink: 8, topk: 88, sink: 4}\n", "sink", 1),
+    ],
+)
+def test_duplicate_yaml_keys_name_the_key_file_and_line(tmp_path, text, key, line):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(text)
+    with pytest.raises(ConfigError, match=rf"dup\.yaml:{line}: invalid YAML: duplicate key '{key}'"):
+        load_config(dup)
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("etf: {<<: {psi: 0.5, gamma: 2.0}, gamma: 3.0}\n")
+    assert (load_config(merged).etf.psi, load_config(merged).etf.gamma) == (0.5, 3.0)
+
+
+@pytest.mark.parametrize("phases", [[], ()])
+def test_empty_psaw_phases_is_an_error(phases):
+    with pytest.raises(ConfigError, match=r"psaw\.phases: expected a non-empty list drawn from \['prefill', 'decode'\]"
+                                          r".*psaw\.enabled: false.*got (\[\]|\(\))"):
+        load_config({"psaw": {"phases": phases}})
+    assert load_config({"psaw": {"phases": "decode"}}).psaw.phases == ("decode",)
