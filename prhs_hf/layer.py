@@ -80,7 +80,7 @@ class PrHSLayer:
         reached through the layer's hook: host time in every decode step)."""
         self.plan = None
         q_len = hidden_states.shape[1]
-        if q_len == 1:  # a decode step, or a 1-token prompt: no plan
+        if q_len == 1 or not self.runtime.sparse_prefill:  # a decode step, a 1-token prompt, or the policy's dense
             return
         geom = self.runtime.geometry_on(hidden_states.device if device is None else device)
         sink = self.runtime.resolved.config.budget.sink
@@ -132,7 +132,8 @@ class PrHSLayer:
         telemetry = self.runtime.telemetry
         q = query[:, :, 0, :]
         selector = self.runtime.selector
-        if selector is not None:
+        sparse = self.runtime.sparse_decode  # the policy's decision for this forward
+        if selector is not None and sparse:
             sel = selector.select(self.index, q, key, value, geom, self.decode_params, scaling)
             ops = self.runtime.ops_for(query.device)
             attend = ops.sparse_decode_attention if sel.idx.shape[1] == q.shape[1] else ops.sparse_decode_attention_grouped
@@ -146,7 +147,7 @@ class PrHSLayer:
                 if telemetry.oracle:
                     self._record_oracle(q, key, geom, sel, scaling)
             return out[:, None].contiguous(), None
-        if self.window_decode:
+        if self.window_decode and sparse:
             out, processed = window_decode_step(q, key, value, geom, self.decode_params, scaling)
             if telemetry is not None:
                 heads = query.shape[1]
@@ -154,12 +155,15 @@ class PrHSLayer:
                     self.index, geom.t_last, processed[:, None].expand(-1, heads), None, torch.zeros_like(geom.pad, dtype=torch.bool)
                 )
             return out[:, None].contiguous(), None
+        self.record_dense_decode(geom, query.shape[1])
+        return self._dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+    def record_dense_decode(self, geom: SequenceGeometry, heads: int) -> None:
+        """Telemetry of a decode step that attends to every token (no-op with telemetry off)."""
+        telemetry = self.runtime.telemetry
         if telemetry is not None:
             t = geom.t_last
-            telemetry.record_decode(
-                self.index, t, t[:, None].expand(-1, query.shape[1]), None, torch.zeros_like(t, dtype=torch.bool)
-            )
-        return self._dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+            telemetry.record_decode(self.index, t, t[:, None].expand(-1, heads), None, torch.zeros_like(t, dtype=torch.bool))
 
     def _record_oracle(self, q, key, geom: SequenceGeometry, sel, scaling) -> None:
         """Full attention of the same queries, compared with the selected sets (telemetry.oracle)."""
@@ -175,6 +179,10 @@ class PrHSLayer:
             probs.reshape(batch * heads, slots)[rows], selected[..., :slots].reshape(batch * heads, slots)[rows], t[rows]
         )
 
+    def _decodes_dense(self) -> bool:
+        """Whether this layer's decode steps attend to every token (no selector, no PSAW window)."""
+        return self.runtime.selector is None and not self.window_decode
+
     # ------------------------------------------------------------------ entry point
 
     def attend(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
@@ -185,7 +193,14 @@ class PrHSLayer:
             scaling = query.shape[-1] ** -0.5
         if self.runtime.geometry is None:
             raise RuntimeError("PrHS attention was called outside a forward of the patched model's decoder layers")
-        if self.runtime.is_decoding(query.shape[2]):
+        decoding = self.runtime.is_decoding(query.shape[2])
+        if dropout and (self.plan is not None or (decoding and self.runtime.sparse_decode and not self._decodes_dense())):
+            raise ValueError(
+                f"PrHS's sparse attention does not apply attention dropout (layer {self.index} has dropout {dropout} "
+                "in train mode): call model.eval(), or train with a config that leaves attention dense "
+                "(no psaw/etf in prefill, e.g. 'cis' or 'dense')"
+            )
+        if decoding:
             return self._decode(module, query, key, value, attention_mask, dropout, scaling, kwargs)
         if self.runtime.selector is not None:
             self.runtime.selector.observe_prefill(self.index, query, key, self.runtime.geometry_on(query.device), scaling)
@@ -193,7 +208,7 @@ class PrHSLayer:
             return self._prefill(query, key, value, scaling)
         if query.shape[2] > 1 and not self.runtime.passthrough:  # a dense prefill layer of a sparse config
             dense_prefill = self.runtime.dense_prefill_function(query.device, query.dtype)
-            if dense_prefill is not None:
+            if dense_prefill is not None and not dropout:  # FA4's route has no dropout: SDPA applies it
                 geom = self.runtime.geometry_on(query.device)
                 out = dense_prefill(query, key, value, geom.pad, geom.q_start, scaling, no_mask=attention_mask is None)
                 return out, None

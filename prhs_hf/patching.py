@@ -12,6 +12,7 @@ second puts the first back (nested blocks nest).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -80,6 +81,37 @@ def _make_pre_hook(layer, first: bool):
             layer.plan_prefill(hidden, _execution_device(module, hidden))
 
     return hook
+
+
+def _take_forward_lock(runtime: PrHSRuntime):
+    """Pre-hook and always-called forward hook of the decoder that hold ``runtime.forward_lock``
+    for one eager forward (a compiled step runs neither: it continues the eager forward's state)."""
+
+    def acquire(module, args):
+        if not torch.compiler.is_compiling():
+            runtime.forward_lock.acquire()
+
+    def release(module, args, output):
+        if not torch.compiler.is_compiling():
+            runtime.forward_lock.release()
+
+    return acquire, release
+
+
+def _deepcopy_patched(model: nn.Module):
+    """``copy.deepcopy`` of a patched model: a copy of the unpatched model, patched anew with the
+    same config (its own runtime, state and telemetry; hooks are closures over the original's)."""
+
+    def deepcopy_model(memo: dict) -> nn.Module:
+        runtime = _uninstall(model)
+        try:
+            twin = copy.deepcopy(model, memo)
+        finally:
+            _install(model, runtime)
+        patch(twin, runtime.resolved.config)
+        return twin
+
+    return deepcopy_model
 
 
 def _execution_device(module: nn.Module, hidden: torch.Tensor) -> torch.device:
@@ -158,6 +190,10 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
     attention.register()
     runtime.hooks = []
     runtime.wrapped = []
+    decoder = getattr(model, "model", model)
+    acquire, release = _take_forward_lock(runtime)
+    runtime.hooks.append(decoder.register_forward_pre_hook(acquire))
+    runtime.hooks.append(decoder.register_forward_hook(release, always_call=True))
     for index, (decoder_layer, prhs_layer) in enumerate(zip(decoder_layers(model), runtime.layers)):
         decoder_layer.self_attn._prhs_layer = prhs_layer
         if index == 0 or prhs_layer.plans_prefill:  # the others' hook would do nothing
@@ -171,7 +207,8 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
     attach = getattr(runtime.selector, "attach", None)  # a selector with hooks of its own (EarlySelectKV's taps)
     if attach is not None:
         runtime.hooks.extend(attach(decoder_layers(model), runtime))
-    model.set_attn_implementation(attention.ATTENTION_NAME)
+    if not runtime.passthrough:  # a config that changes nothing keeps the model's own attention (eager, flex…)
+        model.set_attn_implementation(attention.ATTENTION_NAME)
 
     def reorder_cache(cache, beam_idx):
         cache.reorder_cache(beam_idx)
@@ -179,6 +216,7 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
         return cache
 
     model._reorder_cache = reorder_cache
+    model.__deepcopy__ = _deepcopy_patched(model)  # copy.deepcopy looks it up on the instance
     setattr(model, RUNTIME_ATTRIBUTE, runtime)
 
 
@@ -194,7 +232,9 @@ def _uninstall(model: nn.Module) -> PrHSRuntime | None:
     for decoder_layer in decoder_layers(model):
         decoder_layer.self_attn.__dict__.pop("_prhs_layer", None)
     model.__dict__.pop("_reorder_cache", None)
-    model.set_attn_implementation(runtime.original_attn_implementation)
+    model.__dict__.pop("__deepcopy__", None)
+    if model.config._attn_implementation != runtime.original_attn_implementation:
+        model.set_attn_implementation(runtime.original_attn_implementation)
     return runtime
 
 

@@ -1,19 +1,55 @@
-"""The PrHS state of one patched model: resolved config, layers, backends, telemetry."""
+"""The PrHS state of one patched model: resolved config, layers, backends, telemetry, and the
+state of each generation, which lives on that generation's cache (:class:`CallState`)."""
 
 from __future__ import annotations
 
-from typing import Callable
+import copy
+import threading
+from typing import Any, Callable
 
 import torch
+from transformers import StaticCache
 
 from .backends import dense_prefill_function, pick_decode_ops, prefill_function
 from .config import ResolvedConfig
 from .geometry import SequenceGeometry, check_layout, geometry_from_mask
 from .layer import PrHSLayer
+from .policy import DecodeShape, cost_model_for
 from .selectors import make_selector
+from .selectors.base import export_call_state, import_call_state
 from .stats import Telemetry
 
-__all__ = ["PrHSRuntime"]
+__all__ = ["CallState", "PrHSRuntime", "CALL_STATE_ATTRIBUTE"]
+
+CALL_STATE_ATTRIBUTE = "_prhs_call_state"
+"""The cache attribute that holds the :class:`CallState` of the generation that fills the cache."""
+
+
+class CallState:
+    """What a patched model remembers of one generation between its forwards: the selector's
+    ``CALL_STATE`` (CIS anchors, a baseline's scores), kept on the generation's cache.
+
+    So the state follows the cache as its keys and values do: a continuation from a cache sees
+    only what that cache's forwards left, whatever other ``generate()`` calls ran in between, and
+    ``copy.deepcopy(cache)`` copies it with the cache (a prefix cache). ``runtime`` is the patch
+    the state belongs to (never copied); ``prefilled``: a prefill of this cache ran under it.
+    """
+
+    def __init__(self, runtime: "PrHSRuntime", fields: list[dict[str, Any]]):
+        self.runtime = runtime
+        self.fields = fields
+        self.prefilled = False
+
+    def __deepcopy__(self, memo: dict) -> "CallState":
+        if self.runtime.bound is self:  # the selector holds the live objects: take them first
+            self.fields = export_call_state(self.runtime.selector)
+        twin = CallState(self.runtime, copy.deepcopy(self.fields, memo))
+        twin.prefilled = self.prefilled
+        return twin
+
+    def __getstate__(self):
+        raise TypeError("a cache that holds PrHS state cannot be pickled; copy.deepcopy works, or prhs_hf.unpatch "
+                        "the model before the cache is made")
 
 
 class PrHSRuntime:
@@ -41,6 +77,16 @@ class PrHSRuntime:
         self._decoding = False
         # the tensor parallel ranks' process group that telemetry(reduce=True) reduces over (patch sets it)
         self.reduce_group = None
+        # the generation whose state the selector holds now, and the empty state a new one starts from
+        self.bound: CallState | None = None
+        self._fresh_state = copy.deepcopy(export_call_state(self.selector)) if self.selector is not None else None
+        # one eager forward at a time (patch() takes it around the model's forward): the forward's
+        # geometry, plans and bound state are the runtime's, so two threads' forwards take turns
+        self.forward_lock = threading.RLock()
+        # the policy's decisions for the current forward (policy.decode / policy.prefill; prhs_hf.policy)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sparse_decode = True
+        self.sparse_prefill = True
 
     def begin_forward(self, hidden_states: torch.Tensor, kwargs: dict) -> None:
         """The first decoder layer's pre-hook: this forward's geometry, computed once for all layers.
@@ -57,14 +103,74 @@ class PrHSRuntime:
         device = hidden_states.device
         mask = kwargs.get("attention_mask")
         cached = _cached_tokens(cache)  # None only under torch.compile with a StaticCache
+        if not torch.compiler.is_compiling():
+            _check_room(cache, cached, q_len)
+        if self.passthrough and self.telemetry is None:
+            return  # the model's own attention runs every layer: nothing of this forward is needed
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise ValueError(
+                f"PrHS reads each sequence's geometry off an SDPA or eager attention mask; this forward's is a "
+                f"{type(mask).__name__} (flex_attention): patch a model with attn_implementation 'sdpa' or 'eager'"
+            )
         kv_len = mask.shape[-1] if mask is not None else q_len + (cached or 0)
         geom = geometry_from_mask(mask, batch, q_len, kv_len, device)
         if not torch.compiler.is_compiling():
             check_layout(mask, geom, None if cached is None else cached + q_len - 1)
             self._decoding = q_len == 1 and cached > 0
+            self._bind(cache)
+            self._decide(cache, cached, q_len, hidden_states)
         if not self.is_decoding(q_len):
             self.prepare(device, batch, hidden_states.dtype)
         self._store_geometry(geom)
+        if self.passthrough and self.telemetry is not None and self.is_decoding(q_len):
+            for layer in self.layers:  # the model's own attention runs: count its steps here
+                layer.record_dense_decode(self.geometry, self.num_heads)
+
+    def _bind(self, cache) -> None:
+        """Give the selector the state of ``cache``'s generation (a new one if the cache has none
+        of this patch's), keeping the state it held on its own cache (eager forwards only: a
+        compiled step continues the generation that the eager forward before it bound)."""
+        if self.selector is None:
+            return
+        call = None if cache is None else cache.__dict__.get(CALL_STATE_ATTRIBUTE)
+        if call is None or call.runtime is not self:
+            call = CallState(self, copy.deepcopy(self._fresh_state))
+            if cache is not None:
+                setattr(cache, CALL_STATE_ATTRIBUTE, call)
+        if call is not self.bound:
+            if self.bound is not None:
+                self.bound.fields = export_call_state(self.selector)
+            import_call_state(self.selector, call.fields)
+            self.bound = call
+        if not self._decoding:
+            call.prefilled = True
+        elif not call.prefilled:
+            raise ValueError(
+                "PrHS: a decode step on a cache whose prompt this patch did not prefill (a cache filled by "
+                "the unpatched model, by another patch, or by a copy of the model): run the prompt through "
+                "the patched model with this cache first, or start from input_ids alone"
+            )
+
+    def _decide(self, cache, cached: int, q_len: int, hidden_states: torch.Tensor) -> None:
+        """Set :attr:`sparse_decode` and :attr:`sparse_prefill` for this eager forward (``policy``;
+        a prefill into a ``StaticCache`` decides for the compiled decode steps that follow it)."""
+        policy = self.resolved.config.policy
+        self.sparse_prefill = policy.prefill == "sparse"
+        self.sparse_decode = policy.decode == "sparse"
+        if "auto" not in (policy.decode, policy.prefill):
+            return
+        model = cost_model_for(hidden_states.device, policy.cost_model)
+        if policy.prefill == "auto":
+            self.sparse_prefill = model is None or model.sparse_prefill_wins(q_len, cached)
+        if policy.decode == "auto":
+            grouped = getattr(self.selector, "grouped", False)
+            shape = DecodeShape(
+                batch=hidden_states.shape[0], context=cached + q_len, kv_heads=self.num_kv_heads,
+                rows=self.num_kv_heads if grouped else self.num_heads, head_dim=self.head_dim,
+                itemsize=hidden_states.element_size(), index_set=self.resolved.index_capacity,
+            )
+            compiled = not self._decoding and isinstance(cache, StaticCache)
+            self.sparse_decode = model is None or model.sparse_decode_wins(shape, compiled)
 
     def geometry_on(self, device: torch.device) -> SequenceGeometry:
         """The current forward's geometry on ``device``: the buffers themselves on the first
@@ -131,13 +237,26 @@ class PrHSRuntime:
             self.selector.reorder(beam_idx)
 
     def reset(self) -> None:
-        """Forget CIS anchors and telemetry (a new, unrelated generation follows)."""
+        """Forget CIS anchors (of the generation bound now) and telemetry (a new, unrelated generation follows)."""
         for layer in self.layers:
             layer.plan = None
         if self.selector is not None:  # in place: a compiled decode step keeps its buffers
             self.selector.reset()
         if self.telemetry is not None:
             self.telemetry.reset()
+
+
+def _check_room(cache, cached: int | None, q_len: int) -> None:
+    """Raise where this forward's tokens would not fit in a ``StaticCache`` (eager: a host int)."""
+    if not isinstance(cache, StaticCache) or cached is None:
+        return
+    room = cache.get_max_length()
+    if isinstance(room, int) and room > 0 and cached + q_len > room:
+        raise ValueError(
+            f"the static cache is full: it holds {room} tokens, {cached} are cached and this forward adds {q_len}. "
+            "Start a new generation (a new cache), make the static cache longer (a larger max_cache_len, or "
+            "max_new_tokens in the first generate() call), or use a DynamicCache"
+        )
 
 
 def _cached_tokens(cache) -> int | None:

@@ -33,13 +33,31 @@ def test_dense_config_gives_the_unpatched_logits(family):
     with torch.no_grad():
         ref = model(ids, attention_mask=mask).logits
         prhs_hf.patch(model, CONFIGS / "dense.yaml")
-        assert model.config._attn_implementation == "prhs"
+        assert model.config._attn_implementation == "sdpa"  # a config that changes nothing keeps the model's own
         patched = model(ids, attention_mask=mask).logits
         prhs_hf.unpatch(model)
         assert model.config._attn_implementation == "sdpa"
         after = model(ids, attention_mask=mask).logits
     assert torch.equal(patched, ref)
     assert torch.equal(after, ref)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "flex_attention"])
+def test_dense_config_keeps_the_models_own_attention(implementation):
+    """A model loaded with eager or flex attention and patched with "dense" keeps that implementation:
+    the same logits bit for bit, and (eager) the attention weights output_attentions asks for."""
+    model = tiny_model("llama")
+    model.set_attn_implementation(implementation)
+    ids, mask = _batch()
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, output_attentions=implementation == "eager")
+        with prhs_hf.patch(model, "dense"):
+            assert model.config._attn_implementation == implementation
+            out = model(ids, attention_mask=mask, output_attentions=implementation == "eager")
+    assert torch.equal(out.logits, ref.logits)
+    if implementation == "eager":
+        assert len(out.attentions) == len(ref.attentions) == 4
+        assert all(torch.equal(a, b) for a, b in zip(out.attentions, ref.attentions))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

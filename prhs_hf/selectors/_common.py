@@ -288,6 +288,8 @@ class StatelessSelector:
     """A selector that keeps nothing between steps: prefills, beam reorders and resets are no-ops.
     Subclasses define ``select`` only."""
 
+    CALL_STATE: tuple[str, ...] = ()
+
     def observe_prefill(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
     ) -> None:
@@ -306,6 +308,8 @@ class LayerStates:
     ``reorder`` follows beam search on every tensor's batch axis; ``reset`` forgets everything.
     Selectors that keep state subclass it (``self.state[layer]`` is a dict of tensors).
     """
+
+    CALL_STATE: tuple[str, ...] = ("state", "steps")
 
     def __init__(self) -> None:
         self.state: dict[int, dict[str, torch.Tensor]] = {}

@@ -6,18 +6,25 @@ attention over its set, the budget accounting and the telemetry are shared with 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
 
-__all__ = ["Selector"]
+__all__ = ["Selector", "export_call_state", "import_call_state"]
 
 
 class Selector(Protocol):
-    """One baseline selector for every layer of a model (it may share state across layers)."""
+    """One baseline selector for every layer of a model (it may share state across layers).
+
+    ``CALL_STATE`` names the attributes that belong to one generation (its cache), not to the
+    selector: the runtime swaps them in and out as forwards of different caches arrive
+    (:func:`export_call_state`). A selector that wraps another (``base``) adds its base's.
+    """
+
+    CALL_STATE: tuple[str, ...]
 
     def observe_prefill(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
@@ -41,3 +48,24 @@ class Selector(Protocol):
 
     def reset(self) -> None:
         """Forget everything (a new prompt follows)."""
+
+
+def _holders(selector) -> list:
+    """``selector`` and the selectors it wraps (``selector.base``, recursively)."""
+    chain = []
+    while selector is not None:
+        chain.append(selector)
+        selector = getattr(selector, "base", None)
+    return chain
+
+
+def export_call_state(selector) -> list[dict[str, Any]]:
+    """The attributes of ``selector`` (and of the selectors it wraps) that belong to the generation
+    in progress (their ``CALL_STATE``), as the objects themselves (no copy)."""
+    return [{name: getattr(h, name) for name in getattr(h, "CALL_STATE", ())} for h in _holders(selector)]
+
+
+def import_call_state(selector, state: list[dict[str, Any]]) -> None:
+    """Make ``state`` (from :func:`export_call_state` of the same selector) the selector's own."""
+    for holder, fields in zip(_holders(selector), state, strict=True):
+        holder.__dict__.update(fields)

@@ -88,6 +88,8 @@ def allocate_budget(
 class CertKVSelector(LayerStates):
     """SnapKV window scores + dispersion-allocated per-KV-head budgets + a tail-summary slot."""
 
+    CALL_STATE = (*LayerStates.CALL_STATE, "widths", "planned")
+
     def __init__(self, window: int = 32, pool_kernel: int = 5, tail_slot: bool = True,
                  floor_fraction: float = FLOOR_FRACTION):
         super().__init__()

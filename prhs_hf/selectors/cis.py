@@ -88,6 +88,8 @@ class CISSelector:
     :class:`CISState` (``tail_k``/``tail_v`` ``[L, B, H, s, D]``, ``tail_log_mass``).
     """
 
+    CALL_STATE = ("states", "_slot", "_prompt_devices")
+
     def __init__(
         self, num_layers: int, block_size: int, set_size: int, ops_for: Callable[[torch.device], DecodeOps],
         grouped: bool = False,

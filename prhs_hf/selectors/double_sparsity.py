@@ -178,6 +178,8 @@ class DoubleSparsitySelector:
     (eager only: a compiled step whose cache grows recompiles for every length anyway).
     """
 
+    CALL_STATE = ("cache",)
+
     def __init__(self, rank: int, channels: torch.Tensor | None = None, head_dim: int | None = None,
                  num_layers: int | None = None):
         if rank < 1:

@@ -118,6 +118,8 @@ class EarlySelectSelector:
             (``early_select.side_stream``; ``base`` a :class:`~prhs_hf.selectors.cis.CISSelector`).
     """
 
+    CALL_STATE: tuple[str, ...] = ()  # the proxies are per step; the call state is the base's
+
     def __init__(self, base: Selector, tap: str = "mid", rank: int | None = None, fidelity: bool = False,
                  side_stream: bool = False):
         if tap not in TAPS:

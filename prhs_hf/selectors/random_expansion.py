@@ -29,6 +29,8 @@ __all__ = ["RandomExpansionSelector"]
 class RandomExpansionSelector(DirectReuseSelector):
     """DirectReuse whose reused sets get CIS's dilation count of uniformly random middle indices."""
 
+    CALL_STATE = (*DirectReuseSelector.CALL_STATE, "_generators")  # each generation's stream starts at seed
+
     def __init__(self, block_size: int, seed: int = 0):
         super().__init__(block_size)
         self.seed = seed

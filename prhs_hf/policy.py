@@ -1,0 +1,124 @@
+"""When a forward runs sparse: a cost model of one layer's attention, dense against PrHS.
+
+``policy.decode: auto`` (the shipped sparse configs') asks :meth:`CostModel.sparse_decode_wins`
+at every eager forward, and at the eager prefill for the compiled decode steps that follow it
+(a ``StaticCache``: ``generate()`` compiles its decode step, which then keeps that decision for
+the generation). ``policy.prefill: auto`` runs a PSAW/ETF prefill only for a whole prompt of at
+least :attr:`CostModel.min_sparse_prefill` tokens; shorter prompts and multi-token forwards over a
+cache (assisted generation's verification, a second turn) run dense. Where the policy goes
+dense, the forward takes the fair dense path (SDPA reading grouped K/V in place) of every layer.
+
+The model, per layer and decode step, with ``itemsize`` bytes per element:
+
+- dense reads every key and value: ``B · Hkv · L · D · 2 · itemsize`` bytes;
+- PrHS reads the selected keys and values of each selecting row (a query head, or a KV head
+  with ``cis.selection: group``), ``B · rows · min(n, L) · D · 2 · itemsize`` with ``n`` the
+  largest index set, plus, for a retrieval, every key of the retrieving KV groups
+  (``retrieval_rate · B · Hkv · L · D · itemsize``), plus a launch overhead
+  ``overhead_us + per_row_us · B · rows`` (the selection's kernels; on the host in eager mode);
+- sparse runs where its time is below ``margin`` times dense's, both at ``bandwidth_gbs``.
+
+The shipped constants (:data:`H200`) come from measured decode steps on an H200
+(docs/results/policy_h200.md); on a CPU there is no speed to win and ``auto`` runs sparse (the
+accuracy studies' behaviour). On another GPU, measure the speed map with the policy forced each
+way (``prhs-hf bench --policy sparse`` and ``--policy dense``) and write the constants that
+reproduce its crossover to a JSON file of :class:`CostModel` fields, named by ``policy.cost_model``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["CostModel", "DecodeShape", "H200", "cost_model_for", "load_cost_model"]
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """What the cost of one layer's decode step depends on (host ints, known before the step)."""
+
+    batch: int
+    context: int  # tokens the longest sequence attends to (its cache slots)
+    kv_heads: int
+    rows: int  # selecting rows per sequence: query heads, or KV heads with group selection
+    head_dim: int
+    itemsize: int
+    index_set: int  # the largest set a row attends to (sink + local + top-k + dilation)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Constants of one GPU (see the module docstring for the model)."""
+
+    bandwidth_gbs: float
+    eager_overhead_us: float
+    compiled_overhead_us: float
+    per_row_us: float
+    retrieval_rate: float
+    margin: float
+    min_sparse_prefill: int
+
+    def decode_times_us(self, shape: DecodeShape, compiled: bool) -> tuple[float, float]:
+        """``(dense, sparse)`` microseconds of one layer's decode step of ``shape``."""
+        s = shape
+        per_us = self.bandwidth_gbs * 1e3  # bytes per microsecond
+        token_bytes = s.head_dim * s.itemsize  # one key (or one value) of one head
+        dense = s.batch * s.kv_heads * s.context * 2 * token_bytes / per_us
+        gathered = s.batch * s.rows * min(s.index_set, s.context) * 2 * token_bytes
+        scored = self.retrieval_rate * s.batch * s.kv_heads * s.context * token_bytes
+        overhead = (self.compiled_overhead_us if compiled else self.eager_overhead_us) + self.per_row_us * s.batch * s.rows
+        return dense, overhead + (gathered + scored) / per_us
+
+    def sparse_decode_wins(self, shape: DecodeShape, compiled: bool) -> bool:
+        """Whether PrHS's decode step of ``shape`` beats the fair dense one by the margin."""
+        if shape.context <= shape.index_set:
+            return False  # the set is every token: nothing to skip
+        dense, sparse = self.decode_times_us(shape, compiled)
+        return sparse < self.margin * dense
+
+    def sparse_prefill_wins(self, prompt_tokens: int, cached_tokens: int) -> bool:
+        """Whether a PSAW/ETF prefill of ``prompt_tokens`` new tokens after ``cached_tokens`` runs sparse."""
+        return cached_tokens == 0 and prompt_tokens >= self.min_sparse_prefill
+
+
+#: Fitted to H200 decode steps (docs/results/policy_h200.md): the eager overhead is the host time
+#: of an eager sparse step's launches over a dense one's, per layer.
+H200 = CostModel(
+    bandwidth_gbs=3000.0,
+    eager_overhead_us=1000.0,
+    compiled_overhead_us=34.0,
+    per_row_us=0.167,
+    retrieval_rate=0.5,
+    margin=0.9,
+    min_sparse_prefill=4096,
+)
+
+
+def load_cost_model(path: str | Path) -> CostModel:
+    """A :class:`CostModel` from a JSON object of its fields (``policy.cost_model``); the fields it
+    leaves out keep :data:`H200`'s."""
+    from .config import ConfigError
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"policy.cost_model: cannot read {path}: {err}") from None
+    fields = {f.name: f.type for f in dataclasses.fields(CostModel)}
+    if not isinstance(data, dict) or set(data) - set(fields):
+        raise ConfigError(f"policy.cost_model: {path} must be a JSON object with keys from {', '.join(fields)}")
+    for key, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"policy.cost_model: {path}: {key} must be a number >= 0, got {value!r}")
+    return dataclasses.replace(H200, **data)
+
+
+def cost_model_for(device: torch.device, path: str | None = None) -> CostModel | None:
+    """The cost model of ``device``: ``path``'s where given, the H200 constants on CUDA, else
+    ``None`` (``auto`` then runs sparse)."""
+    if path is not None:
+        return load_cost_model(path)
+    return H200 if torch.device(device).type == "cuda" else None
