@@ -83,7 +83,8 @@ def _es_generate(side: bool, tap: str = "mid", backend: str = "torch", device: s
     ids, mask = padded_batch([90, 70])
     model = tiny_model("llama", layers=3).to(device)
     prhs_hf.patch(model, "configs/cis.yaml", overrides={
-        **OVERRIDES, "early_select": {"tap": tap, "side_stream": side}, "backend": {"decode": backend, "prefill": "torch"}})
+        **OVERRIDES, "early_select": {"tap": tap, "side_stream": side}, "backend": {"decode": backend, "prefill": "torch"},
+        "policy": {"decode": "sparse"}})
     kwargs = {}
     if compiled:
         kwargs = dict(cache_implementation="static", compile_config=compile_config)

@@ -1,0 +1,133 @@
+"""The automatic dense/sparse policy (policy.decode / policy.prefill: auto) and its cost model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import prhs_hf
+import prhs_hf.runtime
+from prhs_hf.config import ConfigError, load_config
+from prhs_hf.policy import H200, CostModel, DecodeShape, cost_model_for, load_cost_model
+from tiny_models import padded_batch, tiny_model
+
+SPARSE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4, "tau": 0.5},
+          "backend": {"decode": "torch"}, "telemetry": {"enabled": True}}
+
+
+def _shape(batch: int, context: int, **kw) -> DecodeShape:
+    fields = dict(kv_heads=8, rows=32, head_dim=128, itemsize=2, index_set=186)
+    fields.update(kw)
+    return DecodeShape(batch=batch, context=context, **fields)
+
+
+def test_the_cost_model_goes_dense_where_the_set_is_every_token_and_on_short_contexts():
+    assert not H200.sparse_decode_wins(_shape(32, 186), compiled=True)  # the set is every token
+    assert not H200.sparse_decode_wins(_shape(1, 4096), compiled=True)
+    assert H200.sparse_decode_wins(_shape(4, 65536), compiled=True)
+
+
+def test_the_eager_overhead_needs_a_longer_context_than_the_compiled_step():
+    crossover = {}
+    for compiled in (False, True):
+        lengths = [2 ** n for n in range(10, 24)]
+        crossover[compiled] = next(L for L in lengths if H200.sparse_decode_wins(_shape(1, L), compiled))
+    assert crossover[True] < crossover[False]
+
+
+def test_sparse_time_grows_with_the_index_set():
+    small = H200.decode_times_us(_shape(8, 32768, index_set=186), compiled=True)[1]
+    large = H200.decode_times_us(_shape(8, 32768, index_set=4416), compiled=True)[1]
+    assert large > small
+
+
+def test_a_prefill_over_a_cache_or_a_short_prompt_runs_dense():
+    assert H200.sparse_prefill_wins(8192, 0)
+    assert not H200.sparse_prefill_wins(100, 0)
+    assert not H200.sparse_prefill_wins(8192, 10)  # verification / a second turn
+
+
+def test_auto_runs_sparse_on_a_cpu():
+    assert cost_model_for(torch.device("cpu")) is None
+    assert cost_model_for(torch.device("cuda", 0)) is H200
+
+
+def test_a_cost_model_file_overrides_some_constants(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({"bandwidth_gbs": 2000, "eager_overhead_us": 500}))
+    model = load_cost_model(path)
+    assert (model.bandwidth_gbs, model.eager_overhead_us, model.margin) == (2000, 500, H200.margin)
+    path.write_text(json.dumps({"bandwidth": 1}))
+    with pytest.raises(ConfigError, match="policy.cost_model: .* keys from bandwidth_gbs"):
+        load_cost_model(path)
+    path.write_text(json.dumps({"margin": "x"}))
+    with pytest.raises(ConfigError, match="margin must be a number"):
+        load_cost_model(path)
+
+
+def test_policy_keys_are_validated():
+    with pytest.raises(ConfigError, match="policy.decode: 'fast' is not allowed; allowed: auto, sparse, dense"):
+        load_config({"policy": {"decode": "fast"}})
+    assert load_config("cis").policy.decode == "auto"
+    assert load_config({"cis": {}}).policy.decode == "sparse"  # a user's config keeps today's behaviour
+
+
+def _generate(policy: dict, cost: CostModel | None, monkeypatch, lengths=(60, 48), new=8):
+    monkeypatch.setattr(prhs_hf.runtime, "cost_model_for", lambda device, path=None: cost)
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch(list(lengths))
+    with prhs_hf.patch(model, {**SPARSE, "policy": policy}) as handle:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    return out, handle.telemetry()
+
+
+#: a model whose overhead makes every tiny-model decode step dense
+ALWAYS_DENSE = CostModel(bandwidth_gbs=1.0, eager_overhead_us=1e9, compiled_overhead_us=1e9, per_row_us=0.0,
+                         retrieval_rate=0.5, margin=0.9, min_sparse_prefill=1 << 30)
+
+
+def test_where_the_policy_goes_dense_the_output_is_the_fair_dense_bit_for_bit(monkeypatch):
+    auto, auto_stats = _generate({"decode": "auto"}, ALWAYS_DENSE, monkeypatch)
+    dense, _ = _generate({"decode": "dense"}, ALWAYS_DENSE, monkeypatch)
+    sparse, sparse_stats = _generate({"decode": "sparse"}, ALWAYS_DENSE, monkeypatch)
+    assert torch.equal(auto.sequences, dense.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(auto.logits, dense.logits))
+    assert auto_stats.sparse_steps == 0 and auto_stats.decode_steps == 7
+    assert sparse_stats.sparse_steps > 0  # the same prompts do run sparse when forced
+    assert any(not torch.equal(a, b) for a, b in zip(sparse.logits, dense.logits))
+
+
+def test_auto_goes_sparse_once_the_context_is_long_enough(monkeypatch):
+    """A cost model whose crossover sits inside the generation: dense steps first, then sparse."""
+    # tiny llama, fp32, 2 sequences x 2 KV heads x 16 dims: dense costs 2 us per token of context, the
+    # sparse step 58 us + its 38-key sets (152 us): sparse from a context of 106 on
+    crossover = CostModel(bandwidth_gbs=0.256, eager_overhead_us=58.0, compiled_overhead_us=58.0,
+                          per_row_us=0.0, retrieval_rate=0.0, margin=1.0, min_sparse_prefill=1)
+    out, stats = _generate({"decode": "auto"}, crossover, monkeypatch, lengths=(100, 100), new=10)
+    steps = stats.decode_steps
+    assert steps == 9 and stats.sparse_steps == 2 * 4  # contexts 106..109 of both sequences
+
+
+def test_auto_on_a_cpu_is_sparse(monkeypatch):
+    auto, auto_stats = _generate({"decode": "auto"}, None, monkeypatch)
+    sparse, _ = _generate({"decode": "sparse"}, None, monkeypatch)
+    assert torch.equal(auto.sequences, sparse.sequences)
+    assert auto_stats.sparse_steps > 0
+
+
+def test_a_short_prompt_skips_the_sparse_prefill_under_auto(monkeypatch):
+    monkeypatch.setattr(prhs_hf.runtime, "cost_model_for", lambda device, path=None: ALWAYS_DENSE)
+    cpe = {**SPARSE, "psaw": {"enabled": True, "start_layer": 1}, "etf": {"enabled": True, "start_layer": 1}}
+    model = tiny_model("llama", layers=4)
+    ids, mask = padded_batch([120, 100])
+    logits = {}
+    for name, policy in (("auto", "auto"), ("dense", "dense"), ("sparse", "sparse")):
+        with torch.no_grad(), prhs_hf.patch(model, {**cpe, "policy": {"prefill": policy}}) as handle:
+            logits[name] = model(ids, attention_mask=mask).logits
+        logits[name + "_frozen"] = sum(handle.telemetry().prefill_rows_frozen)
+    assert torch.equal(logits["auto"], logits["dense"])
+    assert logits["auto_frozen"] == 0 and logits["sparse_frozen"] > 0
+    assert not torch.equal(logits["sparse"], logits["dense"])
