@@ -190,6 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_ruler(sub, cache)
 
+    from prhs_hf.evaluation import speed_map  # no torch at import either
+
+    p_bench = sub.add_parser(
+        "bench", help="the speed map: decode ms/step of generate() over batch x length, PrHS vs the fastest dense",
+        description="Time plain model.generate() (eager and static cache) for every batch size and prompt length "
+                    "of the grid, with the dense baselines (sdpa, sdpa_gqa) and PrHS configs (prhs_hf.patch); "
+                    "print the table, write the JSON after every cell and a heat map PNG of the speedup vs the "
+                    "fastest dense beside it.",
+        epilog=speed_map.EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    speed_map.add_arguments(p_bench, DEFAULT_CONFIG)
+    p_bench.set_defaults(func=_cmd_bench)
+
     # Listed for --help only: main() hands `prhs-hf lm-eval ...` to lm-eval before parsing, since
     # this parser does not know lm-eval's options.
     sub.add_parser(
@@ -451,6 +464,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     print(cal.summary())
     print(f"wrote {path}" + (f" and {args.plot}" if args.plot else ""))
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from prhs_hf.evaluation import speed_map
+
+    _status("importing torch and transformers…")
+    return speed_map.main(args)
 
 
 def _cmd_calibrate_ds(args: argparse.Namespace) -> int:

@@ -1,0 +1,554 @@
+"""The speed map (``prhs-hf bench``): decode ms/step of plain ``model.generate()`` over a B × L grid.
+
+Per cell (batch B, prompt length L), mode (``eager``: DynamicCache; ``static``:
+``cache_implementation="static"``, whose decode step transformers compiles) and config: the dense
+baselines, the unpatched model with ``attn_implementation="sdpa"`` or ``"sdpa_gqa"``
+(:mod:`prhs_hf.attention`), and PrHS configs via ``prhs_hf.patch(model, config)``. A warm-up
+``generate()`` of the cell's shapes, then the timed one of N2 new tokens (``min_new_tokens =
+max_new_tokens``): ms/step = (t(N2) - t(N1)) / (N2 - N1), the clock read (after a synchronise) by a
+logits processor after new tokens N1 and N2 (``--timing stamps``), or around two whole calls
+(``--timing calls``). ``speedup_vs_fastest_dense``: against the faster dense row of the same cell and
+mode (``fastest_dense``). Cells whose KV cache + prefill activation would exceed 90 % of the free GPU
+memory are skipped (``memory``), OOMs recorded (``oom``); ``--deadline-s`` stops starting cells. The
+JSON is rewritten after every cell, the heat map PNG drawn at the end. (``scripts/_bench_common.py``
+is not importable from an installed package: the little it would give here is re-implemented.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import importlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+__all__ = ["DENSE_CONFIGS", "Deadline", "add_arguments", "add_speedups", "draw_heatmap", "estimate_bytes", "fits",
+           "format_table", "main", "parse_lengths", "plan_cells"]
+
+#: dense config name -> the attention implementation the unpatched model runs with
+#: (``"sdpa_gqa"`` is :data:`prhs_hf.attention.GQA_SDPA_NAME`, registered by ``prhs_hf.attention.register``)
+DENSE_CONFIGS = {"sdpa": "sdpa", "sdpa_gqa": "sdpa_gqa"}
+RANDOM_SHAPE = "llama3-8b-shape"
+QUICK_SHAPE_NAME = "tiny-llama"
+SHAPES = {
+    RANDOM_SHAPE: dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0),
+    QUICK_SHAPE_NAME: dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=128, rope_theta=10000.0),
+}
+BATCHES, LENGTHS, MODES, N1, N2 = "1,4,8,32", "4k,8k,16k,32k,64k,128k", "eager,static", 16, 80
+QUICK = dict(batches="1,2", lengths="64,128", n1=2, n2=4)
+MEMORY_FRACTION = 0.9
+TEXT_FIELDS = ("story", "text", "context", "input")
+#: statuses ``--resume`` keeps (the others, ``error`` and ``not run: deadline``, run again)
+KEPT = ("ok", "memory", "positions", "oom")
+SHORT = {"memory": "mem", "oom": "oom", "positions": "pos", "error": "err", "not run: deadline": "–"}
+EXAMPLES = """examples:
+  prhs-hf bench --quick --out /tmp/sm/speed_map.json            # tiny random llama, any device, seconds
+  prhs-hf bench --modes eager --deadline-s 480                  # llama3-8b shape, random weights
+  prhs-hf bench --model ./my-checkpoint --prompts text.jsonl.gz --lengths 4k,8k,16k,32k --resume
+  prhs-hf bench --replot --out docs/results/speed_map.json      # redraw the PNG and the table from the JSON"""
+
+
+def parse_lengths(text: str, option: str) -> list[int]:
+    """``"4k,8192"`` -> ``[4096, 8192]`` (``k`` = 1024); raises ``ValueError`` naming ``option``."""
+    out = []
+    for token in filter(None, (t.strip().lower() for t in text.split(","))):
+        number = token[:-1] if token.endswith("k") else token
+        if not number.isdigit() or int(number) < 1:
+            raise ValueError(f"{option}: {token!r} is not a positive count (e.g. 4096 or 4k)")
+        out.append(int(number) * (1024 if token.endswith("k") else 1))
+    if not out:
+        raise ValueError(f"{option}: empty list")
+    return out
+
+
+def estimate_bytes(*, layers: int, kv_heads: int, head_dim: int, intermediate: int, batch: int, length: int,
+                   new_tokens: int, itemsize: int) -> int:
+    """What a cell needs beyond the weights: its KV cache and the prefill's largest activation."""
+    return 2 * layers * kv_heads * head_dim * batch * (length + new_tokens) * itemsize \
+        + 3 * batch * length * intermediate * itemsize
+
+
+def fits(estimate: int, free: Optional[int], fraction: float = MEMORY_FRACTION) -> bool:
+    """Whether ``estimate`` bytes are at most ``fraction`` of ``free`` (unknown free memory: yes)."""
+    return free is None or estimate <= fraction * free
+
+
+class Deadline:
+    """``passed()`` once ``seconds`` of ``clock`` have gone by since creation (never for ``None``)."""
+
+    def __init__(self, seconds: Optional[float], clock: Callable[[], float] = time.monotonic):
+        self.seconds, self.clock, self.start = seconds, clock, clock()
+
+    def passed(self) -> bool:
+        return self.seconds is not None and self.clock() - self.start >= self.seconds
+
+
+def plan_cells(batches: list[int], lengths: list[int], modes: list[str],
+               configs: list[str]) -> list[tuple[str, int, int, str]]:
+    """(mode, B, L, config) in run order: cheapest B·L first, both modes, dense baselines first in a cell."""
+    cells = sorted(((b, n) for b in batches for n in lengths), key=lambda c: (c[0] * c[1], c[1]))
+    ordered = [c for c in configs if c in DENSE_CONFIGS] + [c for c in configs if c not in DENSE_CONFIGS]
+    return [(m, b, n, c) for b, n in cells for m in modes for c in ordered]
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return row["model"], row["prompts"], row["mode"], row["batch"], row["length"]
+
+
+def add_speedups(rows: list[dict[str, Any]]) -> None:
+    """Set ``fastest_dense`` and ``speedup_vs_fastest_dense`` (its ms/step over the row's) on every
+    measured row, against the dense row with the fewest ms/step of the same model, prompts, mode, B, L."""
+    best: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        if r["config"] in DENSE_CONFIGS and r["status"] == "ok":
+            if _key(r) not in best or r["ms_per_step"] < best[_key(r)]["ms_per_step"]:
+                best[_key(r)] = r
+    for r in rows:
+        ref = best.get(_key(r)) if r["status"] == "ok" else None
+        r["fastest_dense"] = ref["config"] if ref else None
+        r["speedup_vs_fastest_dense"] = ref["ms_per_step"] / r["ms_per_step"] if ref else None
+
+
+class _Clock:
+    """A logits processor: synchronise and read the clock after new tokens ``at`` (1 = the prefill's)."""
+
+    def __init__(self, at: tuple[int, ...], sync: Callable[[], None]):
+        self.at, self.sync, self.calls, self.stamps = at, sync, 0, {}
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        self.calls += 1
+        if self.calls in self.at:
+            self.sync()
+            self.stamps[self.calls] = time.perf_counter()
+        return scores
+
+
+def _read_texts(path: Path) -> list[str]:
+    """The texts of a .jsonl/.jsonl.gz file: each record's first string field of :data:`TEXT_FIELDS`."""
+    from prhs_hf.jsonl import read_jsonl
+
+    if not path.name.endswith((".jsonl", ".jsonl.gz")) or not path.is_file():
+        raise ValueError(f"--prompts: {path} is not a .jsonl or .jsonl.gz file")
+    texts = [next((rec[f] for f in TEXT_FIELDS if isinstance(rec.get(f), str)), "") if isinstance(rec, dict) else ""
+             for _, rec in read_jsonl(path)]
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError(f"--prompts: {path} holds no record with text in one of {', '.join(TEXT_FIELDS)}")
+    return texts
+
+
+@dataclass
+class Target:
+    """The model under test and how its prompts are made (``ids(B, L)``: ``[B, L]`` token ids)."""
+
+    name: str
+    weights: str
+    prompts: str
+    model: Any
+    ids: Callable[[int, int], Any]
+    max_positions: Optional[int]
+
+
+def load_target(args: argparse.Namespace, device: Any, dtype: Any) -> Target:
+    """A random-weight shape (:data:`SHAPES`) or a checkpoint folder, on ``device``, SDPA attention."""
+    import torch
+    import transformers
+
+    gen = torch.Generator().manual_seed(0)
+    if args.model in SHAPES:
+        shape = {**SHAPES[args.model], **({"num_hidden_layers": args.layers} if args.layers else {})}
+        config = transformers.LlamaConfig(**shape, max_position_embeddings=max(8192, max(args.length_list) + args.n2),
+                                          eos_token_id=None, bos_token_id=None, pad_token_id=0)
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        ids = lambda b, n: torch.randint(1, shape["vocab_size"], (b, n), generator=gen).to(device)  # noqa: E731
+        return Target(*_identity(args), model.eval(), ids, None)
+    folder = Path(args.model).expanduser()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    model = model.to(device).eval()
+    vocab = model.config.get_text_config().vocab_size
+    if not args.prompts:
+        ids = lambda b, n: torch.randint(1, vocab, (b, n), generator=gen).to(device)  # noqa: E731
+        return Target(*_identity(args), model, ids, model.config.max_position_embeddings)
+    from prhs_hf.calibrate import _special_prefix
+
+    texts, tok = _read_texts(Path(args.prompts).expanduser()), transformers.AutoTokenizer.from_pretrained(folder)
+    prefix, sep = _special_prefix(tok), tok("\n\n", add_special_tokens=False)["input_ids"]
+    cache: dict[int, list[int]] = {}
+
+    def text_ids(batch: int, length: int) -> Any:
+        """Sequence b: the prefix, then the records from b mod n on, blank lines between, cut at L."""
+        rows = []
+        for b in range(batch):
+            row, rec = list(prefix), b % len(texts)
+            while len(row) < length:
+                row += (sep if len(row) > len(prefix) else []) + cache.setdefault(
+                    rec, tok(texts[rec], add_special_tokens=False)["input_ids"])
+                rec = (rec + 1) % len(texts)
+            rows.append(row[:length])
+        return torch.tensor(rows, dtype=torch.long, device=device)
+
+    return Target(*_identity(args), model, text_ids, model.config.max_position_embeddings)
+
+
+def prhs_config(name: str, telemetry: bool = False) -> tuple[str, dict[str, Any]]:
+    """``(config, overrides)`` of a PrHS entry of ``--configs``: a shipped name or YAML path, with
+    ``/sparse``, ``/dense`` or ``/auto`` appended to force ``policy.decode`` and ``policy.prefill``
+    (``cis/sparse``: the shipped ``cis`` on every forward, the measurement the policy is fitted to)."""
+    base, _, policy = name.partition("/") if not Path(name).suffix else (name, "", "")
+    overrides: dict[str, Any] = {"telemetry": {"enabled": True}} if telemetry else {}
+    if policy:
+        if policy not in ("auto", "sparse", "dense"):
+            raise ValueError(f"--configs: {name!r}: the part after '/' is a policy: auto, sparse or dense")
+        overrides["policy"] = {"decode": policy, "prefill": policy}
+    return base, overrides
+
+
+def _select(model: Any, name: str, telemetry: bool) -> None:
+    """Put the model in config ``name``: a dense attention implementation, or ``prhs_hf.patch``."""
+    import prhs_hf
+    from prhs_hf import attention
+
+    prhs_hf.unpatch(model)
+    attention.register()
+    model.set_attn_implementation(DENSE_CONFIGS.get(name, "sdpa"))
+    if name not in DENSE_CONFIGS:
+        prhs_hf.patch(model, *prhs_config(name, telemetry))
+
+
+def _fresh_compile(model: Any) -> None:
+    """Forget compiled graphs, CUDA graphs and the static cache size of earlier cells."""
+    import torch
+
+    torch._dynamo.reset()
+    for attr in ("_compiled_call", "_last_compile_config", "_previous_max_cache_length"):
+        model.__dict__.pop(attr, None)
+
+
+def measure(target: Target, mode: str, batch: int, length: int, config: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One row's measurements: warm-up, then the timed ``generate()`` (see the module docstring)."""
+    import torch
+    import transformers
+
+    import prhs_hf
+
+    model, dev = target.model, target.model.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)  # noqa: E731
+    ids = target.ids(batch, length)
+    pad = model.generation_config.pad_token_id
+    base = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0 if pad is None else pad)
+    if mode == "static":
+        base.update(cache_implementation="static", max_cache_len=length + args.n2)  # one cache size: one graph
+
+    def generate(n: int, clock: Optional[_Clock] = None) -> None:
+        extra = {"logits_processor": transformers.LogitsProcessorList([clock])} if clock else {}
+        if prhs_hf.is_patched(model):
+            prhs_hf.reset(model)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **base, **extra)
+
+    _select(model, config, args.telemetry)
+    if mode == "static":
+        _fresh_compile(model)
+    start = time.perf_counter()
+    generate(args.n2)
+    sync()
+    row: dict[str, Any] = {"warmup_s": round(time.perf_counter() - start, 2)}
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    if args.timing == "stamps":
+        clock = _Clock((args.n1, args.n2), sync)
+        generate(args.n2, clock)
+        seconds = clock.stamps[args.n2] - clock.stamps[args.n1]
+    else:
+        took = {}
+        for n in (args.n1, args.n2):
+            sync()
+            t0 = time.perf_counter()
+            generate(n)
+            sync()
+            took[n] = time.perf_counter() - t0
+        seconds = took[args.n2] - took[args.n1]
+    ms = 1000.0 * seconds / (args.n2 - args.n1)
+    row.update(ms_per_step=ms, decode_tok_s=1000.0 * batch / ms if ms > 0 else None)
+    if dev.type == "cuda":
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+    if args.telemetry and prhs_hf.is_patched(model):
+        row["rho_hat"] = prhs_hf.telemetry(model).retrieval_ratio
+    return row
+
+
+def _free_bytes(device: Any) -> Optional[int]:
+    """Free GPU memory plus what torch's allocator holds unused; ``None`` off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _cell(target: Target, mode: str, batch: int, length: int, config: str, args: argparse.Namespace,
+          free: Optional[int]) -> dict[str, Any]:
+    """One row: the positions and memory checks, then :func:`measure` (an OOM is caught and recorded)."""
+    import torch
+
+    import prhs_hf
+
+    cfg = target.model.config.get_text_config()
+    prompt_len = length
+    if target.max_positions is not None and length + args.n2 > target.max_positions:
+        prompt_len = target.max_positions - args.n2 if length <= target.max_positions else 0
+    row: dict[str, Any] = {"model": target.name, "weights": target.weights, "prompts": target.prompts,
+                           "layers": cfg.num_hidden_layers, "mode": mode, "batch": batch, "length": length,
+                           "prompt_len": prompt_len, "config": config,
+                           "kind": "dense" if config in DENSE_CONFIGS else "prhs", "new_tokens": [args.n1, args.n2]}
+    if prompt_len <= 0:
+        return {**row, "status": "positions", "error": f"L + {args.n2} > max_position_embeddings {target.max_positions}"}
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    need = estimate_bytes(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+                          intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size), batch=batch, length=prompt_len, new_tokens=args.n2,
+                          itemsize=target.model.dtype.itemsize)
+    row["estimate_gib"] = round(need / 2**30, 2)
+    if free is not None:
+        row["free_gib"] = round(free / 2**30, 2)
+    if not fits(need, free):
+        return {**row, "status": "memory"}
+    error = None
+    try:
+        row.update(measure(target, mode, batch, prompt_len, config, args), status="ok")
+    except Exception as exc:  # noqa: BLE001 - a failing cell is recorded, the map goes on
+        oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+        error = ("oom" if oom else "error", f"{type(exc).__name__}: {exc}"[:300])
+    if error is not None:  # outside the except block: its traceback (and the tensors it holds) is gone
+        row.update(status=error[0], error=error[1])
+    prhs_hf.unpatch(target.model)  # the patch's buffers would count as used in the next cell's free memory
+    if mode == "static" or error is not None:
+        _fresh_compile(target.model)
+    if target.model.device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+    return row
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a fixed-width text table."""
+    head = (f"{'model':<22} {'mode':<6} {'B':>3} {'L':>7} {'config':<16} {'ms/step':>9} {'speedup':>8} "
+            f"{'fastest dense':<13} {'rho_hat':>7}  status")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ms, sp, rho = r.get("ms_per_step"), r.get("speedup_vs_fastest_dense"), r.get("rho_hat")
+        lines.append(f"{r['model'][:22]:<22} {r['mode']:<6} {r['batch']:>3} {r['length']:>7} {r['config'][:16]:<16} "
+                     f"{'' if ms is None else f'{ms:.2f}':>9} {'' if sp is None else f'{sp:.2f}x':>8} "
+                     f"{r.get('fastest_dense') or '':<13} {'' if rho is None else f'{100 * rho:.1f}%':>7}  {r['status']}")
+    return "\n".join(lines)
+
+
+def draw_heatmap(rows: list[dict[str, Any]], png: Path) -> Optional[str]:
+    """One panel per (model, mode, config): B rows × L columns coloured by speedup vs the fastest dense
+    (log scale, centred at 1.0×), values written in; grey cells say why they have none. Returns a
+    one-line note instead when matplotlib does not import."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+    except ImportError:
+        return f"matplotlib is not installed: {png.name} not drawn (pip install matplotlib; then prhs-hf bench --replot)"
+    groups = list(dict.fromkeys((r["model"], r["prompts"], r["mode"]) for r in rows))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    speed = [r["speedup_vs_fastest_dense"] for r in rows if r.get("speedup_vs_fastest_dense")]
+    span = max([abs(math.log2(s)) for s in speed] + [0.25])
+    bs_all, ls_all = {r["batch"] for r in rows}, {r["length"] for r in rows}
+    cmap = plt.get_cmap("RdBu").with_extremes(bad="#d0d0d0")  # red: slower than the fastest dense, blue: faster
+    size = (1.8 + (0.55 * len(ls_all) + 0.6) * len(configs), 0.6 + (0.42 * len(bs_all) + 0.9) * len(groups))
+    fig, axes = plt.subplots(len(groups), len(configs), squeeze=False, layout="constrained", figsize=size)
+    image = None
+    for i, (model, prompts, mode) in enumerate(groups):
+        mine = [r for r in rows if (r["model"], r["prompts"], r["mode"]) == (model, prompts, mode)]
+        title = model + ("" if prompts == "random ids" else f" ({prompts})")
+        bs, ls = sorted({r["batch"] for r in mine}), sorted({r["length"] for r in mine})
+        for j, config in enumerate(configs):
+            ax, grid = axes[i][j], np.full((len(bs), len(ls)), np.nan)
+            for r in (r for r in mine if r["config"] == config):
+                y, x, s = bs.index(r["batch"]), ls.index(r["length"]), r.get("speedup_vs_fastest_dense")
+                if s:
+                    grid[y, x] = math.log2(s)
+                text = f"{s:.2f}" if s else SHORT.get(r["status"], "n/a" if r["status"] == "ok" else "?")
+                dark = s is not None and abs(math.log2(s)) > 0.6 * span
+                ax.text(x, y, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
+            image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=-span, vmax=span, aspect="auto")
+            ax.set_xticks(range(len(ls)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in ls], fontsize=7)
+            ax.set_yticks(range(len(bs)), [str(b) for b in bs], fontsize=7)
+            ax.set_title(f"{title}\n{mode} · {config}", fontsize=8)
+            ax.set_xlabel("L", fontsize=7)
+            ax.set_ylabel("B", fontsize=7)
+    ticks = [t for t in range(-int(span) - 1, int(span) + 2) if abs(t) <= span] or [0]
+    bar = fig.colorbar(image, ax=axes, shrink=0.8, ticks=ticks)
+    bar.set_ticklabels([f"{2.0 ** t:g}×" for t in ticks])
+    bar.set_label("decode speedup vs the fastest dense (same mode, B, L)")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return None
+
+
+def add_arguments(parser: argparse.ArgumentParser, default_config: str) -> None:
+    """The options of ``prhs-hf bench`` (no torch import: ``--help`` stays instant)."""
+    a = parser.add_argument
+    a("--model", default=None, help=f"{RANDOM_SHAPE} (random weights, bf16; default) or a checkpoint folder")
+    a("--layers", type=int, default=None, help=f"cut the random {RANDOM_SHAPE} to N layers (quick runs)")
+    a("--prompts", default=None, help=f"with a checkpoint: real text, .jsonl/.jsonl.gz ({'/'.join(TEXT_FIELDS)} field; "
+                                      "default: random token ids)")
+    a("--batches", default=None, help=f"comma list of B (default {BATCHES})")
+    a("--lengths", default=None, help=f"comma list of L, 4096 or 4k (default {LENGTHS})")
+    a("--modes", default=MODES, help="eager (DynamicCache) and/or static (StaticCache, compiled) (default %(default)s)")
+    a("--configs", default=f"sdpa,sdpa_gqa,{default_config},cis",
+      help="comma list: sdpa, sdpa_gqa (dense baselines) and PrHS configs (shipped names or YAML paths; "
+           "NAME/sparse or NAME/dense forces the policy) (default %(default)s)")
+    a("--n1", type=int, default=None, help=f"timing starts after this many new tokens (default {N1})")
+    a("--n2", type=int, default=None, help=f"... and ends after this many (default {N2}); ms/step = Δt / (N2 - N1)")
+    a("--timing", choices=("stamps", "calls"), default="stamps",
+      help="stamps: clock read after new tokens N1 and N2 of one generate(); calls: two generate() calls "
+           "(default %(default)s)")
+    a("--deadline-s", type=float, default=None, help="start no cell after this many seconds (rest: 'not run: deadline')")
+    a("--out", default="docs/results/speed_map.json", help="JSON to write; the PNG goes beside it (default %(default)s)")
+    a("--resume", action="store_true", help="keep the rows of --out (but error / deadline ones) and run only the others")
+    a("--telemetry", action="store_true", help="PrHS telemetry on in the timed run (rho_hat column; adds work per step)")
+    a("--assume-free-gib", type=float, default=None, help="plan with this much free GPU memory instead of measuring it")
+    a("--quick", action="store_true", help=f"tiny random llama, 1 layer, B {QUICK['batches']}, L {QUICK['lengths']}, "
+                                           f"{QUICK['n2']} new tokens, on whatever device is here")
+    a("--replot", action="store_true", help="only redraw the PNG and print the table of an existing --out")
+
+
+def _resolve(args: argparse.Namespace) -> None:
+    quick = QUICK if args.quick else {}
+    args.model = args.model or (QUICK_SHAPE_NAME if args.quick else RANDOM_SHAPE)
+    args.batch_list = parse_lengths(args.batches or quick.get("batches", BATCHES), "--batches")
+    args.length_list = parse_lengths(args.lengths or quick.get("lengths", LENGTHS), "--lengths")
+    args.n1, args.n2 = args.n1 or quick.get("n1", N1), args.n2 or quick.get("n2", N2)
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.config_list = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not 1 <= args.n1 < args.n2:
+        raise ValueError(f"--n1/--n2: need 1 <= N1 < N2, got {args.n1}, {args.n2}")
+    if not args.mode_list or set(args.mode_list) - set(MODES.split(",")):
+        raise ValueError(f"--modes: {args.modes!r}; allowed: eager, static")
+    if args.model not in SHAPES and not (Path(args.model).expanduser() / "config.json").is_file():
+        raise ValueError(f"--model: {args.model!r} is neither {RANDOM_SHAPE} nor a checkpoint folder with a config.json")
+    if args.model in SHAPES and args.prompts:
+        raise ValueError("--prompts needs a checkpoint folder as --model (random shapes run on random ids)")
+    if args.model not in SHAPES and args.layers:
+        raise ValueError(f"--layers cuts a random shape ({RANDOM_SHAPE}) only, not a checkpoint")
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {args.layers}")
+
+
+def _identity(args: argparse.Namespace) -> tuple[str, str, str]:
+    """(model, weights, prompts) of this run's rows, known before the model loads."""
+    if args.model in SHAPES:
+        return args.model + (f"-{args.layers}L" if args.layers else ""), "random", "random ids"
+    return Path(args.model).expanduser().resolve().name, "real", Path(args.prompts).name if args.prompts else "random ids"
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["prhs-hf bench", f"--model {args.model}", *([f"--layers {args.layers}"] if args.layers else []),
+             *([f"--prompts {args.prompts}"] if args.prompts else []), f"--batches {','.join(map(str, args.batch_list))}",
+             f"--lengths {','.join(map(str, args.length_list))}", f"--modes {','.join(args.mode_list)}",
+             f"--configs {','.join(args.config_list)}", f"--n1 {args.n1} --n2 {args.n2} --timing {args.timing}",
+             *([f"--deadline-s {args.deadline_s:g}"] if args.deadline_s is not None else []),
+             f"--out {args.out}", *(f"--{f}" for f in ("resume", "telemetry") if getattr(args, f))]
+    return " ".join(parts)
+
+
+def _write(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    rows.sort(key=lambda r: (r["model"], r["prompts"], r["mode"], r["batch"], r["length"]))  # stable: configs keep order
+    add_speedups(rows)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    tmp.replace(out)  # a run killed mid-write keeps the previous file
+
+
+def _meta(args: argparse.Namespace, device: Any, earlier: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    def version(name: str) -> str:
+        try:
+            return str(getattr(importlib.import_module(name), "__version__", "unknown"))
+        except Exception as exc:  # noqa: BLE001 - optional (triton) or broken packages
+            return f"not available: {type(exc).__name__}"
+
+    gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
+           else f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
+    return {"command": _command(args), "commands": [*earlier.get("commands", []), _command(args)], "gpu": gpu,
+            "versions": {"torch": torch.__version__, "cuda": str(torch.version.cuda),
+                         **{n: version(n) for n in ("transformers", "triton", "prhs_hf")}},
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": os.environ.get("PRHS_GIT_COMMIT"),
+            "timing": f"{args.timing}: ms/step = (t(N2) - t(N1)) / (N2 - N1), N1 {args.n1}, N2 {args.n2}",
+            "speedup": "fastest_dense's ms/step / the row's; fastest of sdpa and sdpa_gqa of the same model, "
+                       "prompts, mode, B and L"}
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``prhs-hf bench``: the grid, the table, ``--out`` and the PNG beside it."""
+    out = Path(args.out)
+    png = out.with_name("speed_map.png") if out.suffix == ".json" else out.with_suffix(".png")
+    if args.replot:
+        rows = json.loads(out.read_text())["rows"]
+        print(format_table(rows))
+        print((draw_heatmap(rows, png) or f"wrote {png}") if rows else f"{out} has no rows: nothing to draw")
+        return 0
+    _resolve(args)
+    import torch
+    from tqdm import tqdm
+
+    import prhs_hf
+
+    for name in args.config_list:
+        if name not in DENSE_CONFIGS:
+            prhs_hf.load_config(*prhs_config(name))  # a wrong name fails now, not after the first cells
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, weights, prompts = _identity(args)
+    plan = plan_cells(args.batch_list, args.length_list, args.mode_list, args.config_list)
+    planned = {(model, prompts, *cell) for cell in plan}
+    earlier = json.loads(out.read_text()) if args.resume and out.is_file() else {}
+    rows = [r for r in earlier.get("rows", []) if r["status"] in KEPT or (*_key(r), r["config"]) not in planned]
+    done = {(*_key(r), r["config"]) for r in rows}
+    meta, deadline, target = _meta(args, device, earlier), Deadline(args.deadline_s), None
+    bar = tqdm([c for c in plan if (model, prompts, *c) not in done], desc="speed map", unit="cell",
+               file=sys.stderr, mininterval=1.0)
+    for mode, batch, length, config in bar:
+        if deadline.passed():
+            row = {"model": model, "weights": weights, "prompts": prompts, "mode": mode, "batch": batch,
+                   "length": length, "config": config, "status": "not run: deadline"}
+        else:
+            if target is None:
+                target = load_target(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+            free = int(args.assume_free_gib * 2**30) if args.assume_free_gib is not None else _free_bytes(device)
+            row = _cell(target, mode, batch, length, config, args, free)
+        rows.append(row)
+        _write(out, meta, rows)
+        ms = row.get("ms_per_step")
+        bar.write(f"{mode} B{batch} L{length} {config}: " + (f"{ms:.2f} ms/step" if ms is not None else row["status"])
+                  + (f" ({row['error'][:160]})" if row.get("error") else ""))
+    if target is not None:
+        prhs_hf.unpatch(target.model)
+    _write(out, meta, rows)
+    print(format_table(rows))
+    print(f"wrote {out}")
+    print(draw_heatmap(rows, png) or f"wrote {png}")
+    return 0

@@ -1,0 +1,179 @@
+"""``prhs-hf bench`` (prhs_hf.evaluation.speed_map, issue 37 item 6): the --quick map on the CPU, its
+JSON and PNG, the memory skip, the deadline, --resume and the speedup arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+import transformers
+
+from prhs_hf import cli
+from prhs_hf.evaluation import speed_map as sm
+
+GiB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls on a shared, loaded CPU run ~100x faster on one thread than on all of them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "speed_map.json"
+    assert cli.main(["bench", "--out", str(out), *args]) == 0
+    return json.loads(out.read_text())
+
+
+def test_quick_map_writes_the_json_the_table_and_the_png(tmp_path, capsys) -> None:
+    data = _bench(tmp_path, "--quick")
+    assert {"command", "gpu", "versions", "date", "rows"} <= set(data)
+    assert data["command"].startswith("prhs-hf bench --model tiny-llama")
+    assert {"torch", "transformers", "triton", "prhs_hf"} <= set(data["versions"])
+    rows = data["rows"]
+    configs = ["sdpa", "sdpa_gqa", cli.DEFAULT_CONFIG, "cis"]
+    assert len(rows) == 2 * 2 * 2 * len(configs)  # modes x B x L x configs
+    assert {(r["mode"], r["batch"], r["length"], r["config"]) for r in rows} == {
+        (m, b, n, c) for m in ("eager", "static") for b in (1, 2) for n in (64, 128) for c in configs}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["ms_per_step"] > 0 and r["new_tokens"] == [2, 4] and r["prompt_len"] == r["length"]
+        assert r["kind"] == ("dense" if r["config"] in sm.DENSE_CONFIGS else "prhs")
+        assert r["fastest_dense"] in sm.DENSE_CONFIGS
+        ref = next(d for d in rows if d["config"] == r["fastest_dense"] and sm._key(d) == sm._key(r))
+        assert r["speedup_vs_fastest_dense"] == pytest.approx(ref["ms_per_step"] / r["ms_per_step"])
+    printed = capsys.readouterr().out
+    assert "ms/step" in printed and "fastest dense" in printed
+    png = tmp_path / "speed_map.png"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.is_file() and png.stat().st_size > 0
+    else:
+        assert not png.exists() and "matplotlib is not installed: speed_map.png not drawn" in printed
+
+
+def test_speedup_is_against_the_faster_dense_of_the_same_cell_and_mode() -> None:
+    def row(config, ms, mode="eager", batch=1, status="ok"):
+        return {"model": "m", "prompts": "random ids", "mode": mode, "batch": batch, "length": 4096,
+                "config": config, "status": status, **({"ms_per_step": ms} if status == "ok" else {})}
+
+    rows = [row("sdpa", 20.0), row("sdpa_gqa", 10.0), row("cis", 4.0), row("cis_longbench", 12.5),
+            row("sdpa", 8.0, mode="static"), row("sdpa_gqa", 16.0, mode="static"), row("cis", 4.0, mode="static"),
+            row("cis", 1.0, batch=4), row("cis", None, batch=8, status="memory")]
+    sm.add_speedups(rows)
+    got = [(r["fastest_dense"], r["speedup_vs_fastest_dense"]) for r in rows]
+    assert got == [("sdpa_gqa", 0.5), ("sdpa_gqa", 1.0), ("sdpa_gqa", 2.5), ("sdpa_gqa", 0.8),
+                   ("sdpa", 1.0), ("sdpa", 0.5), ("sdpa", 2.0), (None, None), (None, None)]
+    assert "2.50x" in sm.format_table(rows) and "memory" in sm.format_table(rows)
+
+
+def test_memory_estimate_and_skip() -> None:
+    shape = sm.SHAPES[sm.RANDOM_SHAPE]
+    kw = dict(layers=32, kv_heads=8, head_dim=128, intermediate=shape["intermediate_size"], new_tokens=80, itemsize=2)
+    need = sm.estimate_bytes(batch=4, length=4096, **kw)
+    assert need == 2 * 32 * 8 * 128 * 4 * (4096 + 80) * 2 + 3 * 4 * 4096 * 14336 * 2
+    free = 123 * GiB  # an H200 with the 8B's weights loaded
+    assert sm.fits(sm.estimate_bytes(batch=1, length=131072, **kw), free)
+    assert sm.fits(sm.estimate_bytes(batch=32, length=16384, **kw), free)  # 106 GiB of 110.7
+    assert not sm.fits(sm.estimate_bytes(batch=32, length=32768, **kw), free)
+    assert not sm.fits(sm.estimate_bytes(batch=8, length=131072, **kw), free)
+    assert sm.fits(int(0.9 * GiB), GiB) and not sm.fits(int(0.9 * GiB) + 1, GiB)
+    assert sm.fits(10**15, None)  # free memory unknown (CPU): run
+
+
+def test_cells_over_the_free_memory_are_skipped_not_run(tmp_path, capsys) -> None:
+    rows = _bench(tmp_path, "--quick", "--modes", "eager", "--configs", "sdpa,cis", "--lengths", "64",
+                  "--assume-free-gib", "1e-6")["rows"]
+    assert [r["status"] for r in rows] == ["memory"] * 4
+    assert all("ms_per_step" not in r and r["free_gib"] == 0.0 and r["estimate_gib"] >= 0 for r in rows)
+    assert "mem" in capsys.readouterr().out or not importlib.util.find_spec("matplotlib")
+
+
+def test_an_oom_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch) -> None:
+    measure = sm.measure
+
+    def failing(target, mode, batch, length, config, args):
+        if config == "cis":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return measure(target, mode, batch, length, config, args)
+
+    monkeypatch.setattr(sm, "measure", failing)
+    rows = _bench(tmp_path, "--quick", "--modes", "static", "--batches", "2", "--configs", "sdpa_gqa,cis")["rows"]
+    assert [(r["length"], r["config"], r["status"]) for r in rows] == [
+        (64, "sdpa_gqa", "ok"), (64, "cis", "oom"), (128, "sdpa_gqa", "ok"), (128, "cis", "oom")]
+    assert "Tried to allocate" in rows[1]["error"] and rows[1]["speedup_vs_fastest_dense"] is None
+
+
+def test_deadline_then_resume(tmp_path) -> None:
+    ticks = iter([0.0, 5.0, 10.0])
+    deadline = sm.Deadline(9.0, clock=lambda: next(ticks))
+    assert not deadline.passed() and deadline.passed()
+    assert not sm.Deadline(None).passed()
+
+    first = _bench(tmp_path, "--quick", "--deadline-s", "0")
+    assert len(first["rows"]) == 32 and {r["status"] for r in first["rows"]} == {"not run: deadline"}
+    second = _bench(tmp_path, "--quick", "--resume", "--modes", "eager", "--batches", "1", "--lengths", "64",
+                    "--configs", "sdpa,sdpa_gqa")
+    ran = [r for r in second["rows"] if r["status"] != "not run: deadline"]
+    assert [(r["mode"], r["batch"], r["length"], r["config"], r["status"]) for r in ran] == [
+        ("eager", 1, 64, "sdpa", "ok"), ("eager", 1, 64, "sdpa_gqa", "ok")]
+    assert len(second["rows"]) == 32  # the cells this run did not plan keep their "not run" rows
+    assert len(second["commands"]) == 2 and "--deadline-s 0" in second["commands"][0]
+    third = _bench(tmp_path, "--quick", "--resume", "--modes", "eager", "--batches", "1", "--lengths", "64",
+                   "--configs", "sdpa,sdpa_gqa,cis")
+    ran3 = [r for r in third["rows"] if r["status"] == "ok"]
+    assert [r["config"] for r in ran3] == ["sdpa", "sdpa_gqa", "cis"] and len(third["rows"]) == 32
+    assert ran3[0]["ms_per_step"] == ran[0]["ms_per_step"]  # kept, not measured again
+
+
+def test_checkpoint_folder_and_its_position_limit(tmp_path) -> None:
+    config = transformers.LlamaConfig(**{**sm.SHAPES[sm.QUICK_SHAPE_NAME], "max_position_embeddings": 100},
+                                      pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    rows = _bench(tmp_path, "--model", str(tmp_path / "ckpt"), "--batches", "1", "--lengths", "64,98,128",
+                  "--modes", "eager", "--configs", "sdpa_gqa", "--n1", "2", "--n2", "4")["rows"]
+    assert [(r["length"], r["prompt_len"], r["status"]) for r in rows] == [(64, 64, "ok"), (98, 96, "ok"),
+                                                                          (128, 0, "positions")]
+    assert rows[0]["model"] == "ckpt" and rows[0]["weights"] == "real" and rows[0]["prompts"] == "random ids"
+
+
+def test_checkpoint_with_real_text_prompts(tmp_path) -> None:
+    from lm_eval_fixtures import save_tiny_checkpoint, write_local_data
+
+    ckpt, data = save_tiny_checkpoint(tmp_path / "ckpt"), write_local_data(tmp_path / "data")
+    argv = ["bench", "--model", str(ckpt), "--prompts", str(data / "coqa_validation.jsonl"), "--batches", "2",
+            "--lengths", "96", "--modes", "eager", "--configs", "sdpa_gqa,cis", "--n1", "2", "--n2", "4"]
+    args = cli.build_parser().parse_args(argv)
+    sm._resolve(args)
+    ids = sm.load_target(args, torch.device("cpu"), torch.float32).ids(2, 96)
+    assert ids.shape == (2, 96) and not torch.equal(ids[0], ids[1])  # sequence b starts at record b
+    rows = _bench(tmp_path, *argv[1:])["rows"]
+    assert [(r["prompts"], r["weights"], r["config"], r["status"]) for r in rows] == [
+        ("coqa_validation.jsonl", "real", "sdpa_gqa", "ok"), ("coqa_validation.jsonl", "real", "cis", "ok")]
+    with pytest.raises(ValueError, match="--prompts"):
+        sm._read_texts(data / "gsm8k_test.jsonl")  # question/answer records: no text field
+
+
+def test_parse_and_help(capsys) -> None:
+    assert sm.parse_lengths("4k, 8192,128k", "--lengths") == [4096, 8192, 131072]
+    for bad in ("", "4x", "0", "-1"):
+        with pytest.raises(ValueError, match="--lengths"):
+            sm.parse_lengths(bad, "--lengths")
+    assert cli.main(["bench", "--quick", "--n1", "4", "--n2", "4", "--out", "/nonexistent/x.json"]) == 1
+    assert "1 <= N1 < N2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--help"])
+    assert "prhs-hf bench --quick --out" in capsys.readouterr().out
+
+
+def test_a_config_entry_can_force_the_policy() -> None:
+    assert sm.prhs_config("cis/sparse") == ("cis", {"policy": {"decode": "sparse", "prefill": "sparse"}})
+    assert sm.prhs_config("cis_longbench", telemetry=True) == ("cis_longbench", {"telemetry": {"enabled": True}})
+    assert sm.prhs_config("configs/cis.yaml") == ("configs/cis.yaml", {})
+    with pytest.raises(ValueError, match="the part after '/' is a policy"):
+        sm.prhs_config("cis/fast")
