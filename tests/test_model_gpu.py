@@ -125,3 +125,27 @@ def test_static_cache_compiled_decode_matches_eager():
     # telemetry accumulates on the device inside the compiled step too
     assert r_compiled.decode_steps == r_eager.decode_steps == 31
     assert r_compiled.sparse_steps > 0
+
+
+def _policy_run(model, ids, mask, policy, static=False):
+    kw = dict(cache_implementation="static") if static else {}
+    with prhs_hf.patch(model, "cis", overrides={"policy": {"decode": policy}, "telemetry": {"enabled": True}}) as h:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, output_logits=True,
+                                 return_dict_in_generate=True, **kw)
+    return out, h.telemetry()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_shipped_policy_goes_dense_on_a_short_context_and_equals_the_fair_dense(static):
+    """On CUDA the H200 cost model sends the shipped "cis" at 700 tokens to the fair dense path, eager and
+    compiled alike: the same logits as policy dense, bit for bit, and no sparse step; forced sparse differs."""
+    model = _model(torch.bfloat16)
+    ids, mask = padded_batch([700, 530], device="cuda")
+    auto, auto_stats = _policy_run(model, ids, mask, "auto", static)
+    dense, _ = _policy_run(model, ids, mask, "dense", static)
+    sparse, sparse_stats = _policy_run(model, ids, mask, "sparse", static)
+    assert torch.equal(auto.sequences, dense.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(auto.logits, dense.logits))
+    assert auto_stats.sparse_steps == 0 and sparse_stats.sparse_steps > 0
+    assert any(not torch.equal(a, b) for a, b in zip(sparse.logits, dense.logits))
