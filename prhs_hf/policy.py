@@ -14,8 +14,9 @@ The model, per layer and decode step, with ``itemsize`` bytes per element:
 - PrHS reads the selected keys and values of each selecting row (a query head, or a KV head
   with ``cis.selection: group``), ``B · rows · min(n, L) · D · 2 · itemsize`` with ``n`` the
   largest index set, plus, for a retrieval, every key of the retrieving KV groups
-  (``retrieval_rate · B · Hkv · L · D · itemsize``), plus a launch overhead
-  ``overhead_us + per_row_us · B · rows`` (the selection's kernels; on the host in eager mode);
+  (``retrieval_rate · B · Hkv · L · D · itemsize``), plus the selection's own work
+  ``overhead_us + per_key_ns · B · rows · n`` (its launches, on the host in eager mode, and the
+  matching, top-k and composition of every row's set);
 - sparse runs where its time is below ``margin`` times dense's, both at ``bandwidth_gbs``.
 
 The shipped constants (:data:`H200`) come from measured decode steps on an H200
@@ -57,7 +58,7 @@ class CostModel:
     bandwidth_gbs: float
     eager_overhead_us: float
     compiled_overhead_us: float
-    per_row_us: float
+    per_key_ns: float
     retrieval_rate: float
     margin: float
     min_sparse_prefill: int
@@ -70,7 +71,8 @@ class CostModel:
         dense = s.batch * s.kv_heads * s.context * 2 * token_bytes / per_us
         gathered = s.batch * s.rows * min(s.index_set, s.context) * 2 * token_bytes
         scored = self.retrieval_rate * s.batch * s.kv_heads * s.context * token_bytes
-        overhead = (self.compiled_overhead_us if compiled else self.eager_overhead_us) + self.per_row_us * s.batch * s.rows
+        launches = self.compiled_overhead_us if compiled else self.eager_overhead_us
+        overhead = launches + self.per_key_ns * 1e-3 * s.batch * s.rows * s.index_set
         return dense, overhead + (gathered + scored) / per_us
 
     def sparse_decode_wins(self, shape: DecodeShape, compiled: bool) -> bool:
@@ -91,7 +93,7 @@ H200 = CostModel(
     bandwidth_gbs=3000.0,
     eager_overhead_us=1000.0,
     compiled_overhead_us=34.0,
-    per_row_us=0.167,
+    per_key_ns=0.9,
     retrieval_rate=0.5,
     margin=0.9,
     min_sparse_prefill=4096,

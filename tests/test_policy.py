@@ -37,6 +37,17 @@ def test_the_eager_overhead_needs_a_longer_context_than_the_compiled_step():
     assert crossover[True] < crossover[False]
 
 
+def test_the_measured_h200_decisions():
+    """The cells of docs/results/policy_h200.md: where sparse measured faster the model says sparse."""
+    qwen = dict(kv_heads=2, rows=12, head_dim=128, itemsize=2)
+    assert H200.sparse_decode_wins(_shape(32, 16384, index_set=186, **qwen), compiled=True)  # 1.12x measured
+    assert not H200.sparse_decode_wins(_shape(32, 30000, index_set=7146, **qwen), compiled=True)  # 0.57x
+    assert not H200.sparse_decode_wins(_shape(1, 30000, index_set=186, **qwen), compiled=True)  # 0.83x
+    assert H200.sparse_decode_wins(_shape(1, 131072, index_set=186), compiled=True)  # llama3-8b 1.08x
+    assert not H200.sparse_decode_wins(_shape(1, 131072, index_set=7146), compiled=True)  # 0.58x
+    assert not H200.sparse_decode_wins(_shape(1, 131072, index_set=186), compiled=False)  # eager 0.32x
+
+
 def test_sparse_time_grows_with_the_index_set():
     small = H200.decode_times_us(_shape(8, 32768, index_set=186), compiled=True)[1]
     large = H200.decode_times_us(_shape(8, 32768, index_set=4416), compiled=True)[1]
@@ -85,7 +96,7 @@ def _generate(policy: dict, cost: CostModel | None, monkeypatch, lengths=(60, 48
 
 
 #: a model whose overhead makes every tiny-model decode step dense
-ALWAYS_DENSE = CostModel(bandwidth_gbs=1.0, eager_overhead_us=1e9, compiled_overhead_us=1e9, per_row_us=0.0,
+ALWAYS_DENSE = CostModel(bandwidth_gbs=1.0, eager_overhead_us=1e9, compiled_overhead_us=1e9, per_key_ns=0.0,
                          retrieval_rate=0.5, margin=0.9, min_sparse_prefill=1 << 30)
 
 
@@ -105,7 +116,7 @@ def test_auto_goes_sparse_once_the_context_is_long_enough(monkeypatch):
     # tiny llama, fp32, 2 sequences x 2 KV heads x 16 dims: dense costs 2 us per token of context, the
     # sparse step 58 us + its 38-key sets (152 us): sparse from a context of 106 on
     crossover = CostModel(bandwidth_gbs=0.256, eager_overhead_us=58.0, compiled_overhead_us=58.0,
-                          per_row_us=0.0, retrieval_rate=0.0, margin=1.0, min_sparse_prefill=1)
+                          per_key_ns=0.0, retrieval_rate=0.0, margin=1.0, min_sparse_prefill=1)
     out, stats = _generate({"decode": "auto"}, crossover, monkeypatch, lengths=(100, 100), new=10)
     steps = stats.decode_steps
     assert steps == 9 and stats.sparse_steps == 2 * 4  # contexts 106..109 of both sequences
