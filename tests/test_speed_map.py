@@ -177,3 +177,15 @@ def test_a_config_entry_can_force_the_policy() -> None:
     assert sm.prhs_config("configs/cis.yaml") == ("configs/cis.yaml", {})
     with pytest.raises(ValueError, match="the part after '/' is a policy"):
         sm.prhs_config("cis/fast")
+
+
+def test_a_chunked_prefill_needs_one_chunks_activation_and_runs(tmp_path) -> None:
+    """--prefill-chunk: the estimate counts one chunk's MLP activation (B8/64k on the 8B fits), and the
+    cells run through generate(prefill_chunk_size=...)."""
+    shape = sm.SHAPES[sm.RANDOM_SHAPE]
+    kw = dict(layers=32, kv_heads=8, head_dim=128, intermediate=shape["intermediate_size"], new_tokens=80, itemsize=2)
+    whole, chunked = (sm.estimate_bytes(batch=8, length=65536, prefill_chunk=c, **kw) for c in (None, 4096))
+    assert whole - chunked == 3 * 8 * (65536 - 4096) * 14336 * 2
+    data = _bench(tmp_path, "--quick", "--prefill-chunk", "32", "--modes", "eager", "--configs", "sdpa_gqa,cis")
+    assert "--prefill-chunk 32" in data["command"]
+    assert all(r["status"] == "ok" for r in data["rows"]) and len(data["rows"]) == 2 * 2 * 2

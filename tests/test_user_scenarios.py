@@ -734,3 +734,27 @@ def test_training_with_attention_dropout_under_a_dense_prefill_config(family, co
     assert all(p.grad is not None for p in model.model.layers[0].self_attn.parameters())
     _set_dropout(model, 0.0)
     assert not torch.equal(_train_loss(model, ids), loss), "attention dropout 0.3 was silently ignored"
+
+
+# ------------------------------------------------------------------------------------- chunked prefill
+
+
+@families
+def test_chunked_prefill_gives_the_unchunked_tokens(family):
+    """generate(prefill_chunk_size=...) (transformers' chunked prefill, for long batched prompts): the
+    chunks after the first are prefills over a cache; with left padding the first chunk of a short
+    sequence is mostly pads. "dense" equals the unpatched chunked run bit for bit; a sparse CIS config
+    gives its unchunked tokens (its prefill is dense either way)."""
+    model = tiny_model(family, layers=2)
+    ids, mask = padded_batch([90, 70], seed=21)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    unpatched = model.generate(ids, prefill_chunk_size=32, **kw)
+    with prhs_hf.patch(model, "dense"):
+        assert torch.equal(model.generate(ids, prefill_chunk_size=32, **kw), unpatched)
+    with prhs_hf.patch(model, "cis", overrides={"budget": {"sink": 4, "local": 8, "topk": 16},
+                                                 "backend": {"decode": "torch"}, "policy": {"decode": "sparse"},
+                                                 "telemetry": {"enabled": True}}) as handle:
+        whole = model.generate(ids, **kw)
+        chunked = model.generate(ids, prefill_chunk_size=32, **kw)
+    assert torch.equal(whole, chunked)
+    assert handle.telemetry().sparse_steps > 0

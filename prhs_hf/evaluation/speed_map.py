@@ -72,10 +72,12 @@ def parse_lengths(text: str, option: str) -> list[int]:
 
 
 def estimate_bytes(*, layers: int, kv_heads: int, head_dim: int, intermediate: int, batch: int, length: int,
-                   new_tokens: int, itemsize: int) -> int:
-    """What a cell needs beyond the weights: its KV cache and the prefill's largest activation."""
+                   new_tokens: int, itemsize: int, prefill_chunk: Optional[int] = None) -> int:
+    """What a cell needs beyond the weights: its KV cache and the prefill's largest activation (of
+    one chunk of ``prefill_chunk`` tokens with a chunked prefill)."""
+    rows = length if prefill_chunk is None else min(length, prefill_chunk)
     return 2 * layers * kv_heads * head_dim * batch * (length + new_tokens) * itemsize \
-        + 3 * batch * length * intermediate * itemsize
+        + 3 * batch * rows * intermediate * itemsize
 
 
 def fits(estimate: int, free: Optional[int], fraction: float = MEMORY_FRACTION) -> bool:
@@ -249,6 +251,8 @@ def measure(target: Target, mode: str, batch: int, length: int, config: str, arg
     base = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0 if pad is None else pad)
     if mode == "static":
         base.update(cache_implementation="static", max_cache_len=length + args.n2)  # one cache size: one graph
+    if args.prefill_chunk:
+        base.update(prefill_chunk_size=args.prefill_chunk)  # transformers' chunked prefill: long batches fit
 
     def generate(n: int, clock: Optional[_Clock] = None) -> None:
         extra = {"logits_processor": transformers.LogitsProcessorList([clock])} if clock else {}
@@ -320,6 +324,7 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     need = estimate_bytes(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                           intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size), batch=batch, length=prompt_len, new_tokens=args.n2,
+                          prefill_chunk=args.prefill_chunk,
                           itemsize=target.model.dtype.itemsize)
     row["estimate_gib"] = round(need / 2**30, 2)
     if free is not None:
@@ -424,6 +429,8 @@ def add_arguments(parser: argparse.ArgumentParser, default_config: str) -> None:
     a("--timing", choices=("stamps", "calls"), default="stamps",
       help="stamps: clock read after new tokens N1 and N2 of one generate(); calls: two generate() calls "
            "(default %(default)s)")
+    a("--prefill-chunk", type=int, default=None,
+      help="prefill in chunks of this many tokens (generate's prefill_chunk_size): long batched prompts fit")
     a("--deadline-s", type=float, default=None, help="start no cell after this many seconds (rest: 'not run: deadline')")
     a("--out", default="docs/results/speed_map.json", help="JSON to write; the PNG goes beside it (default %(default)s)")
     a("--resume", action="store_true", help="keep the rows of --out (but error / deadline ones) and run only the others")
@@ -469,6 +476,7 @@ def _command(args: argparse.Namespace) -> str:
              f"--lengths {','.join(map(str, args.length_list))}", f"--modes {','.join(args.mode_list)}",
              f"--configs {','.join(args.config_list)}", f"--n1 {args.n1} --n2 {args.n2} --timing {args.timing}",
              *([f"--deadline-s {args.deadline_s:g}"] if args.deadline_s is not None else []),
+             *([f"--prefill-chunk {args.prefill_chunk}"] if args.prefill_chunk else []),
              f"--out {args.out}", *(f"--{f}" for f in ("resume", "telemetry") if getattr(args, f))]
     return " ".join(parts)
 
