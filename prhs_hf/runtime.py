@@ -47,9 +47,14 @@ class CallState:
         twin.prefilled = self.prefilled
         return twin
 
-    def __getstate__(self):
-        raise TypeError("a cache that holds PrHS state cannot be pickled; copy.deepcopy works, or prhs_hf.unpatch "
-                        "the model before the cache is made")
+    def __reduce__(self):
+        # a pickled cache leaves its PrHS state behind (the runtime is not picklable): decoding on
+        # the unpickled copy then raises, as on any cache this patch did not prefill
+        return (_no_call_state, ())
+
+
+def _no_call_state() -> None:
+    return None
 
 
 class PrHSRuntime:

@@ -8,7 +8,7 @@ import transformers
 
 import prhs_hf
 from prhs_hf.families import SUPPORTED_FAMILIES, UnsupportedModelError
-from tiny_models import FAMILIES, tiny_model
+from tiny_models import FAMILIES, padded_batch, tiny_model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -188,3 +188,22 @@ def test_dense_attention_of_a_sparse_config_never_copies_grouped_kv(monkeypatch)
                                                                  "backend": {"prefill": "torch", "decode": "torch"}}):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert out.shape == (2, 63)
+
+
+def test_a_pickled_cache_leaves_its_prhs_state_behind():
+    """A cache carries its generation's CIS state for deepcopy, but the state holds the patch's runtime:
+    pickling the cache drops the state, and decoding on the unpickled copy raises the clear error."""
+    import pickle
+
+    from transformers import DynamicCache
+
+    model = tiny_model("llama", layers=2)
+    ids, _ = padded_batch([40])
+    with prhs_hf.patch(model, "cis", overrides={"budget": {"sink": 4, "local": 8, "topk": 16}, "backend": {"decode": "torch"}}):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        copied = pickle.loads(pickle.dumps(cache))
+        assert copied._prhs_call_state is None
+        with pytest.raises(ValueError, match="a decode step on a cache whose prompt this patch did not prefill"):
+            model.generate(torch.cat([ids, ids[:, :1]], 1), past_key_values=copied, max_new_tokens=2)
