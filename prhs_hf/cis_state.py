@@ -56,6 +56,10 @@ class CISState:
         if self.tail_k is not None and self.tail_k.shape[-1] == dim:
             return
         shape = (*self.anchor_q.shape[:-1], dim)
+        with torch.inference_mode(False):  # as the state's other buffers (CISSelector._allocate)
+            self._make_tails(shape)
+
+    def _make_tails(self, shape: tuple[int, ...]) -> None:
         self.tail_k = torch.zeros(shape, dtype=torch.float32, device=self.anchor_q.device)
         self.tail_v = torch.zeros_like(self.tail_k)
         self.tail_log_mass = torch.full(shape[:-1], float("-inf"), dtype=torch.float32, device=self.anchor_q.device)

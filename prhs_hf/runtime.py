@@ -198,7 +198,8 @@ class PrHSRuntime:
             for buffer, value in zip(kept.tensors(), geom.tensors()):
                 buffer.copy_(value)
         else:
-            kept = SequenceGeometry(*(x.clone() for x in geom.tensors()))
+            with torch.inference_mode(False):  # normal tensors: a later forward outside inference_mode updates them
+                kept = SequenceGeometry(*(x.clone() for x in geom.tensors()))
             if not torch.compiler.is_compiling():
                 for buffer in kept.tensors():
                     torch._dynamo.mark_static_address(buffer)

@@ -107,7 +107,8 @@ class Telemetry:
     def _allocate(self, name: str, shape: tuple, device: torch.device, dtype: torch.dtype = torch.float64) -> None:
         # eager even inside a compiled forward, at a fixed address: a CUDA-graph-captured step
         # accumulates into it in place, and no graph output is kept across steps
-        buffer = torch.zeros(shape, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # normal tensors: reset() and later steps update them outside inference_mode
+            buffer = torch.zeros(shape, dtype=dtype, device=device)
         torch._dynamo.mark_static_address(buffer)
         self._t[name] = buffer
 

@@ -207,3 +207,21 @@ def test_a_pickled_cache_leaves_its_prhs_state_behind():
         assert copied._prhs_call_state is None
         with pytest.raises(ValueError, match="a decode step on a cache whose prompt this patch did not prefill"):
             model.generate(torch.cat([ids, ids[:, :1]], 1), past_key_values=copied, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("tail_slot", [False, True])
+def test_state_made_under_inference_mode_resets_outside_it(tail_slot):
+    """Each generation makes its own CIS state; made under torch.inference_mode (lm-eval's generate), it
+    must still be normal tensors that reset() zeroes outside it (it raised 'Inplace update to inference
+    tensor outside InferenceMode')."""
+    model = tiny_model("llama", layers=2)
+    ids, _ = padded_batch([40])
+    overrides = {"budget": {"sink": 4, "local": 8, "topk": 16}, "backend": {"decode": "torch"},
+                 "cis": {"tau": 0.0, "tail_slot": tail_slot}, "telemetry": {"enabled": True}}
+    with prhs_hf.patch(model, "cis", overrides=overrides):
+        with torch.inference_mode():
+            first = model.generate(ids, max_new_tokens=4, do_sample=False)
+        prhs_hf.reset(model)
+        with torch.no_grad():
+            again = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(first, again)

@@ -155,8 +155,10 @@ class CISSelector:
 
     @torch.compiler.disable
     def _allocate(self, device: torch.device, layers: int, batch: int, heads: int, head_dim: int) -> None:
-        # eager even inside a compiled forward: the buffers must live outside any CUDA graph pool
-        self.states[device] = CISState(layers, batch, heads, head_dim, self.block_size, self.set_size, device)
+        # eager even inside a compiled forward: the buffers must live outside any CUDA graph pool; and
+        # normal tensors even under inference_mode: reset() zeroes them in place outside it (lm-eval)
+        with torch.inference_mode(False):
+            self.states[device] = CISState(layers, batch, heads, head_dim, self.block_size, self.set_size, device)
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
