@@ -92,6 +92,7 @@ class PrHSRuntime:
         self.num_kv_heads = num_kv_heads or num_heads
         self.sparse_decode = True
         self.sparse_prefill = True
+        self._cost_models: dict[str, object] = {}  # device type -> its cost model (None: auto is sparse)
 
     def begin_forward(self, hidden_states: torch.Tensor, kwargs: dict) -> None:
         """The first decoder layer's pre-hook: this forward's geometry, computed once for all layers.
@@ -164,7 +165,10 @@ class PrHSRuntime:
         self.sparse_decode = policy.decode == "sparse"
         if "auto" not in (policy.decode, policy.prefill):
             return
-        model = cost_model_for(hidden_states.device, policy.cost_model)
+        device_type = hidden_states.device.type
+        if device_type not in self._cost_models:  # once per device type: policy.cost_model is a file
+            self._cost_models[device_type] = cost_model_for(hidden_states.device, policy.cost_model)
+        model = self._cost_models[device_type]
         if policy.prefill == "auto":
             self.sparse_prefill = model is None or model.sparse_prefill_wins(q_len, cached)
         if policy.decode == "auto":
