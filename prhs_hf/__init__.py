@@ -5,7 +5,7 @@ Sharing (CIS) and prune deep layers with PSAW and ETF; ``prhs_hf.unpatch(model)`
 The Triton kernels live in ``prhs_hf.kernels`` (the repository folder ``kernels/``).
 
 The public names below are imported on first use, so that ``import prhs_hf`` (and the
-``prhs-hf`` command line, which imports :mod:`prhs_hf.fetch` through it) does not load torch or
+``prhs-hf`` command line, which imports :mod:`prhs_hf.hub.fetch` through it) does not load torch or
 transformers until something needs them.
 """
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; at run time 
     from .config import ConfigError, PrHSConfig, load_config
     from .families import SUPPORTED_FAMILIES, UnsupportedModelError, is_patched
     from .patching import PatchHandle, patch, reset, telemetry, unpatch
-    from .stats import TelemetryReport
+    from .telemetry_counters import TelemetryReport
 
 _LAZY: dict[str, str] = {
     "ConfigError": "config",
@@ -32,7 +32,7 @@ _LAZY: dict[str, str] = {
     "is_patched": "families",
     "reset": "patching",
     "telemetry": "patching",
-    "TelemetryReport": "stats",
+    "TelemetryReport": "telemetry_counters",
 }
 
 __all__ = list(_LAZY)

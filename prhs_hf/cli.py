@@ -6,13 +6,13 @@ Subcommands:
 - ``generate``: greedy generation with dense attention, then with PrHS, printed side by side with
   the PrHS statistics (retrieval ratio ρ̂, processed KV per step against dense, tokens/s).
 - ``lm-eval ARGS``: lm-eval's own command line with the ``prhs`` model and the local tasks
-  (:mod:`prhs_hf.lm_eval.shim`).
+  (:mod:`prhs_hf.evaluation.lm_eval.shim`).
 - ``calibrate MODEL --text PATH``: choose the PSAW/ETF start layers and φ/ψ for a model by the
-  attention mass they drop on calibration text, and write the config (:mod:`prhs_hf.calibrate`).
+  attention mass they drop on calibration text, and write the config (:mod:`prhs_hf.calibration.calibrate`).
 - ``calibrate-ds MODEL --text PATH``: Double Sparsity's label channels for a model, offline, and a
-  config that uses them (:mod:`prhs_hf.calibrate_ds`).
+  config that uses them (:mod:`prhs_hf.calibration.calibrate_ds`).
 - ``ruler prepare``: generate the offline RULER long-context suite with a model's tokenizer, as
-  JSONL for both engines (:mod:`prhs_hf.long_context`, ``docs/LONG_CONTEXT.md``).
+  JSONL for both engines (:mod:`prhs_hf.evaluation.ruler`, ``docs/LONG_CONTEXT.md``).
 
 Building the parser imports neither torch nor transformers (``prhs-hf --help`` is instant); the
 commands import them when they run.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from prhs_hf import fetch
+from prhs_hf.hub import fetch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -45,7 +45,7 @@ DEFAULT_CONFIG = "cis_longbench"
 suite (``configs/cis_longbench.yaml`` says what was measured)."""
 
 LM_EVAL_COMMAND = "lm-eval"
-"""``prhs-hf lm-eval ARGS`` runs lm-eval's command line (see :mod:`prhs_hf.lm_eval.shim`)."""
+"""``prhs-hf lm-eval ARGS`` runs lm-eval's command line (see :mod:`prhs_hf.evaluation.lm_eval.shim`)."""
 
 
 def _weather_notes(days: int, fact_after: int, fact: str) -> str:
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="wrap the prompt in the tokenizer's chat template (default: when it has one)")
     p_gen.set_defaults(func=_cmd_generate)
 
-    from prhs_hf import calibrate as cal  # no torch at import: the defaults below are plain constants
+    from prhs_hf.calibration import calibrate as cal  # no torch at import: the defaults below are plain constants
 
     # what both calibrations share: the model, the calibration text and where the model runs
     calibration = argparse.ArgumentParser(add_help=False)
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sampled late rows per prompt and layer for beta_emp against the oracle (default: 8)")
     p_cal.set_defaults(func=_cmd_calibrate)
 
-    from prhs_hf import calibrate_ds as cds  # no torch at import either
+    from prhs_hf.calibration import calibrate_ds as cds  # no torch at import either
 
     p_ds = sub.add_parser(
         "calibrate-ds", parents=[cache, calibration],
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``prhs-hf`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == [LM_EVAL_COMMAND]:  # lm-eval's own command line, imported only now
-        from prhs_hf.lm_eval import shim
+        from prhs_hf.evaluation.lm_eval import shim
 
         return shim.main(args_list[1:])
     args = build_parser().parse_args(args_list)
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _add_ruler(sub: Any, cache: argparse.ArgumentParser) -> None:
     """``prhs-hf ruler prepare``: the long-context suite's data (no torch or lm-eval at parse time)."""
-    from prhs_hf import long_context as lc
+    from prhs_hf.evaluation import ruler as lc
 
     p_ruler = sub.add_parser("ruler", help="the offline RULER long-context suite (prepare its data)",
                              description="The offline RULER suite (docs/LONG_CONTEXT.md).")
@@ -278,7 +278,7 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_ruler_prepare(args: argparse.Namespace) -> int:
-    from prhs_hf import long_context as lc
+    from prhs_hf.evaluation import ruler as lc
 
     tasks, lengths = lc.parse_tasks(args.tasks), lc.parse_lengths(args.lengths)
     if args.n < 1:
@@ -453,7 +453,7 @@ def _num(value: Any) -> str:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from prhs_hf import calibrate
+    from prhs_hf.calibration import calibrate
 
     _status("importing torch and transformers…")
     cal, path = calibrate.run(
@@ -474,7 +474,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate_ds(args: argparse.Namespace) -> int:
-    from prhs_hf import calibrate_ds
+    from prhs_hf.calibration import calibrate_ds
 
     _status("importing torch and transformers…")
     result = calibrate_ds.run(

@@ -12,17 +12,19 @@ changes nothing at all, which keeps transformers' own path and so the unpatched 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import gqa_sdpa_attention_forward
 from .decode import DecodeParams, window_decode_step
 from .geometry import SequenceGeometry
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
-from .selectors._common import attend_with_tail, visible_probabilities
+from .selectors.set_steps import attend_with_tail, visible_probabilities
 
-__all__ = ["PrHSLayer", "PrefillPlan"]
+__all__ = ["PrHSLayer", "PrefillPlan", "install_row_skip", "remove_row_skip"]
 
 
 @dataclass
@@ -213,3 +215,51 @@ class PrHSLayer:
                 out = dense_prefill(query, key, value, geom.pad, geom.q_start, scaling, no_mask=attention_mask is None)
                 return out, None
         return self._dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+
+# ETF: a module runs on the active rows only; frozen rows get zeros and cost nothing. The module's
+# ``forward`` is replaced on the instance (as accelerate's hooks do) and restored by
+# remove_row_skip; parameters and ``state_dict`` keys do not change.
+
+_SAVED = "_prhs_saved_forward"
+
+
+def install_row_skip(module: nn.Module, active_rows: Callable[[], torch.Tensor | None], on_rows=None) -> None:
+    """Make ``module`` compute only the rows ``active_rows()`` names.
+
+    ``active_rows()`` returns ``None`` (run as usual) or a 1D long tensor of row indices into the
+    input flattened to ``[B * L, hidden]``; the other rows of the output are zero. ``on_rows(n)``,
+    if given, is told how many rows were computed (tests count them).
+    """
+    if _SAVED in module.__dict__:
+        return
+    inner = module.forward
+    module.__dict__[_SAVED] = module.__dict__.get("forward")
+
+    def forward(x: torch.Tensor, *args, **kwargs):
+        rows = active_rows()
+        if rows is None:
+            if on_rows is not None:
+                on_rows(x.shape[:-1].numel())
+            return inner(x, *args, **kwargs)
+        flat = x.reshape(-1, x.shape[-1])
+        if on_rows is not None:
+            on_rows(rows.numel())
+        computed = inner(flat.index_select(0, rows).unsqueeze(0), *args, **kwargs)
+        computed = computed.reshape(-1, computed.shape[-1])
+        out = computed.new_zeros(flat.shape[0], computed.shape[-1])
+        out.index_copy_(0, rows, computed)
+        return out.reshape(*x.shape[:-1], computed.shape[-1])
+
+    module.forward = forward
+
+
+def remove_row_skip(module: nn.Module) -> None:
+    """Undo :func:`install_row_skip` exactly (an earlier instance-level forward is put back)."""
+    if _SAVED not in module.__dict__:
+        return
+    saved = module.__dict__.pop(_SAVED)
+    if saved is None:
+        del module.forward
+    else:
+        module.forward = saved

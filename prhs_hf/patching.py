@@ -23,9 +23,9 @@ from transformers import DynamicCache, StaticCache
 from . import attention
 from .config import PrHSConfig, load_config
 from .families import RUNTIME_ATTRIBUTE, check_model, decoder_layers, is_patched
-from .row_skip import install_row_skip, remove_row_skip
+from .layer import install_row_skip, remove_row_skip
 from .runtime import PrHSRuntime
-from .stats import TelemetryReport
+from .telemetry_counters import TelemetryReport
 
 __all__ = ["PatchHandle", "patch", "unpatch", "is_patched", "telemetry", "reset", "local_heads"]
 

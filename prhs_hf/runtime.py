@@ -17,7 +17,7 @@ from .layer import PrHSLayer
 from .policy import DecodeShape, cost_model_for
 from .selectors import make_selector
 from .selectors.base import export_call_state, import_call_state
-from .stats import Telemetry
+from .telemetry_counters import Telemetry
 
 __all__ = ["CallState", "PrHSRuntime", "CALL_STATE_ATTRIBUTE"]
 

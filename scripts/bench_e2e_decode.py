@@ -58,8 +58,8 @@ from transformers.generation.configuration_utils import CompileConfig
 
 import _bench_common as common
 import prhs_hf
-from prhs_hf.calibrate import _special_prefix
-from prhs_hf.jsonl import JSONLError, read_jsonl
+from prhs_hf.calibration.calibrate import _special_prefix
+from prhs_hf.hub.jsonl import JSONLError, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 

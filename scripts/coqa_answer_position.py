@@ -24,9 +24,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from prhs_hf.jsonl import read_jsonl_records
-from prhs_hf.lm_eval.data import load_rows
-from prhs_hf.lm_eval.prompts import coqa_golds, coqa_prompt
+from prhs_hf.hub.jsonl import read_jsonl_records
+from prhs_hf.evaluation.lm_eval.data import load_rows
+from prhs_hf.evaluation.lm_eval.prompts import coqa_golds, coqa_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_FOUND = "not found"

@@ -22,9 +22,9 @@ from typing import Sequence
 
 import prhs_hf
 from coqa_answer_position import answer_position
-from prhs_hf import fetch
-from prhs_hf.accuracy import configs as accuracy_configs, direct, report
-from prhs_hf.lm_eval.data import load_rows
+from prhs_hf.hub import fetch
+from prhs_hf.evaluation.accuracy import configs as accuracy_configs, direct, report
+from prhs_hf.evaluation.lm_eval.data import load_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 

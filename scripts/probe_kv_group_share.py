@@ -28,8 +28,8 @@ import torch
 import _bench_common as common
 import prhs_hf
 from bench_e2e_decode import TextPrompts
-from prhs_hf import fetch
-from prhs_hf.data_sets import fetch_dataset
+from prhs_hf.hub import fetch
+from prhs_hf.hub.data_sets import fetch_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -93,7 +93,7 @@ def capture(model_name: str, prompts: Path, length: int, n_queries: int) -> dict
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     import bench_e2e_decode
-    from prhs_hf.fetch import load_model
+    from prhs_hf.hub.fetch import load_model
 
     model, tokenizer = load_model(model_name, dtype=torch.float32, device="cpu")
     ids = bench_e2e_decode.TextPrompts(prompts, tokenizer).batch(1, length)

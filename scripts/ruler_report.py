@@ -36,8 +36,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from prhs_hf import long_context as lc
-from prhs_hf.jsonl import read_jsonl_records
+from prhs_hf.evaluation import ruler as lc
+from prhs_hf.hub.jsonl import read_jsonl_records
 
 DEPTH_BINS = 10
 DENSE_CONFIG = "dense"  # the config the prefill saving is measured against (--dense)

@@ -6,10 +6,10 @@ Tasks (``--tasks``, default ``gsm8k,coqa``): ``gsm8k`` (zero-shot chat prompt), 
 the long-context suite ``ruler_<task>_<length>`` (files prepared by ``prhs-hf ruler prepare`` in
 ``--data-dir``; ``ruler`` = every prepared file there; docs/LONG_CONTEXT.md).
 
-Two engines, one set of prompts and one scoring code (``prhs_hf.lm_eval.prompts`` / ``.metrics``):
+Two engines, one set of prompts and one scoring code (``prhs_hf.evaluation.lm_eval.prompts`` / ``.metrics``):
 
 - ``--engine direct`` (default): no lm-eval, no ``datasets``; reads the converted JSONL and
-  generates in left-padded batches (``prhs_hf.accuracy.direct``). For the GPU machine.
+  generates in left-padded batches (``prhs_hf.evaluation.accuracy.direct``). For the GPU machine.
 - ``--engine lm-eval``: the same through lm-eval's ``simple_evaluate`` with the ``prhs`` model and
   the local tasks ``gsm8k_chat_local`` (chat template on), ``gsm8k_cot_local`` and ``coqa_local``.
 
@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 from tqdm.auto import tqdm
 
 import prhs_hf
-from prhs_hf import fetch
-from prhs_hf.accuracy import configs as accuracy_configs
-from prhs_hf.accuracy import direct, report
-from prhs_hf.accuracy.configs import NamedConfig
-from prhs_hf.accuracy.direct import DirectTask
-from prhs_hf.accuracy.report import Row
-from prhs_hf.lm_eval.data import load_rows
+from prhs_hf.hub import fetch
+from prhs_hf.evaluation.accuracy import configs as accuracy_configs
+from prhs_hf.evaluation.accuracy import direct, report
+from prhs_hf.evaluation.accuracy.configs import NamedConfig
+from prhs_hf.evaluation.accuracy.direct import DirectTask
+from prhs_hf.evaluation.accuracy.report import Row
+from prhs_hf.evaluation.lm_eval.data import load_rows
 
 import _bench_common as common  # beside this script (its folder is first on sys.path)
 
@@ -107,7 +107,7 @@ class Engine(Protocol):
 
 
 class DirectEngine:
-    """Patch the model with the config, then generate and score with ``prhs_hf.accuracy.direct``."""
+    """Patch the model with the config, then generate and score with ``prhs_hf.evaluation.accuracy.direct``."""
 
     def __init__(self, model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", batch_size: int,
                  data_dir: str | None, max_new_tokens: int | None, batch_tokens: int | None = None):
@@ -144,7 +144,7 @@ class LmEvalEngine:
 
     def __init__(self, model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", batch_size: int,
                  data_dir: str | None, max_new_tokens: int | None):
-        import prhs_hf.lm_eval as ple
+        import prhs_hf.evaluation.lm_eval as ple
 
         PrHSLM = ple.register()
         self.lm = PrHSLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
@@ -162,7 +162,7 @@ class LmEvalEngine:
         start = time.perf_counter()
         manager = self.task_manager
         if task.lm_eval_metadata:
-            import prhs_hf.lm_eval as ple
+            import prhs_hf.evaluation.lm_eval as ple
 
             if task.name not in self._task_managers:
                 meta = {**({"data_dir": self.data_dir} if self.data_dir else {}), **task.lm_eval_metadata}

@@ -69,9 +69,9 @@ import torch
 import transformers
 
 import prhs_hf
-from prhs_hf import fetch
-from prhs_hf.lm_eval.data import load_rows
-from prhs_hf.stats import Telemetry, routing_certificate
+from prhs_hf.hub import fetch
+from prhs_hf.evaluation.lm_eval.data import load_rows
+from prhs_hf.telemetry_counters import Telemetry, routing_certificate
 
 ROOT = Path(__file__).resolve().parent.parent
 GSM8K_SHOTS = 4
@@ -103,7 +103,7 @@ def gsm8k_texts(n: int, data_dir: str | None = None) -> list[tuple[str, str, str
 
 def coqa_texts(n: int, data_dir: str | None = None) -> list[tuple[str, str, str]]:
     """``(name, prompt, continuation)``: the story and its first question; the reference turns that follow."""
-    from prhs_hf.lm_eval.prompts import coqa_prompt
+    from prhs_hf.evaluation.lm_eval.prompts import coqa_prompt
 
     out = []
     for row in load_rows("coqa", data_dir, n):
@@ -116,9 +116,9 @@ def coqa_texts(n: int, data_dir: str | None = None) -> list[tuple[str, str, str]
 
 def text_prompts(tokenizer, texts: Iterable[str], n: int, length: int, max_new: int) -> list[Prompt]:
     """``n`` prompts of ``length`` tokens from calibration text (``--text``, read by
-    :func:`prhs_hf.calibrate.calibration_texts`), each forced on with the ``max_new`` tokens of the text that
+    :func:`prhs_hf.calibration.calibrate.calibration_texts`), each forced on with the ``max_new`` tokens of the text that
     follow: text that is not an evaluation set's, for choosing configs without tuning on evaluation prompts."""
-    from prhs_hf.calibrate import pack_prompts
+    from prhs_hf.calibration.calibrate import pack_prompts
 
     rows = pack_prompts(texts, tokenizer, length + max_new, n)
     return [Prompt(f"text/{i}", rows[i:i + 1, :length], rows[i:i + 1, length:]) for i in range(n)]
@@ -128,7 +128,7 @@ def build_prompts(tokenizer, n: int, datasets: list[str], max_new: int, data_dir
     """``n`` prompts split over ``datasets`` (GSM8K first), each with ``max_new`` forced tokens.
 
     The text comes from ``data_dir`` (or ``$PRHS_HF_DATA_DIR``, else the prhs-hf cache, fetched on
-    first use), as :func:`prhs_hf.lm_eval.data.load_rows` finds it.
+    first use), as :func:`prhs_hf.evaluation.lm_eval.data.load_rows` finds it.
     """
     per = [n // len(datasets) + (i < n % len(datasets)) for i in range(len(datasets))]
     texts = []
@@ -794,7 +794,7 @@ def main(argv=None) -> int:
 
     texts = None
     if args.text is not None:  # checked before the model loads (read lazily after)
-        from prhs_hf.calibrate import CalibrationError, calibration_texts
+        from prhs_hf.calibration.calibrate import CalibrationError, calibration_texts
 
         try:
             texts, _ = calibration_texts(args.text, None)

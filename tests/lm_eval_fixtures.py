@@ -50,7 +50,7 @@ COQA_ROWS = [
 
 
 def write_local_data(folder: Path) -> Path:
-    """``gsm8k_test.jsonl`` and ``coqa_validation.jsonl`` (the names prhs_hf.fetch writes) in ``folder``."""
+    """``gsm8k_test.jsonl`` and ``coqa_validation.jsonl`` (the names prhs_hf.hub.fetch writes) in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     for name, rows in (("gsm8k_test.jsonl", GSM8K_ROWS), ("coqa_validation.jsonl", COQA_ROWS)):
         (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -1,4 +1,4 @@
-"""Tests of ``prhs-hf calibrate`` (prhs_hf/calibrate.py) on tiny random models, CPU only."""
+"""Tests of ``prhs-hf calibrate`` (prhs_hf/calibration/calibrate.py) on tiny random models, CPU only."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import yaml
 
 import prhs_hf
-from prhs_hf import calibrate as cal
+from prhs_hf.calibration import calibrate as cal
 from prhs_hf import cli
 from prhs_hf.schedules import causal_pairs, psaw_window_start, visible_pairs
 
@@ -111,7 +111,7 @@ def test_dropped_mass_matches_a_full_matrix_reference(monkeypatch) -> None:
 
 
 def test_the_calibration_pass_gives_the_model_back_when_a_forward_raises() -> None:
-    from prhs_hf.calibration_pass import layer_qk_hooks
+    from prhs_hf.calibration.dense_pass import layer_qk_hooks
 
     model = tiny_model("llama", layers=3)
     before = model.config._attn_implementation
@@ -352,7 +352,7 @@ def test_cli_errors_before_loading_the_model(argv, message, capsys, monkeypatch)
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr("prhs_hf.fetch.load_model", no_loading)
+    monkeypatch.setattr("prhs_hf.hub.fetch.load_model", no_loading)
     assert cli.main(["calibrate", "smollm2-135m", *argv]) == 1
     assert message in capsys.readouterr().err
 

@@ -1,4 +1,4 @@
-"""Tests of ``prhs-hf calibrate-ds`` (prhs_hf/calibrate_ds.py): Double Sparsity's offline label
+"""Tests of ``prhs-hf calibrate-ds`` (prhs_hf/calibration/calibrate_ds.py): Double Sparsity's offline label
 channels, on a tiny random llama, CPU only."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import prhs_hf
-from prhs_hf import calibrate as cal
+from prhs_hf.calibration import calibrate as cal
 from prhs_hf import cli
 from prhs_hf.config import ConfigError
 from prhs_hf.selectors.double_sparsity import label_contributions, load_label_channels, top_channels
@@ -99,7 +99,7 @@ def test_cli_errors_before_loading_the_model(argv, message, story_file, capsys, 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr("prhs_hf.fetch.load_model", no_loading)
+    monkeypatch.setattr("prhs_hf.hub.fetch.load_model", no_loading)
     if argv[:1] in (["--rank"], ["--n"]):
         argv = [*argv, "--text", str(story_file)]
     assert cli.main(["calibrate-ds", "smollm2-135m", *argv]) == 1
@@ -120,8 +120,8 @@ def test_help_lists_calibrate_ds():
                                              ({"n": False}, "--n: False is out of range"),
                                              ({"length": 2.5}, "--length: 2.5 is out of range")])
 def test_the_python_api_refuses_a_bool_or_a_float_for_a_count(kwargs, message, story_file):
-    from prhs_hf import calibrate_ds
-    from prhs_hf.calibrate import CalibrationError
+    from prhs_hf.calibration import calibrate_ds
+    from prhs_hf.calibration.calibrate import CalibrationError
 
     with pytest.raises(CalibrationError, match=message):
         calibrate_ds.run("smollm2-135m", text=story_file, **kwargs)

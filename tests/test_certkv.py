@@ -10,7 +10,7 @@ from prhs_hf.config import ConfigError
 from prhs_hf.decode import DecodeParams
 from prhs_hf.geometry import SequenceGeometry
 from prhs_hf.selectors import CertKVSelector, make_selector
-from prhs_hf.selectors._common import attend_with_tail
+from prhs_hf.selectors.set_steps import attend_with_tail
 from prhs_hf.selectors.certkv import allocate_budget
 from tiny_models import SelectionRecorder, tiny_model
 

@@ -11,7 +11,7 @@ from prhs_hf.geometry import SequenceGeometry
 from prhs_hf.kernels.compose_indices import dilated_set_reference, dilated_set_size
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS
 from prhs_hf.selectors import CISSelector
-from prhs_hf.stats import Telemetry
+from prhs_hf.telemetry_counters import Telemetry
 from conftest import triton_available
 from tiny_models import tiny_model
 

@@ -12,7 +12,7 @@ from prhs_hf.geometry import SequenceGeometry
 from prhs_hf.kernels.compose_indices import dilated_set_size
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS
 from prhs_hf.selectors import CISSelector, make_selector
-from prhs_hf.selectors._common import attend_with_tail, tail_summary
+from prhs_hf.selectors.set_steps import attend_with_tail, tail_summary
 from conftest import triton_available
 from tiny_models import SelectionRecorder, tiny_model
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from prhs_hf import cli, fetch
+from prhs_hf import cli
+from prhs_hf.hub import fetch
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -213,7 +214,7 @@ def test_a_prompt_within_the_budget_says_why_prhs_did_nothing(tiny_checkpoint, c
 def test_generate_the_plugin_and_the_readme_example_share_one_default() -> None:
     """The config measured to lose nothing on the long-context suite (issue 13) is the default everywhere
     a user meets one: `prhs-hf generate`, the lm-eval plugin and the README's first example."""
-    from prhs_hf.lm_eval import plugin
+    from prhs_hf.evaluation.lm_eval import plugin
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     first_block = readme.split("```python", 1)[1].split("```", 1)[0]

@@ -166,7 +166,7 @@ def test_shipped_configs_spell_out_every_section():
 
 
 def test_accuracy_configs_keep_their_meaning(tmp_path, monkeypatch):
-    from prhs_hf.accuracy import configs as ac
+    from prhs_hf.evaluation.accuracy import configs as ac
 
     monkeypatch.chdir(tmp_path)  # they name shipped configs, found from any working directory
 

@@ -7,7 +7,7 @@ import json
 
 from script_loader import load_script
 from lm_eval_fixtures import COQA_ROWS, write_local_data
-from prhs_hf.lm_eval.prompts import coqa_prompt
+from prhs_hf.evaluation.lm_eval.prompts import coqa_prompt
 
 cap = load_script("coqa_answer_position")
 

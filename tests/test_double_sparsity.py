@@ -325,7 +325,7 @@ def test_selection_quality_has_a_double_sparsity_row():
 
 
 def test_accuracy_table_has_a_ds_row_at_the_cis_budget():
-    from prhs_hf.accuracy import configs as ac
+    from prhs_hf.evaluation.accuracy import configs as ac
 
     ds = ac.load_named_config(ac.named_config("ds"))
     assert ds.baseline.name == "double_sparsity" and ds.baseline.label_rank == 16 and ds.telemetry.enabled

@@ -362,7 +362,7 @@ def test_config_section_is_off_unless_present():
 
 
 def test_accuracy_table_has_es_rows_at_the_cis_budget():
-    from prhs_hf.accuracy import configs as ac
+    from prhs_hf.evaluation.accuracy import configs as ac
 
     cis = ac.load_named_config(ac.named_config("cis-s16"))
     expected = {"es-quest": ("quest", "mid", None), "es-quest-r256": ("quest", "mid", 256),

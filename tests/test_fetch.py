@@ -1,4 +1,4 @@
-"""Tests of prhs_hf.fetch (registry, wheels, data_sets) on fake wheels (no network), plus one slow test on the real SmolLM2 wheel."""
+"""Tests of prhs_hf.hub.fetch (registry, wheels, data_sets) on fake wheels (no network), plus one slow test on the real SmolLM2 wheel."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from prhs_hf import data_sets, fetch, wheels
-from prhs_hf.fetch import ChecksumError, Digest, FetchError, UnknownNameError
+from prhs_hf.hub import data_sets, fetch, wheels
+from prhs_hf.hub.fetch import ChecksumError, Digest, FetchError, UnknownNameError
 
 
 # --------------------------------------------------------------------------------------------
@@ -692,7 +692,7 @@ def test_interrupted_data_set_write_leaves_no_partial_file(olmo_eval, cache, mon
 
 
 # --------------------------------------------------------------------------------------------
-# Structure: registry, download/assembly and data sets; prhs_hf.fetch is the facade
+# Structure: registry, download/assembly and data sets; prhs_hf.hub.fetch is the facade
 # --------------------------------------------------------------------------------------------
 
 PUBLIC = ["DEFAULT_MODEL", "MODELS", "DATASETS", "FetchError", "UnknownNameError", "ChecksumError", "FetchInterrupted",
@@ -703,13 +703,13 @@ PUBLIC = ["DEFAULT_MODEL", "MODELS", "DATASETS", "FetchError", "UnknownNameError
 def test_fetch_is_split_into_registry_wheels_and_data_sets() -> None:
     import importlib
 
-    homes = {name: importlib.import_module(f"prhs_hf.{name}") for name in ("registry", "wheels", "data_sets")}
+    homes = {name: importlib.import_module(f"prhs_hf.hub.{name}") for name in ("registry", "wheels", "data_sets")}
     assert sorted(fetch.__all__) == sorted(PUBLIC)
     for name in PUBLIC:
         home = [m for m in homes.values() if name in getattr(m, "__all__", ())]
         assert len(home) <= 1, f"{name} is defined in {home}"
         if home:
-            assert getattr(fetch, name) is getattr(home[0], name), f"prhs_hf.fetch.{name} is not the re-export"
+            assert getattr(fetch, name) is getattr(home[0], name), f"prhs_hf.hub.fetch.{name} is not the re-export"
     src = Path(fetch.__file__).parent
     imports = {name: re.findall(r"^from \.(\w+) import", (src / f"{name}.py").read_text(), re.M) for name in homes}
     assert imports["registry"] == [], "the registry depends on nothing"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import prhs_hf
-from prhs_hf.cis_state import CISState
+from prhs_hf.selectors.cis_state import CISState
 from prhs_hf.kernels._common import HAS_TRITON, interpreting
 from tiny_models import FAMILIES, decode_by_backend, padded_batch, tiny_model
 

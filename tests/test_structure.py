@@ -1,5 +1,5 @@
 """Where things live (issue 14): the direct accuracy runner outside the lm-eval integration, and no
-import cycle between the command line and ``prhs_hf.lm_eval``."""
+import cycle between the command line and ``prhs_hf.evaluation.lm_eval``."""
 
 from __future__ import annotations
 
@@ -36,31 +36,31 @@ def _imports_in_a_fresh_interpreter(statement: str, watched: tuple[str, ...]) ->
 
 
 def test_no_module_of_the_lm_eval_integration_imports_the_command_line() -> None:
-    offenders = {p.name for p in (PACKAGE / "lm_eval").glob("*.py") if "prhs_hf.cli" in _imported_modules(p)}
+    offenders = {p.name for p in (PACKAGE / "evaluation" / "lm_eval").glob("*.py") if "prhs_hf.cli" in _imported_modules(p)}
     assert offenders == set()
 
 
 def test_importing_the_lm_eval_model_does_not_load_the_command_line() -> None:
-    assert _imports_in_a_fresh_interpreter("import prhs_hf.lm_eval.plugin", ("prhs_hf.cli",)) == []
+    assert _imports_in_a_fresh_interpreter("import prhs_hf.evaluation.lm_eval.plugin", ("prhs_hf.cli",)) == []
 
 
 def test_the_direct_runner_lives_outside_lm_eval_and_needs_no_lm_eval() -> None:
-    import prhs_hf.accuracy.configs
-    import prhs_hf.accuracy.direct
-    import prhs_hf.accuracy.report
+    import prhs_hf.evaluation.accuracy.configs
+    import prhs_hf.evaluation.accuracy.direct
+    import prhs_hf.evaluation.accuracy.report
 
-    for module in (prhs_hf.accuracy.direct, prhs_hf.accuracy.configs, prhs_hf.accuracy.report):
-        assert Path(module.__file__).parent == PACKAGE / "accuracy"
+    for module in (prhs_hf.evaluation.accuracy.direct, prhs_hf.evaluation.accuracy.configs, prhs_hf.evaluation.accuracy.report):
+        assert Path(module.__file__).parent == PACKAGE / "evaluation" / "accuracy"
     loaded = _imports_in_a_fresh_interpreter(
-        "import prhs_hf.accuracy.direct, prhs_hf.accuracy.configs, prhs_hf.accuracy.report",
-        ("lm_eval", "datasets", "prhs_hf.lm_eval.plugin", "prhs_hf.cli"))
+        "import prhs_hf.evaluation.accuracy.direct, prhs_hf.evaluation.accuracy.configs, prhs_hf.evaluation.accuracy.report",
+        ("lm_eval", "datasets", "prhs_hf.evaluation.lm_eval.plugin", "prhs_hf.cli"))
     assert loaded == []
 
 
 def test_the_direct_runner_has_one_home() -> None:
-    """The moved modules live in prhs_hf/accuracy only: no alias or copy stays in lm_eval/."""
+    """The moved modules live in prhs_hf/evaluation/accuracy only: no alias or copy stays in lm_eval/."""
     for name in ("direct", "accuracy_configs", "report", "configs"):
-        assert not (PACKAGE / "lm_eval" / f"{name}.py").exists(), name
+        assert not (PACKAGE / "evaluation" / "lm_eval" / f"{name}.py").exists(), name
 
 
 def test_the_selectors_calibrate_without_importing_patching() -> None:
@@ -69,10 +69,10 @@ def test_the_selectors_calibrate_without_importing_patching() -> None:
     The calibration pass and the patch check live in modules below both."""
     for path in (PACKAGE / "selectors").glob("*.py"):
         imported = _imported_modules(path)
-        assert {"prhs_hf.patching", "prhs_hf.calibrate", "prhs_hf.runtime"} & imported == set(), path.name
-    assert "prhs_hf.patching" not in _imported_modules(PACKAGE / "calibration_pass.py")
+        assert {"prhs_hf.patching", "prhs_hf.calibration.calibrate", "prhs_hf.runtime"} & imported == set(), path.name
+    assert "prhs_hf.patching" not in _imported_modules(PACKAGE / "calibration" / "dense_pass.py")
     loaded = _imports_in_a_fresh_interpreter(
-        "import prhs_hf.calibration_pass", ("prhs_hf.patching", "prhs_hf.runtime", "prhs_hf.selectors"))
+        "import prhs_hf.calibration.dense_pass", ("prhs_hf.patching", "prhs_hf.runtime", "prhs_hf.selectors"))
     assert loaded == []
 
 

@@ -22,7 +22,7 @@ CHECK = """
 import json, sys
 import prhs_hf
 from prhs_hf.config import shipped_configs
-from prhs_hf.lm_eval import LOCAL_TASKS, TASKS_DIR, task_manager
+from prhs_hf.evaluation.lm_eval import LOCAL_TASKS, TASKS_DIR, task_manager
 from prhs_hf.selectors.double_sparsity import load_label_channels
 cfg = prhs_hf.load_config("cis")
 ds = prhs_hf.load_config("ds_qwen2.5-coder-1.5b").baseline.label_channels
@@ -88,7 +88,7 @@ def test_installed_wheel_loads_a_config_by_name_and_finds_the_tasks(built, tmp_p
     assert got["cis"] == [True, False, False]
     ds_path, ds_shape = got["ds_channels"]  # a shipped YAML's label file, found beside it in the install
     assert Path(ds_path).is_relative_to(target) and ds_shape == [28, 12, 16], got["ds_channels"]
-    from prhs_hf.lm_eval import LOCAL_TASKS
+    from prhs_hf.evaluation.lm_eval import LOCAL_TASKS
 
     assert got["local_tasks_found"] == list(LOCAL_TASKS)
 

@@ -87,7 +87,7 @@ if [ ! -f "$CKPT/config.json" ]; then
 
   # 3. export once
   start=$SECONDS
-  $PY -c "import sys; from prhs_hf.fetch import export_checkpoint; print(export_checkpoint(sys.argv[1], sys.argv[2], dtype='bfloat16'))" "$GGUF" "$CKPT.partial"
+  $PY -c "import sys; from prhs_hf.hub.fetch import export_checkpoint; print(export_checkpoint(sys.argv[1], sys.argv[2], dtype='bfloat16'))" "$GGUF" "$CKPT.partial"
   rm -rf "$CKPT" && mv "$CKPT.partial" "$CKPT"
   echo "exported $CKPT in $((SECONDS - start)) s"
 fi

@@ -7,7 +7,7 @@ here, the device calls carry one piece each, and ``gpu_join_and_eval.sh`` joins 
     python tools/gpu_transfer.py split FILE OUT_DIR [--piece-mib 60]
     python3 -P tools/gpu_transfer.py join PIECES_DIR OUT_FILE [--sha256 HEX]
 
-It needs ``prhs_hf`` importable (for the checked copy and :class:`~prhs_hf.registry.Digest`); on
+It needs ``prhs_hf`` importable (for the checked copy and :class:`~prhs_hf.hub.registry.Digest`); on
 the GPU machine ``gpu_join_and_eval.sh`` puts the assembled package on ``PYTHONPATH`` first.
 """
 
@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from prhs_hf.registry import ChecksumError, Digest
-from prhs_hf.wheels import MiB, copy_chunks, progress_bar
+from prhs_hf.hub.registry import ChecksumError, Digest
+from prhs_hf.hub.wheels import MiB, copy_chunks, progress_bar
 
 __all__ = ["MANIFEST", "MiB", "split_for_transfer", "join_pieces", "main"]
 

@@ -18,7 +18,7 @@ under ``.xfer/`` (git-ignored through ``.git/info/exclude``):
   evaluate); then the resume call, which carries nothing and is repeated while rows are left.
 
 Without ``--configs`` after ``--``, the plan names
-:data:`prhs_hf.accuracy.configs.DEFAULT_CONFIGS` explicitly. ``--plan-only`` rewrites
+:data:`prhs_hf.evaluation.accuracy.configs.DEFAULT_CONFIGS` explicitly. ``--plan-only`` rewrites
 ``PLAN.md`` from what ``.xfer/`` already holds, fetching and cutting nothing.
 
 Example::
@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Sequence
 
 import gpu_transfer  # beside this script (its folder comes first on sys.path)
-from prhs_hf import fetch
-from prhs_hf.accuracy import configs as accuracy_configs
+from prhs_hf.hub import fetch
+from prhs_hf.evaluation.accuracy import configs as accuracy_configs
 
 REPO = Path(__file__).resolve().parents[1]
 CARRY_LIMIT_MIB = 64

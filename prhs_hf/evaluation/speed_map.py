@@ -137,7 +137,7 @@ class _Clock:
 
 def _read_texts(path: Path) -> list[str]:
     """The texts of a .jsonl/.jsonl.gz file: each record's first string field of :data:`TEXT_FIELDS`."""
-    from prhs_hf.jsonl import read_jsonl
+    from prhs_hf.hub.jsonl import read_jsonl
 
     if not path.name.endswith((".jsonl", ".jsonl.gz")) or not path.is_file():
         raise ValueError(f"--prompts: {path} is not a .jsonl or .jsonl.gz file")
@@ -182,7 +182,7 @@ def load_target(args: argparse.Namespace, device: Any, dtype: Any) -> Target:
     if not args.prompts:
         ids = lambda b, n: torch.randint(1, vocab, (b, n), generator=gen).to(device)  # noqa: E731
         return Target(*_identity(args), model, ids, model.config.max_position_embeddings)
-    from prhs_hf.calibrate import _special_prefix
+    from prhs_hf.calibration.calibrate import _special_prefix
 
     texts, tok = _read_texts(Path(args.prompts).expanduser()), transformers.AutoTokenizer.from_pretrained(folder)
     prefix, sep = _special_prefix(tok), tok("\n\n", add_special_tokens=False)["input_ids"]

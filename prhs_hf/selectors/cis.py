@@ -7,12 +7,12 @@ otherwise it retrieves a fresh exact top-k and becomes an anchor. The set is
 ``sink ∪ middle ∪ local``; sequences with ``t <= sink + local + k`` attend to every token (those
 PSAW leaves visible). The steps run on the ops table of the device (PyTorch reference or Triton
 kernels, ``prhs_hf.kernels.decode_ops``); the state of every layer lives in one
-:class:`~prhs_hf.cis_state.CISState`. No host synchronisation: the step can be graph-captured.
+:class:`~prhs_hf.selectors.cis_state.CISState`. No host synchronisation: the step can be graph-captured.
 
 CIS + tail (``cis.tail_slot: true``, issue 15): CertKV's tail-summary slot on top of CIS. Each
 row's budget is charged one slot, exactly as CertKV's: a retrieval keeps the top ``k - 1`` middle
 tokens and the row attends, beside its index set, to one synthetic key/value
-(:func:`~prhs_hf.selectors._common.tail_summary`) that summarises the middle tokens the set leaves
+(:func:`~prhs_hf.selectors.set_steps.tail_summary`) that summarises the middle tokens the set leaves
 out, so an active step processes ``sink + (k - 1) + 1 + local`` keys as CIS's ``sink + k + local``
 (the synthetic slot is counted in ``count`` wherever it carries mass).
 
@@ -37,7 +37,7 @@ per KV head, the group's softmax averaged (CertKV's convention). Cost: the summa
 middle's keys *and values* of a retrieving row, where a plain retrieval reads only keys; here it
 runs in PyTorch for every row (masked to the retrieving ones, no host synchronisation), on the
 reference and on the Triton decode ops alike, and the attention with the pair is
-:func:`~prhs_hf.selectors._common.attend_with_tail` (PyTorch). A fused kernel (the retrieval pass
+:func:`~prhs_hf.selectors.set_steps.attend_with_tail` (PyTorch). A fused kernel (the retrieval pass
 accumulating ``Σ e^s k``, ``Σ e^s v``, ``Σ e^s`` and subtracting the kept set's share) is not built.
 """
 
@@ -47,13 +47,13 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..cis_state import CISState
+from .cis_state import CISState
 from ..decode import DecodeParams, DecodeSelection, StepFrame, step_frame
 from ..geometry import SequenceGeometry
 from ..kernels.compose_indices import SET_NONE
 from ..kernels.decode_ops import CISSelection, DecodeOps, cis_select, group_query
 from ..kernels.side_stream import fork_cis_select, join_cis_select
-from ._common import tail_summaries
+from .set_steps import tail_summaries
 
 __all__ = ["CISSelector", "CISStart"]
 

@@ -40,7 +40,7 @@ from ..config import ConfigError, ResolvedConfig
 from ..decode import DecodeParams, DecodeSelection, layer_rows
 from ..geometry import SequenceGeometry
 from ..kernels._common import gqa_group
-from ._common import compose, retrieve_topk, step_frame
+from .set_steps import compose, retrieve_topk, step_frame
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -119,7 +119,7 @@ class LabelCache:
             at a prefill, or a calibrated layer's first decode step without one).
 
     Allocated at a prefill (which ``generate()`` runs eagerly) and marked with
-    ``torch._dynamo.mark_static_address``, as :class:`~prhs_hf.cis_state.CISState`: a compiled,
+    ``torch._dynamo.mark_static_address``, as :class:`~prhs_hf.selectors.cis_state.CISState`: a compiled,
     CUDA-graph-captured decode step writes the current token's row into it in place and rebinds
     nothing. ``S`` is the KV cache's slot count at the prefill (a ``StaticCache``'s maximum
     length), so under a static cache it never grows.
@@ -342,9 +342,9 @@ def label_contributions(model: "PreTrainedModel", prompts: Iterable[torch.Tensor
 
     ``prompts`` yields token ids, ``[1, T]`` or ``[T]`` each (one dense forward of the *unpatched*
     model per prompt; each layer's query and key are read on the way by
-    :func:`~prhs_hf.calibration_pass.layer_qk_hooks`, whose attention runs dense SDPA).
+    :func:`~prhs_hf.calibration.dense_pass.layer_qk_hooks`, whose attention runs dense SDPA).
     """
-    from ..calibration_pass import layer_qk_hooks
+    from ..calibration.dense_pass import layer_qk_hooks
 
     sums: list[torch.Tensor | None] = []  # one per layer, made once the model is checked
     tokens = 0
@@ -379,7 +379,7 @@ def calibrate_label_channels(
     """``[L, Hq, r]`` int64 label channels of every layer and query head, by descending contribution:
     the top ``r`` of :func:`label_contributions` over ``texts`` (each truncated to ``max_length`` tokens).
 
-    ``prhs-hf calibrate-ds`` (:mod:`prhs_hf.calibrate_ds`) runs this on packed calibration prompts
+    ``prhs-hf calibrate-ds`` (:mod:`prhs_hf.calibration.calibrate_ds`) runs this on packed calibration prompts
     and writes the file and a config that names it.
     """
     prompts = (tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"]

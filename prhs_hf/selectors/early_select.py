@@ -55,7 +55,7 @@ from ..config import ConfigError
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
 from ..kernels.side_stream import drop_pending
-from ._common import compose, retrieve_topk, step_frame, to_real, visible_probabilities
+from .set_steps import compose, retrieve_topk, step_frame, to_real, visible_probabilities
 from .base import Selector
 from .cis import CISSelector, CISStart
 

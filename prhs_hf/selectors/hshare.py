@@ -27,7 +27,7 @@ representative heads of representative layers retrieve, at refresh steps, so
 ``ρ̂ ≈ (n_h / Hq) (n_l / N) / P``: with the defaults ``r_h = r_l = 1/2`` and
 ``baseline.share_ratio = 0.875`` (P = 8), ρ̂ ≈ 1/32. The paper's settings are HShare-1
 (``r_q, r_h, r_l = 1/2, 1/4, 1/4``: ρ̂ = 1/2 · 3/4 · 3/4 ≈ 28.1 %) and HShare-2 (1/2, 1/2, 1/2:
-12.5 %), the ``hshare-1`` / ``hshare-2`` rows of :mod:`prhs_hf.accuracy.configs`;
+12.5 %), the ``hshare-1`` / ``hshare-2`` rows of :mod:`prhs_hf.evaluation.accuracy.configs`;
 ``scripts/selection_quality.py`` picks the three ratios to match CIS's ρ̂.
 """
 
@@ -39,7 +39,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ._common import LayerStates, compose, retrieve_topk, step_frame
+from .set_steps import LayerStates, compose, retrieve_topk, step_frame
 
 __all__ = ["HShareSelector", "group_representatives", "refresh_period"]
 

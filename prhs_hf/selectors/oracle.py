@@ -13,7 +13,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ._common import StatelessSelector, compose, retrieve_topk, step_frame
+from .set_steps import StatelessSelector, compose, retrieve_topk, step_frame
 
 __all__ = ["OracleSelector"]
 

@@ -24,7 +24,7 @@ import torch
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
 from ..kernels._common import gqa_group
-from ._common import StatelessSelector, StepFrame, compose, step_frame, to_real, topk_of_scores
+from .set_steps import StatelessSelector, StepFrame, compose, step_frame, to_real, topk_of_scores
 
 __all__ = ["QuestSelector", "page_bounds"]
 

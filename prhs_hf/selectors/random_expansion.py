@@ -20,7 +20,7 @@ import torch
 
 from ..decode import DecodeParams
 from ..kernels.compose_indices import compose_indices_reference
-from ._common import StepFrame
+from .set_steps import StepFrame
 from .direct_reuse import DirectReuseSelector
 
 __all__ = ["RandomExpansionSelector"]

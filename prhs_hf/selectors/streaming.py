@@ -16,7 +16,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ._common import StatelessSelector, compose, step_frame
+from .set_steps import StatelessSelector, compose, step_frame
 
 __all__ = ["StreamingSelector"]
 

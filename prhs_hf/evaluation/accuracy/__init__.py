@@ -7,7 +7,7 @@
   ``hshare-2``, …);
 - :mod:`.report`: the table's rows and its JSON + Markdown files.
 
-The prompts and the scoring are the lm-eval tasks' own (:mod:`prhs_hf.lm_eval.prompts`,
-:mod:`prhs_hf.lm_eval.metrics`, :mod:`prhs_hf.lm_eval.data`: pure Python, no lm-eval), so both
+The prompts and the scoring are the lm-eval tasks' own (:mod:`prhs_hf.evaluation.lm_eval.prompts`,
+:mod:`prhs_hf.evaluation.lm_eval.metrics`, :mod:`prhs_hf.evaluation.lm_eval.data`: pure Python, no lm-eval), so both
 engines of ``scripts/run_accuracy.py`` score alike. Nothing here imports lm-eval.
 """

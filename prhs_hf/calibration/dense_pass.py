@@ -1,6 +1,6 @@
 """Dense forwards of the unpatched model that hand every layer's query and key to a hook.
 
-Both calibrations read the model this way: ``prhs-hf calibrate`` (:func:`prhs_hf.calibrate.measure`:
+Both calibrations read the model this way: ``prhs-hf calibrate`` (:func:`prhs_hf.calibration.calibrate.measure`:
 the attention mass PSAW and ETF would drop) and Double Sparsity's label channels
 (:func:`prhs_hf.selectors.double_sparsity.label_contributions`). :func:`layer_qk_hooks` sets the
 pass up and takes it down again: the model's attention becomes dense SDPA
@@ -22,8 +22,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import gqa_sdpa_attention_forward
-from .families import check_model, decoder_layers, is_patched
+from ..attention import gqa_sdpa_attention_forward
+from ..families import check_model, decoder_layers, is_patched
 
 __all__ = ["QKHook", "layer_qk_hooks"]
 

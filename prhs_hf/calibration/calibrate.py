@@ -25,8 +25,8 @@ attention of head ``h`` (float32, from the layer's own query and key after RoPE)
 Both are averaged over heads and over (a) all prompt rows and (b) the last eighth of the rows
 (the queries nearest to the answer, and PSAW's decode steps look like them); the target holds
 for both. The worst head's row mean and the routing certificate ``g(δ̄)`` of SPEC §5
-(:func:`~prhs_hf.stats.routing_certificate`) are reported beside them, and ``β_emp`` against the
-budget-matched oracle (:func:`~prhs_hf.stats.oracle_statistics`) on a few sampled late rows per
+(:func:`~prhs_hf.telemetry_counters.routing_certificate`) are reported beside them, and ``β_emp`` against the
+budget-matched oracle (:func:`~prhs_hf.telemetry_counters.oracle_statistics`) on a few sampled late rows per
 layer for the chosen schedules.
 
 Scores are computed in query-row chunks sized so that one chunk holds at most
@@ -39,7 +39,7 @@ The FLOP model (decoder layers only: embeddings and the LM head are the same for
   active row, nothing for a frozen row);
 - projections and MLP: ``2 ·`` their multiply-adds per row: ``k_proj`` and ``v_proj`` for every
   row (frozen rows still give keys and values), ``q_proj``, ``o_proj`` and the MLP only for the
-  active rows (what :mod:`prhs_hf.row_skip` skips). A gated MLP has ``3 · d · d_ff`` multiply-adds
+  active rows (what :func:`prhs_hf.layer.install_row_skip` skips). A gated MLP has ``3 · d · d_ff`` multiply-adds
   per row; for a mixture of experts ``d_ff`` is the routed experts per token times their width,
   plus the shared expert.
 """
@@ -54,13 +54,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from .jsonl import JSONLError, read_jsonl
+from ..hub.jsonl import JSONLError, read_jsonl
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from .config import PrHSConfig
+    from ..config import PrHSConfig
 
 __all__ = [
     "CalibrationError",
@@ -217,7 +217,7 @@ def dataset_texts(name: str, cache_dir: str | os.PathLike[str] | None = None) ->
     """The texts of one of the fetcher's data sets (:data:`CALIBRATION_DATASETS`), fetched offline."""
     if name not in CALIBRATION_DATASETS:
         raise CalibrationError(f"--dataset: {name!r} is not allowed; allowed: {', '.join(CALIBRATION_DATASETS)}")
-    from .fetch import fetch_dataset
+    from ..hub.fetch import fetch_dataset
 
     fields = CALIBRATION_DATASETS[name]
     for _, row in read_jsonl(fetch_dataset(name, cache_dir)):
@@ -298,13 +298,13 @@ class Grid:
 
     def window(self, layer: int, start: int, phi: float) -> float:
         """PSAW's window fraction ``w_ℓ`` (1.0: nothing hidden)."""
-        from .schedules import psaw_window_fraction
+        from ..schedules import psaw_window_fraction
 
         return psaw_window_fraction(layer, self.num_layers, start, phi, self.alpha)
 
     def frozen(self, length: int, layer: int, start: int, psi: float) -> int:
         """ETF's ``E_ℓ(L)``: rows ``C_sink ≤ i < E`` are frozen (none when ``E ≤ C_sink``)."""
-        from .schedules import etf_frozen_count
+        from ..schedules import etf_frozen_count
 
         return etf_frozen_count(length, layer, self.num_layers, start, psi, self.gamma)
 
@@ -350,7 +350,7 @@ class MassStat:
     @property
     def certificate(self) -> float:
         """``g(δ̄)`` of SPEC §5 at the all-row mean."""
-        from .stats import routing_certificate
+        from ..telemetry_counters import routing_certificate
 
         return routing_certificate(self.rows, self.context)
 
@@ -447,7 +447,7 @@ def _measure_layer(acc: _Accumulator, query: "torch.Tensor", key: "torch.Tensor"
     """Add one prompt's dropped masses at one layer to ``acc`` (``query [Hq, L, D]``, ``key [Hkv, L, D]``)."""
     import torch
 
-    from .schedules import psaw_window_start_tensor
+    from ..schedules import psaw_window_start_tensor
 
     heads, length, dim = query.shape
     group = heads // key.shape[0]
@@ -534,14 +534,14 @@ def measure(model: "PreTrainedModel", prompts: "torch.Tensor", grid: Grid, *, or
     """One dense forward per prompt (``prompts [n, L]``), measuring every candidate of ``grid`` at every layer.
 
     The model's attention is swapped for a function that runs dense SDPA and hands each layer's
-    query and key to the measurement (:func:`~prhs_hf.calibration_pass.layer_qk_hooks`); the model
+    query and key to the measurement (:func:`~prhs_hf.calibration.dense_pass.layer_qk_hooks`); the model
     is restored afterwards. ``oracle_rows`` late rows per prompt and layer keep their full attention
     row for :func:`beta_emp`.
     """
     import torch
     from tqdm.auto import tqdm
 
-    from .calibration_pass import layer_qk_hooks
+    from .dense_pass import layer_qk_hooks
 
     accs: list[_Accumulator | None] = []  # one per layer, made once the model is checked
 
@@ -634,7 +634,7 @@ class FlopModel:
 
     def dense(self, length: int) -> int:
         """Dense causal prefill of ``length`` tokens."""
-        from .schedules import causal_pairs
+        from ..schedules import causal_pairs
 
         return self.num_layers * self.layer(length, causal_pairs(length), 0)
 
@@ -649,7 +649,7 @@ class _Pairs:
     def __call__(self, w: float, frozen_hi: int) -> int:
         import torch
 
-        from .schedules import psaw_window_start_tensor
+        from ..schedules import psaw_window_start_tensor
 
         prefix = self._prefix.get(w)
         if prefix is None:
@@ -800,11 +800,11 @@ def nearest_miss(m: Measurement, kind: str, target: float, row_target: float | N
 
 def beta_emp(m: Measurement, kind: str, s: Schedule) -> list[float | None]:
     """Per layer, ``β_emp = τ*_|S| − τ_S`` of the schedule's kept set against the budget-matched oracle
-    (:func:`~prhs_hf.stats.oracle_statistics`), on the sampled late rows; ``None`` where untouched."""
+    (:func:`~prhs_hf.telemetry_counters.oracle_statistics`), on the sampled late rows; ``None`` where untouched."""
     import torch
 
-    from .schedules import psaw_window_start_tensor
-    from .stats import oracle_statistics
+    from ..schedules import psaw_window_start_tensor
+    from ..telemetry_counters import oracle_statistics
 
     out: list[float | None] = []
     sink, length = m.grid.sink, m.length
@@ -1045,7 +1045,7 @@ def calibrate(
     backends, telemetry); the paper's ``ℓ_s = ⌊N/2⌋`` and its ``φ``/``ψ`` are always in the grid,
     so the result can be compared with them.
     """
-    from .config import load_config
+    from ..config import load_config
 
     target = _check_target(target)
     row_target = None if row_target is None else _check_target(row_target, "--row-target")
@@ -1121,8 +1121,8 @@ def run(
         _check_plotting()
     import torch
 
-    from .config import load_config
-    from .fetch import load_model
+    from ..config import load_config
+    from ..hub.fetch import load_model
 
     load_config(config)  # a wrong --config fails before the model loads
     device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

