@@ -116,9 +116,9 @@ def coqa_texts(n: int, data_dir: str | None = None) -> list[tuple[str, str, str]
 
 def text_prompts(tokenizer, texts: Iterable[str], n: int, length: int, max_new: int) -> list[Prompt]:
     """``n`` prompts of ``length`` tokens from calibration text (``--text``, read by
-    :func:`prhs_hf.calibration.calibrate.calibration_texts`), each forced on with the ``max_new`` tokens of the text that
+    :func:`prhs_hf.calibration.texts.calibration_texts`), each forced on with the ``max_new`` tokens of the text that
     follow: text that is not an evaluation set's, for choosing configs without tuning on evaluation prompts."""
-    from prhs_hf.calibration.calibrate import pack_prompts
+    from prhs_hf.calibration.texts import pack_prompts
 
     rows = pack_prompts(texts, tokenizer, length + max_new, n)
     return [Prompt(f"text/{i}", rows[i:i + 1, :length], rows[i:i + 1, length:]) for i in range(n)]
@@ -794,7 +794,8 @@ def main(argv=None) -> int:
 
     texts = None
     if args.text is not None:  # checked before the model loads (read lazily after)
-        from prhs_hf.calibration.calibrate import CalibrationError, calibration_texts
+        from prhs_hf.calibration.options import CalibrationError
+        from prhs_hf.calibration.texts import calibration_texts
 
         try:
             texts, _ = calibration_texts(args.text, None)

@@ -1,4 +1,5 @@
-"""Tests of ``prhs-hf calibrate`` (prhs_hf/calibration/calibrate.py) on tiny random models, CPU only."""
+"""Tests of ``prhs-hf calibrate`` (prhs_hf/calibration/: texts, measurement, flops, search, report, command)
+on tiny random models, CPU only."""
 
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ import torch
 import yaml
 
 import prhs_hf
-from prhs_hf.calibration import calibrate as cal
 from prhs_hf import cli
+from prhs_hf.calibration import measurement
+from prhs_hf.calibration.command import calibrate
+from prhs_hf.calibration.flops import FlopModel, VisiblePairs
+from prhs_hf.calibration.measurement import LATE_FRACTION, TAIL_BINS, Grid, Measurement, measure
+from prhs_hf.calibration.options import CalibrationError
+from prhs_hf.calibration.search import OFF, Schedule, beta_emp, choose, evaluate, excess, layer_stats, nearest_miss
+from prhs_hf.calibration.texts import pack_prompts, read_texts
 from prhs_hf.schedules import causal_pairs, psaw_window_start, visible_pairs
 
 from lm_eval_fixtures import save_tiny_checkpoint
@@ -48,7 +55,7 @@ def _psaw_reference(att: torch.Tensor, w: float, sink: int) -> tuple[float, floa
     for i in range(length):
         hidden[i, sink:max(sink, min(psaw_window_start(i + 1, w, sink), i + 1))] = True
     per_row = (att * hidden).sum(-1)  # [n, H, L]
-    late = per_row[..., length - length // cal.LATE_FRACTION:]
+    late = per_row[..., length - length // LATE_FRACTION:]
     return per_row.mean().item(), late.mean().item(), _tail(late)
 
 
@@ -57,7 +64,7 @@ def _etf_reference(att: torch.Tensor, frozen_hi: int, sink: int) -> tuple[float,
     the frozen rows ``[sink, E)``."""
     length = att.shape[-1]
     per_row = att[..., frozen_hi:, sink:frozen_hi].sum(-1)
-    late_from = max(frozen_hi, length - length // cal.LATE_FRACTION)
+    late_from = max(frozen_hi, length - length // LATE_FRACTION)
     late = att[..., late_from:, sink:frozen_hi].sum(-1)
     return per_row.mean().item(), late.mean().item(), _tail(late)
 
@@ -88,23 +95,23 @@ def story_file(tmp_path) -> Path:
 
 def test_dropped_mass_matches_a_full_matrix_reference(monkeypatch) -> None:
     model = tiny_model("llama", layers=6)
-    grid = cal.Grid(6, (1, 2, 3, 4), (0.5, 0.7), (0.5, 0.8), 1.0, 1.0, SINK)
+    grid = Grid(6, (1, 2, 3, 4), (0.5, 0.7), (0.5, 0.8), 1.0, 1.0, SINK)
     length = 72
     prompts = torch.randint(1, 128, (2, length), generator=torch.Generator().manual_seed(1))
-    monkeypatch.setattr(cal, "CHUNK_ELEMENTS", 4 * length * 5)  # chunks of 5 query rows: many chunks
-    m = cal.measure(model, prompts, grid, oracle_rows=4)
+    monkeypatch.setattr(measurement, "CHUNK_ELEMENTS", 4 * length * 5)  # chunks of 5 query rows: many chunks
+    m = measure(model, prompts, grid, oracle_rows=4)
     att = _reference(model, prompts)
     checked = 0
     for layer in range(6):
         for w, stat in m.psaw[layer].items():
             rows, late, tail = _psaw_reference(att[layer], w, SINK)
             assert stat.rows == pytest.approx(rows, abs=1e-6) and stat.late == pytest.approx(late, abs=1e-6), (layer, w)
-            assert (stat.late_q99, stat.late_max) == pytest.approx(tail, abs=2.0 / cal.TAIL_BINS), (layer, w)
+            assert (stat.late_q99, stat.late_max) == pytest.approx(tail, abs=2.0 / TAIL_BINS), (layer, w)
             checked += 1
         for e, stat in m.etf[layer].items():
             rows, late, tail = _etf_reference(att[layer], e, SINK)
             assert stat.rows == pytest.approx(rows, abs=1e-6) and stat.late == pytest.approx(late, abs=1e-6), (layer, e)
-            assert (stat.late_q99, stat.late_max) == pytest.approx(tail, abs=2.0 / cal.TAIL_BINS), (layer, e)
+            assert (stat.late_q99, stat.late_max) == pytest.approx(tail, abs=2.0 / TAIL_BINS), (layer, e)
             checked += 1
     assert checked > 20 and max(s.rows for s in m.psaw[5].values()) > 0.01  # the comparison is not of zeros
     assert max(s.late_max for s in m.psaw[5].values()) > max(s.late for s in m.psaw[5].values()) > 0.01
@@ -137,80 +144,80 @@ def test_the_calibration_pass_gives_the_model_back_when_a_forward_raises() -> No
 
 def test_measure_refuses_a_patched_model_with_a_calibration_error() -> None:
     model = tiny_model("llama", layers=4)
-    grid = cal.Grid(4, (1, 2), (0.5,), (0.5,), 1.0, 1.0, SINK)
+    grid = Grid(4, (1, 2), (0.5,), (0.5,), 1.0, 1.0, SINK)
     prompts = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(2))
     with prhs_hf.patch(model, {"budget": {"sink": 2, "local": 4, "topk": 16}}):
-        with pytest.raises(cal.CalibrationError, match=r"calibrate the unpatched model \(prhs_hf.unpatch\(model\)\)"):
-            cal.measure(model, prompts, grid)
+        with pytest.raises(CalibrationError, match=r"calibrate the unpatched model \(prhs_hf.unpatch\(model\)\)"):
+            measure(model, prompts, grid)
         assert prhs_hf.is_patched(model)
-    with pytest.raises(cal.CalibrationError, match="the grid is for 4 layers, the model has 3"):
-        cal.measure(tiny_model("llama", layers=3), prompts, grid)
+    with pytest.raises(CalibrationError, match="the grid is for 4 layers, the model has 3"):
+        measure(tiny_model("llama", layers=3), prompts, grid)
 
 
 def test_the_tail_histogram_gives_torch_quantile_within_a_bin_and_the_exact_maximum() -> None:
     g = torch.Generator().manual_seed(3)
     values = torch.rand(500, 3, generator=g) ** 4  # skewed toward 0, as dropped masses are
     keep = torch.rand(500, 3, generator=g) > 0.3
-    tail = cal._Tail(3)
+    tail = measurement._Tail(3)
     tail.add(values[:200], keep[:200])
     tail.add(values[200:], keep[200:])  # two chunks add up
     for k in range(3):
         kept = values[keep[:, k], k]
         for q in (0.5, 0.9, 0.99):
             exact = torch.quantile(kept.double(), q, interpolation="higher").item()
-            assert exact <= tail.quantile(k, q) <= exact + 1 / cal.TAIL_BINS, (k, q)
+            assert exact <= tail.quantile(k, q) <= exact + 1 / TAIL_BINS, (k, q)
         assert float(tail.max[k]) == pytest.approx(kept.max().item())
-    assert cal._Tail(2).quantile(0, 0.99) == 0.0  # nothing added
+    assert measurement._Tail(2).quantile(0, 0.99) == 0.0  # nothing added
 
 
 def test_a_schedule_that_drops_nothing_measures_zero() -> None:
     model = tiny_model("llama", layers=4)
-    grid = cal.Grid(4, (1, 2), (0.99999,), (0.99999,), 1.0, 1.0, SINK)
+    grid = Grid(4, (1, 2), (0.99999,), (0.99999,), 1.0, 1.0, SINK)
     prompts = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(2))
-    m = cal.measure(model, prompts, grid, oracle_rows=2)
+    m = measure(model, prompts, grid, oracle_rows=2)
     measured = [s for layer in m.psaw for s in layer.values()]
     assert measured and all(s.rows == 0.0 and s.late == 0.0 and s.worst_head == 0.0 and s.late_max == 0.0
                             for s in measured)
     assert all(not layer for layer in m.etf)  # E = 0: nothing frozen, nothing to measure
-    flops = cal.FlopModel.from_config(model.config)
-    c = cal.evaluate(m, flops, cal.Schedule(1, 0.99999), cal.Schedule(1, 0.99999))
+    flops = FlopModel.from_config(model.config)
+    c = evaluate(m, flops, Schedule(1, 0.99999), Schedule(1, 0.99999))
     assert c.psaw_worst == 0.0 and c.etf_worst == 0.0 and c.saving == 0.0
-    assert all(b is None or abs(b) < 1e-6 for b in cal.beta_emp(m, "psaw", c.psaw))
+    assert all(b is None or abs(b) < 1e-6 for b in beta_emp(m, "psaw", c.psaw))
 
 
 def test_visible_pairs_and_flops_follow_the_spec_predicate() -> None:
-    pairs = cal._Pairs(50, SINK)
+    pairs = VisiblePairs(50, SINK)
     for w, e in itertools.product((1.0, 0.9, 0.6, 0.31), (0, 3, SINK, 11, 30)):
         assert pairs(w, e) == visible_pairs(50, w, SINK, SINK, max(e, SINK)), (w, e)
     assert pairs(1.0, 0) == causal_pairs(50)
     model = tiny_model("llama", layers=4)
-    f = cal.FlopModel.from_config(model.config)
+    f = FlopModel.from_config(model.config)
     assert (f.heads, f.kv_heads, f.head_dim, f.mlp_width) == (4, 2, 16, 96)
     assert f.dense(50) == 4 * (4 * 16 * 4 * causal_pairs(50) + 50 * (4 * 64 * 2 * 16 + 2 * (2 * 64 * 64 + 3 * 64 * 96)))
 
 
-GRID = cal.Grid(6, (1, 2, 3, 4, 5), (0.5, 0.7, 0.9), (0.5, 0.8), 1.0, 1.0, SINK)
+GRID = Grid(6, (1, 2, 3, 4, 5), (0.5, 0.7, 0.9), (0.5, 0.8), 1.0, 1.0, SINK)
 
 
-def _measured(grid: cal.Grid, prompts: int) -> tuple[cal.Measurement, cal.FlopModel]:
+def _measured(grid: Grid, prompts: int) -> tuple[Measurement, FlopModel]:
     """A 6-layer tiny llama measured on ``prompts`` random 64-token prompts, and its FLOP model."""
     model = tiny_model("llama", layers=6)
     ids = torch.randint(1, 128, (prompts, 64), generator=torch.Generator().manual_seed(3))
-    return cal.measure(model, ids, grid, oracle_rows=0), cal.FlopModel.from_config(model.config)
+    return measure(model, ids, grid, oracle_rows=0), FlopModel.from_config(model.config)
 
 
-def _all_pairs(grid: cal.Grid) -> list[tuple[cal.Schedule, cal.Schedule]]:
+def _all_pairs(grid: Grid) -> list[tuple[Schedule, Schedule]]:
     """Every (PSAW, ETF) pair of the grid, either one possibly off: what an exhaustive search tries."""
-    options = lambda rates: [cal.OFF] + [cal.Schedule(s, r) for s in grid.start_layers for r in rates]  # noqa: E731
+    options = lambda rates: [OFF] + [Schedule(s, r) for s in grid.start_layers for r in rates]  # noqa: E731
     return list(itertools.product(options(grid.phis), options(grid.psis)))
 
 
 def test_choose_is_the_cheapest_pair_within_the_target() -> None:
     m, f = _measured(GRID, 1)
     target = 0.15
-    chosen = cal.choose(m, f, target)
+    chosen = choose(m, f, target)
     feasible = [c for p, e in _all_pairs(GRID)
-                if (c := cal.evaluate(m, f, p, e)).psaw_worst <= target and c.etf_worst <= target]
+                if (c := evaluate(m, f, p, e)).psaw_worst <= target and c.etf_worst <= target]
     assert chosen.flops == min(c.flops for c in feasible)
     assert chosen.psaw_worst <= target and chosen.etf_worst <= target and chosen.saving > 0
 
@@ -220,36 +227,35 @@ def test_a_row_target_bounds_the_single_row_tail_of_the_chosen_pair() -> None:
     mass under it: the cheapest pair among those, which is not the pair the mean target alone picks."""
     m, f = _measured(GRID, 2)
     target = 0.15
-    loose = cal.choose(m, f, target)
+    loose = choose(m, f, target)
     q99 = lambda c: max(st.late_q99 for kind, s in (("psaw", c.psaw), ("etf", c.etf))  # noqa: E731
-                        for st in cal._stats(m, kind, s))
+                        for st in layer_stats(m, kind, s))
     row_target = q99(loose) * 0.75  # strictly below what the mean target alone allows
-    chosen = cal.choose(m, f, target, row_target=row_target)
+    chosen = choose(m, f, target, row_target=row_target)
     assert q99(chosen) <= row_target < q99(loose)
     feasible = [c for p, e in _all_pairs(GRID)
-                if (c := cal.evaluate(m, f, p, e)).psaw_worst <= target and c.etf_worst <= target
-                and all(st.late_q99 <= row_target for st in cal._stats(m, "psaw", p) + cal._stats(m, "etf", e))]
+                if (c := evaluate(m, f, p, e)).psaw_worst <= target and c.etf_worst <= target
+                and all(st.late_q99 <= row_target for st in layer_stats(m, "psaw", p) + layer_stats(m, "etf", e))]
     assert chosen.flops == min(c.flops for c in feasible)
-    with pytest.raises(cal.CalibrationError, match=r"--row-target: 0 is out of range; allowed a dropped mass in \(0, 1\)"):
-        cal.choose(m, f, target, row_target=0)
+    with pytest.raises(CalibrationError, match=r"--row-target: 0 is out of range; allowed a dropped mass in \(0, 1\)"):
+        choose(m, f, target, row_target=0)
 
 
 def test_when_no_candidate_passes_the_nearest_one_is_named() -> None:
     """A calibration that turns PSAW or ETF off because nothing passes says which candidate came
-    closest and by how much, so the user sees how far the bound is (the 1.5B run at --row-target
-    0.05 picked CIS alone and said nothing more)."""
-    grid = cal.Grid(6, (1, 2, 3), (0.5, 0.6), (0.5,), 1.0, 1.0, SINK)  # candidates that all drop mass
+    closest and by how much, so the user sees how far the bound is."""
+    grid = Grid(6, (1, 2, 3), (0.5, 0.6), (0.5,), 1.0, 1.0, SINK)  # candidates that all drop mass
     m, f = _measured(grid, 2)
     target, row_target = 0.15, 1e-4
-    assert not cal.choose(m, f, target, row_target=row_target).psaw.enabled
-    miss = cal.nearest_miss(m, "psaw", target, row_target)
+    assert not choose(m, f, target, row_target=row_target).psaw.enabled
+    miss = nearest_miss(m, "psaw", target, row_target)
     brute = min(((s, p) for s in grid.start_layers for p in grid.phis),
-                key=lambda sp: cal._excess(cal._stats(m, "psaw", cal.Schedule(*sp)), target, row_target, None))
+                key=lambda sp: excess(layer_stats(m, "psaw", Schedule(*sp)), target, row_target, None))
     assert (miss.schedule.start_layer, miss.schedule.rate) == brute and miss.excess > 1.0
-    stats = cal._stats(m, "psaw", miss.schedule)
+    stats = layer_stats(m, "psaw", miss.schedule)
     assert miss.excess == pytest.approx(max(max(st.worst / target, st.late_q99 / row_target) for st in stats))
     assert miss.late_q99 == max(st.late_q99 for st in stats)
-    assert cal.nearest_miss(m, "psaw", 0.99) is None  # a loose bound: a candidate passes
+    assert nearest_miss(m, "psaw", 0.99) is None  # a loose bound: a candidate passes
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,7 +266,7 @@ def test_when_no_candidate_passes_the_nearest_one_is_named() -> None:
 def test_the_chosen_config_loads_and_keeps_the_target_on_the_calibration_prompts(tiny_with_tokenizer, tmp_path) -> None:
     model, tokenizer, _ = tiny_with_tokenizer
     target, length, n = 0.2, 64, 2
-    result = cal.calibrate(model, tokenizer, [STORY], n=n, length=length, target=target, start_layers="1:6",
+    result = calibrate(model, tokenizer, [STORY], n=n, length=length, target=target, start_layers="1:6",
                            phis="0.5,0.7,0.9", psis="0.5,0.8", oracle_rows=4)
     path = tmp_path / "calibrated.yaml"
     path.write_text(result.yaml_text())
@@ -275,7 +281,7 @@ def test_the_chosen_config_loads_and_keeps_the_target_on_the_calibration_prompts
     resolved = config.resolve(6)
     assert (resolved.psaw_start, resolved.etf_start) == (c.psaw.start_layer, c.etf.start_layer)
     # an independent check on the same prompts: the full matrices, the schedules of the loaded config
-    prompts = cal.pack_prompts([STORY], tokenizer, length, n)
+    prompts = pack_prompts([STORY], tokenizer, length, n)
     att = _reference(model, prompts)
     sink = config.budget.sink
     g = result.measurement.grid
@@ -295,7 +301,7 @@ def test_the_chosen_config_loads_and_keeps_the_target_on_the_calibration_prompts
 
 def test_a_calibration_that_turns_both_off_names_the_nearest_candidates(tiny_with_tokenizer, tmp_path) -> None:
     model, tokenizer, _ = tiny_with_tokenizer
-    result = cal.calibrate(model, tokenizer, [STORY], n=2, length=64, target=0.2, row_target=1e-4, start_layers="1:4",
+    result = calibrate(model, tokenizer, [STORY], n=2, length=64, target=0.2, row_target=1e-4, start_layers="1:4",
                            phis="0.5,0.6", psis="0.5", oracle_rows=0)
     assert not result.chosen.psaw.enabled and not result.chosen.etf.enabled
     for label in ("PSAW", "ETF"):
@@ -311,15 +317,15 @@ def test_pack_prompts_reads_text_jsonl_and_folders(tiny_with_tokenizer, tmp_path
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "alpha " * 30}) + "\n\n" + json.dumps({"text": "beta " * 30}) + "\n")
     (tmp_path / "b.txt").write_text("gamma " * 30)
     (tmp_path / "skip.bin").write_text("never read")
-    texts = list(cal.read_texts(tmp_path))
+    texts = list(read_texts(tmp_path))
     assert texts == ["alpha " * 30, "beta " * 30, "gamma " * 30]
-    prompts = cal.pack_prompts(texts, tokenizer, 100, 5)
+    prompts = pack_prompts(texts, tokenizer, 100, 5)
     assert prompts.shape == (5, 100)
-    with pytest.raises(cal.CalibrationError, match=r"--n 6 prompts of --length 100 need"):
-        cal.pack_prompts(texts, tokenizer, 100, 6)
+    with pytest.raises(CalibrationError, match=r"--n 6 prompts of --length 100 need"):
+        pack_prompts(texts, tokenizer, 100, 6)
     (tmp_path / "bad.jsonl").write_text('{"title": "no text"}\n')
-    with pytest.raises(cal.CalibrationError, match=r"bad.jsonl:1: expected a JSON object with a \"text\""):
-        list(cal.read_texts(tmp_path / "bad.jsonl"))
+    with pytest.raises(CalibrationError, match=r"bad.jsonl:1: expected a JSON object with a \"text\""):
+        list(read_texts(tmp_path / "bad.jsonl"))
 
 
 # --------------------------------------------------------------------------------------------

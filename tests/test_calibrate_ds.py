@@ -1,4 +1,4 @@
-"""Tests of ``prhs-hf calibrate-ds`` (prhs_hf/calibration/calibrate_ds.py): Double Sparsity's offline label
+"""Tests of ``prhs-hf calibrate-ds`` (prhs_hf/calibration/ds_channels.py): Double Sparsity's offline label
 channels, on a tiny random llama, CPU only."""
 
 from __future__ import annotations
@@ -10,10 +10,13 @@ import pytest
 import torch
 
 import prhs_hf
-from prhs_hf.calibration import calibrate as cal
 from prhs_hf import cli
+from prhs_hf.calibration import ds_channels
+from prhs_hf.calibration.ds_channels import label_contributions
+from prhs_hf.calibration.options import CalibrationError
+from prhs_hf.calibration.texts import pack_prompts
 from prhs_hf.config import ConfigError
-from prhs_hf.selectors.double_sparsity import label_contributions, load_label_channels, top_channels
+from prhs_hf.selectors.double_sparsity import load_label_channels, top_channels
 
 from lm_eval_fixtures import save_tiny_checkpoint
 
@@ -47,7 +50,7 @@ def test_cli_writes_channels_and_a_config_that_uses_them(checkpoint, story_file,
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    prompts = cal.pack_prompts([STORY], tokenizer, 64, 2)
+    prompts = pack_prompts([STORY], tokenizer, 64, 2)
     expect = top_channels(label_contributions(model, iter(prompts)), 5)
     channels, head_dim = load_label_channels(f"{out}.pt")
     assert head_dim == 16 and channels.shape == (2, 4, 5) and torch.equal(channels, expect)
@@ -120,8 +123,5 @@ def test_help_lists_calibrate_ds():
                                              ({"n": False}, "--n: False is out of range"),
                                              ({"length": 2.5}, "--length: 2.5 is out of range")])
 def test_the_python_api_refuses_a_bool_or_a_float_for_a_count(kwargs, message, story_file):
-    from prhs_hf.calibration import calibrate_ds
-    from prhs_hf.calibration.calibrate import CalibrationError
-
     with pytest.raises(CalibrationError, match=message):
-        calibrate_ds.run("smollm2-135m", text=story_file, **kwargs)
+        ds_channels.run("smollm2-135m", text=story_file, **kwargs)

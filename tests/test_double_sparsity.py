@@ -1,6 +1,9 @@
-"""Double Sparsity (issue 15 item 3): label channels, the label cache and the selection, against naive references."""
+"""Double Sparsity: label channels, the label cache and the selection, against naive references."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,15 +11,11 @@ from torch._dynamo.utils import counters
 from transformers.generation.configuration_utils import CompileConfig
 
 import prhs_hf
+from prhs_hf.calibration.ds_channels import calibrate_label_channels, save_label_channels
 from prhs_hf.config import ConfigError
 from prhs_hf.geometry import SequenceGeometry
 from prhs_hf.selectors import DoubleSparsitySelector, OracleSelector, make_selector
-from prhs_hf.selectors.double_sparsity import (
-    calibrate_label_channels,
-    label_keys,
-    load_label_channels,
-    save_label_channels,
-)
+from prhs_hf.selectors.double_sparsity import label_keys, load_label_channels
 from test_selectors import (
     B, BUDGET, D, HKV, HQ, PADS, S0, SCALE, _compose, _data, _frame, _got, _params, _patched, _ranked, _row_keys,
     _swapped,
@@ -257,6 +256,17 @@ def test_calibrate_label_channels_matches_a_naive_recomputation(tmp_path):
         calibrate_label_channels(model, _Tokenizer(), [""], 5)
 
 
+def test_the_selector_only_loads_label_channels():
+    """The offline calibration lives in prhs_hf.calibration; the selector reads its file and imports
+    none of it (a patched model runs without the calibration package)."""
+    code = ("import sys, prhs_hf.selectors.double_sparsity as ds; "
+            "print(sorted(m for m in sys.modules if m.startswith('prhs_hf.calibration')), "
+            "[n for n in ('label_contributions', 'calibrate_label_channels', 'save_label_channels') if hasattr(ds, n)])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["[]", "[]"]
+
+
 # ----------------------------------------------------------------------------- in a model
 
 
@@ -376,7 +386,7 @@ def test_compiled_static_decode_is_one_graph_with_eager_tokens():
     assert torch.equal(compiled, eager)
     eager_swapped, _ = generate_static(model, ids[[1, 0]], mask[[1, 0]], compiled=False)
     assert torch.equal(again, eager_swapped)
-    assert r_eager.sparse_steps > 0 and r_compiled.decode_steps == r_eager.decode_steps == 13
+    assert r_eager.sparse_sequence_steps > 0 and r_compiled.decode_steps == r_eager.decode_steps == 13
     assert r_compiled.processed_kv_per_step == r_eager.processed_kv_per_step
 
 

@@ -1,15 +1,14 @@
 """Dense forwards of the unpatched model that hand every layer's query and key to a hook.
 
-Both calibrations read the model this way: ``prhs-hf calibrate`` (:func:`prhs_hf.calibration.calibrate.measure`:
-the attention mass PSAW and ETF would drop) and Double Sparsity's label channels
-(:func:`prhs_hf.selectors.double_sparsity.label_contributions`). :func:`layer_qk_hooks` sets the
-pass up and takes it down again: the model's attention becomes dense SDPA
-(:func:`~prhs_hf.attention.gqa_sdpa_attention_forward`) that first calls the layer's hook with its
-post-RoPE query and key.
+Both calibrations read the model this way: ``prhs-hf calibrate``
+(:func:`prhs_hf.calibration.measurement.measure`: the attention mass PSAW and ETF would drop) and
+Double Sparsity's label channels (:func:`prhs_hf.calibration.ds_channels.label_contributions`).
+:func:`layer_qk_hooks` sets the pass up and takes it down again: the model's attention becomes
+dense SDPA (:func:`~prhs_hf.attention.gqa_sdpa_attention_forward`) that first calls the layer's
+hook with its post-RoPE query and key.
 
-This module imports nothing that leads to :mod:`prhs_hf.patching`, the runtime or the selectors
-(whether a model is patched comes from :mod:`prhs_hf.families`), so a selector can calibrate with
-it without an import cycle.
+Whether a model is patched comes from :func:`prhs_hf.patching.is_patched`: nothing in the runtime
+core imports this package, so that import makes no cycle.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..attention import gqa_sdpa_attention_forward
-from ..families import check_model, decoder_layers, is_patched
+from ..families import check_model, decoder_layers
+from ..patching import is_patched
 
 __all__ = ["QKHook", "layer_qk_hooks"]
 

@@ -3,8 +3,9 @@
 Double Sparsity ("DS" in the paper's Tables IV and V) is token sparsity guided by channel
 sparsity. Offline, each (layer, query head) gets its *label channels*: the ``r`` channels ``c`` of
 the head dimension with the largest mean contribution ``|q[c] · k[c]|`` over calibration tokens
-(each token's post-RoPE query with its own key; :func:`calibrate_label_channels`, saved with
-:func:`save_label_channels` and named by the config's ``baseline.label_channels``). At decode the
+(each token's post-RoPE query with its own key). ``prhs-hf calibrate-ds``
+(:mod:`prhs_hf.calibration.ds_channels`) measures them and writes the file that the config's
+``baseline.label_channels`` names; this module only loads it (:func:`load_label_channels`). At decode the
 selector keeps a *label cache*, the ``r`` label channels of every cached key for each query head
 (:class:`LabelCache`, one ``[L, B, Hq, S, r]`` buffer for all layers, built from the prompt's keys
 in :meth:`DoubleSparsitySelector.observe_prefill` and given the new key's row at every step, in
@@ -32,18 +33,14 @@ Retrieval ratio: every active row scores every middle token at every step (ρ̂ 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from ..config import ConfigError, ResolvedConfig
 from ..decode import DecodeParams, DecodeSelection, layer_rows
 from ..geometry import SequenceGeometry
-from ..kernels._common import gqa_group
+from ..kernels.triton_support import gqa_group
 from .set_steps import compose, retrieve_topk, step_frame
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "DoubleSparsitySelector",
@@ -51,9 +48,6 @@ __all__ = [
     "qk_channel_contributions",
     "top_channels",
     "label_keys",
-    "label_contributions",
-    "calibrate_label_channels",
-    "save_label_channels",
     "load_label_channels",
 ]
 
@@ -309,7 +303,7 @@ class DoubleSparsitySelector:
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        geom: SequenceGeometry, params: DecodeParams, scale: float,
+        geom: SequenceGeometry, params: DecodeParams, scale: float, ops: object = None,
     ) -> DecodeSelection:
         """``sink ∪ top-k(scale · q[labels] · K[middle, labels]) ∪ local`` for every active row."""
         B, H, _ = q.shape
@@ -331,72 +325,10 @@ class DoubleSparsitySelector:
             self.cache.ready = [False] * len(self.cache.ready)
 
 
-# --------------------------------------------------------------------------------------------
-# Offline calibration
-# --------------------------------------------------------------------------------------------
-
-
-def label_contributions(model: "PreTrainedModel", prompts: Iterable[torch.Tensor]) -> torch.Tensor:
-    """``[L, Hq, D]`` float32: ``|q[c] · k[c]|`` averaged over every token of ``prompts`` per (layer,
-    query head, channel), each token's post-RoPE query with its own key.
-
-    ``prompts`` yields token ids, ``[1, T]`` or ``[T]`` each (one dense forward of the *unpatched*
-    model per prompt; each layer's query and key are read on the way by
-    :func:`~prhs_hf.calibration.dense_pass.layer_qk_hooks`, whose attention runs dense SDPA).
-    """
-    from ..calibration.dense_pass import layer_qk_hooks
-
-    sums: list[torch.Tensor | None] = []  # one per layer, made once the model is checked
-    tokens = 0
-
-    def make_hook(index: int):
-        def hook(query, key, scaling):
-            L = query.shape[2]
-            valid = torch.ones(query.shape[0], L, dtype=torch.bool, device=query.device)
-            s, _ = qk_channel_contributions(query, key[:, :, :L], valid)
-            sums[index] = s.sum(0) if sums[index] is None else sums[index] + s.sum(0)
-        return hook
-
-    with layer_qk_hooks(model, make_hook) as layers:
-        sums.extend([None] * len(layers))
-        device = next(model.parameters()).device
-        with torch.inference_mode():
-            for ids in prompts:
-                ids = ids.reshape(1, -1)
-                if ids.shape[1] == 0:
-                    continue
-                model(input_ids=ids.to(device), use_cache=False, logits_to_keep=1)
-                tokens += ids.shape[1]
-    if tokens == 0:
-        raise ValueError("texts: no calibration tokens (give at least one non-empty text)")
-    return (torch.stack(sums) / tokens).float().cpu()
-
-
-def calibrate_label_channels(
-    model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", texts: Iterable[str], r: int,
-    max_length: int = 4096,
-) -> torch.Tensor:
-    """``[L, Hq, r]`` int64 label channels of every layer and query head, by descending contribution:
-    the top ``r`` of :func:`label_contributions` over ``texts`` (each truncated to ``max_length`` tokens).
-
-    ``prhs-hf calibrate-ds`` (:mod:`prhs_hf.calibration.calibrate_ds`) runs this on packed calibration prompts
-    and writes the file and a config that names it.
-    """
-    prompts = (tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"]
-               for text in texts)
-    return top_channels(label_contributions(model, prompts), r).cpu()
-
-
-def save_label_channels(path: str | Path, channels: torch.Tensor, head_dim: int) -> Path:
-    """Write ``channels [L, Hq, r]`` (and the head dimension they index) to ``path`` (.pt)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"channels": channels.long().cpu(), "head_dim": int(head_dim)}, path)
-    return path
-
-
 def load_label_channels(path: str | Path) -> tuple[torch.Tensor, int]:
-    """``(channels [L, Hq, r] int64, head_dim)`` from a file of :func:`save_label_channels`.
+    """``(channels [L, Hq, r] int64, head_dim)`` from a label-channel file: a ``torch.save`` of
+    ``{"channels": [L, Hq, r] int64, "head_dim": int}``, as ``prhs-hf calibrate-ds`` writes it
+    (:func:`prhs_hf.calibration.ds_channels.save_label_channels`).
 
     Errors name ``baseline.label_channels``.
     """
