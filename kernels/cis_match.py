@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._common import NORM_EPS, next_pow2, require_triton, tl, triton, unit_vectors
+from .triton_support import NORM_EPS, next_pow2, program_bh, require_triton, tl, triton, unit_vectors
 
 __all__ = ["CISMatch", "cis_match", "cis_match_reference"]
 
@@ -43,9 +43,7 @@ def _cis_match_kernel(
     BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program per (batch, query head) row: cosine against the valid anchors, argmax."""
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
+    pid, b, h = program_bh(H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_a = tl.arange(0, BLOCK_A)
     dmask = offs_d < D
@@ -68,13 +66,8 @@ def _cis_match_kernel(
     tl.store(RETR + pid, (best == -1).to(tl.int8))
 
 
-def cis_match(
-    q: torch.Tensor,
-    anchor_q: torch.Tensor,
-    anchor_count: torch.Tensor,
-    active: torch.Tensor,
-    tau: float,
-) -> CISMatch:
+def cis_match(q: torch.Tensor, anchor_q: torch.Tensor, anchor_count: torch.Tensor, active: torch.Tensor,
+              tau: float) -> CISMatch:
     """Triton CIS matching: one launch, one program per (batch, query head) row, no sync.
 
     Args and result as :func:`cis_match_reference`.
@@ -103,13 +96,8 @@ def cis_match(
     return CISMatch(out, retrieve)
 
 
-def cis_match_reference(
-    q: torch.Tensor,
-    anchor_q: torch.Tensor,
-    anchor_count: torch.Tensor,
-    active: torch.Tensor,
-    tau: float,
-) -> CISMatch:
+def cis_match_reference(q: torch.Tensor, anchor_q: torch.Tensor, anchor_count: torch.Tensor, active: torch.Tensor,
+                        tau: float) -> CISMatch:
     """PyTorch reference of :func:`cis_match` (vectorised, sync-free).
 
     Args:

@@ -20,7 +20,7 @@ from typing import Union
 
 import torch
 
-from ._common import NORM_EPS, next_pow2, require_triton, tl, triton
+from .triton_support import NORM_EPS, next_pow2, program_bh, require_triton, tl, triton
 from .record_anchors import _record_row, check_record, record_anchors, record_anchors_reference, record_launch_args
 
 __all__ = [
@@ -38,6 +38,9 @@ __all__ = [
     "dilate_compose_and_record_reference",
     "SET_NONE",
 ]
+
+#: ``dilate`` of :func:`compose_indices`: one bool for every row, or a ``[B, Hq]`` bool tensor.
+DilateArg = Union[bool, torch.Tensor]
 
 # Kernel design: the sink range [0, s_end) and the window [w0, t) (w0 = max(win_start, s_end))
 # are contiguous and disjoint, so only the middle candidates (the selected indices and their
@@ -58,16 +61,9 @@ def _last_two(last_a, prev_a, last_b, prev_b):
 
 
 @triton.jit
-def _program_bh(H: tl.constexpr):
-    """This program's row of the ``[B, H]`` grid (one program per row): ``(pid, b, h)``."""
-    pid = tl.program_id(0)
-    return pid, pid // H, pid % H
-
-
-@triton.jit
 def _program_row(FLAG, stride_fb, stride_fh, H: tl.constexpr):
     """This program's row and whether it is flagged: ``(pid, b, h, flag)``."""
-    pid, b, h = _program_bh(H)
+    pid, b, h = program_bh(H)
     flag = tl.load(FLAG + b * stride_fb + h * stride_fh).to(tl.int32)
     return pid, b, h, flag
 
@@ -164,7 +160,7 @@ def _compose_kernel(
     H: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per (batch, query head) row: its sorted, deduplicated index set."""
-    pid, b, h = _program_bh(H)
+    pid, b, h = program_bh(H)
     t, lo, hi, s_end, w0, wlen = _step_regions(T, LO, HI, WS, b, SINK)
     dil = tl.load(DIL + b * stride_db + h * stride_dh).to(tl.int32)
 
@@ -183,18 +179,19 @@ def _compose_kernel(
     _write_composed(IDX + pid * CAP, CNT + pid, v, keep, rank, n_mid, n_below, s_end, w0, wlen, CAP, BLOCK)
 
 
-def compose_indices(
-    t: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    win_start: torch.Tensor,
-    sel_idx: torch.Tensor,
-    dilate: DilateArg,
-    sink: int,
-    dil_m: int,
-    dil_r: int,
-    cap: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _composition(B: int, H: int, cap: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(idx [B, H, cap], count [B, H])`` int32 for a composition launch to write, and whether there
+    is nothing to launch (no rows, or ``cap = 0``: every count 0)."""
+    idx = torch.empty((B, H, cap), dtype=torch.int32, device=device)
+    cnt = torch.empty((B, H), dtype=torch.int32, device=device)
+    if cap == 0:
+        cnt.zero_()
+    return idx, cnt, B * H == 0 or cap == 0
+
+
+def compose_indices(t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, win_start: torch.Tensor,
+                    sel_idx: torch.Tensor, dilate: DilateArg, sink: int, dil_m: int, dil_r: int,
+                    cap: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton index composition: one launch, one program per (batch, query head), no sync.
 
     The middle candidates (``k + 2*dil_r*min(dil_m, k)`` of them) are sorted in registers.
@@ -204,12 +201,9 @@ def compose_indices(
     B, H, K = sel_idx.shape
     dev = sel_idx.device
     cap = int(cap)
-    idx = torch.empty((B, H, cap), dtype=torch.int32, device=dev)
-    cnt = torch.empty((B, H), dtype=torch.int32, device=dev)
-    if B * H == 0:
+    idx, cnt, nothing = _composition(B, H, cap, dev)
+    if nothing:
         return idx, cnt
-    if cap == 0:
-        return idx, cnt.zero_()
     if sel_idx.stride(-1) != 1:
         sel_idx = sel_idx.contiguous()
     r = int(dil_r)
@@ -225,8 +219,6 @@ def compose_indices(
         num_warps=4 if nc <= 1024 else (8 if nc <= 4096 else 16),
     )
     return idx, cnt
-
-DilateArg = Union[bool, torch.Tensor]
 
 # ----------------------------------------------------------------------------- anchor sets
 #
@@ -254,12 +246,8 @@ def dilated_set_size(k: int, dil_m: int, dil_r: int) -> int:
 
 
 @triton.jit
-def _dilated_set_kernel(
-    SEL, FLAG, OUT,
-    stride_sb, stride_sh, stride_fb, stride_fh,
-    K, M, R, NSET,
-    H: tl.constexpr, NC: tl.constexpr,
-):
+def _dilated_set_kernel(SEL, FLAG, OUT, stride_sb, stride_sh, stride_fb, stride_fh, K, M, R, NSET,
+                        H: tl.constexpr, NC: tl.constexpr):
     """One program per row; rows without FLAG only write the padding (no sort)."""
     pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
     i = tl.arange(0, NC)
@@ -272,12 +260,8 @@ def _dilated_set_kernel(
 
 
 @triton.jit
-def _dilated_mark_kernel(
-    SEL, FLAG, MAP,
-    stride_sb, stride_sh, stride_fb, stride_fh,
-    K, M, R, L,
-    H: tl.constexpr, NC: tl.constexpr,
-):
+def _dilated_mark_kernel(SEL, FLAG, MAP, stride_sb, stride_sh, stride_fb, stride_fh, K, M, R, L,
+                         H: tl.constexpr, NC: tl.constexpr):
     """One program per row: mark its indices in its row of a zeroed int8 map over ``[-R, L - R)``,
     1 for a neighbour, then 2 for a selected index (selected wins where both fall)."""
     pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
@@ -421,7 +405,7 @@ def _compose_sets_kernel(
     H: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per row: filter its (sorted, unique) set, prefix-sum the output slots."""
-    pid, b, h = _program_bh(H)
+    pid, b, h = program_bh(H)
     best = tl.load(BEST + b * stride_bb + h * stride_bh)
     i = tl.arange(0, NC)
     im = i < NSET
@@ -434,31 +418,19 @@ def _compose_sets_kernel(
     _compose_from_set(T, LO, HI, WS, b, SINK, x, IDX + pid.to(tl.int64) * CAP, CNT + pid, CAP, BLOCK)
 
 
-def compose_from_sets(
-    t: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    win_start: torch.Tensor,
-    best: torch.Tensor,
-    anchor_sets: torch.Tensor,
-    new_set: torch.Tensor,
-    sink: int,
-    cap: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compose_from_sets(t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, win_start: torch.Tensor,
+                      best: torch.Tensor, anchor_sets: torch.Tensor, new_set: torch.Tensor, sink: int,
+                      cap: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton composition from dilated sets: one launch, no sort, no glue.
 
     Args and result as :func:`compose_from_sets_reference`.
     """
     require_triton(best, anchor_sets, new_set)
     B, H, s, nset = anchor_sets.shape
-    dev = best.device
     cap = int(cap)
-    idx = torch.empty((B, H, cap), dtype=torch.int32, device=dev)
-    cnt = torch.empty((B, H), dtype=torch.int32, device=dev)
-    if B * H == 0:
+    idx, cnt, nothing = _composition(B, H, cap, best.device)
+    if nothing:
         return idx, cnt
-    if cap == 0:
-        return idx, cnt.zero_()
     if anchor_sets.stride(-1) != 1:
         anchor_sets = anchor_sets.contiguous()
     if new_set.stride(-1) != 1:
@@ -493,7 +465,7 @@ def _dilate_compose_kernel(
     (``record_anchors``: its unit query ``Q``, its new set, its count) into the layer's state
     ``AQ, AIDX, ACNT``, of which ``ASET`` is the set part: the row reads its anchor's set before it
     writes its slot, which is never one in use."""
-    pid, b, h = _program_bh(H)
+    pid, b, h = program_bh(H)
     best = tl.load(BEST + b * stride_bb + h * stride_bh)
     i = tl.arange(0, NC)
     new_row = NEWSET + pid.to(tl.int64) * NSET
@@ -579,10 +551,8 @@ def _dilate_compose(t, lo, hi, win_start, best, anchor_sets, new_idx, sink, cap,
         if record is not None:
             record_anchors(*record[:5], new_set, best, record[5])
         return out
-    dev = best.device
-    new_set = torch.empty((B, H, nset), dtype=torch.int32, device=dev)
-    idx = torch.empty((B, H, cap), dtype=torch.int32, device=dev)
-    cnt = torch.empty((B, H), dtype=torch.int32, device=dev)
+    new_set = torch.empty((B, H, nset), dtype=torch.int32, device=best.device)
+    idx, cnt, _ = _composition(B, H, cap, best.device)
     if anchor_sets.stride(-1) != 1:
         if record is not None:
             raise ValueError("dilate_compose_and_record: anchor_idx needs a contiguous last dim (it is written in place)")
@@ -607,17 +577,9 @@ def _dilate_compose(t, lo, hi, win_start, best, anchor_sets, new_idx, sink, cap,
     return new_set, idx, cnt
 
 
-def compose_from_sets_reference(
-    t: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    win_start: torch.Tensor,
-    best: torch.Tensor,
-    anchor_sets: torch.Tensor,
-    new_set: torch.Tensor,
-    sink: int,
-    cap: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compose_from_sets_reference(t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, win_start: torch.Tensor,
+                                best: torch.Tensor, anchor_sets: torch.Tensor, new_set: torch.Tensor, sink: int,
+                                cap: int) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`compose_from_sets` (vectorised, sync-free).
 
     The §3 composition where a row's middle candidates come from a dilated set (see
@@ -639,34 +601,41 @@ def compose_from_sets_reference(
         ``(idx [B, Hq, cap] int32, count [B, Hq] int32)``.
     """
     B, Hq, s, n = anchor_sets.shape
-    dev = best.device
-    big = torch.iinfo(torch.int64).max
-    t_ = t.long().view(B, 1, 1)
-    lo_ = lo.long().view(B, 1, 1)
-    hi_ = hi.long().view(B, 1, 1)
-    ws = win_start.long().clamp_min(0).view(B, 1, 1)
     pick = best.clamp_min(0).long().view(B, Hq, 1, 1).expand(B, Hq, 1, n)
     shared_set = torch.gather(anchor_sets, 2, pick).view(B, Hq, n).long()
-    fresh = new_set.long()
-    x = torch.where((best >= 0).unsqueeze(-1), shared_set, fresh)
+    x = torch.where((best >= 0).unsqueeze(-1), shared_set, new_set.long())
     use = (x != SET_NONE) & (((best >= 0).unsqueeze(-1)) | ((best == -1).unsqueeze(-1) & (x % 2 == 0)))
     v = torch.div(x, 2, rounding_mode="floor")
-    parts = [torch.where(use & (v >= lo_) & (v < hi_), v, big)]
-    sink_r = torch.arange(int(sink), device=dev).view(1, 1, -1).expand(B, Hq, -1)
-    parts.append(torch.where(sink_r < t_, sink_r, big))
-    win = ws + torch.arange(int(cap), device=dev).view(1, 1, -1)
-    parts.append(torch.where(win < t_, win, big).expand(B, Hq, -1))
+    in_mid = (v >= lo.long().view(B, 1, 1)) & (v < hi.long().view(B, 1, 1))
+    return _compose_reference(torch.where(use & in_mid, v, _NONE64), t, win_start, sink, cap)
+
+
+#: "no index" of the references' int64 candidates (sorts after every index)
+_NONE64 = torch.iinfo(torch.int64).max
+
+
+def _compose_reference(middle: torch.Tensor, t: torch.Tensor, win_start: torch.Tensor, sink: int,
+                       cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The references' composition from their middle candidates ``middle [B, H, n]`` int64 (clipped
+    to the region, :data:`_NONE64` for none, duplicates allowed): with the sink ``[0, min(sink, t))``
+    and the window ``[win_start, t)``, sorted, duplicates dropped, the first ``cap`` kept, ``-1``
+    after: ``(idx [B, H, cap] int32, count [B, H] int32)``."""
+    B, H = middle.shape[:2]
+    dev = middle.device
+    t_ = t.long().view(B, 1, 1)
+    sink_r = torch.arange(int(sink), device=dev).view(1, 1, -1).expand(B, H, -1)
+    win = win_start.long().clamp_min(0).view(B, 1, 1) + torch.arange(int(cap), device=dev).view(1, 1, -1)
+    parts = [middle, torch.where(sink_r < t_, sink_r, _NONE64), torch.where(win < t_, win, _NONE64).expand(B, H, -1)]
     cand = torch.sort(torch.cat(parts, dim=-1), dim=-1).values
     dup = torch.zeros_like(cand, dtype=torch.bool)
     dup[..., 1:] = cand[..., 1:] == cand[..., :-1]
-    cand = torch.sort(torch.where(dup, big, cand), dim=-1).values
-    m = cand.shape[-1]
-    if m < cap:
-        cand = torch.cat([cand, cand.new_full((B, Hq, int(cap) - m), big)], dim=-1)
+    cand = torch.sort(torch.where(dup, _NONE64, cand), dim=-1).values
+    n = cand.shape[-1]
+    if n < cap:
+        cand = torch.cat([cand, cand.new_full((B, H, int(cap) - n), _NONE64)], dim=-1)
     cand = cand[..., : int(cap)]
-    keep = cand != big
-    idx = torch.where(keep, cand, -1).to(torch.int32)
-    return idx, keep.sum(dim=-1).to(torch.int32)
+    keep = cand != _NONE64
+    return torch.where(keep, cand, -1).to(torch.int32), keep.sum(dim=-1).to(torch.int32)
 
 
 def dilate_and_compose_reference(
@@ -717,18 +686,9 @@ def dilate_mask(dilate: DilateArg, B: int, Hq: int, device: torch.device) -> tor
     return torch.full((B, Hq), bool(dilate), dtype=torch.bool, device=device)
 
 
-def compose_indices_reference(
-    t: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    win_start: torch.Tensor,
-    sel_idx: torch.Tensor,
-    dilate: DilateArg,
-    sink: int,
-    dil_m: int,
-    dil_r: int,
-    cap: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compose_indices_reference(t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, win_start: torch.Tensor,
+                              sel_idx: torch.Tensor, dilate: DilateArg, sink: int, dil_m: int, dil_r: int,
+                              cap: int) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`compose_indices` (vectorised, sync-free).
 
     Builds every candidate of every row in one fixed-shape tensor (sink range, selected,
@@ -749,19 +709,10 @@ def compose_indices_reference(
     """
     B, Hq, K = sel_idx.shape
     dev = sel_idx.device
-    big = torch.iinfo(torch.int64).max
-    t_ = t.long().view(B, 1, 1)
     lo_ = lo.long().view(B, 1, 1)
     hi_ = hi.long().view(B, 1, 1)
-    ws = win_start.long().clamp_min(0).view(B, 1, 1)
-
-    def in_mid(x: torch.Tensor) -> torch.Tensor:
-        return (x >= lo_) & (x < hi_)
-
     sel = sel_idx.long()
-    parts = [torch.where((sel >= 0) & in_mid(sel), sel, big)]
-    sink_r = torch.arange(int(sink), device=dev).view(1, 1, -1).expand(B, Hq, -1)
-    parts.append(torch.where(sink_r < t_, sink_r, big))
+    parts = [torch.where((sel >= 0) & (sel >= lo_) & (sel < hi_), sel, _NONE64)]
     m = min(int(dil_m), K)
     if m > 0 and dil_r > 0:
         r = int(dil_r)
@@ -771,17 +722,5 @@ def compose_indices_reference(
         nb = p.unsqueeze(-1) + offs  # [B, Hq, m, 2r]
         ok = (p >= 0).unsqueeze(-1) & dilate_mask(dilate, B, Hq, dev).view(B, Hq, 1, 1)
         ok = ok & (nb >= lo_.unsqueeze(-1)) & (nb < hi_.unsqueeze(-1))
-        parts.append(torch.where(ok, nb, big).reshape(B, Hq, -1))
-    win = ws + torch.arange(int(cap), device=dev).view(1, 1, -1)
-    parts.append(torch.where(win < t_, win, big).expand(B, Hq, -1))
-    cand = torch.sort(torch.cat(parts, dim=-1), dim=-1).values
-    dup = torch.zeros_like(cand, dtype=torch.bool)
-    dup[..., 1:] = cand[..., 1:] == cand[..., :-1]
-    cand = torch.sort(torch.where(dup, big, cand), dim=-1).values
-    n = cand.shape[-1]
-    if n < cap:
-        cand = torch.cat([cand, cand.new_full((B, Hq, int(cap) - n), big)], dim=-1)
-    cand = cand[..., : int(cap)]
-    keep = cand != big
-    idx = torch.where(keep, cand, -1).to(torch.int32)
-    return idx, keep.sum(dim=-1).to(torch.int32)
+        parts.append(torch.where(ok, nb, _NONE64).reshape(B, Hq, -1))
+    return _compose_reference(torch.cat(parts, dim=-1), t, win_start, sink, cap)

@@ -5,8 +5,8 @@ Each is a :class:`DecodeOps` with ``cis_match``, ``topk_retrieval``, ``compose_i
 ``dilate_and_compose``, the anchor-set fast path, see compose_indices.py, and ``record_anchors``);
 :func:`get_decode_ops` picks one by name (``"torch"``/``"reference"`` or ``"triton"``);
 :func:`cis_select` chains match, retrieval and composition from the anchors' sets (the CIS
-selector, ``prhs_hf.selectors.cis``, calls it around its state); :func:`cis_decode_step` adds the
-sparse attention (tests, benchmark).
+selector, ``prhs_hf.selectors.cis``, calls it around its state; the stateless whole step with the
+sparse attention, for tests and benchmarks, is ``scripts/_bench_common.py``'s ``cis_decode_step``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ._common import HAS_TRITON
 from . import library_ops
 from .cis_match import cis_match, cis_match_reference
 from .compose_indices import (
@@ -28,7 +27,7 @@ from .compose_indices import (
     dilate_compose_and_record_reference,
     dilated_set_size,
 )
-from ._common import unit_vectors
+from .triton_support import HAS_TRITON, unit_vectors
 from .record_anchors import record_anchors, record_anchors_reference
 from .sparse_decode_attention import (
     sparse_decode_attention,
@@ -49,12 +48,10 @@ __all__ = [
     "TRITON_OPS",
     "HAS_TRITON",
     "get_decode_ops",
-    "cis_decode_step",
     "cis_select",
     "CISSelection",
     "AnchorRecord",
     "group_query",
-    "DecodeStepResult",
     "dilated_set_size",
 ]
 
@@ -116,19 +113,6 @@ def get_decode_ops(name: str) -> DecodeOps:
     if name == "triton":
         return TRITON_OPS
     raise ValueError(f"unknown decode backend {name!r} (expected 'torch' or 'triton')")
-
-
-class DecodeStepResult(NamedTuple):
-    """Outputs of :func:`cis_decode_step`; ``H`` is ``Hq``, or ``Hkv`` with ``grouped=True``."""
-
-    best: torch.Tensor  # [B, H] int32 matched anchor, -1 retrieve, -2 inactive
-    new_idx: torch.Tensor  # [B, H, k] int32 fresh top-k of the retrieving rows
-    idx: torch.Tensor  # [B, H, cap] int32 composed index lists
-    count: torch.Tensor  # [B, H] int32
-    out: torch.Tensor  # [B, Hq, D] attention output
-    # [B, H, k + 2*r*min(m, k)] int32 dilated sets of the retrieving rows (what to store as
-    # their anchors), only with ``anchor_sets=True``; else None
-    new_set: Optional[torch.Tensor] = None
 
 
 class CISSelection(NamedTuple):
@@ -223,69 +207,3 @@ def cis_select(
             t, lo, hi, win_start, best, new_idx, record.anchor_q, record.anchor_idx, record.anchor_count, record.layer,
             match_q, record.step, sink, cap, dil_m, dil_r, k_cache.shape[2])
     return CISSelection(best, new_idx, new_set, idx, count, match_q)
-
-
-def cis_decode_step(
-    ops: DecodeOps,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pad: torch.Tensor,
-    t: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    win_start: torch.Tensor,
-    anchor_q: torch.Tensor,
-    anchor_count: torch.Tensor,
-    anchor_idx: torch.Tensor,
-    active: torch.Tensor,
-    *,
-    tau: float,
-    sink: int,
-    k: int,
-    dil_m: int,
-    dil_r: int,
-    cap: int,
-    scale: float,
-    anchor_sets: bool = False,
-    grouped: bool = False,
-) -> DecodeStepResult:
-    """The four steps chained as in SPEC §4 (stateless: the anchors are given, not updated).
-
-    Sharing rows take their anchor's indices with dilation, retrieving rows their fresh top-k
-    without. Used by the kernel tests and the benchmark; the model integration
-    (``prhs_hf.decode``) chains the same ops around its CIS state.
-
-    ``anchor_sets=False``: ``anchor_idx [B, Hq, s, k]`` holds each anchor's top-k (best first)
-    and every row's dilated set is sorted in ``compose_indices`` at every step.
-    ``anchor_sets=True`` (fast path, the anchor sets of compose_indices.py): ``anchor_idx
-    [B, Hq, s, dilated_set_size(k, dil_m, dil_r)]`` holds each anchor's dilated set (as made by
-    ``ops.dilate_and_compose``); the retrieving rows' sets are built once (``result.new_set``, to be
-    stored as their anchors) and every row is composed from a set without sorting. Both give
-    the same ``best``, ``new_idx``, ``idx``, ``count`` and ``out``.
-
-    ``grouped=True`` (``cis.selection: group``, with ``anchor_sets=True`` only): the rows are the
-    KV heads (``anchor_q [B, Hkv, s, G*D]``, ``anchor_idx [B, Hkv, s, n]``; see :func:`cis_select`)
-    and the attention loads each selected K/V row once for its group
-    (``ops.sparse_decode_attention_grouped``); ``best``, ``idx`` and ``count`` are per KV head.
-    """
-    if grouped and not anchor_sets:
-        raise ValueError("cis_decode_step: grouped=True needs anchor_sets=True (group-shared CIS stores dilated sets)")
-    if anchor_sets:
-        sel = cis_select(
-            ops, q, k_cache, pad, t, lo, hi, win_start, anchor_q, anchor_count, anchor_idx, active,
-            tau=tau, sink=sink, k=k, dil_m=dil_m, dil_r=dil_r, cap=cap, scale=scale, grouped=grouped,
-        )
-        attention = ops.sparse_decode_attention_grouped if grouped else ops.sparse_decode_attention
-        out = attention(q, k_cache, v_cache, pad, sel.idx, sel.count, scale)
-        return DecodeStepResult(sel.best, sel.new_idx, sel.idx, sel.count, out, sel.new_set)
-    best, retrieve = ops.cis_match(q, anchor_q, anchor_count, active, tau)
-    new_idx = ops.topk_retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
-    B, H, s, kk = anchor_idx.shape
-    shared = best >= 0
-    pick = best.clamp_min(0).long().view(B, H, 1, 1).expand(B, H, 1, kk)
-    shared_idx = torch.gather(anchor_idx, 2, pick).view(B, H, kk)
-    sel = torch.where(retrieve[..., None], new_idx, torch.where(shared[..., None], shared_idx, -1))
-    idx, count = ops.compose_indices(t, lo, hi, win_start, sel, shared, sink, dil_m, dil_r, cap)
-    out = ops.sparse_decode_attention(q, k_cache, v_cache, pad, idx, count, scale)
-    return DecodeStepResult(best, new_idx, idx, count, out)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._common import gqa_group
+from .triton_support import gqa_group
 from .decode_ops import TRITON_OPS, DecodeOps
 
 __all__ = ["DSStepResult", "ds_query_labels", "ds_decode_step", "ds_decode_step_reference"]
@@ -53,25 +53,10 @@ def ds_query_labels(q: torch.Tensor, q_channels: torch.Tensor) -> torch.Tensor:
     return q.gather(-1, q_channels.expand(B, Hq, q_channels.shape[1]))
 
 
-def ds_decode_step(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    label_cache: torch.Tensor,
-    q_channels: torch.Tensor,
-    pad: torch.Tensor,
-    t: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    win_start: torch.Tensor,
-    active: torch.Tensor,
-    *,
-    sink: int,
-    k: int,
-    cap: int,
-    scale: float,
-    ops: DecodeOps = TRITON_OPS,
-) -> DSStepResult:
+def ds_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, label_cache: torch.Tensor,
+                   q_channels: torch.Tensor, pad: torch.Tensor, t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                   win_start: torch.Tensor, active: torch.Tensor, *, sink: int, k: int, cap: int, scale: float,
+                   ops: DecodeOps = TRITON_OPS) -> DSStepResult:
     """One Double Sparsity decode step through ``ops`` (default the Triton launchers; no host sync).
 
     Args:
@@ -98,23 +83,10 @@ def ds_decode_step(
     return DSStepResult(sel, idx, count, out)
 
 
-def ds_decode_step_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    label_cache: torch.Tensor,
-    q_channels: torch.Tensor,
-    pad: torch.Tensor,
-    t: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    win_start: torch.Tensor,
-    active: torch.Tensor,
-    *,
-    sink: int,
-    k: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ds_decode_step_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, label_cache: torch.Tensor,
+                             q_channels: torch.Tensor, pad: torch.Tensor, t: torch.Tensor, lo: torch.Tensor,
+                             hi: torch.Tensor, win_start: torch.Tensor, active: torch.Tensor, *, sink: int, k: int,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The DS step in plain PyTorch, dense over the cache: ``(member [B, Hq, S] bool, out [B, Hq, D] fp32)``.
 
     ``member[b, h, p]``: cache slot ``p`` is attended (sink ∪ top-k label scores of the middle

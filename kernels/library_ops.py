@@ -55,28 +55,24 @@ def _cis_match_via_op(q, anchor_q, anchor_count, active, tau):
     return CISMatch(*cis_match_op(q, anchor_q, anchor_count, active, tau))
 
 
-@torch.library.custom_op("prhs::topk_retrieval", mutates_args=())
-def topk_retrieval_op(
-    q: Tensor, k_cache: Tensor, pad: Tensor, lo: Tensor, hi: Tensor, retrieve: Tensor, k: int, scale: float
-) -> Tensor:
-    return topk_retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)
+def _retrieval_op(launcher: Callable, grouped: bool):
+    """``launcher`` (``topk_retrieval`` or its grouped twin) as the op ``prhs::<its name>``."""
+
+    def run(q: Tensor, k_cache: Tensor, pad: Tensor, lo: Tensor, hi: Tensor, retrieve: Tensor, k: int,
+            scale: float) -> Tensor:
+        return launcher(q, k_cache, pad, lo, hi, retrieve, k, scale)
+
+    op = torch.library.custom_op(f"prhs::{launcher.__name__}", run, mutates_args=())
+
+    @op.register_fake
+    def _(q, k_cache, pad, lo, hi, retrieve, k, scale):
+        return _int32(q.shape[0], k_cache.shape[1] if grouped else q.shape[1], int(k), like=q)
+
+    return op
 
 
-@topk_retrieval_op.register_fake
-def _(q, k_cache, pad, lo, hi, retrieve, k, scale):
-    return _int32(q.shape[0], q.shape[1], int(k), like=q)
-
-
-@torch.library.custom_op("prhs::topk_retrieval_grouped", mutates_args=())
-def topk_retrieval_grouped_op(
-    q: Tensor, k_cache: Tensor, pad: Tensor, lo: Tensor, hi: Tensor, retrieve: Tensor, k: int, scale: float
-) -> Tensor:
-    return topk_retrieval_grouped(q, k_cache, pad, lo, hi, retrieve, k, scale)
-
-
-@topk_retrieval_grouped_op.register_fake
-def _(q, k_cache, pad, lo, hi, retrieve, k, scale):
-    return _int32(q.shape[0], k_cache.shape[1], int(k), like=q)
+topk_retrieval_op = _retrieval_op(topk_retrieval, grouped=False)
+topk_retrieval_grouped_op = _retrieval_op(topk_retrieval_grouped, grouped=True)
 
 
 @torch.library.custom_op("prhs::dilate_and_compose", mutates_args=())
@@ -130,28 +126,24 @@ def _(t, lo, hi, win_start, sel_idx, dilate, sink, dil_m, dil_r, cap):
     return _int32(B, H, int(cap), like=sel_idx), _int32(B, H, like=sel_idx)
 
 
-@torch.library.custom_op("prhs::sparse_decode_attention", mutates_args=())
-def sparse_decode_attention_op(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, idx: Tensor, count: Tensor, scale: float
-) -> Tensor:
-    return sparse_decode_attention(q, k_cache, v_cache, pad, idx, count, scale)
+def _attention_op(launcher: Callable):
+    """``launcher`` (``sparse_decode_attention`` or its grouped twin) as the op ``prhs::<its name>``."""
+
+    def run(q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, idx: Tensor, count: Tensor,
+            scale: float) -> Tensor:
+        return launcher(q, k_cache, v_cache, pad, idx, count, scale)
+
+    op = torch.library.custom_op(f"prhs::{launcher.__name__}", run, mutates_args=())
+
+    @op.register_fake
+    def _(q, k_cache, v_cache, pad, idx, count, scale):
+        return torch.empty_like(q)
+
+    return op
 
 
-@sparse_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, pad, idx, count, scale):
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("prhs::sparse_decode_attention_grouped", mutates_args=())
-def sparse_decode_attention_grouped_op(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, idx: Tensor, count: Tensor, scale: float
-) -> Tensor:
-    return sparse_decode_attention_grouped(q, k_cache, v_cache, pad, idx, count, scale)
-
-
-@sparse_decode_attention_grouped_op.register_fake
-def _(q, k_cache, v_cache, pad, idx, count, scale):
-    return torch.empty_like(q)
+sparse_decode_attention_op = _attention_op(sparse_decode_attention)
+sparse_decode_attention_grouped_op = _attention_op(sparse_decode_attention_grouped)
 
 
 @torch.library.custom_op("prhs::record_anchors", mutates_args=("anchor_q", "anchor_idx", "anchor_count"))

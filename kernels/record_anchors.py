@@ -14,8 +14,8 @@ the first ``anchor_count``), and no slot in use is ever written: a block of ``s`
 most ``s`` anchors, so ``anchor_count < s`` before every write that counts. ``step`` is the
 number of decode steps taken since the prefill, this one included (``CISState.step``): at the
 last step of every block the record clears the layer's anchors for the next block, so the step
-needs no separate clear (a masked fill of the state before the first layer, which under
-``torch.compile`` made the whole count buffer a copy, written back at the end of the step).
+needs no separate clear (a masked fill of the state before the first layer would make
+``torch.compile`` copy the whole count buffer and write it back at the end of the step).
 The op takes the state of every layer (``CISState``, ``[L, B, H, ...]``) and the layer index, not
 a view of one layer's slice: a view mutated in a compiled step becomes copies of the slice and of
 the buffer (docs/DECODE_PIPELINE.md). One launch, in place, no copies; inside the launcher (opaque
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import NORM_EPS, layer_rows, next_pow2, require_triton, tl, triton, unit_vectors
+from .triton_support import NORM_EPS, layer_rows, next_pow2, program_bh, require_triton, tl, triton, unit_vectors
 
 __all__ = ["anchor_slots", "check_record", "record_anchors", "record_anchors_reference", "record_launch_args"]
 
@@ -76,9 +76,7 @@ def _record_anchors_kernel(
     BLOCK_D: tl.constexpr, BLOCK_SET: tl.constexpr,
 ):
     """One program per (batch, head) row; AQ, AIDX, ACNT point at the layer's slices of the state."""
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
+    _, b, h = program_bh(H)
     best = tl.load(BEST + b * stride_bb + h * stride_bh)
     ai = _record_row(Q, STEP, AQ, AIDX, ACNT, b, h, best, stride_qb, stride_qh, stride_aqb, stride_aqh, stride_aqs,
                      stride_aib, stride_aih, stride_ais, stride_cb, stride_ch, eps, S_ANCH, D, BLOCK_D)

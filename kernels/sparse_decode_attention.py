@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ._common import gqa_group, interpreting, next_pow2, num_sms, require_triton, tl, triton
+from .triton_support import gqa_group, interpreting, next_pow2, num_sms, program_bh, require_triton, tl, triton
 
 __all__ = [
     "sparse_decode_attention",
@@ -138,9 +138,7 @@ def _combine_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """Merge the splits of one row: rescale by exp2(m_split - m) and normalise."""
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
+    pid, b, h = program_bh(H)
     offs_s = tl.arange(0, SPLIT_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     smask = offs_s < NSPLIT
@@ -171,11 +169,8 @@ def attention_schedule(
 
     Tiles of ~16 KiB of K (64 keys at D = 128 in 16-bit; no spills on sm_90 at 3 stages).
     The index list is split only until there are about 2 programs per SM, and never into chunks
-    of fewer than 8 tiles: one split needs no combine launch, and on the H200 it was the fastest
-    of 1/2/4/8 splits at 9 of the 10 operator-bench shapes (``sparse_ms_by_splits`` in
-    docs/results/bench_decode_attention.json, 2026-12-02: e.g. Qwen 12/2 B32/16k, 384 rows of 186
-    keys, 16.2 us against 20.4 for the 2 splits of the old rule of 4 programs per SM; the tenth,
-    MHA B8/16k, 256 rows of 2046, takes the 2 it measured best).
+    of fewer than 8 tiles: one split needs no combine launch, which outweighs the occupancy a
+    split gains at the operator benchmark's shapes (docs/notes/decode_tuning.md).
     """
     block_n = max(16, min(64, 16384 // (next_pow2(head_dim, 16) * elem_bytes)))
     if num_splits is None:
@@ -255,17 +250,8 @@ def _attend(
     return out
 
 
-def sparse_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pad: torch.Tensor,
-    idx: torch.Tensor,
-    count: torch.Tensor,
-    scale: float,
-    *,
-    num_splits: Optional[int] = None,
-) -> torch.Tensor:
+def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor, idx: torch.Tensor,
+                            count: torch.Tensor, scale: float, *, num_splits: Optional[int] = None) -> torch.Tensor:
     """Triton fused gather + online-softmax attention over each row's index list, no sync.
 
     One launch for all (batch, head) rows, split-K over the index list (flash-decoding) plus
@@ -276,17 +262,8 @@ def sparse_decode_attention(
     return _attend(q, k_cache, v_cache, pad, idx, count, scale, pack=False, num_splits=num_splits)
 
 
-def sparse_decode_attention_grouped(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pad: torch.Tensor,
-    idx: torch.Tensor,
-    count: torch.Tensor,
-    scale: float,
-    *,
-    num_splits: Optional[int] = None,
-) -> torch.Tensor:
+def sparse_decode_attention_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor, idx: torch.Tensor,
+                                    count: torch.Tensor, scale: float, *, num_splits: Optional[int] = None) -> torch.Tensor:
     """Triton attention for group-shared selection: one index list per KV head.
 
     One program per (batch, KV head, split) loads each selected K/V row once and serves all
@@ -297,15 +274,8 @@ def sparse_decode_attention_grouped(
     return _attend(q, k_cache, v_cache, pad, idx, count, scale, pack=True, num_splits=num_splits)
 
 
-def sparse_decode_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pad: torch.Tensor,
-    idx: torch.Tensor,
-    count: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def sparse_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor,
+                                      idx: torch.Tensor, count: torch.Tensor, scale: float) -> torch.Tensor:
     """PyTorch reference of :func:`sparse_decode_attention` (vectorised, sync-free).
 
     Gathers the ``cap`` indexed K/V rows of every head (fixed shape) and masks the slots at or
@@ -344,31 +314,15 @@ def sparse_decode_attention_reference(
     return out.to(q.dtype)
 
 
-def sparse_decode_attention_grouped_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pad: torch.Tensor,
-    idx: torch.Tensor,
-    count: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def sparse_decode_attention_grouped_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor,
+                                              idx: torch.Tensor, count: torch.Tensor, scale: float) -> torch.Tensor:
     """PyTorch reference of :func:`sparse_decode_attention_grouped`.
 
     Query head ``h`` attends exactly (softmax, fp32) over the keys at slots
     ``pad[b] + idx[b, h // G, i]``, ``i < count[b, h // G]``: the per-head reference with each
-    KV head's list given to all G heads of its group.
-
-    Args:
-        q: ``[B, Hq, D]`` decode queries.
-        k_cache, v_cache: ``[B, Hkv, S, D]`` caches (same dtype as ``q``).
-        pad: ``[B]`` int32 first real slot.
-        idx: ``[B, Hkv, cap]`` int32 real indices (valid before ``count``).
-        count: ``[B, Hkv]`` int32 number of valid indices.
-        scale: softmax scale.
-
-    Returns:
-        ``[B, Hq, D]`` in ``q``'s dtype.
+    KV head's list given to all G heads of its group. Args and result as
+    :func:`sparse_decode_attention_reference`, but one index list per KV head: ``idx [B, Hkv, cap]``
+    and ``count [B, Hkv]``.
     """
     G = gqa_group(q.shape[1], k_cache.shape[1])
     return sparse_decode_attention_reference(

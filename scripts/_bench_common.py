@@ -16,6 +16,9 @@ It is tooling, not library code, so it lives beside the scripts and not in ``prh
   ``enable_gqa=True`` and the mask; registered with transformers as :data:`FAIR_ATTENTION`),
   :func:`flashinfer_decode` (FlashInfer's dense paged decode, when it imports) and
   :func:`fastest` to pick the column speedups are quoted against.
+* :func:`cis_decode_step`: the whole stateless CIS decode step (match, retrieval, composition,
+  sparse attention) through a ``DecodeOps`` table, what the operator benchmark times and the kernel
+  tests compare between backends; :func:`capture_graph`: a CUDA graph of one call.
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple, Optional, TypeVar
 
 import torch
 
 from prhs_hf.attention import GQA_SDPA_NAME, gqa_sdpa_attention_forward
 from prhs_hf.attention import register as register_attention
+
+if TYPE_CHECKING:
+    from prhs_hf.kernels.decode_ops import DecodeOps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -172,14 +178,7 @@ def median_ms(
     torch.cuda.synchronize()
     if cuda_graph:
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
+            graph, _ = capture_graph(fn)
             torch.cuda.synchronize()
             ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
             return Timing(ms, "graph")
@@ -187,6 +186,20 @@ def median_ms(
             print(f"    (CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:200]}; timing eagerly)", flush=True)
             torch.cuda.synchronize()
     return Timing(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"), "eager")
+
+
+def capture_graph(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """A CUDA graph of one call of ``fn`` and what that call returned (the graph's output tensors).
+    ``fn`` runs once on a side stream first: a capture needs its lazy initialisation done."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def time_calls(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -318,3 +331,68 @@ def fastest(columns: dict[str, Optional[float]]) -> tuple[Optional[str], Optiona
         return None, None
     name = min(measured, key=measured.get)
     return name, measured[name]
+
+
+# ----------------------------------------------------------------------------- the CIS decode step
+
+
+class DecodeStepResult(NamedTuple):
+    """Outputs of :func:`cis_decode_step`; ``H`` is ``Hq``, or ``Hkv`` with ``grouped=True``."""
+
+    best: torch.Tensor  # [B, H] int32 matched anchor, -1 retrieve, -2 inactive
+    new_idx: torch.Tensor  # [B, H, k] int32 fresh top-k of the retrieving rows
+    idx: torch.Tensor  # [B, H, cap] int32 composed index lists
+    count: torch.Tensor  # [B, H] int32
+    out: torch.Tensor  # [B, Hq, D] attention output
+    # [B, H, k + 2*r*min(m, k)] int32 dilated sets of the retrieving rows (what to store as
+    # their anchors), only with ``anchor_sets=True``; else None
+    new_set: Optional[torch.Tensor] = None
+
+
+def cis_decode_step(ops: DecodeOps, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor,
+                    t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, win_start: torch.Tensor,
+                    anchor_q: torch.Tensor, anchor_count: torch.Tensor, anchor_idx: torch.Tensor,
+                    active: torch.Tensor, *, anchor_sets: bool = False, grouped: bool = False,
+                    **budget: Any) -> DecodeStepResult:
+    """The four steps chained as in SPEC §4 (stateless: the anchors are given, not updated).
+
+    Sharing rows take their anchor's indices with dilation, retrieving rows their fresh top-k
+    without. ``budget``: ``tau, sink, k, dil_m, dil_r, cap, scale`` as in
+    ``prhs_hf.kernels.decode_ops.cis_select``; the model integration chains the same ops around its
+    CIS state.
+
+    ``anchor_sets=False``: ``anchor_idx [B, Hq, s, k]`` holds each anchor's top-k (best first)
+    and every row's dilated set is sorted in ``compose_indices`` at every step.
+    ``anchor_sets=True`` (the model's path): ``anchor_idx [B, Hq, s, dilated_set_size(k, dil_m,
+    dil_r)]`` holds each anchor's dilated set (as made by ``ops.dilate_and_compose``); the retrieving
+    rows' sets are built once (``result.new_set``, to be stored as their anchors) and every row is
+    composed from a set without sorting (``cis_select``). Both give the same ``best``, ``new_idx``,
+    ``idx``, ``count`` and ``out``.
+
+    ``grouped=True`` (``cis.selection: group``, with ``anchor_sets=True`` only): the rows are the
+    KV heads (``anchor_q [B, Hkv, s, G*D]``, ``anchor_idx [B, Hkv, s, n]``) and the attention loads
+    each selected K/V row once for its group (``ops.sparse_decode_attention_grouped``); ``best``,
+    ``idx`` and ``count`` are per KV head.
+    """
+    from prhs_hf.kernels.decode_ops import cis_select  # the benchmarks that do not run the step do not load it
+
+    if grouped and not anchor_sets:
+        raise ValueError("cis_decode_step: grouped=True needs anchor_sets=True (group-shared CIS stores dilated sets)")
+    scale = budget["scale"]
+    if anchor_sets:
+        sel = cis_select(ops, q, k_cache, pad, t, lo, hi, win_start, anchor_q, anchor_count, anchor_idx, active,
+                         grouped=grouped, **budget)
+        attention = ops.sparse_decode_attention_grouped if grouped else ops.sparse_decode_attention
+        out = attention(q, k_cache, v_cache, pad, sel.idx, sel.count, scale)
+        return DecodeStepResult(sel.best, sel.new_idx, sel.idx, sel.count, out, sel.new_set)
+    best, retrieve = ops.cis_match(q, anchor_q, anchor_count, active, budget["tau"])
+    new_idx = ops.topk_retrieval(q, k_cache, pad, lo, hi, retrieve, budget["k"], scale)
+    B, H, s, kk = anchor_idx.shape
+    shared = best >= 0
+    pick = best.clamp_min(0).long().view(B, H, 1, 1).expand(B, H, 1, kk)
+    shared_idx = torch.gather(anchor_idx, 2, pick).view(B, H, kk)
+    sel_idx = torch.where(retrieve[..., None], new_idx, torch.where(shared[..., None], shared_idx, -1))
+    idx, count = ops.compose_indices(t, lo, hi, win_start, sel_idx, shared, budget["sink"], budget["dil_m"],
+                                     budget["dil_r"], budget["cap"])
+    out = ops.sparse_decode_attention(q, k_cache, v_cache, pad, idx, count, scale)
+    return DecodeStepResult(best, new_idx, idx, count, out)

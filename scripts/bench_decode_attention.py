@@ -49,7 +49,7 @@ KV append of any column).
 
 Stage breakdown of the CIS-16 step (each stage replayed alone on the step's own inputs): match,
 retrieval (compact / score / select), dilated set, compose, attention, glue; gap = step - sum.
-Each row states the target (issue 12: CIS-16 >= 5x the fastest dense for MHA, >= 3x for GQA)
+Each row states the target (CIS-16 >= 5x the fastest dense for MHA, >= 3x for GQA)
 and, when it is missed, the largest stage.
 
 Keys are Gaussian with "hot spans" (runs of 64 tokens aligned with a per-head direction that
@@ -82,7 +82,7 @@ import yaml  # noqa: E402
 import _bench_common as common  # noqa: E402
 from prhs_hf.kernels.cis_match import cis_match  # noqa: E402
 from prhs_hf.kernels.compose_indices import compose_from_sets, compose_indices, dilate_and_compose, dilated_set  # noqa: E402
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step, group_query  # noqa: E402
+from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, group_query  # noqa: E402
 from prhs_hf.kernels.ds_decode import ds_decode_step, ds_decode_step_reference, ds_query_labels  # noqa: E402
 from prhs_hf.kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
 from prhs_hf.kernels.topk_retrieval import topk_retrieval, topk_retrieval_grouped  # noqa: E402
@@ -90,7 +90,7 @@ from prhs_hf.selectors.double_sparsity import label_keys, top_channels  # noqa: 
 
 TAU = 0.8
 SPAN = 64  # hot-span length (tokens)
-TARGET_MHA = 5.0  # issue 12: CIS-16 step at least this many times faster than the fastest dense (MHA)
+TARGET_MHA = 5.0  # the target: CIS-16 step at least this many times faster than the fastest dense (MHA)
 TARGET_GQA = 3.0  # ... and for GQA shapes
 STAGES = ("match", "retrieval", "dilate_compose", "attention")  # the step; the record (state update) apart
 DENSE = tuple(common.DENSE_LABELS)  # transformers, sdpa_gqa, flash_packed, flashinfer
@@ -99,7 +99,7 @@ DS_RANK = 16  # Double Sparsity's label channels per head (the paper's r)
 DS_STAGES = ("gather", "label_score", "select", "compose", "attention")
 CIS_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cis.yaml"
 
-#: the group-aware launchers another part of issue 12 adds: (module, name) in prhs_hf.kernels
+#: the group-aware launchers: (module, name) in prhs_hf.kernels
 GROUPED = {
     "grouped_retrieval": ("topk_retrieval", "topk_retrieval_grouped"),
     "grouped_sparse": ("sparse_decode_attention", "sparse_decode_attention_grouped"),
@@ -160,7 +160,7 @@ def shape_budget(sh: Shape) -> Budget:
     raise ValueError(f"Shape.budget {sh.budget!r}: expected 'ctx/8' or 'cis.yaml'")
 
 
-#: issue 12's shapes, first: MHA and GQA at B16/16k (budget ctx/8), the Qwen2.5-1.5B layer
+#: the target's shapes, first: MHA and GQA at B16/16k (budget ctx/8), the Qwen2.5-1.5B layer
 ISSUE_SHAPES = [Shape(16, 32, 32, 128, 16384), Shape(16, 32, 8, 128, 16384)]
 QWEN_SHAPES = [Shape(16, 12, 2, 128, 16384, "cis.yaml"), Shape(32, 12, 2, 128, 16384, "cis.yaml"),
                Shape(8, 12, 2, 128, 32768, "cis.yaml")]
@@ -468,10 +468,10 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
         sets = dilated_set(ai.view(sh.B, sh.Hq * s, -1), True, bud.dil_m, bud.dil_r).view(sh.B, sh.Hq, s, -1)
 
         def step(ops=TRITON_OPS, aq=aq, ac=ac, sets=sets):
-            return cis_decode_step(ops, q, kc, vc, *geo, aq, ac, sets, x["active"], **common_kw, anchor_sets=True)
+            return common.cis_decode_step(ops, q, kc, vc, *geo, aq, ac, sets, x["active"], **common_kw, anchor_sets=True)
 
         def step_topk(ops=TRITON_OPS, aq=aq, ac=ac, ai=ai):
-            return cis_decode_step(ops, q, kc, vc, *geo, aq, ac, ai, x["active"], **common_kw)
+            return common.cis_decode_step(ops, q, kc, vc, *geo, aq, ac, ai, x["active"], **common_kw)
 
         res = step()
         res_topk = step_topk()
@@ -572,7 +572,7 @@ def group_step_columns(x: dict, sh: Shape, bud: Budget, g: torch.Generator, geo:
     sets = dilated_set(ai.view(sh.B, sh.Hkv * 16, -1), True, bud.dil_m, bud.dil_r).view(sh.B, sh.Hkv, 16, -1)
 
     def step(ops=TRITON_OPS):
-        return cis_decode_step(ops, q, kc, vc, *geo, aq, ac, sets, x["active"], **step_kw, anchor_sets=True, grouped=True)
+        return common.cis_decode_step(ops, q, kc, vc, *geo, aq, ac, sets, x["active"], **step_kw, anchor_sets=True, grouped=True)
 
     res = step()
     row["retrieving_groups_s16"] = int((res.best == -1).sum())

@@ -58,7 +58,7 @@ from transformers.generation.configuration_utils import CompileConfig
 
 import _bench_common as common
 import prhs_hf
-from prhs_hf.calibration.calibrate import _special_prefix
+from prhs_hf.calibration.texts import special_prefix
 from prhs_hf.hub.jsonl import JSONLError, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,7 +232,7 @@ class TextPrompts:
         self.name = path.name
         self.texts = read_prompt_texts(path) if texts is None else texts
         self.tokenizer = tokenizer
-        self.prefix = _special_prefix(tokenizer)
+        self.prefix = special_prefix(tokenizer)
         self.sep = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
         self._ids: dict[int, list[int]] = {}  # record -> its tokens, each record tokenized once
 
@@ -364,8 +364,8 @@ def timed_runs(model, ids, new_tokens: int, static_cache, repeats: int) -> dict:
 #: kernel-name patterns -> family, first match wins (our Triton kernels, then cuBLAS/attention/rest)
 KERNEL_FAMILIES = (
     ("cis match", ("_cis_match_kernel",)),
-    ("retrieval", ("_compact_kernel", "_score_kernel", "_select_kernel", "_radix_pass_kernel", "_radix_collect_kernel",
-                   "_rank_scatter_kernel", "_row_sort_kernel", "_block_sort_kernel", "_merge_rank_kernel")),
+    ("retrieval", ("_compact_kernel", "_group_score_kernel", "_tilemax_select_kernel", "_radix_pass_kernel",
+                   "_radix_collect_kernel", "_block_sort_kernel", "_merge_rank_kernel")),
     ("composition", ("_dilate_compose_kernel", "_dilated_set_kernel", "_dilated_mark_kernel", "_dilated_collect_kernel",
                      "_compose_sets_kernel", "_compose_kernel")),
     ("sparse attention", ("_sparse_attn_kernel", "_combine_kernel")),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How fast a sparse decode step could be at best, from a profiled end-to-end run's own parts (issue 12).
+"""How fast a sparse decode step could be at best, from a profiled end-to-end run's own parts.
 
 Input: reports of ``scripts/bench_e2e_decode.py --profile-steps N`` (their per-step breakdown). For
 every case (shape, B, prompt, mode) with a profiled dense row (the case's fastest dense config) and a

@@ -1,27 +1,22 @@
-"""Old vs new GQA decode kernels, one table (issue 12): retrieval and sparse attention.
+"""GQA decode kernels, one table: top-k retrieval and sparse attention, per head and group-shared.
 
 Times with ``triton.testing.do_bench`` (CUDA) the retrieval of the CIS step (B16/16k, 32 q /
 8 KV heads, d 128, budget 1/8: k = 1036, cap = 2046, 1 row in 16 retrieving as at s = 16)
-along the four scoring x select paths of :func:`topk_retrieval` (``row/row`` is the old
-launcher, ``group/row`` the new default, ``*/split`` the split radix select), the group-shared :func:`topk_retrieval_grouped`,
-and sparse attention per head (split-K) against :func:`sparse_decode_attention_grouped`.
-Also prints the bytes each moves and the implied bandwidth.
+with the default select and each select of :data:`SELECT_MODES` forced, the group-shared
+:func:`topk_retrieval_grouped`, and sparse attention per head (split-K) against
+:func:`sparse_decode_attention_grouped`. Also prints the bytes each moves and the implied bandwidth.
 
     python scripts/probe_gqa_kernels.py                    # H200: the shape above
     python scripts/probe_gqa_kernels.py --retrieve-frac 0.25 --hq 12 --hkv 2
-    python scripts/probe_gqa_kernels.py --select-only      # issue 12 item 4: the select table only
+    python scripts/probe_gqa_kernels.py --select-only      # the select table only
 
 Select table (printed after the main one; CUDA: ``do_bench_cudagraph``, so launch overhead is
 not counted): for B16/16k 32/8, B16/16k 32/32 and the Qwen 12/2 shape at B32/16k, each select
-mode of :data:`SELECT_MODES` after group scoring, timed to each stop point of
-:data:`STOP_POINTS`; the columns are differences of those times in us: ``passes`` (radix
-histogram passes), ``collect`` (candidate collect), ``finish`` (sort / rank-scatter / merge),
-``sel`` (the whole select = pipeline - scoring), ``blocksort`` (``radix8`` / ``radix8_fused``: the
-block sorts, part of finish; about 0 when the candidates fit one block, k <= ~200, whose finish is
-the per-row sort alone), ``score`` (compaction + scoring; ``radix8_fused``: including the
-pass-0 histogram the score kernel builds, so its ``passes`` are passes 1-3 only), ``total`` (the
-whole retrieval: score + sel; the column to compare ``radix8_fused`` with ``radix8``), ``exact``
-(output equal to the row select's).
+of :data:`SELECT_MODES` (and each ``--select-variants`` tuning) after group scoring, in us:
+``score`` (compaction + scoring, the retrieval stopped after it), ``sel`` (the whole select =
+retrieval - score), ``total`` (the whole retrieval), ``exact`` (output equal to the default
+select's). The selects' inner stages (radix passes, collect, finish) were timed with stop points
+that are gone from the library; their numbers are in docs/notes/decode_tuning.md.
 Score table (``--score-only``): the group score stage alone (compaction + scoring, CUDA graph
 replay) at each ``--score-shapes`` entry ``B,S,HQ,HKV,FRAC`` (FRAC of the query rows retrieve; 1.0
 is a block's first step, where every row does), for the default (the split sized on the device
@@ -59,9 +54,9 @@ from prhs_hf.kernels.topk_retrieval import (  # noqa: E402
 )
 
 
-#: row names of the retrieval table that tests compare: the model path's default and the first kernel
-DEFAULT_RETRIEVAL = "retrieval group/radix8 (default)"
-OLD_RETRIEVAL = "retrieval row/row (old)"
+#: row name of the retrieval table that tests compare: the model path's default
+DEFAULT_RETRIEVAL = "retrieval (default select)"
+
 
 def _time_ms(fn: Callable[[], object], cuda: bool, graph: bool = False) -> float:
     if cuda:
@@ -99,24 +94,23 @@ def _retrieval_case(B: int, S: int, Hq: int, Hkv: int, D: int, frac: float, dev:
 
 
 def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda: bool,
-                 topk: Optional[int] = None, variants: tuple[tuple[int, ...], ...] = ()) -> list[dict]:
-    """Select time of every select mode, split into stages (see the module docstring). ``topk``
-    replaces the budget-1/8 k (``cis.yaml``'s 88, say); each ``(block, warps)`` of ``variants``
-    adds a ``radix8`` row with that many keys per select item and warps (``_select_block``), each
-    ``(tile, warps, stages, keys per program)`` one with that group score kernel (``_score_cfg``)."""
+                 topk: Optional[int] = None, variants: tuple[tuple, ...] = ()) -> list[dict]:
+    """Score and select time of every select, after group scoring (see the module docstring).
+    ``topk`` replaces the budget-1/8 k (``cis.yaml``'s 88, say); each ``(block, warps)`` of
+    ``variants`` adds a ``radix8`` row with that many keys per select item and warps
+    (``_select_block``; ``(mode, block, warps)`` for another select), each ``(tile, warps, stages,
+    keys per program)`` one with that group score kernel (``_score_cfg``)."""
     dev = torch.device("cuda" if cuda else "cpu")
-    stops = ("score", "passes", "collect", "blocksort", "select")
     print(f"\nselect stages, us (group scoring, {'CUDA graph replay' if cuda else 'CPU interpreter: not timings'}), "
           f"retrieving fraction {frac:.4f}")
-    print(f"| {'shape':24s} | {'select':12s} | {'sel':>7s} | {'passes':>7s} | {'collect':>7s} | "
-          f"{'finish':>7s} | {'blocksort':>9s} | {'score':>7s} | {'total':>7s} | exact |")
-    print(f"|{'-' * 26}|{'-' * 14}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 11}|{'-' * 9}|{'-' * 9}|-------|")
+    print(f"| {'shape':24s} | {'select':12s} | {'sel':>7s} | {'score':>7s} | {'total':>7s} | exact |")
+    print(f"|{'-' * 26}|{'-' * 14}|{'-' * 9}|{'-' * 9}|{'-' * 9}|-------|")
     rows = []
     for B, S, Hq, Hkv, D in shapes:
         k = _budget_k(S) if topk is None else topk
         q, kc, pad, lo, hi, retrieve, scale = _retrieval_case(B, S, Hq, Hkv, D, frac, dev, seed=1)
         tag = f"B{B} {S // 1024}k {Hq}/{Hkv} r{int(retrieve.sum())} k{k}"
-        base = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select="row")
+        base = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale)
         modes = [(select, select, {}) for select in SELECT_MODES]
         modes += [(f"{v[0]} b{v[1]}w{v[2]}", v[0], {"_select_block": v[1], "_select_warps": v[2]})
                   if isinstance(v[0], str) else
@@ -124,22 +118,13 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
                   if len(v) == 2 else
                   (f"radix8 score {_score_label(v)}", "radix8", {"_score_cfg": v}) for v in variants]
         for label, select, extra in modes:
-            t = {}
-            for stop in stops:
-                if stop == "blocksort" and select not in ("radix8", "radix8_fused"):
-                    continue
-                t[stop] = _time_ms(lambda stop=stop, select=select, extra=extra: topk_retrieval(
-                    q, kc, pad, lo, hi, retrieve, k, scale, _select=select, _stop_after=stop, **extra),
-                    cuda, graph=True)
+            t = {stop: _time_ms(lambda stop=stop, select=select, extra=extra: topk_retrieval(
+                q, kc, pad, lo, hi, retrieve, k, scale, _select=select, _stop_after=stop, **extra), cuda, graph=True)
+                for stop in ("score", "select")}
             exact = torch.equal(topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select, **extra),
                                 base)
-            us = {"sel": t["select"] - t["score"], "passes": t["passes"] - t["score"],
-                  "collect": t["collect"] - t["passes"], "finish": t["select"] - t["collect"],
-                  "blocksort": t["blocksort"] - t["collect"] if "blocksort" in t else float("nan"),
-                  "score": t["score"], "total": t["select"]}
-            us = {key: v * 1e3 for key, v in us.items()}
-            print(f"| {tag:24s} | {label:12s} | {us['sel']:7.1f} | {us['passes']:7.1f} | {us['collect']:7.1f} | "
-                  f"{us['finish']:7.1f} | {us['blocksort']:9.1f} | {us['score']:7.1f} | {us['total']:7.1f} | "
+            us = {"sel": (t["select"] - t["score"]) * 1e3, "score": t["score"] * 1e3, "total": t["select"] * 1e3}
+            print(f"| {tag:24s} | {label:12s} | {us['sel']:7.1f} | {us['score']:7.1f} | {us['total']:7.1f} | "
                   f"{str(exact):5s} |")
             rows.append({"name": f"select {tag} {label}", "ms": t["select"], "stages_us": us, "exact": exact})
     return rows
@@ -257,15 +242,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     rows = int(retrieve.sum())
     groups = int(retrieve_g.sum())
     kbytes = mid * D * esz
-    cases = []
-    for score, select in (("row", "row"), ("row", "split"), ("group", "row"), ("group", "split"),
-                          ("group", "radix8"), ("group", "radix8_sort"), ("group", "radix8_fused")):
-        name = {("row", "row"): OLD_RETRIEVAL, ("group", "radix8"): DEFAULT_RETRIEVAL}.get(
-            (score, select), f"retrieval {score}/{select}")
-        cases.append((name,
-                      lambda score=score, select=select: topk_retrieval(
-                          q, kc, pad, lo, hi, retrieve, k, scale, _score=score, _select=select),
-                      (rows if score == "row" else groups) * kbytes))
+    cases = [(DEFAULT_RETRIEVAL, lambda: topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale), groups * kbytes)]
+    cases += [(f"retrieval {select}",
+               lambda select=select: topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select),
+               groups * kbytes) for select in SELECT_MODES]
     cases.append(("retrieval grouped", lambda: topk_retrieval_grouped(q, kc, pad, lo, hi, retrieve_g, k, scale),
                   groups * kbytes))
     cases.append(("attention per-head", lambda: sparse_decode_attention(q, kc, vc, pad, idx, count, scale),

@@ -27,20 +27,11 @@ from script_loader import load_script
 from conftest import triton_available
 from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
 from prhs_hf.kernels.compose_indices import (
-    SET_NONE,
-    compose_from_sets,
-    compose_from_sets_reference,
-    compose_indices,
-    compose_indices_reference,
-    dilate_and_compose,
-    dilate_and_compose_reference,
-    dilate_compose_and_record,
-    dilate_compose_and_record_reference,
-    dilated_set,
-    dilated_set_reference,
-    dilated_set_size,
+    SET_NONE, compose_from_sets, compose_from_sets_reference, compose_indices, compose_indices_reference,
+    dilate_and_compose, dilate_and_compose_reference, dilate_compose_and_record, dilate_compose_and_record_reference,
+    dilated_set, dilated_set_reference, dilated_set_size,
 )
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step, cis_select, get_decode_ops, group_query
+from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_select, get_decode_ops, group_query
 from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,
@@ -48,7 +39,6 @@ from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention_reference,
 )
 from prhs_hf.kernels.topk_retrieval import (
-    SCORE_MODES,
     SELECT_MODES,
     compact_rows,
     topk_retrieval,
@@ -56,6 +46,8 @@ from prhs_hf.kernels.topk_retrieval import (
     topk_retrieval_grouped_reference,
     topk_retrieval_reference,
 )
+
+cis_decode_step = load_script("_bench_common").cis_decode_step  # the whole stateless step (tests, benchmark)
 
 needs_triton = pytest.mark.skipif(
     not triton_available(),
@@ -255,18 +247,25 @@ def test_reference_compose_against_naive(dilate):
     assert torch.equal(ref[0], nv[0]) and torch.equal(ref[1], nv[1])
 
 
-def test_reference_attention_against_naive():
-    g = torch.Generator().manual_seed(5)
-    B, H, Hkv, D, S, cap = 2, 4, 2, 16, 30, 12
+def _small_attention_case(seed, H, Hkv, cap, counts, D=16, S=30):
+    """Attention inputs of the reference tests: ``len(counts[0])`` index lists per sequence of
+    distinct ascending indices, ``-1`` after each list's count (``counts``, a ``[2, L]`` list),
+    sequence 1 left-padded by 4: ``(q, kc, vc, pad, idx, count)``."""
+    g = torch.Generator().manual_seed(seed)
+    count = i32(counts)
+    B, L = count.shape
     q = torch.randn(B, H, D, generator=g)
     kc = torch.randn(B, Hkv, S, D, generator=g)
     vc = torch.randn(B, Hkv, S, D, generator=g)
-    pad = i32([0, 4])
     idx = torch.stack(
-        [torch.stack([torch.randperm(S - 4, generator=g)[:cap].sort().values for _ in range(H)]) for _ in range(B)]
+        [torch.stack([torch.randperm(S - 4, generator=g)[:cap].sort().values for _ in range(L)]) for _ in range(B)]
     ).to(I32)
-    count = i32([[12, 0, 5, 1], [3, 12, 7, 0]])
     idx[torch.arange(cap) >= count[..., None].long()] = -1
+    return q, kc, vc, i32([0, 4]), idx, count
+
+
+def test_reference_attention_against_naive():
+    q, kc, vc, pad, idx, count = _small_attention_case(5, 4, 2, 12, [[12, 0, 5, 1], [3, 12, 7, 0]])
     ref = sparse_decode_attention_reference(q, kc, vc, pad, idx, count, 0.25)
     torch.testing.assert_close(ref.double(), naive_attention(q, kc, vc, pad, idx, count, 0.25), atol=1e-5, rtol=1e-5)
     assert (ref[0, 1] == 0).all() and (ref[1, 3] == 0).all()
@@ -523,21 +522,20 @@ def _compose_properties(args, idx, cnt):
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(compose_inputs())
 def test_compose_reference_properties(args):
-    t, lo, hi, ws, sel, dil, sink, m, r, cap = args
-    idx, cnt = compose_indices_reference(t, lo, hi, ws, sel, dil, sink, m, r, cap)
-    _compose_properties(args, idx, cnt)
+    _compose_properties(args, *compose_indices_reference(*args))
 
 
 @needs_triton
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(compose_inputs())
 def test_compose_kernel_properties(args):
-    t, lo, hi, ws, sel, dil, sink, m, r, cap = args
-    idx, cnt = _check_compose(t, lo, hi, ws, sel, dil, sink, m, r, cap)
-    _compose_properties(args, idx, cnt)
+    _compose_properties(args, *_check_compose(*args))
 
 
-def _attention_case(B, H, Hkv, D, S, cap, dtype, seed, pads):
+def _attention_case(B, H, Hkv, D, S, cap, dtype, seed, pads, lists=None):
+    """Attention inputs with ``lists`` index lists per sequence (default ``H``: one per query head;
+    ``Hkv``: one per KV head, group-shared), counts 0 .. cap."""
+    lists = H if lists is None else lists
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, D, generator=g).to(dtype)
     kc = (2 * torch.randn(B, Hkv, S, D, generator=g)).to(dtype)
@@ -545,9 +543,9 @@ def _attention_case(B, H, Hkv, D, S, cap, dtype, seed, pads):
     pad = i32(pads)
     rows = []
     for b in range(B):
-        rows.append(torch.stack([torch.randperm(S - pads[b], generator=g)[:cap].sort().values for _ in range(H)]))
+        rows.append(torch.stack([torch.randperm(S - pads[b], generator=g)[:cap].sort().values for _ in range(lists)]))
     idx = torch.stack(rows).to(I32)
-    count = torch.randint(0, cap + 1, (B, H), generator=g, dtype=I32)
+    count = torch.randint(0, cap + 1, (B, lists), generator=g, dtype=I32)
     count[0, 0] = 0
     count[-1, -1] = cap
     idx[torch.arange(cap) >= count[..., None].long()] = -1
@@ -598,12 +596,11 @@ def test_attention_kernel_hf_strides():
     assert_out_close(out, sparse_decode_attention_reference(q, kc, vc, pad, idx, count, 0.2), torch.float16)
 
 
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_full_decode_step_triton_equals_reference(dtype):
-    """match -> retrieve -> compose -> attend (decode_ops.cis_decode_step), both backends."""
-    g = torch.Generator().manual_seed(80)
-    B, H, Hkv, D, S, s = 3, 4, 2, 32, 120, 4
+def _step_case(seed, dtype, B=3, H=4, Hkv=2, D=32, S=120, s=4):
+    """Inputs of a whole decode step: ``(q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count,
+    anchor_idx, active)`` with the first two heads' anchor 0 planted (they share), and the budget
+    keywords (sink 4, local 8, k 12, m 4, r 1; the capacity lets inactive rows attend to all t)."""
+    g = torch.Generator().manual_seed(seed)
     sink, local, k, m, r = 4, 8, 12, 4, 1
     q = torch.randn(B, H, D, generator=g).to(dtype)
     kc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
@@ -616,13 +613,18 @@ def test_full_decode_step_triton_equals_reference(dtype):
     anchor_count = torch.randint(0, s + 1, (B, H), generator=g, dtype=I32)
     anchor_count[:, :2] = s
     anchor_idx = torch.randint(-1, S, (B, H, s, k), generator=g, dtype=I32)
-    cap = sink + local + k + 2 * r * m + S  # inactive rows attend to all t tokens
+    kw = dict(tau=0.9, sink=sink, k=k, dil_m=m, dil_r=r, cap=sink + local + k + 2 * r * m + S, scale=D**-0.5)
+    return (q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count, anchor_idx, active), kw
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_decode_step_triton_equals_reference(dtype):
+    """match -> retrieve -> compose -> attend (_bench_common.cis_decode_step), both backends."""
+    inputs, kw = _step_case(80, dtype)
     results = []
     for ops, dev in ((REFERENCE_OPS, torch.device("cpu")), (TRITON_OPS, DEV)):
-        a = [x.to(dev) for x in (q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count, anchor_idx, active)]
-        res = cis_decode_step(
-            ops, *a, tau=0.9, sink=sink, k=k, dil_m=m, dil_r=r, cap=cap, scale=D**-0.5
-        )
+        res = cis_decode_step(ops, *(x.to(dev) for x in inputs), **kw)
         results.append([x.cpu() for x in (res.best, res.new_idx, res.idx, res.count, res.out)])
     (b0, n0, i0, c0, o0), (b1, n1, i1, c1, o1) = results
     assert (b0[:, :2] == 0).logical_or(b0[:, :2] == -2).all()  # the planted anchors are shared
@@ -840,27 +842,12 @@ def test_dilate_compose_and_record_errors_name_the_op():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_full_decode_step_anchor_sets(dtype):
     """The §3b fast path (anchor sets) gives the same step as the top-k path, both backends."""
-    g = torch.Generator().manual_seed(81)
-    B, H, Hkv, D, S, s = 3, 4, 2, 32, 120, 4
-    sink, local, k, m, r = 4, 8, 12, 4, 1
-    q = torch.randn(B, H, D, generator=g).to(dtype)
-    kc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-    vc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-    pad, t, lo, hi = geometry(S, [0, 9, 100], [0, 0, 0], sink, local)
-    active = t > sink + local + k
-    ws = torch.where(active, hi, lo)
-    anchors = unit_anchors(B, H, s, D, g)
-    anchors[:, :2, 0] = q[:, :2].float() / q[:, :2].float().norm(dim=-1, keepdim=True)
-    anchor_count = torch.randint(0, s + 1, (B, H), generator=g, dtype=I32)
-    anchor_count[:, :2] = s
-    anchor_idx = torch.randint(-1, S, (B, H, s, k), generator=g, dtype=I32)
-    cap = sink + local + k + 2 * r * m + S
-    kw = dict(tau=0.9, sink=sink, k=k, dil_m=m, dil_r=r, cap=cap, scale=D**-0.5)
-    base = [x.cpu() for x in cis_decode_step(
-        REFERENCE_OPS, q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count, anchor_idx, active, **kw
-    )[:5]]
+    inputs, kw = _step_case(81, dtype)
+    B, H, s, k = inputs[10].shape
+    m, r = kw["dil_m"], kw["dil_r"]
+    base = [x.cpu() for x in cis_decode_step(REFERENCE_OPS, *inputs, **kw)[:5]]
     for ops, dev in ((REFERENCE_OPS, torch.device("cpu")), (TRITON_OPS, DEV)):
-        a = [x.to(dev) for x in (q, kc, vc, pad, t, lo, hi, ws, anchors, anchor_count, anchor_idx, active)]
+        a = [x.to(dev) for x in inputs]
         sets = dilated_set_reference(a[10].view(B, H * s, k), True, m, r).view(B, H, s, -1)
         a[10] = sets
         res = cis_decode_step(ops, *a, **kw, anchor_sets=True)
@@ -917,9 +904,9 @@ def test_grouped_decode_step_is_the_group_selection_then_the_grouped_attention(d
         assert_out_close(got[4], base[4], dtype)
 
 
-# ----------------------------------------------------------------------------- GQA (issue 12)
+# ----------------------------------------------------------------------------- GQA
 # Group-aware scoring (one read of a KV head's keys for all retrieving heads of its group),
-# the split radix select, and the group-shared launchers (one index list per KV head).
+# both selects, and the group-shared launchers (one index list per KV head).
 
 
 def naive_topk_grouped(q, k_cache, pad, lo, hi, retrieve, k, scale):
@@ -965,17 +952,8 @@ def test_reference_topk_grouped_against_naive(Hq, Hkv):
 
 
 def test_reference_attention_grouped_against_naive():
-    g = torch.Generator().manual_seed(91)
-    B, Hq, Hkv, D, S, cap = 2, 6, 2, 16, 30, 11
-    q = torch.randn(B, Hq, D, generator=g)
-    kc = torch.randn(B, Hkv, S, D, generator=g)
-    vc = torch.randn(B, Hkv, S, D, generator=g)
-    pad = i32([0, 4])
-    idx = torch.stack(
-        [torch.stack([torch.randperm(S - 4, generator=g)[:cap].sort().values for _ in range(Hkv)]) for _ in range(B)]
-    ).to(I32)
-    count = i32([[11, 0], [3, 7]])
-    idx[torch.arange(cap) >= count[..., None].long()] = -1
+    Hq, Hkv = 6, 2
+    q, kc, vc, pad, idx, count = _small_attention_case(91, Hq, Hkv, 11, [[11, 0], [3, 7]])
     ref = sparse_decode_attention_grouped_reference(q, kc, vc, pad, idx, count, 0.25)
     G = Hq // Hkv
     naive = naive_attention(q, kc, vc, pad, idx.repeat_interleave(G, 1), count.repeat_interleave(G, 1), 0.25)
@@ -995,7 +973,7 @@ def _gqa_topk_case(B, Hq, Hkv, D, S, pads, dtype, seed):
 @needs_triton
 @pytest.mark.parametrize("Hq,Hkv", [(8, 2), (12, 2), (4, 4), (16, 1)])
 def test_topk_kernel_partial_groups(Hq, Hkv):
-    """Groups with no, one, some and all heads retrieving; every scoring x select path."""
+    """Groups with no, one, some and all heads retrieving; every select."""
     B, D, S = 2, 16, 70
     q, kc, pad, lo, hi = _gqa_topk_case(B, Hq, Hkv, D, S, [0, 11], torch.float16, 100 + Hq)
     G = Hq // Hkv
@@ -1006,17 +984,16 @@ def test_topk_kernel_partial_groups(Hq, Hkv):
         retrieve[0, G * (Hkv - 1) :: 2] = True  # the last group of sequence 0: every other head
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 9, 0.5)
     dev = [x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)]
-    for score in SCORE_MODES:
-        for select in SELECT_MODES:
-            out = topk_retrieval(*dev, 9, 0.5, _score=score, _select=select).cpu()
-            assert torch.equal(out, ref), (score, select)
+    for select in SELECT_MODES:
+        out = topk_retrieval(*dev, 9, 0.5, _select=select).cpu()
+        assert torch.equal(out, ref), select
     assert (out[~retrieve] == -1).all() and (out[retrieve] >= 0).all()
 
 
 @needs_triton
 @pytest.mark.parametrize("k", [1, 7, 40, 300])
-def test_topk_split_select_ties_and_short_regions(k):
-    """Split select on exact ties spread over several chunks, k above and below the middle."""
+def test_topk_selects_ties_and_short_regions(k):
+    """Both selects on exact ties spread over several select chunks, k above and below the middle."""
     B, Hq, Hkv, D, S = 2, 4, 2, 4, 1500  # 2 select chunks of 1024 (_select_block; the default 2048: one)
     q, kc, pad, lo, hi = _gqa_topk_case(B, Hq, Hkv, D, S, [0, 900], torch.float32, 110 + k)
     retrieve = torch.ones(B, Hq, dtype=torch.bool)
@@ -1029,7 +1006,7 @@ def test_topk_split_select_ties_and_short_regions(k):
 
 
 @needs_triton
-def test_topk_split_select_all_equal_across_chunks():
+def test_topk_selects_all_equal_across_chunks():
     """2200 equal scores over 3 chunks of 1024 (``_select_block``), k = 700: full radix depth, the
     700 lowest indices taken across chunk boundaries (the cross-chunk rank of the tied keys)."""
     B, H, D, S = 1, 2, 4, 2300
@@ -1065,28 +1042,20 @@ def test_topk_grouped_kernel(dtype, Hq, Hkv):
 
 @needs_triton
 def test_topk_modes_are_checked():
+    """Unknown selects and stop points name the allowed values; the removed switches (the per-row
+    score, the probe-only stop points) are refused, not ignored."""
     q, kc, pad, lo, hi = (x.to(DEV) for x in _gqa_topk_case(1, 2, 1, 16, 20, [0], torch.float32, 1))
     retrieve = torch.ones(1, 2, dtype=torch.bool, device=DEV)
-    with pytest.raises(ValueError, match="_select"):
-        topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _select="radix")
-    with pytest.raises(ValueError, match="_score"):
-        topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _score="tile")
+    with pytest.raises(ValueError, match="_select='row'.*tilemax"):
+        topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _select="row")
+    with pytest.raises(ValueError, match="_stop_after='passes'.*score"):
+        topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _stop_after="passes")
+    with pytest.raises(TypeError, match="_score"):
+        topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _score="row")
 
 
 def _grouped_attention_case(B, Hq, Hkv, D, S, cap, dtype, seed, pads):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, D, generator=g).to(dtype)
-    kc = (2 * torch.randn(B, Hkv, S, D, generator=g)).to(dtype)
-    vc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-    pad = i32(pads)
-    idx = torch.stack(
-        [torch.stack([torch.randperm(S - pads[b], generator=g)[:cap].sort().values for _ in range(Hkv)]) for b in range(B)]
-    ).to(I32)
-    count = torch.randint(0, cap + 1, (B, Hkv), generator=g, dtype=I32)
-    count[0, 0] = 0
-    count[-1, -1] = cap
-    idx[torch.arange(cap) >= count[..., None].long()] = -1
-    return q, kc, vc, pad, idx, count
+    return _attention_case(B, Hq, Hkv, D, S, cap, dtype, seed, pads, lists=Hkv)
 
 
 @needs_triton
@@ -1149,7 +1118,8 @@ def test_probe_gqa_kernels_quick(capsys):
     out = capsys.readouterr().out
     names = {r["name"] for r in rows}
     # the names test_gpu_probe_gqa_kernels_runs compares (it read a stale one once)
-    assert {mod.OLD_RETRIEVAL, mod.DEFAULT_RETRIEVAL, "retrieval grouped", "attention per-head", "attention grouped"} <= names
+    assert {mod.DEFAULT_RETRIEVAL, "retrieval tilemax", "retrieval radix8", "retrieval grouped", "attention per-head",
+            "attention grouped"} <= names
     assert mod.DEFAULT_RETRIEVAL in out and all(r["ms"] > 0 for r in rows)
 
 

@@ -24,7 +24,7 @@ from prhs_hf.kernels.compose_indices import (
     dilate_and_compose_reference,
     dilated_set_reference,
 )
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_decode_step
+from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS
 from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,
@@ -32,7 +32,6 @@ from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention_reference,
 )
 from prhs_hf.kernels.topk_retrieval import (
-    SCORE_MODES,
     SELECT_MODES,
     topk_retrieval,
     topk_retrieval_grouped,
@@ -41,6 +40,9 @@ from prhs_hf.kernels.topk_retrieval import (
 )
 
 pytestmark = pytest.mark.gpu
+
+common = load_script("_bench_common")  # the whole stateless step, a CUDA graph of a call
+cis_decode_step = common.cis_decode_step
 
 DEV = torch.device("cuda")
 I32 = torch.int32
@@ -231,18 +233,24 @@ def test_gpu_dilate_compose_and_record(step):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,Hkv,D", [(16, 32, 128), (16, 8, 128), (8, 8, 64), (8, 8, 256), (8, 8, 80)])
-def test_gpu_attention(dtype, B, Hkv, D):
-    g = torch.Generator(device=DEV).manual_seed(5)
-    Hq, S, cap = 32, 16384, 2048
+def _attention_case(dtype, B, Hq, Hkv, D, cap, seed, lists):
+    """Attention inputs over a 16k cache: ``lists`` sorted index lists per sequence (``Hq`` per head,
+    ``Hkv`` group-shared), counts 0 .. cap (list (0, 0) empty), and the scale."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    S = 16384
     q = torch.randn(B, Hq, D, generator=g, device=DEV).to(dtype)
     kc = torch.randn(B, Hkv, S, D, generator=g, device=DEV).to(dtype)
     vc = torch.randn(B, Hkv, S, D, generator=g, device=DEV).to(dtype)
     pad = torch.randint(0, 1024, (B,), generator=g, device=DEV).to(I32)
-    idx = torch.sort(torch.randint(0, S - 1024, (B, Hq, cap), generator=g, device=DEV), dim=-1).values.to(I32)
-    count = torch.randint(0, cap + 1, (B, Hq), generator=g, device=DEV).to(I32)
+    idx = torch.sort(torch.randint(0, S - 1024, (B, lists, cap), generator=g, device=DEV), dim=-1).values.to(I32)
+    count = torch.randint(0, cap + 1, (B, lists), generator=g, device=DEV).to(I32)
     count[0, 0] = 0
     idx[torch.arange(cap, device=DEV) >= count[..., None]] = -1
-    scale = 1 / math.sqrt(D)
+    return q, kc, vc, pad, idx, count, 1 / math.sqrt(D)
+
+
+def test_gpu_attention(dtype, B, Hkv, D):
+    q, kc, vc, pad, idx, count, scale = _attention_case(dtype, B, 32, Hkv, D, 2048, seed=5, lists=32)
     ref = sparse_decode_attention_reference(q, kc, vc, pad, idx, count, scale)
     tol = 1.6e-2 if dtype == torch.bfloat16 else 2e-3
     for splits in (None, 1, 5):
@@ -294,14 +302,7 @@ def test_gpu_step_is_sync_free_and_graph_capturable(ops, anchor_sets):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     static = {key: (v.clone() if isinstance(v, torch.Tensor) else v) for key, v in x.items()}
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _step(ops, static, anchor_sets)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = _step(ops, static, anchor_sets)
+    graph, captured = common.capture_graph(lambda: _step(ops, static, anchor_sets))
     # new query, replay: equals an eager step on the same inputs
     static["q"].copy_(torch.randn_like(static["q"]))
     graph.replay()
@@ -348,7 +349,7 @@ def test_gpu_anchor_set_step_equals_topk_step():
     assert torch.equal(fast.idx, ref[0]) and torch.equal(fast.count, ref[1])
 
 
-# ----------------------------------------------------------------------------- GQA (issue 12)
+# ----------------------------------------------------------------------------- GQA
 
 GQA_TOPK_CASES = [
     # B, Hq, Hkv, D, S, k, fraction of rows retrieving
@@ -361,13 +362,12 @@ GQA_TOPK_CASES = [
 
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,k,frac", GQA_TOPK_CASES)
 def test_gpu_topk_every_path_exact_on_quantised_data(B, Hq, Hkv, D, S, k, frac):
-    """Group-aware scoring and the split select (and the old paths) give the reference."""
+    """Group-aware scoring and either select give the reference."""
     q, kc, pad, lo, hi, retrieve, scale = quantised_topk_case(B, Hq, Hkv, D, S, k, frac, seed=20)
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, scale)
-    for score in SCORE_MODES:
-        for select in SELECT_MODES:
-            out = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _score=score, _select=select)
-            assert torch.equal(out, ref), (score, select)
+    for select in SELECT_MODES:
+        out = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select)
+        assert torch.equal(out, ref), select
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,k,frac", GQA_TOPK_CASES)
@@ -386,17 +386,7 @@ def test_gpu_topk_grouped_exact_on_quantised_data(B, Hq, Hkv, D, S, k, frac):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("B,Hq,Hkv,D", [(16, 32, 8, 128), (16, 12, 2, 128), (8, 32, 8, 64), (8, 24, 4, 128)])
 def test_gpu_attention_grouped(dtype, B, Hq, Hkv, D):
-    g = torch.Generator(device=DEV).manual_seed(22)
-    S, cap = 16384, 2047
-    q = torch.randn(B, Hq, D, generator=g, device=DEV).to(dtype)
-    kc = torch.randn(B, Hkv, S, D, generator=g, device=DEV).to(dtype)
-    vc = torch.randn(B, Hkv, S, D, generator=g, device=DEV).to(dtype)
-    pad = torch.randint(0, 1024, (B,), generator=g, device=DEV).to(I32)
-    idx = torch.sort(torch.randint(0, S - 1024, (B, Hkv, cap), generator=g, device=DEV), dim=-1).values.to(I32)
-    count = torch.randint(0, cap + 1, (B, Hkv), generator=g, device=DEV).to(I32)
-    count[0, 0] = 0
-    idx[torch.arange(cap, device=DEV) >= count[..., None]] = -1
-    scale = 1 / math.sqrt(D)
+    q, kc, vc, pad, idx, count, scale = _attention_case(dtype, B, Hq, Hkv, D, 2047, seed=22, lists=Hkv)
     ref = sparse_decode_attention_grouped_reference(q, kc, vc, pad, idx, count, scale)
     tol = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
     G = Hq // Hkv
@@ -431,14 +421,7 @@ def test_gpu_grouped_launchers_sync_free_and_graph_capturable():
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = common.capture_graph(step)
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()
@@ -459,7 +442,8 @@ def test_gpu_probe_gqa_kernels_runs():
     mod = load_script("probe_gqa_kernels")
     rows = mod.main([])
     names = {r["name"] for r in rows}
-    assert {mod.DEFAULT_RETRIEVAL, mod.OLD_RETRIEVAL, "attention grouped", "attention per-head"} <= names
+    assert {mod.DEFAULT_RETRIEVAL, "retrieval tilemax", "retrieval radix8", "attention grouped",
+            "attention per-head"} <= names
     assert all(math.isfinite(r["ms"]) and r["ms"] > 0 for r in rows if not r["name"].startswith("select "))
     selects = [r for r in rows if r["name"].startswith("select ")]
     assert selects and all(r["exact"] for r in selects)

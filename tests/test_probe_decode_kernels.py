@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from prhs_hf.kernels._common import HAS_TRITON, interpreting
+from prhs_hf.kernels.triton_support import HAS_TRITON, interpreting
 from script_loader import load_script
 
 probe = load_script("probe_decode_kernels")

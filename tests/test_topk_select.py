@@ -1,8 +1,10 @@
-"""The 8-bit split selects of top-k retrieval (``_select="radix8"`` / ``"radix8_sort"`` /
-``"radix8_fused"``, whose pass-0 histogram is built by the score kernel; issue 12 item 4) against the PyTorch reference: every tie path (ties inside and across select chunks, at
-full radix depth), rows not retrieving, regions shorter than k and empty, left padding, several
-merge blocks, the persistent grids with fewer programs than work items, the probe's stop points,
-scratch that starts as garbage, and that every select kernel compiles for sm_90 (so a GPU run does not die on a compile error).
+"""The two selects of top-k retrieval (``_select="tilemax"``, the default up to k = 256, and
+``"radix8"``, the default above; kernels/topk_select.py) and the group score kernel that feeds them,
+against the PyTorch reference: every tie path (ties inside and across select chunks, at full radix
+depth), rows not retrieving, regions shorter than k and empty, left padding, several merge blocks,
+the persistent grids with fewer programs than work items, the benchmark's stop points, scratch that
+starts as garbage, and that every kernel compiles for sm_90 (so a GPU run does not die on a compile
+error).
 
 Run on a CPU: ``TRITON_INTERPRET=1 pytest tests/test_topk_select.py``.
 """
@@ -16,9 +18,9 @@ import torch
 
 from conftest import triton_available
 from prhs_hf.kernels import topk_retrieval as tk
+from prhs_hf.kernels import topk_select as ts
 from prhs_hf.kernels.topk_retrieval import (
     SELECT_MODES,
-    STOP_POINTS,
     topk_retrieval,
     topk_retrieval_grouped,
     topk_retrieval_grouped_reference,
@@ -32,7 +34,6 @@ DEV = torch.device(
     "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 )
 I32 = torch.int32
-NEW_MODES = ("radix8", "radix8_sort", "radix8_fused", "tilemax")
 
 
 def _case(B, Hq, Hkv, D, S, pads, mids, seed, levels=2):
@@ -62,37 +63,37 @@ def _poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned)
 
 
-def test_new_modes_are_listed():
-    assert set(NEW_MODES) <= set(SELECT_MODES) and "blocksort" in STOP_POINTS
+def test_the_selects_are_the_defaults():
+    """Only the selects a default path runs are left: tilemax up to TILEMAX_MAX_K, radix8 above."""
+    assert SELECT_MODES == ("tilemax", "radix8")
+    assert {tk.default_select(1), tk.default_select(tk.TILEMAX_MAX_K + 1)} == set(SELECT_MODES)
 
 
 @needs_triton
-@pytest.mark.parametrize("select,k", [(select, k) for k in (1, 40, 300, 1100) for select in NEW_MODES
+@pytest.mark.parametrize("select,k", [(select, k) for k in (1, 40, 300, 1100) for select in SELECT_MODES
                                       # tilemax at k 1100: not a default (k > TILEMAX_MAX_K); its path there
                                       # (fewer sub-tiles than k: every key a candidate) is the k 200 case of
                                       # test_tilemax_threshold_paths, and this one cost 147 s of interpreter
                                       if not (select == "tilemax" and k > 1000)])
-def test_radix8_matches_reference(select, k):
-    """Two select chunks of 1024 (``_select_block=1024``: the default items of 2048 keys would
-    make this one), ragged padding, a region shorter than k (sequence 1), an empty one (sequence
-    2), rows not retrieving; 300 and 1100 spread the candidates over 2 and 8 merge blocks (1 and
-    40: one block, finished by the row sort)."""
+def test_selects_match_reference(select, k):
+    """One select chunk of the default 2048 keys and two of 1024 (``_select_block=1024``), ragged
+    padding, a region shorter than k (sequence 1), an empty one (sequence 2), rows not retrieving;
+    radix8 at 300 and 1100 spreads the candidates over 2 and 8 merge blocks (1 and 40: one)."""
     B, Hq, Hkv, D, S = 3, 4, 2, 4, 1500
     q, kc, pad, lo, hi = _case(B, Hq, Hkv, D, S, [0, 700, 20], [1490, 600, 0], 200 + k)
     retrieve = torch.ones(B, Hq, dtype=torch.bool)
     retrieve[0, 1] = retrieve[1, 3] = False
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 1.0)
-    for score, block in (("group", None), ("row", 1024)):  # one chunk of the default 2048, two of 1024
-        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 1.0, _score=score, _select=select,
-                             _select_block=block).cpu()
-        assert torch.equal(out, ref), (score, select, block)
+    for block in (None, 1024):
+        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 1.0, _select=select, _select_block=block).cpu()
+        assert torch.equal(out, ref), (select, block)
     assert (out[~retrieve] == -1).all() and (out[2] == -1).all()
     if k > 600:
         assert (out[1][retrieve[1]][:, 600:] == -1).all()
 
 
 @needs_triton
-@pytest.mark.parametrize("select", NEW_MODES)
+@pytest.mark.parametrize("select", SELECT_MODES)
 def test_radix8_exact_ties_at_full_depth_across_chunks(select):
     """2200 equal scores over three chunks of 1024 (two of the default 2048) with 10 larger ones
     in the second: after four 8-bit passes the equal keys are exact ties; the lowest indices are
@@ -111,11 +112,11 @@ def test_radix8_exact_ties_at_full_depth_across_chunks(select):
 
 
 @needs_triton
-@pytest.mark.parametrize("select", NEW_MODES)
+@pytest.mark.parametrize("select", SELECT_MODES)
 def test_radix8_persistent_grid_strides_over_items(select, monkeypatch):
     """Fewer persistent programs (3) than live (row, chunk) and (row, block) items: each
     program takes several, including items of different rows."""
-    monkeypatch.setattr(tk, "_persistent_programs", lambda device: 3)
+    monkeypatch.setattr(ts, "_persistent_programs", lambda device: 3)
     B, Hq, Hkv, D, S = 2, 4, 1, 4, 1300
     q, kc, pad, lo, hi = _case(B, Hq, Hkv, D, S, [0, 100], [1290, 1100], 230, levels=3)
     retrieve = torch.tensor([[True, True, False, True], [False, True, True, False]])
@@ -126,7 +127,7 @@ def test_radix8_persistent_grid_strides_over_items(select, monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("select", ["tilemax", "radix8_fused"])
+@pytest.mark.parametrize("select", SELECT_MODES)
 @pytest.mark.parametrize("grouped", [False, True])
 def test_group_score_splits_follow_the_live_count(select, grouped, monkeypatch):
     """The group score kernel's persistent grid cuts each live group's region into a number of
@@ -134,7 +135,7 @@ def test_group_score_splits_follow_the_live_count(select, grouped, monkeypatch):
     programs, 6 of 256 keys with 24), one group live (4 or 6 chunks), and a fixed chunk of 128 keys
     with fewer programs than items (each program strides over several, of different groups).
     Ragged regions (1,490 and 1,000 keys behind a pad of 130), so chunks end inside a tile; the
-    tile maxima (tilemax) and the pass-0 histogram (radix8_fused) are built per item."""
+    tile maxima (tilemax) are built, and the radix scratch (radix8) zeroed, per item."""
     B, Hq, Hkv, D, S = 2, 4, 2, 4, 1500
     q, kc, pad, lo, hi = _case(B, Hq, Hkv, D, S, [0, 130], [1490, 1000], 240, levels=3)
     rows = Hkv if grouped else Hq
@@ -162,28 +163,24 @@ class _Launches:
 
 
 @needs_triton
-@pytest.mark.parametrize("select", ["radix8", "radix8_fused"])
-def test_radix8_one_merge_block_finishes_with_the_row_sort(select, monkeypatch):
-    """k_pad <= 256 (one merge block; cis.yaml's k = 88 has 128): the finish is one row-sort
-    launch, not block sort + merge rank; k = 300 (k_pad 512, two blocks) keeps the merge
-    finish. Both exact."""
-    launches = {name: _Launches(getattr(tk, name))
-                for name in ("_block_sort_kernel", "_merge_rank_kernel", "_row_sort_kernel")}
+def test_radix8_finishes_with_a_block_sort_and_a_merge_rank(monkeypatch):
+    """Every radix8 finish is one block-sort and one merge-rank launch, with one merge block (k_pad
+    <= 256, e.g. k = 88: 128) or several (k = 300: two of 256); all exact."""
+    launches = {name: _Launches(getattr(ts, name)) for name in ("_block_sort_kernel", "_merge_rank_kernel")}
     for name, fake in launches.items():
-        monkeypatch.setattr(tk, name, fake)
+        monkeypatch.setattr(ts, name, fake)
     q, kc, pad, lo, hi = _case(2, 4, 2, 4, 900, [0, 30], [880, 400], 260, levels=3)
     retrieve = torch.tensor([[True, False, True, True], [False, True, True, False]])
-    for k, merge in ((88, False), (200, False), (300, True)):
+    for k in (88, 300):
         before = {name: fake.count for name, fake in launches.items()}
-        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select=select).cpu()
+        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select="radix8").cpu()
         assert torch.equal(out, topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 0.5)), k
-        ran = {name: fake.count - before[name] for name, fake in launches.items()}
-        assert ran == ({"_block_sort_kernel": 1, "_merge_rank_kernel": 1, "_row_sort_kernel": 0} if merge else
-                       {"_block_sort_kernel": 0, "_merge_rank_kernel": 0, "_row_sort_kernel": 1}), (k, ran)
+        assert {name: fake.count - before[name] for name, fake in launches.items()} == {
+            "_block_sort_kernel": 1, "_merge_rank_kernel": 1}, k
 
 
 @needs_triton
-@pytest.mark.parametrize("select", NEW_MODES)
+@pytest.mark.parametrize("select", SELECT_MODES)
 def test_radix8_grouped(select):
     """Group-shared retrieval (one row per KV head, max over its heads) with the new selects."""
     B, Hq, Hkv, D, S = 2, 6, 2, 4, 1100
@@ -197,12 +194,12 @@ def test_radix8_grouped(select):
 
 @needs_triton
 @pytest.mark.parametrize("grouped", [False, True])
-@pytest.mark.parametrize("select", ["tilemax", "radix8", "row"])
+@pytest.mark.parametrize("select", SELECT_MODES)
 def test_group_score_compacts_the_flags_without_a_launch(select, grouped, monkeypatch):
     """The group score kernel finds the live groups itself and writes the rows' order for the
     select: no `_compact_kernel` launch, the same output as the reference for no, some (in
     several groups, not the first) and all rows, over scratch that starts as garbage. With more
-    flags than it compacts in registers, or the row score kernel, the compaction launch comes back."""
+    flags than it compacts in registers, the compaction launch comes back."""
     _poison_empty(monkeypatch)
     B, Hq, Hkv, D, S = 3, 6, 2, 4, 400
     q, kc, pad, lo, hi = _case(B, Hq, Hkv, D, S, [0, 9, 30], [390, 200, 5], 270, levels=3)
@@ -221,53 +218,37 @@ def test_group_score_compacts_the_flags_without_a_launch(select, grouped, monkey
     monkeypatch.setattr(tk, "_SCORE_COMPACT_MAX", 8)
     out = fn(*_dev(q, kc, pad, lo, hi, some), 12, 0.5, _select=select).cpu()
     assert torch.equal(out, ref_fn(q, kc, pad, lo, hi, some, 12, 0.5)) and spy.count == 1
-    if not grouped:
-        out = fn(*_dev(q, kc, pad, lo, hi, some), 12, 0.5, _select=select, _score="row").cpu()
-        assert torch.equal(out, ref_fn(q, kc, pad, lo, hi, some, 12, 0.5)) and spy.count == 2
 
 
 @needs_triton
 def test_radix8_no_row_retrieves():
     q, kc, pad, lo, hi = _case(2, 2, 1, 4, 300, [0, 5], [290, 290], 250)
     retrieve = torch.zeros(2, 2, dtype=torch.bool)
-    for select in NEW_MODES:
+    for select in SELECT_MODES:
         out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 17, 1.0, _select=select).cpu()
         assert (out == -1).all(), select
 
 
 @needs_triton
 def test_stop_points_run_and_are_checked():
-    """Every select mode stops at "passes" and "collect" (probe breakdowns); "blocksort" only
-    exists for the merge finish; unknown stop points name the allowed values."""
+    """Both selects stop after "compact" and "score" (the benchmark's stage breakdown); unknown stop
+    points, e.g. the selects' inner stages that only a probe timed, name the allowed values."""
     q, kc, pad, lo, hi = _case(1, 2, 1, 4, 200, [0], [190], 260)
     retrieve = torch.ones(1, 2, dtype=torch.bool)
     args = _dev(q, kc, pad, lo, hi, retrieve)
     for select in SELECT_MODES:
-        for stop in ("passes", "collect"):
+        for stop in ("compact", "score"):
             assert topk_retrieval(*args, 20, 1.0, _select=select, _stop_after=stop).shape == (1, 2, 20)
-    for select in ("radix8", "radix8_fused"):
-        assert topk_retrieval(*args, 20, 1.0, _select=select, _stop_after="blocksort").shape == (1, 2, 20)
-    with pytest.raises(ValueError, match="blocksort"):
-        topk_retrieval(*args, 20, 1.0, _select="row", _stop_after="blocksort")
-    with pytest.raises(ValueError, match="_stop_after"):
-        topk_retrieval(*args, 20, 1.0, _stop_after="sort")
-
-
-@needs_triton
-def test_score_tuning_of_the_row_score_kernel_is_refused():
-    """``_score_cfg`` tunes the group score kernel only: with ``_score="row"`` it would be ignored
-    silently, so it is refused by name."""
-    q, kc, pad, lo, hi = _case(1, 2, 1, 4, 200, [0], [190], 260)
-    retrieve = torch.ones(1, 2, dtype=torch.bool)
-    with pytest.raises(ValueError, match="_score_cfg.*_score='group'"):
-        topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 20, 1.0, _score="row", _score_cfg=(32, 4, 2, 0))
+    for stop in ("passes", "collect", "blocksort", "sort"):
+        with pytest.raises(ValueError, match="_stop_after"):
+            topk_retrieval(*args, 20, 1.0, _stop_after=stop)
 
 
 _SM90_CHECK = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from prhs_hf.kernels import topk_retrieval as tk
+from prhs_hf.kernels import topk_select as ts
 
 SCALARS = ("S", "K", "CHUNK", "NCH", "NBLK")
 
@@ -286,18 +267,16 @@ def compile_sm90(fn, constexprs, num_warps):
 
 
 c = dict(H=32, K_PAD=2048)
-r8 = dict(c, BLOCK=1024, W=8, BINS=256, NP=4, PERSISTENT=True)
-kernels = [(tk._select_kernel, dict(c, BLOCK=1024, STOP=s), 8) for s in (0, 1, 2)]
-kernels += [(tk._radix_pass_kernel, dict(r8, P=p), 4) for p in range(4)]
+r8 = dict(c, BLOCK=1024)
+kernels = [(ts._radix_pass_kernel, dict(r8, P=p), 4) for p in range(4)]
 kernels += [
-    (tk._radix_collect_kernel, r8, 4),
-    (tk._row_sort_kernel, c, 8),
-    (tk._block_sort_kernel, dict(c, MB=256), 4),
-    (tk._merge_rank_kernel, dict(c, MB=256, LOG_MB=8), 4),
+    (ts._radix_collect_kernel, r8, 4),
+    (ts._block_sort_kernel, dict(c, MB=256), 4),
+    (ts._merge_rank_kernel, dict(c, MB=256, LOG_MB=8), 4),
 ]
 tm = dict(H=12, SUB=32, K_PAD=128, CAP=4096, RADIX_PAD=128, BLOCK=2048, TBLOCK=1024, THETA_PASSES=3,
           CBLOCK=1024)
-kernels += [(tk._tilemax_select_kernel, dict(tm, STOP=s), 4) for s in (0, 1, 2)]
+kernels += [(ts._tilemax_select_kernel, tm, 8)]
 for fn, constexprs, num_warps in kernels:
     assert "cubin" in compile_sm90(fn, constexprs, num_warps).asm, fn.__name__
 print("compiled", len(kernels))
@@ -326,7 +305,7 @@ def test_select_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, "-c", _SM90_CHECK], env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled 14" in res.stdout
+    assert "compiled 8" in res.stdout
 
 
 @needs_triton
@@ -336,8 +315,7 @@ def test_default_select_is_radix8_above_tilemax_k_and_exact_beyond_the_one_progr
     exact ties straddles k, so the candidates overflow any 2048 buffer."""
     import inspect
 
-    assert inspect.signature(topk_retrieval).parameters["_select"].default == "auto"
-    assert inspect.signature(topk_retrieval_grouped).parameters["_select"].default == "auto"
+    assert inspect.signature(tk._retrieve).parameters["_select"].default == "auto"
     assert tk.default_select(k) == "radix8" and tk.default_select(tk.TILEMAX_MAX_K) == "tilemax"
     q, kc, pad, lo, hi = _case(1, 2, 1, 16, 6000, [3], [5987], seed=5, levels=3)
     kc[0, 0, 100:3000] = kc[0, 0, 100]
@@ -351,9 +329,9 @@ def test_default_select_is_radix8_above_tilemax_k_and_exact_beyond_the_one_progr
 def test_auto_select_runs_tilemax_up_to_its_k_and_radix8_above(monkeypatch):
     """``_select="auto"``: one tilemax launch (and no radix pass) for k <= TILEMAX_MAX_K (cis.yaml's
     88), the radix8 passes above it; both exact."""
-    launches = {name: _Launches(getattr(tk, name)) for name in ("_tilemax_select_kernel", "_radix_pass_kernel")}
+    launches = {name: _Launches(getattr(ts, name)) for name in ("_tilemax_select_kernel", "_radix_pass_kernel")}
     for name, fake in launches.items():
-        monkeypatch.setattr(tk, name, fake)
+        monkeypatch.setattr(ts, name, fake)
     q, kc, pad, lo, hi = _case(1, 4, 2, 4, 1400, [5], [1390], 7, levels=3)
     ret = torch.tensor([[True, False, True, True]])
     for k, tilemax in ((88, True), (tk.TILEMAX_MAX_K, True), (tk.TILEMAX_MAX_K + 1, False)):
@@ -384,8 +362,8 @@ def test_tilemax_threshold_paths(grouped, monkeypatch):
     ties600[0, 0, 1000:1600] = 4.0  # 600 equal keys above every other score
     ties3000 = base.clone()
     ties3000[0, 0, 100:3100] = 4.0
-    for cap in (tk._TILE_CAP, 512):
-        monkeypatch.setattr(tk, "_TILE_CAP", cap)
+    for cap in (ts._TILE_CAP, 512):
+        monkeypatch.setattr(ts, "_TILE_CAP", cap)
         for kc, k in ((base, 40), (ties600, 40), (ties600, 100), (ties3000, 88), (base, 200)):
             want = ref_fn(q, kc, pad, lo, hi, retrieve, k, 0.5)
             got = run(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select="tilemax")
@@ -394,11 +372,10 @@ def test_tilemax_threshold_paths(grouped, monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("grouped", [False, True])
-@pytest.mark.parametrize("select", ["radix8", "radix8_fused"])
-def test_radix8_scratch_starts_as_garbage_over_many_rows(select, grouped, monkeypatch):
-    """41 retrieving rows (more than the 32 rows that the compaction launch zeroes per store
-    for the fused pass-0 histogram), every scratch buffer filled with garbage first; per-head
-    rows under both scorings and group rows."""
+def test_radix8_scratch_starts_as_garbage_over_many_rows(grouped, monkeypatch):
+    """41 retrieving rows (23 groups), every scratch buffer filled with garbage first: the score
+    kernel zeroes the histograms and counters of exactly the rows it writes; per-head and group rows."""
+    select = "radix8"
     _poison_empty(monkeypatch)
     B, Hq, Hkv, D, S = 6, 8, 4, 4, 300
     q, kc, pad, lo, hi = _case(B, Hq, Hkv, D, S, [0, 9, 0, 30, 2, 0], [290] * 6, 270, levels=3)
@@ -407,36 +384,22 @@ def test_radix8_scratch_starts_as_garbage_over_many_rows(select, grouped, monkey
         retrieve[2, 1] = False
         assert int(retrieve.sum()) == 23
         ref = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, retrieve, 5, 1.0)
-        outs = [topk_retrieval_grouped(*_dev(q, kc, pad, lo, hi, retrieve), 5, 1.0, _select=select)]
+        out = topk_retrieval_grouped(*_dev(q, kc, pad, lo, hi, retrieve), 5, 1.0, _select=select)
     else:
         retrieve = torch.ones(B, Hq, dtype=torch.bool)
         retrieve.view(-1)[::7] = False
         assert int(retrieve.sum()) == 41
         ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 5, 1.0)
-        outs = [topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 5, 1.0, _score=score, _select=select)
-                for score in ("group", "row")]
-    for out in outs:
-        assert torch.equal(out.cpu(), ref)
+        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 5, 1.0, _select=select)
+    assert torch.equal(out.cpu(), ref)
 
 
 @needs_triton
-def test_radix8_fused_exact_ties_beyond_the_one_program_buffer():
-    """The fused select on the exact-tie case of the default-select test (k = 2049: the
-    candidates overflow a 2048 buffer, the 2900 tied keys resolve only at full depth)."""
-    q, kc, pad, lo, hi = _case(1, 2, 1, 16, 6000, [3], [5987], seed=5, levels=3)
-    kc[0, 0, 100:3000] = kc[0, 0, 100]
-    ret = torch.tensor([[True, False]])
-    want = topk_retrieval_reference(q, kc, pad, lo, hi, ret, 2049, 0.25)
-    got = topk_retrieval(*_dev(q, kc, pad, lo, hi, ret), 2049, 0.25, _select="radix8_fused")
-    assert torch.equal(got.cpu(), want)
-
-
-@needs_triton
-@pytest.mark.parametrize("select", NEW_MODES)
-def test_radix8_all_scores_negative_with_partial_tiles(select):
+@pytest.mark.parametrize("select", SELECT_MODES)
+def test_selects_all_scores_negative_with_partial_tiles(select):
     """Every score negative (all pass-0 digits below the one of 0.0) and regions that end
     inside a score tile: the masked lanes of the last tile (score 0.0 there) must not count
-    in any histogram, per-head (both scorings) and grouped."""
+    in any histogram or sub-tile maximum, per head and grouped."""
     B, Hq, Hkv, D, S = 2, 4, 2, 4, 1400
     g = torch.Generator().manual_seed(280)
     q = torch.randint(1, 4, (B, Hq, D), generator=g).float()
@@ -446,16 +409,15 @@ def test_radix8_all_scores_negative_with_partial_tiles(select):
     hi = torch.tensor([1390, 1377], dtype=I32)
     retrieve = torch.tensor([[True, False, True, True], [False, True, False, False]])
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 100, 1.0)
-    for score in ("group", "row"):
-        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 100, 1.0, _score=score, _select=select)
-        assert torch.equal(out.cpu(), ref), score
+    out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 100, 1.0, _select=select)
+    assert torch.equal(out.cpu(), ref)
     rg = torch.tensor([[True, False], [False, True]])
     ref_g = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, rg, 100, 1.0)
     out_g = topk_retrieval_grouped(*_dev(q, kc, pad, lo, hi, rg), 100, 1.0, _select=select)
     assert torch.equal(out_g.cpu(), ref_g)
 
 
-_SM90_FUSED_CHECK = r"""
+_SM90_SCORE_CHECK = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -467,34 +429,25 @@ TYPES = {"Q": "*bf16", "K": "*bf16", "FLAG": "*i1", "scale": "fp32", "S": "i32",
 
 def compile_sm90(fn, constexprs, num_warps):
     # constexprs with defaults must still be named (an unnamed upper-case one would become a pointer)
-    constexprs = {**{n: v for n, v in (("TILE_MAX", False), ("SUB", 32), ("FUSE_HIST", False), ("HIST_ROW", 1),
-                                       ("COMPACT", False), ("BLOCK_R", 16), ("FG", 1), ("FGP", 1), ("NGP", 16))
-                       if n in fn.arg_names}, **constexprs}
+    constexprs = {**{n: v for n, v in (("TILE_MAX", False), ("SUB", 32), ("COMPACT", False), ("BLOCK_R", 16),
+                                       ("FG", 1), ("FGP", 1), ("NGP", 16)) if n in fn.arg_names}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else TYPES.get(n, "*i32" if n.isupper() else "i32")
            for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-score = dict(D=128, BLOCK_D=128, BLOCK_N=64)
-hist = dict(HIST_PASSES=4, HIST_BINS=256, FUSE_HIST=True, ZERO_SCRATCH=True)
-kernels = [
-    (tk._compact_kernel, dict(GROUP=4, GP=4, BLOCK=512, BLOCK_G=128, WITH_GROUPS=True, ZERO_HIST=True,
-                              HIST_ROW=1024, HIST_BINS=256, ZB=32), 4),
-    (tk._score_kernel, dict(score, H=32, GROUP=4, FUSE_HIST=True, HIST_ROW=1024), 4),
-]
+kernels = [(tk._compact_kernel, dict(GROUP=4, GP=4, BLOCK=512, BLOCK_G=128, WITH_GROUPS=True), 4)]
+radix = dict(D=128, BLOCK_D=128, BLOCK_N=128, ZERO_SCRATCH=True, HIST_ROW=1024)  # _select="radix8", bf16 tiles
 for group, agg in ((4, False), (4, True), (1, False), (6, False)):  # 32/8, grouped, 32/32, Qwen 12/2
-    kernels.append((tk._group_score_kernel, dict(score, **hist, HKV=8, GROUP=group, BLOCK_M=16, AGG_MAX=agg,
-                                                 IEEE=False, ZROWS=1 if agg else group,
-                                                 GP=max(2, triton.next_power_of_2(group))), 4))
-tile = dict(D=128, BLOCK_D=128, BLOCK_N=128, TILE_MAX=True, SUB=32)  # _select="tilemax", bf16 tiles
-kernels.append((tk._score_kernel, dict(tile, H=12, GROUP=6), 4))
+    kernels.append((tk._group_score_kernel, dict(radix, HKV=8, GROUP=group, BLOCK_M=16, AGG_MAX=agg, IEEE=False,
+                                                 ZROWS=1 if agg else group), 4))
+tile = dict(D=128, BLOCK_D=128, BLOCK_N=128, TILE_MAX=True, SUB=32, ZERO_SCRATCH=False, HIST_ROW=1024)  # "tilemax"
 for group, agg, compact in ((6, False, False), (6, True, False), (6, False, True), (6, True, True)):
     # compact: the flags compacted in the kernel (the default), Qwen B32: 384 rows, 64 groups
     fg = 1 if agg else group
-    kernels.append((tk._group_score_kernel, dict(tile, HIST_PASSES=4, HIST_BINS=256, ZERO_SCRATCH=False, HKV=2,
-                                                 GROUP=group, BLOCK_M=16, AGG_MAX=agg, IEEE=False,
-                                                 ZROWS=1 if agg else group, GP=8, COMPACT=compact,
+    kernels.append((tk._group_score_kernel, dict(tile, HKV=2, GROUP=group, BLOCK_M=16, AGG_MAX=agg, IEEE=False,
+                                                 ZROWS=1 if agg else group, COMPACT=compact,
                                                  BLOCK_R=512 if not agg else 64, FG=fg,
                                                  FGP=triton.next_power_of_2(fg), NGP=64), 4))
 for fn, constexprs, num_warps in kernels:
@@ -504,16 +457,16 @@ print("compiled", len(kernels))
 
 
 @pytest.mark.skipif(not _has_cuda_backend(), reason="needs Triton with its CUDA backend (ptxas)")
-def test_fused_histogram_kernels_compile_for_sm90():
-    """The kernels that ``_select="radix8_fused"`` changes (the compaction that zeroes the pass-0
-    histogram, both score kernels building it in registers: per-head G = 4, 1, 6 and grouped),
-    and both score kernels writing ``_select="tilemax"``'s sub-tile maxima (Qwen 12/2), compile to a cubin for sm_90 at the H200 shapes (d 128)."""
+def test_score_kernels_compile_for_sm90():
+    """The compaction and the group score kernel in each of its modes (zeroing the radix8 scratch:
+    per-head G = 4, 1, 6 and grouped; writing the tilemax sub-tile maxima, with and without the
+    in-kernel compaction, Qwen 12/2) compile to a cubin for sm_90 at the H200 shapes (d 128)."""
     import subprocess
     import sys
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _SM90_FUSED_CHECK], env=env, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-c", _SM90_SCORE_CHECK], env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled 11" in res.stdout
+    assert "compiled 9" in res.stdout

@@ -1,4 +1,4 @@
-"""Helpers shared by the decode kernels: the optional Triton import and small shape utilities.
+"""What the Triton kernels share: the optional Triton import, device queries and shape helpers.
 
 Triton is optional: without it ``triton`` and ``tl`` are stand-ins that let the kernel modules
 be imported (so their PyTorch ``*_reference`` functions work) while any attempt to launch a
@@ -67,6 +67,7 @@ __all__ = [
     "interpreting",
     "layer_rows",
     "unit_vectors",
+    "program_bh",
 ]
 
 #: Floor of a vector norm in the cosine of `cis_match` (a zero vector has cosine 0).
@@ -134,3 +135,10 @@ def unit_vectors(x: torch.Tensor) -> torch.Tensor:
     stored anchor of CIS (a zero vector stays zero)."""
     xf = x.float()
     return xf / xf.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
+
+
+@triton.jit
+def program_bh(H: tl.constexpr):
+    """This program's row of a ``[B, H]`` grid of one program per row: ``(pid, b, h)``."""
+    pid = tl.program_id(0)
+    return pid, pid // H, pid % H
