@@ -1,9 +1,9 @@
-"""FlashAttention-4 backend of the prefill (``backend.prefill: flash``, issue 15; ``auto`` picks it where it runs, the fastest measured).
+"""FlashAttention-4 backend of the prefill (``backend.prefill: flash``; ``auto`` picks it where it runs).
 
-Same contract and signature as :func:`prefill_attention.prefill_attention` (see ``prefill_attention.py``:
-``q [B, Hq, Lq, D]``, ``k``/``v`` ``[B, Hkv, Lk, D]`` in HF layout, left padding as per-sequence
-``pad``/``q_start``, GQA by ``Hq // Hkv``; returns ``[B, Lq, Hq, D]`` contiguous), run through
-FlashAttention-4 (``flash_attn.cute``, the CuTe DSL; sm90 and sm100 forwards):
+Same contract and signature as :func:`prefill_attention.prefill_attention` (``q, k, v, plan, scale``;
+``q [B, Hq, Lq, D]``, ``k``/``v`` ``[B, Hkv, Lk, D]`` in HF layout, a :class:`~prefill_plan.PrefillPlan`;
+returns ``[B, Lq, Hq, D]`` contiguous), run through FlashAttention-4 (``flash_attn.cute``, the
+CuTe DSL; sm90 and sm100 forwards):
 
 * **PSAW/ETF layers** (:func:`flash_prefill_attention`): FA4's block-sparse forward. The schedule
   becomes FA4's block-sparse tensors (FlexAttention's layout, one pattern per sequence shared by
@@ -11,8 +11,8 @@ FlashAttention-4 (``flash_attn.cute``, the CuTe DSL; sm90 and sm100 forwards):
   with no visible pair is skipped, a whole tile with every pair visible runs unmasked ("full"),
   every other tile ("partial": PSAW boundary, causal diagonal, sink edge, ETF edge, padding edge,
   ragged edge) applies the exact SPEC §3 predicate through the CuTe ``mask_mod`` of
-  :func:`prefill_mask_mod`, which reads the per-sequence pad offset, query start, window starts
-  and frozen rows from aux tensors (:func:`mask_aux_tensors`). Left padding is thus exact.
+  :func:`prefill_mask_mod`, which reads the plan (per-sequence pad offset, query start, window
+  starts, sink, frozen rows) from aux tensors (:func:`mask_aux_tensors`). Left padding is thus exact.
 * **dense layers** (:func:`flash_dense_prefill_attention`): FA4's dense causal forward when the
   forward has no mask and ``Lq == Lk`` (no padding, no cache before the prompt); otherwise
   (left padding, a StaticCache, a prefill over cached tokens) the block-sparse forward with the
@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from .prefill_attention import _int32, check_prefill_inputs, dense_causal_plan
+from .prefill_plan import PrefillPlan
 
 __all__ = [
     "INSTALL_HINT",
@@ -51,7 +51,7 @@ __all__ = [
     "check_flash_inputs",
     "fa4_block_size",
     "fa4_block_sparse",
-    "flash_attention_with_plan",
+    "flash_block_sparse_attention",
     "flash_causal_attention",
     "flash_dense_prefill_attention",
     "flash_prefill_attention",
@@ -159,7 +159,7 @@ def fa4_block_size(capability: tuple[int, int], head_dim: int) -> tuple[int, int
 
     sm90: FA4's forward tile is 128 x 128 for ``D <= 128`` (``_tile_size_fwd_sm90``), and the
     sparse KV block must be a multiple of its ``tile_n`` (112 or 80 past 128): 64 there, to which
-    FA4 shrinks ``tile_n``. sm100 runs two 128-row Q stages per CTA: 256 x 128 (not yet measured).
+    FA4 shrinks ``tile_n``. sm100 runs two 128-row Q stages per CTA: 256 x 128.
     """
     block_n = 128 if head_dim <= 128 else 64
     return (256, block_n) if capability[0] == 10 else (128, block_n)
@@ -173,39 +173,31 @@ def _overlap(a: torch.Tensor, b: torch.Tensor, c0: torch.Tensor, c1: torch.Tenso
     return (torch.minimum(b, c1) - torch.maximum(a, c0)).clamp(min=0)
 
 
-def visible_per_block(
-    pad: torch.Tensor,
-    q_start: torch.Tensor,
-    win_lo: torch.Tensor,
-    sink: int,
-    frozen_lo: torch.Tensor,
-    frozen_hi: torch.Tensor,
-    kv_len: int,
-    block_m: int,
-    block_n: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Visible (query row, cache slot) pairs of every ``block_m x block_n`` tile of each sequence.
+def visible_per_block(plan: PrefillPlan, kv_len: int, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Visible (query row, cache slot) pairs of every ``block_m x block_n`` tile of each sequence of ``plan``.
 
-    Arguments as in the prefill contract (``prefill_attention.py``). An active row ``r`` (real
-    index ``i = q_start + r >= 0``, not ETF-frozen) sees the real keys ``[0, s) ∪ [max(win, s), i + 1)``
-    with ``s = min(sink, i + 1)``, the keys of :func:`prefill_visibility` as two disjoint
-    intervals, i.e. the slots ``pad +`` those; so no ``Lq x Lk`` mask is built (``Lq x n_blocks``
-    counts, one sequence at a time). Returns ``(pairs [B, M, N], capacity [M, N])`` int64,
-    capacity being the tile's rows ``< Lq`` times its slots ``< kv_len``.
+    An active row ``r`` (real index ``i = q_start + r >= 0``, not ETF-frozen) sees the real keys
+    ``[0, s) ∪ [max(win, s), i + 1)`` with ``s = min(sink, i + 1)``, the keys of
+    :func:`prefill_plan.prefill_visibility` as two disjoint intervals, i.e. the slots ``pad +`` those; so no
+    ``Lq x Lk`` mask is built (``Lq x n_blocks`` counts, one sequence at a time). Returns
+    ``(pairs [B, M, N], capacity [M, N])`` int64, capacity being the tile's rows ``< Lq`` times
+    its slots ``< kv_len``.
     """
-    dev = win_lo.device
-    B, lq = win_lo.shape
+    dev = plan.win_lo.device
+    B, lq = plan.win_lo.shape
+    sink = plan.sink
     n_blocks = -(-kv_len // block_n)
     m_blocks = -(-lq // block_m)
     c0 = (torch.arange(n_blocks, device=dev, dtype=torch.int64) * block_n)[None, :]
     c1 = torch.clamp(c0 + block_n, max=kv_len)
     rows = torch.arange(lq, device=dev, dtype=torch.int64)
-    pad, q_start = pad.to(dev, torch.int64), q_start.to(dev, torch.int64)
-    frozen_lo, frozen_hi = frozen_lo.to(dev, torch.int64), frozen_hi.to(dev, torch.int64)
+    pad, q_start, win_lo, frozen_lo, frozen_hi = (
+        x.to(dev, torch.int64) for x in (plan.pad, plan.q_start, plan.win_lo, plan.frozen_lo, plan.frozen_hi)
+    )
     out = torch.zeros(B, m_blocks, n_blocks, dtype=torch.int64, device=dev)
-    for b in range(B):  # one sequence at a time: Lq x N counts (32 MB at 32k, 256 slots tiles)
+    for b in range(B):  # one sequence at a time: Lq x N counts, not B x Lq x N
         i = q_start[b] + rows
-        win = win_lo[b].to(torch.int64)
+        win = win_lo[b]
         active = (i >= 0) & ((i < frozen_lo[b]) | (i >= frozen_hi[b]))
         s = torch.clamp(i + 1, min=0, max=sink)
         lo2 = torch.maximum(win, s)
@@ -266,20 +258,11 @@ class FlashBlockSparse:
         )
 
 
-def fa4_block_sparse(
-    pad: torch.Tensor,
-    q_start: torch.Tensor,
-    win_lo: torch.Tensor,
-    sink: int,
-    frozen_lo: torch.Tensor,
-    frozen_hi: torch.Tensor,
-    kv_len: int,
-    block: tuple[int, int] = (128, 128),
-) -> FlashBlockSparse:
-    """The PSAW/ETF schedule of a (left-padded) prefill as FA4's block-sparse tensors, tiles ``block``
-    (see :func:`fa4_block_size`); arguments as in the prefill contract."""
+def fa4_block_sparse(plan: PrefillPlan, kv_len: int, block: tuple[int, int] = (128, 128)) -> FlashBlockSparse:
+    """The PSAW/ETF schedule ``plan`` of a (left-padded) prefill over ``kv_len`` cache slots as FA4's
+    block-sparse tensors, tiles ``block`` (see :func:`fa4_block_size`)."""
     bm, bn = block
-    pairs, capacity = visible_per_block(pad, q_start, win_lo, sink, frozen_lo, frozen_hi, kv_len, bm, bn)
+    pairs, capacity = visible_per_block(plan, kv_len, bm, bn)
     kinds = block_kinds(pairs, capacity, bm, bn)
     mask_cnt, mask_idx = _ordered(kinds == 1)
     full_cnt, full_idx = _ordered(kinds == 2)
@@ -289,27 +272,19 @@ def fa4_block_sparse(
 # ----------------------------------------------------------------------------- the CuTe mask_mod
 
 
-def mask_aux_tensors(
-    pad: torch.Tensor,
-    q_start: torch.Tensor,
-    win_lo: torch.Tensor,
-    sink: int,
-    frozen_lo: torch.Tensor,
-    frozen_hi: torch.Tensor,
-    rows: int | None = None,
-) -> list[torch.Tensor]:
-    """The aux tensors of :func:`prefill_mask_mod`: ``[win_lo int32 [B, rows], geo int32 [B, 5]]``,
+def mask_aux_tensors(plan: PrefillPlan, rows: int | None = None) -> list[torch.Tensor]:
+    """The aux tensors of :func:`prefill_mask_mod` for ``plan``: ``[win_lo int32 [B, rows], geo int32 [B, 5]]``,
     ``geo[b] = (pad, q_start, frozen_lo, frozen_hi, sink)``, contiguous on ``win_lo``'s device.
 
     ``rows`` (default ``Lq``) pads ``win_lo`` with its last column up to whole query tiles, so
     that the mask_mod never reads past it in the ragged last tile (those rows are discarded).
     """
-    dev = win_lo.device
-    win = _int32(win_lo, dev)
+    plan = plan.on(plan.win_lo.device)
+    win = plan.win_lo
     if rows is not None and rows > win.shape[1]:
         win = torch.cat([win, win[:, -1:].expand(-1, rows - win.shape[1])], dim=1)
-    sink_col = torch.full_like(_int32(pad, dev), int(sink))
-    geo = torch.stack([_int32(x, dev) for x in (pad, q_start, frozen_lo, frozen_hi)] + [sink_col], dim=1)
+    sink_col = torch.full_like(plan.pad, plan.sink)
+    geo = torch.stack([plan.pad, plan.q_start, plan.frozen_lo, plan.frozen_hi, sink_col], dim=1)
     return [win.contiguous(), geo.contiguous()]
 
 
@@ -321,7 +296,7 @@ def prefill_mask_mod() -> Callable:
     :func:`mask_aux_tensors`: query row ``m`` has real index ``i = q_start[b] + m``, cache slot
     ``n`` holds real key ``j = n - pad[b]``; visible iff the row is active (``i >= 0``, not in
     ``[frozen_lo, frozen_hi)``), ``0 <= j <= i`` and (``j < sink`` or ``j >= win_lo[b, m]``):
-    :func:`prefill_attention.prefill_visibility`, which FA4 cannot call. The values live in
+    :func:`prefill_plan.prefill_visibility`, which FA4 cannot call. The values live in
     tensors, not in the closure, so one compiled kernel serves every length, depth and batch
     (one function object: FA4 keys its compile cache on it).
     """
@@ -356,43 +331,32 @@ def _first(res: Any) -> torch.Tensor:
     return res[0] if isinstance(res, tuple) else res
 
 
-def flash_attention_with_plan(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashBlockSparse, aux: list[torch.Tensor], scale: float
+def flash_block_sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: FlashBlockSparse, aux: list[torch.Tensor], scale: float
 ) -> torch.Tensor:
     """FA4's block-sparse forward of ``q [B, Hq, Lq, D]`` over ``k``/``v`` ``[B, Hkv, Lk, D]`` (HF
-    layout, read in place through strided views) with ``plan`` and the aux tensors of
+    layout, read in place through strided views) with the tiles ``blocks`` and the aux tensors of
     :func:`mask_aux_tensors` → ``[B, Lq, Hq, D]`` contiguous."""
     from flash_attn.cute import flash_attn_func
 
     gqa = q.shape[1] != k.shape[1]
     res = flash_attn_func(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=float(scale), causal=False,
-        mask_mod=prefill_mask_mod(), aux_tensors=aux, block_sparse_tensors=plan.to_fa4(), pack_gqa=gqa,
+        mask_mod=prefill_mask_mod(), aux_tensors=aux, block_sparse_tensors=blocks.to_fa4(), pack_gqa=gqa,
     )
     return _first(res).contiguous()
 
 
-def flash_prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pad: torch.Tensor,
-    q_start: torch.Tensor,
-    win_lo: torch.Tensor,
-    sink: int,
-    frozen_lo: torch.Tensor,
-    frozen_hi: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def flash_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan, scale: float) -> torch.Tensor:
     """Sparse PSAW/ETF prefill attention through FA4's block-sparse forward (the prefill contract)."""
-    _, _, _, D, _, Lk = check_prefill_inputs(q, k, v, pad, q_start, win_lo, frozen_lo, frozen_hi)
+    _, _, _, D, _, Lk = plan.check(q, k, v)
     check_flash_inputs(q)
     require_flash_attn(q.device)
+    plan = plan.on(q.device)
     block = fa4_block_size(torch.cuda.get_device_capability(q.device), D)
-    plan = fa4_block_sparse(pad, q_start, win_lo, sink, frozen_lo, frozen_hi, Lk, block)
-    rows = plan.kinds.shape[1] * block[0]
-    aux = mask_aux_tensors(pad, q_start, win_lo, sink, frozen_lo, frozen_hi, rows)
-    return flash_attention_with_plan(q, k, v, plan, aux, scale)
+    blocks = fa4_block_sparse(plan, Lk, block)
+    aux = mask_aux_tensors(plan, rows=blocks.kinds.shape[1] * block[0])
+    return flash_block_sparse_attention(q, k, v, blocks, aux, scale)
 
 
 def flash_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -424,5 +388,4 @@ def flash_dense_prefill_attention(
     """
     if no_mask and q.shape[2] == k.shape[2]:
         return flash_causal_attention(q, k, v, scale)
-    win_lo, no_rows = dense_causal_plan(q)
-    return flash_prefill_attention(q, k, v, pad, q_start, win_lo, 0, no_rows, no_rows, scale)
+    return flash_prefill_attention(q, k, v, PrefillPlan.dense_causal(pad, q_start, q.shape[2]), scale)

@@ -1,8 +1,8 @@
 """FlexAttention backend of the sparse prefill: a ``BlockMask`` from the SPEC §3 predicate.
 
 The block-sparse reference backend that :func:`prefill_attention.prefill_attention` has to beat.
-Same contract and signature (see ``prefill_attention.py``); the predicate is the shared
-:func:`prefill_attention.prefill_visibility`, read through a FlexAttention ``mask_mod``.
+Same contract and signature (``q, k, v, plan, scale``; see ``prefill_attention.py``); the predicate
+is the shared :func:`prefill_plan.prefill_visibility`, read through a FlexAttention ``mask_mod``.
 
 On CUDA both the mask construction and the attention are compiled (``torch.compile``), which is
 what makes FlexAttention block-sparse; on the CPU they run eagerly (torch 2.13 supports that,
@@ -19,27 +19,23 @@ from typing import Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from .prefill_attention import check_prefill_inputs, _int32, prefill_visibility
+from .prefill_plan import PrefillPlan, prefill_visibility
 
 __all__ = ["prefill_mask_mod", "build_prefill_block_mask", "flex_attention_with_mask", "flex_prefill_attention"]
 
 _compiled_flex: Callable | None = None
 
 
-def prefill_mask_mod(
-    pad: torch.Tensor,
-    q_start: torch.Tensor,
-    win_lo: torch.Tensor,
-    sink: int,
-    frozen_lo: torch.Tensor,
-    frozen_hi: torch.Tensor,
-) -> Callable:
-    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` for the prefill predicate.
+def prefill_mask_mod(plan: PrefillPlan) -> Callable:
+    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` for the predicate of ``plan``.
 
     ``q_idx`` is the query row, ``kv_idx`` the K/V slot; real indices are
     ``q_start[b] + q_idx`` and ``kv_idx - pad[b]``. ``q_idx`` is clamped before indexing
     ``win_lo``, because compiled FlexAttention may evaluate the mask past the last row.
     """
+    pad, q_start, win_lo, sink, frozen_lo, frozen_hi = (
+        plan.pad, plan.q_start, plan.win_lo, plan.sink, plan.frozen_lo, plan.frozen_hi
+    )
     last_row = win_lo.shape[1] - 1
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -52,27 +48,16 @@ def prefill_mask_mod(
 
 
 def build_prefill_block_mask(
-    pad: torch.Tensor,
-    q_start: torch.Tensor,
-    win_lo: torch.Tensor,
-    sink: int,
-    frozen_lo: torch.Tensor,
-    frozen_hi: torch.Tensor,
-    kv_len: int,
-    *,
-    block_size: int = 128,
-    compile: bool | None = None,
+    plan: PrefillPlan, kv_len: int, *, block_size: int = 128, compile: bool | None = None
 ) -> BlockMask:
-    """The ``BlockMask`` ``[B, 1, Lq, kv_len]`` (shared by all heads) of the prefill predicate.
+    """The ``BlockMask`` ``[B, 1, Lq, kv_len]`` (shared by all heads) of the predicate of ``plan``.
 
     ``compile`` (default: on CUDA) builds the mask with ``torch.compile`` so that no dense
     ``Lq x kv_len`` mask is materialised.
     """
-    dev = win_lo.device
-    B, q_len = win_lo.shape
-    mask_mod = prefill_mask_mod(
-        _int32(pad, dev), _int32(q_start, dev), _int32(win_lo, dev), int(sink), _int32(frozen_lo, dev), _int32(frozen_hi, dev)
-    )
+    dev = plan.win_lo.device
+    B, q_len = plan.win_lo.shape
+    mask_mod = prefill_mask_mod(plan.on(dev))
     if compile is None:
         compile = dev.type == "cuda"
     return create_block_mask(mask_mod, B, None, q_len, kv_len, device=dev, BLOCK_SIZE=block_size, _compile=compile)
@@ -100,19 +85,8 @@ def flex_attention_with_mask(
     return out.transpose(1, 2).contiguous()
 
 
-def flex_prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pad: torch.Tensor,
-    q_start: torch.Tensor,
-    win_lo: torch.Tensor,
-    sink: int,
-    frozen_lo: torch.Tensor,
-    frozen_hi: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def flex_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan, scale: float) -> torch.Tensor:
     """Sparse PSAW/ETF prefill attention through FlexAttention (builds the mask, then attends)."""
-    check_prefill_inputs(q, k, v, pad, q_start, win_lo, frozen_lo, frozen_hi)
-    block_mask = build_prefill_block_mask(pad, q_start, win_lo, sink, frozen_lo, frozen_hi, k.shape[2])
+    plan.check(q, k, v)
+    block_mask = build_prefill_block_mask(plan, k.shape[2])
     return flex_attention_with_mask(q, k, v, block_mask, scale)

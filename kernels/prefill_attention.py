@@ -1,17 +1,11 @@
 """Sparse prefill attention with PSAW windows and ETF frozen rows (SPEC §3).
 
-``prefill_attention(q, k, v, pad, q_start, win_lo, sink, frozen_lo, frozen_hi, scale) -> out``
+``prefill_attention(q, k, v, plan, scale) -> out``
 
 * ``q [B, Hq, Lq, D]``, ``k``/``v`` ``[B, Hkv, Lk, D]`` (HF layout; last dim contiguous, other
-  strides free; query head ``h`` reads KV head ``h // (Hq // Hkv)``); fp16, bf16 or fp32;
-  ``D <= 256``.
-* Real indices exclude left padding: real key ``j`` of sequence ``b`` is slot ``pad[b] + j`` of
-  ``k``/``v``; query row ``r`` has real index ``i = q_start[b] + r`` (rows with ``i < 0`` are
-  padding). ``pad``, ``q_start``, ``frozen_lo``, ``frozen_hi``: int32 ``[B]``; ``win_lo``: int32
-  ``[B, Lq]``, the PSAW window start ``W(i + 1)`` of each row (``sink`` everywhere: no PSAW);
-  non-decreasing in ``r`` in practice, though no path relies on it.
-* Key ``j`` is visible to row ``i`` iff ``0 <= j <= i`` and (``j < sink`` or ``j >= win_lo``) and
-  the row is active: ``i >= 0`` and not ``frozen_lo <= i < frozen_hi`` (ETF).
+  strides free); fp16, bf16 or fp32; ``D <= 256``.
+* ``plan``: a :class:`~prefill_plan.PrefillPlan` (left padding, query start, PSAW window starts,
+  sink, ETF frozen rows); which key each row sees is defined there (``prefill_plan.py``).
 * Returns ``[B, Lq, Hq, D]`` contiguous in q's dtype (what HF attention functions return).
   Inactive rows, and rows that see no key at all, are exactly zero.
 
@@ -29,22 +23,20 @@ of one KV head and all tiles of that KV head are consecutive programs (heaviest 
 so that K/V tiles are reused from L2 across the GQA group and across query tiles.
 
 :func:`prefill_attention_reference` is the pure-PyTorch path (CPU reference), chunked over
-query rows; :func:`prefill_visibility` is the one definition of the predicate in PyTorch, shared
-with the FlexAttention backend (``flex_prefill.py``).
+query rows, on the predicate :func:`prefill_plan.prefill_visibility` (which the FlexAttention
+backend, ``flex_prefill.py``, reads too).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._common import interpreting, next_pow2, require_triton, tl, triton
+from .prefill_plan import PrefillPlan, prefill_visibility
+from .triton_support import interpreting, next_pow2, require_triton, tl, triton
 
 __all__ = [
-    "dense_causal_plan",
     "prefill_attention",
     "prefill_attention_reference",
-    "prefill_visibility",
-    "check_prefill_inputs",
     "INTERPRET_BLOCKS",
 ]
 
@@ -52,61 +44,6 @@ __all__ = [
 INTERPRET_BLOCKS = (32, 32)
 
 _LOG2E = 1.4426950408889634
-_MAX_HEAD_DIM = 256
-
-
-# ----------------------------------------------------------------------------- predicate
-
-
-def prefill_visibility(
-    i: torch.Tensor,
-    j: torch.Tensor,
-    win: torch.Tensor,
-    sink: int,
-    frozen_lo: torch.Tensor,
-    frozen_hi: torch.Tensor,
-) -> torch.Tensor:
-    """The SPEC §3 predicate on broadcastable tensors: may query real index ``i`` see key real index ``j``?
-
-    ``win`` is the row's PSAW window start, ``[frozen_lo, frozen_hi)`` the ETF frozen rows.
-    Works elementwise on any broadcastable shapes, and inside a FlexAttention ``mask_mod``.
-    """
-    active = (i >= 0) & ~((i >= frozen_lo) & (i < frozen_hi))
-    return active & (j >= 0) & (j <= i) & ((j < sink) | (j >= win))
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def check_prefill_inputs(q, k, v, pad, q_start, win_lo, frozen_lo, frozen_hi) -> tuple[int, int, int, int, int, int]:
-    """Validate the prefill contract's shapes and dtypes; return ``(B, Hq, Lq, D, Hkv, Lk)``."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("q, k, v must be 4-D: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D]")
-    B, Hq, Lq, D = q.shape
-    Bk, Hkv, Lk, Dk = k.shape
-    if Bk != B or tuple(v.shape) != tuple(k.shape) or Dk != D:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
-    if D > _MAX_HEAD_DIM:
-        raise ValueError(f"head size {D} > {_MAX_HEAD_DIM}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q/k/v must share one of fp16/bf16/fp32 (got {q.dtype}, {k.dtype}, {v.dtype})")
-    for name, x, shape in (
-        ("pad", pad, (B,)),
-        ("q_start", q_start, (B,)),
-        ("frozen_lo", frozen_lo, (B,)),
-        ("frozen_hi", frozen_hi, (B,)),
-        ("win_lo", win_lo, (B, Lq)),
-    ):
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-    return B, Hq, Lq, D, Hkv, Lk
-
-
-def _int32(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``x`` as int32 on ``device`` (no copy when it already is)."""
-    return x.to(device=device, dtype=torch.int32)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -118,16 +55,7 @@ def _reference_chunk_rows(B: int, Hq: int, Lk: int, budget: int = 1 << 21) -> in
 
 
 def prefill_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pad: torch.Tensor,
-    q_start: torch.Tensor,
-    win_lo: torch.Tensor,
-    sink: int,
-    frozen_lo: torch.Tensor,
-    frozen_hi: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan, scale: float
 ) -> torch.Tensor:
     """Pure-PyTorch prefill attention (module docstring contract), computed in fp32.
 
@@ -135,11 +63,12 @@ def prefill_attention_reference(
     GQA by broadcasting the query group over its KV head (K/V are not repeated). Rows that see
     no key return zeros. Exact in fp32 up to summation order.
     """
-    B, Hq, Lq, D, Hkv, Lk = check_prefill_inputs(q, k, v, pad, q_start, win_lo, frozen_lo, frozen_hi)
+    B, Hq, Lq, D, Hkv, Lk = plan.check(q, k, v)
     G = Hq // Hkv
     dev = q.device
-    pad, q_start, win_lo = _int32(pad, dev), _int32(q_start, dev), _int32(win_lo, dev)
-    flo, fhi = _int32(frozen_lo, dev)[:, None, None], _int32(frozen_hi, dev)[:, None, None]
+    plan = plan.on(dev)
+    pad, q_start, win_lo = plan.pad, plan.q_start, plan.win_lo
+    flo, fhi = plan.frozen_lo[:, None, None], plan.frozen_hi[:, None, None]
     kt = k.float().transpose(-1, -2)  # [B, Hkv, D, Lk]
     vf = v.float()
     out = torch.empty(B, Lq, Hq, D, dtype=q.dtype, device=dev)
@@ -150,7 +79,7 @@ def prefill_attention_reference(
         C = r1 - r0
         rows = torch.arange(r0, r1, device=dev)
         i = q_start[:, None] + rows[None, :]  # [B, C]
-        vis = prefill_visibility(i[:, :, None], key_real[:, None, :], win_lo[:, r0:r1, None], sink, flo, fhi)
+        vis = prefill_visibility(i[:, :, None], key_real[:, None, :], win_lo[:, r0:r1, None], plan.sink, flo, fhi)
         qc = q[:, :, r0:r1].float().reshape(B, Hkv, G * C, D)
         s = torch.matmul(qc, kt).view(B, Hkv, G, C, Lk) * scale
         s = s.masked_fill(~vis[:, None, None], float("-inf"))
@@ -165,6 +94,22 @@ def prefill_attention_reference(
 
 
 # ----------------------------------------------------------------------------- Triton kernel
+
+
+@triton.jit
+def _load_kv_tile(ptrs, col_ok, d_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """One K or V tile; slots past ``col_ok`` (``MASKED`` tiles only) and columns past ``D`` read as 0."""
+    if MASKED:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=col_ok[:, None] & d_ok, other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=d_ok, other=0.0)
+    return x
 
 
 @triton.jit
@@ -201,20 +146,8 @@ def _attend_kv_run(
     d_ok = offs_d[None, :] < D
     for j0 in range(start, stop, BLOCK_N):
         cols = j0 + offs_n
-        k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :]
-        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :]
-        if MASKED:
-            col_ok = cols < kv_hi
-            if EVEN_D:
-                ld_mask = col_ok[:, None]
-            else:
-                ld_mask = col_ok[:, None] & d_ok
-            k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
-        else:
-            if EVEN_D:
-                k = tl.load(k_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=d_ok, other=0.0)
+        col_ok = cols < kv_hi  # read by MASKED tiles only
+        k = _load_kv_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :], col_ok, d_ok, MASKED, EVEN_D)
         if DOT_F32:
             qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -233,13 +166,7 @@ def _attend_kv_run(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
-        else:
-            if EVEN_D:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=d_ok, other=0.0)
+        v = _load_kv_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :], col_ok, d_ok, MASKED, EVEN_D)
         if DOT_F32:
             acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -383,8 +310,7 @@ def _prefill_fwd_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on GPUs (Hopper-oriented);
-# _prune_configs keeps those that fit the head size. Checked by compiling for sm_90 (ptxas -v):
-# with D = 128 the kept ones neither spill nor exceed shared memory.
+# _prune_configs keeps those that fit the head size in shared memory and registers.
 _GPU_CONFIGS = (
     (128, 64, 8, 3),
     (128, 128, 8, 3),
@@ -398,14 +324,14 @@ _GPU_CONFIGS = (
 #: One config for fp32 inputs (exact fp32 dots; correctness path, not tuned).
 _FP32_CONFIG = (64, 32, 4, 2)
 _SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100/H200
-_ACC_ELEMS_PER_THREAD = 64  # BLOCK_M * BLOCK_D / threads above this spills registers (ptxas, sm_90)
+_ACC_ELEMS_PER_THREAD = 64  # BLOCK_M * BLOCK_D / threads above this spills registers on sm_90
 
 
 def _prune_configs(configs: list, named_args: dict, **kwargs) -> list:
     """Keep configs whose staged tiles fit in shared memory and whose accumulator fits in registers.
 
     Shared memory: ``elt * BLOCK_D * (BLOCK_M + 2 * BLOCK_N * num_stages)`` (Q once, K and V per
-    stage; matches what Triton 3.8 allocates for sm_90). Registers: at most
+    stage, as Triton allocates them for sm_90). Registers: at most
     ``_ACC_ELEMS_PER_THREAD`` fp32 accumulator elements per thread.
     """
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 128))
@@ -442,12 +368,7 @@ def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    pad: torch.Tensor,
-    q_start: torch.Tensor,
-    win_lo: torch.Tensor,
-    sink: int,
-    frozen_lo: torch.Tensor,
-    frozen_hi: torch.Tensor,
+    plan: PrefillPlan,
     scale: float,
     *,
     block_m: int | None = None,
@@ -464,24 +385,18 @@ def prefill_attention(
     per program, the number of KV tiles visited and how many of them ran unmasked.
     Sync-free: no host read of device data.
     """
-    B, Hq, Lq, D, Hkv, Lk = check_prefill_inputs(q, k, v, pad, q_start, win_lo, frozen_lo, frozen_hi)
+    B, Hq, Lq, D, Hkv, Lk = plan.check(q, k, v)
     require_triton(q)
     dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    pad, q_start, win_lo = _int32(pad, dev), _int32(q_start, dev), _int32(win_lo, dev)
-    frozen_lo, frozen_hi = _int32(frozen_lo, dev), _int32(frozen_hi, dev)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    plan = plan.on(dev)
     out = torch.empty(B, Lq, Hq, D, dtype=q.dtype, device=dev)
     if Lq == 0 or B == 0 or Hq == 0:
         return out
     G = Hq // Hkv
     block_d = next_pow2(D, 16)
     # fp32 inputs: exact (ieee) fp32 dots. The Triton interpreter multiplies the raw bits of bf16
-    # dot operands (triton-lang/triton#11584), so there bf16 tiles are upcast before each dot.
+    # dot operands (a Triton bug), so there bf16 tiles are upcast before each dot.
     dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
     forced = block_m is not None or block_n is not None or tile_stats is not None or interpreting()
     if forced:
@@ -495,15 +410,16 @@ def prefill_attention(
         n_tiles = triton.cdiv(Lq, bm)
         if tuple(tile_stats.shape) != (B, Hq, n_tiles, 2) or tile_stats.dtype != torch.int32:
             raise ValueError(f"tile_stats must be int32 [{B}, {Hq}, {n_tiles}, 2]")
-    stats = tile_stats if with_stats else pad
+    stats = tile_stats if with_stats else plan.pad
+    win_lo = plan.win_lo
     args = (
-        q, k, v, out, pad, q_start, win_lo, frozen_lo, frozen_hi, stats,
+        q, k, v, out, plan.pad, plan.q_start, win_lo, plan.frozen_lo, plan.frozen_hi, stats,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         win_lo.stride(0), win_lo.stride(1),
-        Hkv, Lq, Lk, int(sink), float(scale) * _LOG2E, next_pow2(Lq),
+        Hkv, Lq, Lk, plan.sink, float(scale) * _LOG2E, next_pow2(Lq),
     )
     meta = dict(GROUP=G, D=D, BLOCK_D=block_d, EVEN_D=block_d == D, DOT_F32=dot_f32, WITH_STATS=with_stats)
     if forced:
@@ -513,11 +429,3 @@ def prefill_attention(
         grid = lambda m: (triton.cdiv(Lq, m["BLOCK_M"]) * G, B * Hkv)  # noqa: E731
         _autotuned()[grid](*args, **meta)
     return out
-
-
-def dense_causal_plan(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(win_lo, no_rows)`` of the dense causal pattern for ``q [B, Hq, Lq, D]``: windows that start at
-    key 0 (no PSAW) and an empty frozen range (no ETF), as the ``win_lo`` and ``frozen_lo``/``frozen_hi``
-    arguments of :func:`prefill_attention` (with ``sink = 0``)."""
-    B, Lq = q.shape[0], q.shape[2]
-    return torch.zeros(B, Lq, dtype=torch.int32, device=q.device), torch.zeros(B, dtype=torch.int32, device=q.device)

@@ -66,6 +66,7 @@ def _import_kernels():
 _import_kernels()
 from prhs_hf import schedules as sched  # noqa: E402
 from prhs_hf.kernels.prefill_attention import prefill_attention  # noqa: E402
+from prhs_hf.kernels.prefill_plan import PrefillPlan  # noqa: E402
 
 SINK, PHI, ALPHA, PSI, GAMMA = 8, 0.7, 1.0, 0.5, 1.0  # paper defaults (configs/cpe.yaml)
 
@@ -181,16 +182,17 @@ def make_pattern(L: int, u: float, mode: str, s: Schedule) -> Pattern:
     return Pattern(u, mode if u > 0 else "any (=dense)", w, max(e, s.sink))
 
 
-def kernel_args(L: int, p: Pattern, s: Schedule, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """``pad, q_start, win_lo, frozen_lo, frozen_hi`` of a batch-1 prefill of ``L`` tokens."""
+def pattern_plan(L: int, p: Pattern, s: Schedule, device: torch.device) -> PrefillPlan:
+    """The :class:`PrefillPlan` of pattern ``p`` for a batch-1 prefill of ``L`` tokens."""
     win = [sched.psaw_window_start(t, p.w, s.sink) for t in range(1, L + 1)]
     i32 = dict(dtype=torch.int32, device=device)
-    return (
-        torch.zeros(1, **i32),
-        torch.zeros(1, **i32),
-        torch.tensor([win], **i32),
-        torch.tensor([s.sink], **i32),
-        torch.tensor([p.frozen_hi], **i32),
+    return PrefillPlan(
+        pad=torch.zeros(1, **i32),
+        q_start=torch.zeros(1, **i32),
+        win_lo=torch.tensor([win], **i32),
+        sink=s.sink,
+        frozen_lo=torch.tensor([s.sink], **i32),
+        frozen_hi=torch.tensor([p.frozen_hi], **i32),
     )
 
 
@@ -256,15 +258,14 @@ def bench_operator(report: Report, contexts: list[int], depths: list[float], sha
             make_pattern(L, u, mode, s) for u in depths if u > 0 for mode in ("psaw", "etf", "both")
         ]
         for p in patterns:
-            pad, q_start, win_lo, flo, fhi = kernel_args(L, p, s, device)
-            args = (q, k, v, pad, q_start, win_lo, s.sink, flo, fhi, scale)
+            plan = pattern_plan(L, p, s, device)
             pairs = sched.visible_pairs(L, p.w, s.sink, s.sink, p.frozen_hi)
             visible = pairs / sched.causal_pairs(L)
             pair_flop = 4 * d * heads  # QK^T + PV per visible pair, all heads
-            ours_ms = _attempt(report, f"ours L={L} u={p.u} {p.mode}", lambda: time_ms(lambda: prefill_attention(*args), device))
+            ours_ms = _attempt(report, f"ours L={L} u={p.u} {p.mode}", lambda: time_ms(lambda: prefill_attention(q, k, v, plan, scale), device))
             flex_ms = None
             if with_flex:
-                flex_ms = _attempt(report, f"flex L={L} u={p.u} {p.mode}", lambda: _time_flex(q, k, v, pad, q_start, win_lo, flo, fhi, L, s, scale, device))
+                flex_ms = _attempt(report, f"flex L={L} u={p.u} {p.mode}", lambda: _time_flex(q, k, v, plan, scale, device))
             ideal = None if dense_ms is None else dense_ms * visible
             row = dict(
                 context=L, u=p.u, mode=p.mode, window_fraction=round(p.w, 6), frozen_rows=max(0, p.frozen_hi - s.sink),
@@ -283,10 +284,10 @@ def bench_operator(report: Report, contexts: list[int], depths: list[float], sha
             torch.cuda.empty_cache()
 
 
-def _time_flex(q, k, v, pad, q_start, win_lo, flo, fhi, L, s: Schedule, scale: float, device) -> float:
+def _time_flex(q, k, v, plan: PrefillPlan, scale: float, device) -> float:
     from prhs_hf.kernels.flex_prefill import build_prefill_block_mask, flex_attention_with_mask
 
-    block_mask = build_prefill_block_mask(pad, q_start, win_lo, s.sink, flo, fhi, L)  # not timed
+    block_mask = build_prefill_block_mask(plan, k.shape[2])  # not timed
     return time_ms(lambda: flex_attention_with_mask(q, k, v, block_mask, scale), device)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Probe of flash-attn-4 (CuTe DSL) on this GPU (issue 15): does it import, and how fast is it,
+"""Probe of flash-attn-4 (CuTe DSL) on this GPU: does it import, and how fast is it,
 dense and block-sparse on the PSAW/ETF tiles of ``configs/cpe.yaml``.
 
 Stages, each in its own ``try``/``except`` (a failure leaves the other stages' rows and its own
@@ -16,7 +16,7 @@ error text, with the full traceback, in the JSON):
    block-sparse forward exactly as ``backend.prefill: flash`` runs it (``prhs_hf.kernels.flash_prefill``:
    ``fa4_block_sparse`` turns the schedule into FA4's block-sparse tensors, 128 x 128 tiles on
    sm90: skipped, full, and partial tiles for which the CuTe ``prefill_mask_mod`` applies the
-   exact SPEC §3 predicate; ``flash_attention_with_plan`` calls FA4), checked against
+   exact SPEC §3 predicate; ``flash_block_sparse_attention`` calls FA4), checked against
    :func:`prefill_attention_reference` (up to ``--ref-max-len``; past it against our kernel) and
    timed next to our kernel and FlexAttention with the same pattern.
 
@@ -48,14 +48,14 @@ from typing import Any, Callable, Optional
 import torch
 
 import _bench_common as common
-import bench_prefill as bp  # the pattern of a depth, the kernel arguments, the config reader, tables
+import bench_prefill as bp  # the pattern of a depth, its prefill plan, the config reader, tables
 
 from prhs_hf import schedules as sched  # noqa: E402  (bench_prefill put the kernels in place)
 from prhs_hf.kernels.flash_prefill import (  # noqa: E402  (the route's conversion, mask_mod and FA4 call)
     add_cutlass_dsl_path,
     fa4_block_size,
     fa4_block_sparse,
-    flash_attention_with_plan,
+    flash_block_sparse_attention,
     flash_causal_attention,
     import_flash_attn,
     mask_aux_tensors,
@@ -246,11 +246,10 @@ def _inputs(L: int, hq: int, hkv: int, d: int, device: torch.device, seed: int =
     return q, k, v
 
 
-def _flex(q, k, v, L, s, args, scale):
+def _flex(q, k, v, plan, scale):
     from prhs_hf.kernels.flex_prefill import build_prefill_block_mask, flex_attention_with_mask
 
-    pad, q_start, win_lo, flo, fhi = args
-    block_mask = build_prefill_block_mask(pad, q_start, win_lo, s.sink, flo, fhi, L)  # not timed
+    block_mask = build_prefill_block_mask(plan, k.shape[2])  # not timed
     return lambda: flex_attention_with_mask(q, k, v, block_mask, scale)
 
 
@@ -277,10 +276,10 @@ def stage_dense(p: Probe, fa4: Any, contexts: list[int], heads: list[tuple[int, 
             else:
                 p.skipped(base, "fa4", "flash_attn.cute did not import (see the import stage)")
             dense = bp.Pattern(0.0, "dense", 1.0, s.sink)
-            args = bp.kernel_args(L, dense, s, p.device)
-            p.measure(base, "ours_triton", lambda: (lambda: prefill_attention(q, k, v, args[0], args[1], args[2], s.sink, args[3], args[4], scale)), ref, rname)
+            plan = bp.pattern_plan(L, dense, s, p.device)
+            p.measure(base, "ours_triton", lambda: (lambda: prefill_attention(q, k, v, plan, scale)), ref, rname)
             if with_flex and not p.over_budget():
-                p.measure(base, "flex", lambda: _flex(q, k, v, L, s, args, scale), ref, rname)
+                p.measure(base, "flex", lambda: _flex(q, k, v, plan, scale), ref, rname)
             elif with_flex:
                 p.skipped(base, "flex", "over --budget-s")
             del q, k, v, ref, ref_b
@@ -301,10 +300,10 @@ def stage_sparse(p: Probe, fa4: Any, contexts: list[int], heads: list[tuple[int,
     block = fa4_block_size(torch.cuda.get_device_capability(p.device), d)
     for L in contexts:
         pat = bp.make_pattern(L, depth, "both", s)
-        pad, q_start, win_lo, flo, fhi = args = bp.kernel_args(L, pat, s, p.device)
+        plan = bp.pattern_plan(L, pat, s, p.device)
         pairs = sched.visible_pairs(L, pat.w, s.sink, s.sink, pat.frozen_hi)
-        plan = fa4_block_sparse(pad, q_start, win_lo, s.sink, flo, fhi, L, block)
-        stats = block_stats(plan.kinds)
+        blocks = fa4_block_sparse(plan, L, block)
+        stats = block_stats(blocks.kinds)
         frozen = torch.zeros(L, dtype=torch.bool, device=p.device)
         frozen[s.sink:pat.frozen_hi] = True
         for hq, hkv in heads:
@@ -313,7 +312,7 @@ def stage_sparse(p: Probe, fa4: Any, contexts: list[int], heads: list[tuple[int,
                         window_fraction=round(pat.w, 6), frozen_rows=max(0, pat.frozen_hi - s.sink),
                         visible_fraction=round(pairs / sched.causal_pairs(L), 6), **stats)
             q, k, v = _inputs(L, hq, hkv, d, p.device, seed=1)
-            kargs = (q, k, v, pad, q_start, win_lo, s.sink, flo, fhi, scale)
+            kargs = (q, k, v, plan, scale)
             ours = p.measure(base, "ours_triton", lambda: (lambda: prefill_attention(*kargs)), None, None)
             ref, rname = ours, "ours_triton"
             if L <= ref_max_len and not p.over_budget():
@@ -334,10 +333,10 @@ def stage_sparse(p: Probe, fa4: Any, contexts: list[int], heads: list[tuple[int,
 
             if fa4 is not None and mask_mod is not None:
                 qb, kb, vb = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, L, H, D], as FA4 was timed first
-                aux = mask_aux_tensors(pad, q_start, win_lo, s.sink, flo, fhi)
+                aux = mask_aux_tensors(plan)
 
                 def run(qb=qb, kb=kb, vb=vb, aux=aux):  # the route's FA4 call, on views in the HF layout
-                    return flash_attention_with_plan(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), plan, aux, scale)
+                    return flash_block_sparse_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), blocks, aux, scale)
 
                 p.measure(base, "fa4_block_sparse", lambda: run, ref, rname, check=check,
                           variant=f"block-sparse mask_mod G={hq // hkv}")
@@ -345,7 +344,7 @@ def stage_sparse(p: Probe, fa4: Any, contexts: list[int], heads: list[tuple[int,
             else:
                 p.skipped(base, "fa4_block_sparse", "flash_attn.cute or its mask_mod is not available (see errors)")
             if with_flex and not p.over_budget():
-                p.measure(base, "flex", lambda: _flex(q, k, v, L, s, args, scale), ref, rname, check=check)
+                p.measure(base, "flex", lambda: _flex(q, k, v, plan, scale), ref, rname, check=check)
             elif with_flex:
                 p.skipped(base, "flex", "over --budget-s")
             del q, k, v, ref, ours
@@ -364,7 +363,7 @@ ROW_COLUMNS = ("stage", "context", "q_heads", "kv_heads", "impl", "ms", "max_abs
 def render_markdown(r: Report) -> str:
     m = r.meta
     head = (
-        f"# flash-attn-4 probe (issue 15)\n\n- command: `{m['command']}`\n- GPU: {m['gpu']}\n- date: {m['date']}\n"
+        f"# flash-attn-4 probe\n\n- command: `{m['command']}`\n- GPU: {m['gpu']}\n- date: {m['date']}\n"
         f"- commit: {m['git_commit']}\n- versions: {', '.join(f'{k} {v}' for k, v in m['versions'].items())}\n"
         f"- FA4 stack: {', '.join(f'{k} {v}' for k, v in r.fa4.get('versions', {}).items())}\n"
         f"- driver CUDA {r.fa4.get('driver_cuda')}, CuTe DSL flavour {r.fa4.get('cutlass_ir', 'n/a')} "

@@ -1,4 +1,4 @@
-"""``backend.prefill: flash`` on the CPU (issue 15): the schedule -> FA4 block-sparse conversion
+"""``backend.prefill: flash`` on the CPU: the schedule -> FA4 block-sparse conversion
 against a dense mask of the SPEC §3 predicate (padded and chunked batches too), an emulation of
 FA4's block-sparse execution (skipped / full / masked tiles) against the reference, the error
 paths (no CUDA, no flash_attn, an unsupported GPU, fp32), config validation and the dispatch.
@@ -6,6 +6,7 @@ The FA4 kernel itself runs in tests/test_flash_prefill_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -17,7 +18,8 @@ from prhs_hf.backends import dense_prefill_function, prefill_function
 from prhs_hf.config import ConfigError, load_config
 from prhs_hf.kernels import flash_prefill as fp
 from prhs_hf.kernels import prefill_attention as pa
-from prhs_hf.kernels.prefill_attention import prefill_attention_reference, prefill_visibility
+from prhs_hf.kernels.prefill_attention import prefill_attention_reference
+from prhs_hf.kernels.prefill_plan import PrefillPlan, prefill_visibility
 from conftest import triton_available
 from test_kernels_prefill import Case
 from tiny_models import padded_batch, tiny_model
@@ -27,12 +29,13 @@ def _schedule(L: int, w: float, sink: int) -> torch.Tensor:
     return sched.psaw_window_start_tensor(torch.arange(1, L + 1), w, sink)
 
 
-def _dense_visibility(pad, q_start, win_lo, sink, flo, fhi, kv_len) -> torch.Tensor:
+def _dense_visibility(plan: PrefillPlan, kv_len: int) -> torch.Tensor:
     """``[B, Lq, Lk]`` bool: may query row ``r`` see cache slot ``s``, straight from the predicate."""
-    B, L = win_lo.shape
-    i = q_start[:, None, None] + torch.arange(L)[None, :, None]
-    j = torch.arange(kv_len)[None, None, :] - pad[:, None, None]
-    return prefill_visibility(i, j, win_lo[:, :, None], sink, flo[:, None, None], fhi[:, None, None])
+    B, L = plan.win_lo.shape
+    i = plan.q_start[:, None, None] + torch.arange(L)[None, :, None]
+    j = torch.arange(kv_len)[None, None, :] - plan.pad[:, None, None]
+    flo, fhi = plan.frozen_lo[:, None, None], plan.frozen_hi[:, None, None]
+    return prefill_visibility(i, j, plan.win_lo[:, :, None], plan.sink, flo, fhi)
 
 
 def _dense_kinds(vis: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
@@ -49,9 +52,9 @@ def _dense_kinds(vis: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
     return kinds
 
 
-def _unpadded(L: int, w: float, sink: int, flo: int, fhi: int):
+def _unpadded(L: int, w: float, sink: int, flo: int, fhi: int) -> PrefillPlan:
     t = lambda x: torch.tensor([x], dtype=torch.int32)  # noqa: E731
-    return t(0), t(0), _schedule(L, w, sink)[None], sink, t(flo), t(fhi)
+    return PrefillPlan(t(0), t(0), _schedule(L, w, sink)[None], sink, t(flo), t(fhi))
 
 
 CASES = [
@@ -74,7 +77,7 @@ BATCHED = [
 ]
 
 
-def _check_plan(got: fp.FlashBlockSparse, want: torch.Tensor, block) -> None:
+def _check_blocks(got: fp.FlashBlockSparse, want: torch.Tensor, block) -> None:
     assert torch.equal(got.kinds, want)
     assert got.block_size == block
     B, M, N = want.shape
@@ -91,24 +94,23 @@ def _check_plan(got: fp.FlashBlockSparse, want: torch.Tensor, block) -> None:
 
 @pytest.mark.parametrize("L,kv_len,w,sink,flo,fhi,block", CASES)
 def test_block_sparse_tensors_match_the_dense_mask(L, kv_len, w, sink, flo, fhi, block):
-    args = _unpadded(L, w, sink, flo, fhi)
-    got = fp.fa4_block_sparse(*args, kv_len, block)
-    _check_plan(got, _dense_kinds(_dense_visibility(*args, kv_len), *block), block)
+    plan = _unpadded(L, w, sink, flo, fhi)
+    got = fp.fa4_block_sparse(plan, kv_len, block)
+    _check_blocks(got, _dense_kinds(_dense_visibility(plan, kv_len), *block), block)
 
 
 @pytest.mark.parametrize("block", [(32, 32), (16, 32), (64, 16)])
 @pytest.mark.parametrize("case", BATCHED, ids=lambda c: c.name)
 def test_block_sparse_tensors_of_padded_batches_match_the_dense_mask(case, block):
-    _, k, _, pad, q_start, win_lo, sink, flo, fhi, _ = case.tensors()
-    got = fp.fa4_block_sparse(pad, q_start, win_lo, sink, flo, fhi, k.shape[2], block)
-    vis = _dense_visibility(pad, q_start, win_lo, sink, flo, fhi, k.shape[2])
-    _check_plan(got, _dense_kinds(vis, *block), block)
+    _, k, _, plan, _ = case.tensors()
+    got = fp.fa4_block_sparse(plan, k.shape[2], block)
+    _check_blocks(got, _dense_kinds(_dense_visibility(plan, k.shape[2]), *block), block)
 
 
 def test_padding_slots_and_rows_are_skipped():
     case = BATCHED[2]  # pads (0, 40): sequence 1's slots 0..39 and rows 0..39 are padding
-    _, k, _, pad, q_start, win_lo, sink, flo, fhi, _ = case.tensors()
-    kinds = fp.fa4_block_sparse(pad, q_start, win_lo, sink, flo, fhi, k.shape[2], (16, 16)).kinds
+    _, k, _, plan, _ = case.tensors()
+    kinds = fp.fa4_block_sparse(plan, k.shape[2], (16, 16)).kinds
     assert bool((kinds[1, :, :2] == 0).all()) and bool((kinds[1, :2] == 0).all())
     assert bool((kinds[0, :, 0] > 0).any())  # the unpadded sequence's sinks
     assert int(kinds[1, 2, 2]) == 1  # the tile holding the first real row and slot (40): partial
@@ -116,29 +118,29 @@ def test_padding_slots_and_rows_are_skipped():
 
 @pytest.mark.parametrize("L,w,sink,fhi", [(257, 0.7, 8, 100), (512, 0.6, 4, 4)])
 def test_visible_pairs_per_tile_sum_to_the_schedule(L, w, sink, fhi):
-    pairs, capacity = fp.visible_per_block(*_unpadded(L, w, sink, sink, fhi), L, 64, 32)
+    pairs, capacity = fp.visible_per_block(_unpadded(L, w, sink, sink, fhi), L, 64, 32)
     assert int(pairs.sum()) == sched.visible_pairs(L, w, sink, sink, fhi)
     assert bool((pairs <= capacity).all())
 
 
-def _emulate_block_sparse(q, k, v, plan: fp.FlashBlockSparse, pad, q_start, win_lo, sink, flo, fhi, scale):
+def _emulate_block_sparse(q, k, v, blocks: fp.FlashBlockSparse, plan: PrefillPlan, scale):
     """FA4's block-sparse forward in PyTorch: only the listed tiles are computed, full tiles
     without a mask, partial tiles with the mask_mod's predicate (in slot coordinates, as the CuTe
     mask_mod evaluates it); a row that sees nothing is zero."""
     B, Hq, Lq, D = q.shape
     G = Hq // k.shape[1]
     Lk = k.shape[2]
-    bm, bn = plan.block_size
+    bm, bn = blocks.block_size
     kk, vv = k.repeat_interleave(G, 1).double(), v.repeat_interleave(G, 1).double()
     scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), kk) * scale
     keep = torch.zeros(B, Lq, Lk, dtype=torch.bool)
-    vis = _dense_visibility(pad, q_start, win_lo, sink, flo, fhi, Lk)
+    vis = _dense_visibility(plan, Lk)
     for b in range(B):
-        for m in range(plan.kinds.shape[1]):
+        for m in range(blocks.kinds.shape[1]):
             rows = slice(m * bm, (m + 1) * bm)
             for name, masked in (("full", False), ("mask", True)):
-                cnt = int(getattr(plan, f"{name}_block_cnt")[b, 0, m])
-                for n in getattr(plan, f"{name}_block_idx")[b, 0, m, :cnt].tolist():
+                cnt = int(getattr(blocks, f"{name}_block_cnt")[b, 0, m])
+                for n in getattr(blocks, f"{name}_block_idx")[b, 0, m, :cnt].tolist():
                     cols = slice(n * bn, (n + 1) * bn)
                     keep[b, rows, cols] = vis[b, rows, cols] if masked else True
     scores = scores.masked_fill(~keep[:, None], float("-inf"))
@@ -149,23 +151,59 @@ def _emulate_block_sparse(q, k, v, plan: fp.FlashBlockSparse, pad, q_start, win_
 @pytest.mark.parametrize("case", BATCHED, ids=lambda c: c.name)
 def test_emulated_block_sparse_execution_equals_the_reference(case):
     """Full tiles run unmasked, skipped tiles not at all: the result is still exact."""
-    args = case.tensors(seed=3)
-    q, k, v, pad, q_start, win_lo, sink, flo, fhi, scale = args
-    plan = fp.fa4_block_sparse(pad, q_start, win_lo, sink, flo, fhi, k.shape[2], (16, 16))
-    assert bool((plan.kinds != 1).any())  # skipped or full tiles: not everything goes through the mask
-    out = _emulate_block_sparse(q, k, v, plan, pad, q_start, win_lo, sink, flo, fhi, scale)
-    torch.testing.assert_close(out, prefill_attention_reference(*args), atol=1e-5, rtol=1e-5)
+    q, k, v, plan, scale = case.tensors(seed=3)
+    blocks = fp.fa4_block_sparse(plan, k.shape[2], (16, 16))
+    assert bool((blocks.kinds != 1).any())  # skipped or full tiles: not everything goes through the mask
+    out = _emulate_block_sparse(q, k, v, blocks, plan, scale)
+    torch.testing.assert_close(out, prefill_attention_reference(q, k, v, plan, scale), atol=1e-5, rtol=1e-5)
+
+
+def _fa4_emulated(q, k, v, blocks: fp.FlashBlockSparse, aux: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """:func:`_emulate_block_sparse` called as the route calls FA4: the plan rebuilt from the aux
+    tensors, as the CuTe mask_mod reads it (``win_lo`` padded to whole query tiles)."""
+    win, geo = aux
+    Lq = q.shape[2]
+    assert win.shape[1] == blocks.kinds.shape[1] * blocks.block_size[0] >= Lq
+    plan = PrefillPlan(geo[:, 0], geo[:, 1], win[:, :Lq], int(geo[0, 4]), geo[:, 2], geo[:, 3])
+    return _emulate_block_sparse(q, k, v, blocks, plan, scale).to(q.dtype)
+
+
+@pytest.mark.parametrize("case", BATCHED, ids=lambda c: c.name)
+def test_the_route_hands_fa4_the_plan_as_tiles_and_aux_tensors(case, monkeypatch):
+    """``flash_prefill_attention`` and the padded dense route on the CPU, FA4 emulated: the plan
+    reaches FA4 as its tiles and aux tensors, and the result is the reference's."""
+    monkeypatch.setattr(fp, "require_flash_attn", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fp, "flash_block_sparse_attention", _fa4_emulated)
+    q, k, v, plan, scale = case.tensors(torch.bfloat16, seed=4)
+    out = fp.flash_prefill_attention(q, k, v, plan, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (case.B, case.Lq, case.Hq, case.D)
+    torch.testing.assert_close(out.float(), prefill_attention_reference(q, k, v, plan, scale).float(), atol=1e-2, rtol=1e-2)
+    dense = PrefillPlan.dense_causal(plan.pad, plan.q_start, case.Lq)
+    out = fp.flash_dense_prefill_attention(q, k, v, plan.pad, plan.q_start, scale, no_mask=False)
+    torch.testing.assert_close(out.float(), prefill_attention_reference(q, k, v, dense, scale).float(), atol=1e-2, rtol=1e-2)
+
+
+def test_the_route_checks_the_plan_then_refuses_the_cpu():
+    q, k, v, plan, scale = BATCHED[0].tensors(torch.bfloat16)
+    with pytest.raises(ValueError, match="win_lo"):
+        fp.flash_prefill_attention(q, k, v, dataclasses.replace(plan, win_lo=plan.win_lo[:, 1:]), scale)
+    with pytest.raises(RuntimeError, match=r"backend.prefill: flash.*NVIDIA GPU"):
+        fp.flash_prefill_attention(q, k, v, plan, scale)
+    with pytest.raises(RuntimeError, match=r"backend.prefill: flash.*NVIDIA GPU"):
+        fp.flash_dense_prefill_attention(q, k, v, plan.pad, plan.q_start, scale, no_mask=False)
 
 
 def test_mask_aux_tensors_carry_the_geometry():
-    _, _, _, pad, q_start, win_lo, sink, flo, fhi, _ = BATCHED[0].tensors()
-    win, geo = fp.mask_aux_tensors(pad, q_start, win_lo, sink, flo, fhi)
+    plan = BATCHED[0].tensors()[3]
+    win, geo = fp.mask_aux_tensors(plan)
     assert win.dtype == geo.dtype == torch.int32 and win.is_contiguous() and geo.is_contiguous()
-    assert torch.equal(win, win_lo)
-    assert torch.equal(geo, torch.stack([pad, q_start, flo, fhi, torch.full_like(pad, sink)], dim=1))
-    padded, _ = fp.mask_aux_tensors(pad, q_start, win_lo, sink, flo, fhi, rows=96)  # whole 32-row tiles
-    assert padded.shape == (3, 96) and padded.is_contiguous() and torch.equal(padded[:, :71], win_lo)
-    assert bool((padded[:, 71:] == win_lo[:, -1:]).all())
+    assert torch.equal(win, plan.win_lo)
+    want = torch.stack([plan.pad, plan.q_start, plan.frozen_lo, plan.frozen_hi, torch.full_like(plan.pad, plan.sink)], dim=1)
+    assert torch.equal(geo, want)
+    padded, _ = fp.mask_aux_tensors(plan, rows=96)  # whole 32-row tiles
+    assert padded.shape == (3, 96) and padded.is_contiguous() and torch.equal(padded[:, :71], plan.win_lo)
+    assert bool((padded[:, 71:] == plan.win_lo[:, -1:]).all())
 
 
 @pytest.mark.parametrize("cap,d,want", [((9, 0), 128, (128, 128)), ((9, 0), 64, (128, 128)), ((9, 0), 256, (128, 64)),

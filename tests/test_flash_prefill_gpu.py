@@ -20,7 +20,8 @@ from prhs_hf import schedules as sched
 from prhs_hf.backends import dense_prefill_function, prefill_function
 from prhs_hf.kernels import flash_prefill as fp
 from prhs_hf.kernels import prefill_attention as pa
-from test_kernels_prefill import Case
+from prhs_hf.kernels.prefill_plan import PrefillPlan
+from test_kernels_prefill import Case, dead_rows, on_device
 from tiny_models import padded_batch, tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -38,13 +39,6 @@ def _fa4():
     if cap[0] not in fp.SUPPORTED_MAJORS:
         pytest.skip(f"compute capability {cap[0]}.{cap[1]}: FA4's forward here is sm90/sm100 only")
     fp.require_flash_attn(torch.device("cuda"))  # installed: an import failure is a failure
-
-
-def _on_gpu(args: tuple, dtype: torch.dtype) -> tuple:
-    return tuple(
-        (x.to("cuda", dtype) if x.is_floating_point() else x.to("cuda")) if isinstance(x, torch.Tensor) else x
-        for x in args
-    )
 
 
 def _deepest(L: int, pads: tuple[int, ...]) -> tuple[float, tuple[tuple[int, int], ...]]:
@@ -71,29 +65,24 @@ def _cases() -> list[Case]:
 CASES = _cases()
 
 
-def _dead_rows(case: Case, q_start, flo, fhi) -> torch.Tensor:
-    i = q_start[:, None] + torch.arange(case.Lq, device="cuda")[None, :]
-    return (i < 0) | ((i >= flo[:, None]) & (i < fhi[:, None]))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_sparse_route_matches_the_reference_and_the_triton_kernel(case, dtype):
-    args = _on_gpu(case.tensors(), dtype)
-    q, k, v, pad, q_start, win_lo, sink, flo, fhi, scale = args
+    args = on_device(case.tensors(), "cuda", dtype)
+    q, k, v, plan, scale = args
     out = fp.flash_prefill_attention(*args)
     assert out.dtype == dtype and out.shape == (case.B, case.Lq, case.Hq, case.D) and out.is_contiguous()
-    ref = pa.prefill_attention_reference(q.float(), k.float(), v.float(), *args[3:])
+    ref = pa.prefill_attention_reference(q.float(), k.float(), v.float(), plan, scale)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), pa.prefill_attention(*args).float(), atol=2e-2, rtol=2e-2)
-    assert bool((out[_dead_rows(case, q_start, flo, fhi)] == 0).all())  # frozen and padding rows: exactly zero
+    assert bool((out[dead_rows(plan)] == 0).all())  # frozen and padding rows: exactly zero
 
 
 def test_dense_route_without_a_mask_is_fa4_causal_and_equals_sdpa(monkeypatch):
     calls = []
-    monkeypatch.setattr(fp, "flash_attention_with_plan", lambda *a: calls.append(a) or pytest.fail("block-sparse path taken"))
-    q, k, v, pad, q_start, *_ = _on_gpu(Case("dense", Hq=32, Hkv=8, Lq=8192, D=128, sink=0).tensors(), torch.bfloat16)
-    out = fp.flash_dense_prefill_attention(q, k, v, pad, q_start, 128**-0.5, no_mask=True)
+    monkeypatch.setattr(fp, "flash_block_sparse_attention", lambda *a: calls.append(a) or pytest.fail("block-sparse path taken"))
+    q, k, v, plan, _ = on_device(Case("dense", Hq=32, Hkv=8, Lq=8192, D=128, sink=0).tensors(), "cuda", torch.bfloat16)
+    out = fp.flash_dense_prefill_attention(q, k, v, plan.pad, plan.q_start, 128**-0.5, no_mask=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out.float(), ref.transpose(1, 2).float(), atol=1e-2, rtol=1e-2)
     assert not calls
@@ -103,16 +92,16 @@ def test_dense_route_without_a_mask_is_fa4_causal_and_equals_sdpa(monkeypatch):
                                   Case("over-a-cache", B=1, Hq=8, Hkv=2, Lq=900, prefix=1100, D=64, sink=0)],
                          ids=lambda c: c.name)
 def test_dense_route_with_padding_or_a_cache_is_exact(case):
-    q, k, v, pad, q_start, win_lo, _, flo, fhi, scale = _on_gpu(case.tensors(), torch.bfloat16)
-    out = fp.flash_dense_prefill_attention(q, k, v, pad, q_start, scale, no_mask=case.pads == (0,))
-    zeros = torch.zeros_like(win_lo)
-    ref = pa.prefill_attention_reference(q.float(), k.float(), v.float(), pad, q_start, zeros, 0, flo, fhi, scale)
+    q, k, v, plan, scale = on_device(case.tensors(), "cuda", torch.bfloat16)
+    out = fp.flash_dense_prefill_attention(q, k, v, plan.pad, plan.q_start, scale, no_mask=case.pads == (0,))
+    dense = PrefillPlan.dense_causal(plan.pad, plan.q_start, case.Lq)
+    ref = pa.prefill_attention_reference(q.float(), k.float(), v.float(), dense, scale)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
-    assert bool((out[_dead_rows(case, q_start, flo, fhi)] == 0).all())
+    assert bool((out[dead_rows(dense)] == 0).all())
 
 
 def test_fp32_is_refused_on_the_gpu():
-    args = _on_gpu(CASES[-1].tensors(), torch.float32)
+    args = on_device(CASES[-1].tensors(), "cuda", torch.float32)
     with pytest.raises(ValueError, match="backend.prefill: flash"):
         fp.flash_prefill_attention(*args)
 
@@ -154,7 +143,7 @@ def _prefill_logits(model, ids, mask, prefill: str) -> torch.Tensor:
 def _spy(monkeypatch) -> dict[str, int]:
     """Count the route's FA4 calls (the dense causal one and the block-sparse one)."""
     counts = {"causal": 0, "block_sparse": 0}
-    causal, sparse = fp.flash_causal_attention, fp.flash_attention_with_plan
+    causal, sparse = fp.flash_causal_attention, fp.flash_block_sparse_attention
 
     def counted_causal(*a, **kw):
         counts["causal"] += 1
@@ -165,7 +154,7 @@ def _spy(monkeypatch) -> dict[str, int]:
         return sparse(*a, **kw)
 
     monkeypatch.setattr(fp, "flash_causal_attention", counted_causal)
-    monkeypatch.setattr(fp, "flash_attention_with_plan", counted_sparse)
+    monkeypatch.setattr(fp, "flash_block_sparse_attention", counted_sparse)
     return counts
 
 

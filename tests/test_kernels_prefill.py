@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -23,12 +24,8 @@ from hypothesis import strategies as st
 
 from conftest import triton_available
 from prhs_hf import schedules as sched
-from prhs_hf.kernels.prefill_attention import (
-    check_prefill_inputs,
-    dense_causal_plan,
-    prefill_attention,
-    prefill_attention_reference,
-)
+from prhs_hf.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from prhs_hf.kernels.prefill_plan import PrefillPlan
 
 needs_triton = pytest.mark.skipif(
     not triton_available(),
@@ -123,7 +120,7 @@ class Case:
         fr = self.frozen or ((0, 0),) * self.B
         frozen_lo = torch.tensor([a for a, _ in fr], dtype=torch.int32)
         frozen_hi = torch.tensor([b for _, b in fr], dtype=torch.int32)
-        return q, k, v, pad, q_start, win_lo, self.sink, frozen_lo, frozen_hi, self.D**-0.5
+        return q, k, v, PrefillPlan(pad, q_start, win_lo, self.sink, frozen_lo, frozen_hi), self.D**-0.5
 
 
 CASES = [
@@ -147,19 +144,31 @@ CASES = [
 CASE_IDS = [c.name for c in CASES]
 
 
-def naive_dense(q, k, v, pad, q_start, win_lo, sink, frozen_lo, frozen_hi, scale):
+def dead_rows(plan: PrefillPlan) -> torch.Tensor:
+    """``[B, Lq]`` bool: the rows that must come out exactly zero (padding rows, ETF-frozen rows)."""
+    i = plan.q_start[:, None] + torch.arange(plan.win_lo.shape[1], device=plan.win_lo.device)[None, :]
+    return (i < 0) | ((i >= plan.frozen_lo[:, None]) & (i < plan.frozen_hi[:, None]))
+
+
+def on_device(args: tuple, device: str | torch.device, dtype: torch.dtype) -> tuple:
+    """``Case.tensors()`` on ``device``: q/k/v in ``dtype``, the plan's index tensors moved along."""
+    q, k, v, plan, scale = args
+    return (*(x.to(device, dtype) for x in (q, k, v)), plan.on(torch.device(device)), scale)
+
+
+def naive_dense(q, k, v, plan: PrefillPlan, scale):
     """Dense float64 attention with the full mask built element by element from SPEC §3."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     mask = torch.zeros(B, Lq, Lk, dtype=torch.bool)
     for b in range(B):
         for r in range(Lq):
-            i = int(q_start[b]) + r
-            if i < 0 or int(frozen_lo[b]) <= i < int(frozen_hi[b]):
+            i = int(plan.q_start[b]) + r
+            if i < 0 or int(plan.frozen_lo[b]) <= i < int(plan.frozen_hi[b]):
                 continue
             for s in range(Lk):
-                j = s - int(pad[b])
-                if 0 <= j <= i and (j < sink or j >= int(win_lo[b, r])):
+                j = s - int(plan.pad[b])
+                if 0 <= j <= i and (j < plan.sink or j >= int(plan.win_lo[b, r])):
                     mask[b, r, s] = True
     kk = k.double().repeat_interleave(Hq // Hkv, dim=1)
     vv = v.double().repeat_interleave(Hq // Hkv, dim=1)
@@ -191,24 +200,41 @@ def test_reference_chunks_rows(monkeypatch):
 
 def test_reference_zero_rows_are_exact():
     case = Case("z", B=2, Lq=30, pads=(0, 5), w=0.5, frozen=((4, 17), (4, 9)))
-    q, k, v, pad, q_start, win_lo, sink, flo, fhi, scale = case.tensors()
-    out = prefill_attention_reference(q, k, v, pad, q_start, win_lo, sink, flo, fhi, scale)
-    i = q_start[:, None] + torch.arange(case.Lq)[None, :]
-    dead = (i < 0) | ((i >= flo[:, None]) & (i < fhi[:, None]))
-    assert bool((out[dead] == 0).all()) and bool((out[~dead] != 0).any(dim=-1).all())
+    q, k, v, plan, scale = case.tensors()
+    out = prefill_attention_reference(q, k, v, plan, scale)
+    dead = dead_rows(plan)
+    assert bool(dead.any()) and bool((out[dead] == 0).all()) and bool((out[~dead] != 0).any(dim=-1).all())
+
+
+def test_plan_index_tensors_may_be_any_integer_dtype():
+    """Every backend reads the plan through ``PrefillPlan.on`` (int32 on q's device): int64 index
+    tensors give the same bits."""
+    q, k, v, plan, scale = CASES[5].tensors()
+    wide = dataclasses.replace(plan, **{f: getattr(plan, f).long() for f in ("pad", "q_start", "win_lo", "frozen_lo", "frozen_hi")})
+    moved = wide.on(q.device)
+    assert all(getattr(moved, f).dtype == torch.int32 for f in ("pad", "q_start", "win_lo", "frozen_lo", "frozen_hi"))
+    assert torch.equal(prefill_attention_reference(q, k, v, wide, scale), prefill_attention_reference(q, k, v, plan, scale))
+    if triton_available():
+        torch.testing.assert_close(prefill_attention(q, k, v, wide, scale), prefill_attention(q, k, v, plan, scale), atol=0, rtol=0)
 
 
 def test_input_validation():
-    q, k, v, pad, q_start, win_lo, sink, flo, fhi, scale = CASES[0].tensors()
+    q, k, v, plan, scale = CASES[0].tensors()
+    assert plan.check(q, k, v) == (1, 2, 37, 16, 1, 37)
     with pytest.raises(ValueError, match="win_lo"):
-        check_prefill_inputs(q, k, v, pad, q_start, win_lo[:, :-1], flo, fhi)
+        dataclasses.replace(plan, win_lo=plan.win_lo[:, :-1]).check(q, k, v)
+    with pytest.raises(ValueError, match="frozen_hi"):
+        dataclasses.replace(plan, frozen_hi=plan.frozen_hi.repeat(2)).check(q, k, v)
     with pytest.raises(ValueError, match="multiple"):
-        check_prefill_inputs(q[:, :1].expand(1, 3, -1, -1), k.expand(1, 2, -1, -1), v.expand(1, 2, -1, -1), pad, q_start, win_lo, flo, fhi)
+        plan.check(q[:, :1].expand(1, 3, -1, -1), k.expand(1, 2, -1, -1), v.expand(1, 2, -1, -1))
     with pytest.raises(ValueError, match="head size"):
         big = torch.zeros(1, 1, 4, 320)
-        check_prefill_inputs(big, big, big, pad, q_start, win_lo[:, :4], flo, fhi)
+        dataclasses.replace(plan, win_lo=plan.win_lo[:, :4]).check(big, big, big)
     with pytest.raises(ValueError, match="fp16/bf16/fp32"):
-        check_prefill_inputs(q.double(), k.double(), v.double(), pad, q_start, win_lo, flo, fhi)
+        plan.check(q.double(), k.double(), v.double())
+    for backend in (prefill_attention_reference, prefill_attention):  # every backend checks before it runs
+        with pytest.raises(ValueError, match="win_lo"):
+            backend(q, k, v, dataclasses.replace(plan, win_lo=plan.win_lo[:, :-1]), scale)
 
 
 # ----------------------------------------------------------------------------- Triton kernel
@@ -247,26 +273,26 @@ def test_dense_causal_plan_is_the_causal_attention_of_the_real_tokens(case):
     """The dense pattern the FA4 dense route hands the sparse forward (no window, no frozen rows,
     sink 0) is dense causal attention over the real tokens: the float64 oracle, through the
     reference and (where Triton runs) the kernel."""
-    q, k, v, pad, q_start, win_lo, _, flo, fhi, scale = case.tensors()
-    full, no_rows = dense_causal_plan(q)
-    assert full.shape == win_lo.shape and full.dtype == no_rows.dtype == torch.int32
-    assert not bool(full.any() or no_rows.any()) and no_rows.shape == (case.B,)
-    want = naive_dense(q, k, v, pad, q_start, full, 0, no_rows, no_rows, scale)
-    ref = prefill_attention_reference(q, k, v, pad, q_start, full, 0, no_rows, no_rows, scale)
+    q, k, v, plan, scale = case.tensors()
+    dense = PrefillPlan.dense_causal(plan.pad, plan.q_start, case.Lq)
+    assert dense.win_lo.shape == plan.win_lo.shape and dense.win_lo.dtype == dense.frozen_lo.dtype == torch.int32
+    assert not bool(dense.win_lo.any() or dense.frozen_lo.any() or dense.frozen_hi.any()) and dense.sink == 0
+    assert dense.frozen_lo.shape == dense.frozen_hi.shape == (case.B,) and dense.active_rows is None
+    want = naive_dense(q, k, v, dense, scale)
+    ref = prefill_attention_reference(q, k, v, dense, scale)
     torch.testing.assert_close(ref.double(), want, atol=1e-5, rtol=1e-5)
     if triton_available():
-        got = prefill_attention(q, k, v, pad, q_start, full, 0, no_rows, no_rows, scale)
+        got = prefill_attention(q, k, v, dense, scale)
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
 
 
 @needs_triton
 def test_kernel_zero_rows_are_exact():
     case = Case("z", B=2, Lq=50, pads=(0, 7), w=0.5, frozen=((4, 33), (4, 20)))
-    q, k, v, pad, q_start, win_lo, sink, flo, fhi, scale = case.tensors(torch.float16)
-    out = prefill_attention(q, k, v, pad, q_start, win_lo, sink, flo, fhi, scale, block_m=16, block_n=16)
-    i = q_start[:, None] + torch.arange(case.Lq)[None, :]
-    dead = (i < 0) | ((i >= flo[:, None]) & (i < fhi[:, None]))
-    assert bool((out[dead] == 0).all())
+    q, k, v, plan, scale = case.tensors(torch.float16)
+    out = prefill_attention(q, k, v, plan, scale, block_m=16, block_n=16)
+    dead = dead_rows(plan)
+    assert bool(dead.any()) and bool((out[dead] == 0).all())
     assert bool(torch.isfinite(out).all())
 
 
@@ -285,18 +311,18 @@ def test_kernel_hf_layout_strides():
 
 def _tile_bounds(case: Case, bm: int):
     """Per query tile of sequence b: active-row range, min/max window start (None: no active row)."""
-    q, k, v, pad, q_start, win_lo, sink, flo, fhi, scale = case.tensors()
+    plan = case.tensors()[3]
+    dead = dead_rows(plan)
     out = []
     for b in range(case.B):
         tiles = []
         for t in range(math.ceil(case.Lq / bm)):
-            rows = [r for r in range(t * bm, min(case.Lq, (t + 1) * bm))]
-            act = [r for r in rows if (i := int(q_start[b]) + r) >= 0 and not (int(flo[b]) <= i < int(fhi[b]))]
+            act = [r for r in range(t * bm, min(case.Lq, (t + 1) * bm)) if not dead[b, r]]
             if not act:
                 tiles.append(None)
                 continue
-            i_lo, i_hi = int(q_start[b]) + act[0], int(q_start[b]) + act[-1]
-            w = [int(win_lo[b, r]) for r in act]
+            i_lo, i_hi = int(plan.q_start[b]) + act[0], int(plan.q_start[b]) + act[-1]
+            w = [int(plan.win_lo[b, r]) for r in act]
             tiles.append((i_lo, i_hi, min(w), max(w)))
         out.append(tiles)
     return out
@@ -415,8 +441,8 @@ def test_flex_block_mask_skips_blocks():
     from prhs_hf.kernels.flex_prefill import build_prefill_block_mask
 
     case = Case("blocks", Lq=256, sink=4, w=0.25, frozen=((4, 96),))
-    _, k, _, pad, q_start, win_lo, sink, flo, fhi, _ = case.tensors()
-    bm = build_prefill_block_mask(pad, q_start, win_lo, sink, flo, fhi, k.shape[2], block_size=32)
+    _, k, _, plan, _ = case.tensors()
+    bm = build_prefill_block_mask(plan, k.shape[2], block_size=32)
     dense = bm.to_dense()[0, 0]  # [q blocks, kv blocks]
     assert dense.shape == (8, 8)
     assert dense[1:3].sum() == 0  # rows 32..95 are frozen: no block at all

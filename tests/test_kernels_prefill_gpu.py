@@ -13,7 +13,7 @@ import torch
 
 from prhs_hf import schedules as sched
 from prhs_hf.kernels.prefill_attention import prefill_attention, prefill_attention_reference
-from test_kernels_prefill import Case
+from test_kernels_prefill import Case, dead_rows, on_device
 
 pytestmark = pytest.mark.gpu
 
@@ -33,13 +33,6 @@ def _case(name: str, L: int, D: int, Hq: int, Hkv: int, mode: str, pads: tuple[i
     return Case(name, B=len(pads), Hq=Hq, Hkv=Hkv, Lq=L, D=D, pads=pads, sink=SINK, w=w, frozen=frozen)
 
 
-def _on_gpu(args: tuple, dtype: torch.dtype) -> tuple:
-    return tuple(
-        (x.to("cuda", dtype) if x.is_floating_point() else x.to("cuda")) if isinstance(x, torch.Tensor) else x
-        for x in args
-    )
-
-
 SHAPES = [
     # (L, D, Hq, Hkv, pads)
     (4096, 128, 32, 32, (0,)),  # LLaMA-2-7B heads
@@ -56,22 +49,19 @@ SHAPES = [
 def test_gpu_bf16_matches_fp32_reference(shape, mode):
     L, D, Hq, Hkv, pads = shape
     case = _case(mode, L, D, Hq, Hkv, mode, pads)
-    args = _on_gpu(case.tensors(), torch.bfloat16)
+    args = on_device(case.tensors(), "cuda", torch.bfloat16)
     out = prefill_attention(*args)
     q, k, v, *rest = args
     ref = prefill_attention_reference(q.float(), k.float(), v.float(), *rest)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape and out.is_contiguous()
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
     if mode != "psaw":  # frozen rows are exactly zero
-        flo, fhi = rest[4], rest[5]
-        i = rest[1][:, None] + torch.arange(case.Lq, device="cuda")[None, :]
-        dead = (i < 0) | ((i >= flo[:, None]) & (i < fhi[:, None]))
-        assert bool((out[dead] == 0).all())
+        assert bool((out[dead_rows(rest[0])] == 0).all())
 
 
 def test_gpu_dense_mode_equals_sdpa():
     case = Case("dense", Hq=32, Hkv=8, Lq=8192, D=128, sink=SINK)
-    q, k, v, *rest = _on_gpu(case.tensors(), torch.bfloat16)
+    q, k, v, *rest = on_device(case.tensors(), "cuda", torch.bfloat16)
     out = prefill_attention(q, k, v, *rest)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out.float(), ref.transpose(1, 2).float(), atol=1e-2, rtol=1e-2)
@@ -79,7 +69,7 @@ def test_gpu_dense_mode_equals_sdpa():
 
 def test_gpu_forced_configs_agree():
     case = _case("both", 4096, 128, 8, 2, "both")
-    args = _on_gpu(case.tensors(), torch.bfloat16)
+    args = on_device(case.tensors(), "cuda", torch.bfloat16)
     tuned = prefill_attention(*args)
     for bm, bn, warps, stages in ((64, 32, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)):
         forced = prefill_attention(*args, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
@@ -89,7 +79,7 @@ def test_gpu_forced_configs_agree():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_gpu_other_dtypes(dtype):
     case = _case("both", 4096, 128, 8, 2, "both", (0, 77))
-    args = _on_gpu(case.tensors(), dtype)
+    args = on_device(case.tensors(), "cuda", dtype)
     q, k, v, *rest = args
     ref = prefill_attention_reference(q.float(), k.float(), v.float(), *rest)
     out = prefill_attention(*args)
@@ -101,5 +91,5 @@ def test_gpu_flex_matches_kernel():
     from prhs_hf.kernels.flex_prefill import flex_prefill_attention
 
     case = _case("both", 4096, 128, 8, 2, "both", (0, 128))
-    args = _on_gpu(case.tensors(), torch.bfloat16)
+    args = on_device(case.tensors(), "cuda", torch.bfloat16)
     torch.testing.assert_close(flex_prefill_attention(*args).float(), prefill_attention(*args).float(), atol=1e-2, rtol=1e-2)

@@ -49,9 +49,9 @@ def test_sparse_prefill_equals_masked_reference_attention(psaw, etf):
     inner = runtime.prefill_function(torch.device("cpu"), torch.float32)
     calls = []
 
-    def recording(q, k, v, pad, q_start, win_lo, sink, frozen_lo, frozen_hi, scale):
-        out = inner(q, k, v, pad, q_start, win_lo, sink, frozen_lo, frozen_hi, scale)
-        calls.append((q, k, v, pad, scale, out))
+    def recording(q, k, v, plan, scale):
+        out = inner(q, k, v, plan, scale)
+        calls.append((q, k, v, plan.pad, scale, out))
         return out
 
     runtime._prefill[(torch.device("cpu"), torch.float32)] = recording

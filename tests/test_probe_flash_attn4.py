@@ -44,7 +44,7 @@ def test_no_cuda_exits_cleanly_and_records_the_import(tmp_path):
 
 def test_the_probe_uses_the_route_functions():
     """One home: the probe measures the library's conversion, mask_mod and FA4 calls, not copies."""
-    for name in ("fa4_block_sparse", "prefill_mask_mod", "mask_aux_tensors", "flash_attention_with_plan",
+    for name in ("fa4_block_sparse", "prefill_mask_mod", "mask_aux_tensors", "flash_block_sparse_attention",
                  "flash_causal_attention", "import_flash_attn", "add_cutlass_dsl_path", "fa4_block_size"):
         assert getattr(probe, name) is getattr(flash_prefill, name), name
     for gone in ("visible_per_block", "block_kinds", "make_fa4_mask_mod", "_add_cutlass_dsl_path"):
