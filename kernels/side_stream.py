@@ -17,6 +17,10 @@ functional for the compiler: the join reads the fork's ticket, so it stays after
 the fork's inputs as ``keep``, so no buffer the side stream reads is freed and reused before the
 join. Inside a CUDA graph the fork and the join are captured as the graph's edges between the two
 streams. The selection in flight is held here, per device and layer, from the fork to the join.
+
+The caller passes the device's ops table (``DecodeOps``) itself; eager forks run on that table. A
+custom op takes only tensors and scalars, so the compiled fork carries the table's name
+(``ops.name``) across the op boundary and looks the table up once there (:func:`get_decode_ops`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .compose_indices import dilated_set_size
-from .decode_ops import get_decode_ops, cis_select
+from .decode_ops import DecodeOps, cis_select, get_decode_ops
 
 __all__ = ["fork_cis_select", "join_cis_select", "pending_selections", "drop_pending"]
 
@@ -52,14 +56,14 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _fork(
-    layer: int, backend: str, q: Tensor, k_cache: Tensor, pad: Tensor, t: Tensor, lo: Tensor, hi: Tensor,
+    layer: int, ops: DecodeOps, q: Tensor, k_cache: Tensor, pad: Tensor, t: Tensor, lo: Tensor, hi: Tensor,
     win_start: Tensor, anchor_q: Tensor, anchor_count: Tensor, anchor_set: Tensor, active: Tensor,
     tau: float, sink: int, k: int, dil_m: int, dil_r: int, cap: int, scale: float, grouped: bool, group_score: str,
 ) -> Tensor:
     key = (q.device, layer)
     if key in _PENDING:
         raise RuntimeError(f"fork_cis_select: layer {layer}'s selection was forked twice without a join")
-    args = (get_decode_ops(backend), q, k_cache, pad, t, lo, hi, win_start, anchor_q, anchor_count, anchor_set, active)
+    args = (ops, q, k_cache, pad, t, lo, hi, win_start, anchor_q, anchor_count, anchor_set, active)
     kwargs = dict(tau=tau, sink=sink, k=k, dil_m=dil_m, dil_r=dil_r, cap=cap, scale=scale, grouped=grouped,
                   group_score=group_score)
     if q.device.type != "cuda":
@@ -92,8 +96,9 @@ def _fork_op(
     win_start: Tensor, anchor_q: Tensor, anchor_count: Tensor, anchor_set: Tensor, active: Tensor,
     tau: float, sink: int, k: int, dil_m: int, dil_r: int, cap: int, scale: float, grouped: bool, group_score: str,
 ) -> Tensor:
-    return _fork(layer, backend, q, k_cache, pad, t, lo, hi, win_start, anchor_q, anchor_count, anchor_set, active,
-                 tau, sink, k, dil_m, dil_r, cap, scale, grouped, group_score)
+    # the op's schema has no type for the ops table: it arrives as its name, looked up once here
+    return _fork(layer, get_decode_ops(backend), q, k_cache, pad, t, lo, hi, win_start, anchor_q, anchor_count,
+                 anchor_set, active, tau, sink, k, dil_m, dil_r, cap, scale, grouped, group_score)
 
 
 @_fork_op.register_fake
@@ -119,16 +124,20 @@ def _(ticket, keep, layer, rows, k, dil_m, dil_r, cap):
 
 
 def fork_cis_select(
-    layer: int, backend: str, q: Tensor, k_cache: Tensor, pad: Tensor, t: Tensor, lo: Tensor, hi: Tensor,
+    layer: int, ops: DecodeOps, q: Tensor, k_cache: Tensor, pad: Tensor, t: Tensor, lo: Tensor, hi: Tensor,
     win_start: Tensor, anchor_q: Tensor, anchor_count: Tensor, anchor_set: Tensor, active: Tensor,
     *, tau: float, sink: int, k: int, dil_m: int, dil_r: int, cap: int, scale: float, grouped: bool = False,
     group_score: str = "max",
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """Launch ``cis_select(get_decode_ops(backend), q, …)`` (same arguments) for ``layer`` on the side
-    stream of ``q``'s device; returns ``(ticket, keep)``, what :func:`join_cis_select` takes."""
-    args = (layer, backend, q, k_cache, pad, t, lo, hi, win_start, anchor_q, anchor_count, anchor_set, active,
-            tau, sink, k, dil_m, dil_r, cap, scale, grouped, group_score)
-    ticket = _fork_op(*args) if torch.compiler.is_compiling() else _fork(*args)
+    """Launch ``cis_select(ops, q, …)`` (same arguments) for ``layer`` on the side stream of ``q``'s
+    device; returns ``(ticket, keep)``, what :func:`join_cis_select` takes. Under ``torch.compile``
+    the fork runs on the table named ``ops.name`` (see the module docstring)."""
+    tensors = (q, k_cache, pad, t, lo, hi, win_start, anchor_q, anchor_count, anchor_set, active)
+    sizes = (tau, sink, k, dil_m, dil_r, cap, scale, grouped, group_score)
+    if torch.compiler.is_compiling():
+        ticket = _fork_op(layer, ops.name, *tensors, *sizes)
+    else:
+        ticket = _fork(layer, ops, *tensors, *sizes)
     return ticket, (q, pad, t, lo, hi, win_start, anchor_count, active)
 
 

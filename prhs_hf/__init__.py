@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; at run time see __getattr__
     from .config import ConfigError, PrHSConfig, load_config
-    from .families import SUPPORTED_FAMILIES, UnsupportedModelError, is_patched
-    from .patching import PatchHandle, patch, reset, telemetry, unpatch
+    from .families import SUPPORTED_FAMILIES, UnsupportedModelError
+    from .patching import PatchHandle, is_patched, patch, reset, telemetry, unpatch
     from .telemetry_counters import TelemetryReport
 
 _LAZY: dict[str, str] = {
@@ -29,7 +29,7 @@ _LAZY: dict[str, str] = {
     "PatchHandle": "patching",
     "patch": "patching",
     "unpatch": "patching",
-    "is_patched": "families",
+    "is_patched": "patching",
     "reset": "patching",
     "telemetry": "patching",
     "TelemetryReport": "telemetry_counters",

@@ -2,7 +2,8 @@
 
 Like ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` it takes the module,
 the query ``[B, Hq, Lq, D]``, the whole cache ``[B, Hkv, Lk, D]`` after the update and the mask
-built by the registered mask function (``sdpa_mask``), and returns ``([B, Lq, Hq, D], None)``.
+built by the registered mask function (``sdpa_mask``), and returns ``([B, Lq, Hq, D], None)``:
+the signature of transformers' ``AttentionInterface``, which both functions here have.
 A module of a model that is not patched (no ``_prhs_layer``) gets plain SDPA.
 """
 
@@ -21,14 +22,8 @@ GQA_SDPA_NAME = "sdpa_gqa"
 
 
 def gqa_sdpa_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Dense SDPA as transformers' ``sdpa_attention_forward`` computes it, but with
     ``enable_gqa=True`` whatever the mask: transformers' own path ``repeat_kv``-copies K/V to every
@@ -48,14 +43,8 @@ def gqa_sdpa_attention_forward(
 
 
 def prhs_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """PrHS attention: routes to the module's :class:`~prhs_hf.layer.PrHSLayer`, or SDPA if unpatched."""
     layer = getattr(module, "_prhs_layer", None)

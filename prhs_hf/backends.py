@@ -8,7 +8,7 @@ import torch
 
 from .kernels import decode_ops as ops
 from .kernels import prefill_attention as pa
-from .kernels._common import HAS_TRITON, interpreting
+from .kernels.triton_support import HAS_TRITON, interpreting
 
 __all__ = ["dense_prefill_function", "flash_usable", "pick_decode_ops", "prefill_choice", "prefill_function", "triton_usable"]
 
@@ -64,10 +64,9 @@ def _fa4_takes(dtype: torch.dtype, head_dim: int) -> bool:
 def prefill_choice(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """``backend.prefill`` resolved for attention in ``dtype`` with head size ``head_dim`` on ``device``.
 
-    ``auto`` is the fastest measured route that runs there and takes the input: ``flash`` on an
-    sm90/sm100 GPU with FA4 installed for fp16/bf16 (H200: FA4 fastest on the dense and the PSAW/ETF
-    patterns, docs/results/probe_flash_attn4.md, and whole-model, docs/results/bench_prefill_fa4.md),
-    else ``triton`` on CUDA, else ``torch``."""
+    ``auto`` is the fastest route that runs there and takes the input (docs/notes/prefill_tuning.md):
+    ``flash`` on an sm90/sm100 GPU with FA4 installed for fp16/bf16, else ``triton`` on CUDA, else
+    ``torch``."""
     if name == "auto" and flash_usable(device) and _fa4_takes(dtype, head_dim):
         return "flash"
     return _pick(name, device, "backend.prefill")
@@ -75,7 +74,8 @@ def prefill_choice(name: str, device: torch.device, dtype: torch.dtype, head_dim
 
 def prefill_function(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> Callable:
     """The sparse (PSAW/ETF) prefill attention for ``backend.prefill`` and attention in ``dtype`` with
-    head size ``head_dim`` on ``device`` (same signature for every backend; :func:`prefill_choice`).
+    head size ``head_dim`` on ``device`` (:func:`prefill_choice`). Every backend has the signature
+    ``(q, k, v, plan, scale)`` with a :class:`~prhs_hf.kernels.prefill_plan.PrefillPlan`.
 
     ``flash`` (FlashAttention-4) raises here, naming the key and the install, unless
     ``flash_attn.cute`` imports and ``device`` is an sm90/sm100 GPU (the input checks follow at the call).
@@ -98,9 +98,8 @@ def dense_prefill_function(name: str, device: torch.device, dtype: torch.dtype, 
     start layer, or every layer of a CIS-only config), or None: the model's own attention (SDPA).
     Signature ``(q, k, v, pad, q_start, scale, *, no_mask)``.
 
-    Only FA4 is faster than SDPA there: SDPA with the backend torch picks ran the dense causal pattern
-    in 14.8 ms at 32k on the H200, our Triton tile kernel in 18.2 (docs/results/bench_prefill.md),
-    FA4 in 13.3 (probe_flash_attn4.md). So ``flash``, and ``auto`` where it resolves to FA4
+    Only FA4 is faster than SDPA on the dense causal pattern; our Triton tile kernel is slower than
+    SDPA there (docs/notes/prefill_tuning.md). So ``flash``, and ``auto`` where it resolves to FA4
     (:func:`prefill_choice`), give :func:`~prhs_hf.kernels.flash_prefill.flash_dense_prefill_attention`
     (``flash`` raises like :func:`prefill_function` where FA4 cannot run); every other choice None.
     A config that changes nothing (``configs/dense.yaml``) never gets here: it keeps the unpatched path.

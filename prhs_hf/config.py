@@ -508,19 +508,25 @@ def _require_no_baseline(config: PrHSConfig, key: str, applies_to: str, fix: str
                           f"{config.baseline.name} ({fix})")
 
 
+def _require_budget(config: PrHSConfig, key: str, minimum: int, why: str, fix: str = "") -> None:
+    """``budget.<key>`` must be at least ``minimum`` for an option that is on (``why`` names it)."""
+    value = getattr(config.budget, key)
+    if value < minimum:
+        raise ConfigError(f"budget.{key}: {value} {why}; allowed >= {minimum}{fix}")
+
+
 def _check_sizes(config: PrHSConfig) -> None:
     """The bounds that involve several keys: ``dilation_topm`` within top-k, the index set and the CIS state."""
     b, cis = config.budget, config.cis
     if cis.dilation_topm is not None and cis.dilation_topm > b.topk:
         raise ConfigError(f"cis.dilation_topm: {cis.dilation_topm} is out of range; allowed [0, budget.topk={b.topk}]")
-    if config.baseline.name == "certkv" and config.baseline.tail_slot and b.topk < 2:
-        raise ConfigError(f"budget.topk: {b.topk} leaves CertKV no real-token slot beside its tail slot "
-                          f"(baseline.tail_slot: true charges one per KV head); allowed >= 2, or tail_slot: false")
+    if config.baseline.name == "certkv" and config.baseline.tail_slot:
+        _require_budget(config, "topk", 2, "leaves CertKV no real-token slot beside its tail slot (baseline.tail_slot: "
+                        "true charges one per KV head)", ", or tail_slot: false")
     if cis.enabled and cis.tail_slot:
         _require_no_baseline(config, "cis.tail_slot", "CIS", "set cis.tail_slot: false, or baseline.tail_slot for certkv")
-        if b.topk < 2:
-            raise ConfigError(f"budget.topk: {b.topk} leaves CIS no real-token slot beside its tail slot "
-                              f"(cis.tail_slot: true charges one per row); allowed >= 2, or cis.tail_slot: false")
+        _require_budget(config, "topk", 2, "leaves CIS no real-token slot beside its tail slot (cis.tail_slot: true "
+                        "charges one per row)", ", or cis.tail_slot: false")
     es = config.early_select
     if es.enabled and not (config.baseline.name == "quest" or (config.baseline.name is None and cis.enabled)):
         selector = f"baseline.name: {config.baseline.name}" if config.baseline.name else "no selector (cis is off)"
@@ -528,9 +534,8 @@ def _check_sizes(config: PrHSConfig) -> None:
                           f"{selector} (remove the early_select section or set early_select.enabled: false)")
     if es.enabled and es.side_stream:
         _require_no_baseline(config, "early_select.side_stream", "ES-CIS", "set early_select.side_stream: false")
-        if b.local < 1:
-            raise ConfigError(f"budget.local: {b.local} with early_select.side_stream: the side stream reads the "
-                              f"middle while the current token's key is written; allowed >= 1")
+        _require_budget(config, "local", 1, "with early_select.side_stream: the side stream reads the middle while "
+                        "the current token's key is written")
     index_set = config._index_set(config._dilation_topm())
     if index_set > MAX_INDEX_SET:
         raise ConfigError(

@@ -1,21 +1,19 @@
-"""Which Hugging Face model families PrHS patches, how to find their layers, and whether a model is patched.
+"""Which Hugging Face model families PrHS patches and how to find their decoder layers.
 
-A leaf module (it imports only ``torch.nn``): code that must not import :mod:`prhs_hf.patching`
-(and with it the runtime and the selectors) checks a model here.
+A leaf module (it imports only ``torch.nn``): code that must not import the runtime (the
+calibration pass, the patch itself) checks a model here.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["SUPPORTED_FAMILIES", "UnsupportedModelError", "decoder_layers", "check_model", "is_patched", "RUNTIME_ATTRIBUTE"]
+__all__ = ["SUPPORTED_FAMILIES", "UnsupportedModelError", "decoder_layers", "check_model"]
 
 # model_type values whose decoder layers use the standard q/k/v/o attention with
 # `ALL_ATTENTION_FUNCTIONS` and a residual `mlp` branch.
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "glm", "glm4", "qwen2_moe", "qwen3_moe", "glm4_moe")
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
-RUNTIME_ATTRIBUTE = "_prhs_runtime"
-"""The model attribute that holds the runtime :func:`prhs_hf.patch` attaches (absent when unpatched)."""
 
 
 class UnsupportedModelError(ValueError):
@@ -52,8 +50,3 @@ def check_model(model: nn.Module) -> None:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if dtype not in SUPPORTED_DTYPES:
         raise UnsupportedModelError(f"PrHS supports dtypes {', '.join(SUPPORTED_DTYPES)}; the model is {dtype}")
-
-
-def is_patched(model: nn.Module) -> bool:
-    """Whether :func:`prhs_hf.patch` is in force on ``model``."""
-    return getattr(model, RUNTIME_ATTRIBUTE, None) is not None

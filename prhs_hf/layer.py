@@ -11,7 +11,6 @@ changes nothing at all, which keeps transformers' own path and so the unpatched 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -21,21 +20,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .attention import gqa_sdpa_attention_forward
 from .decode import DecodeParams, window_decode_step
 from .geometry import SequenceGeometry
+from .kernels.prefill_plan import PrefillPlan
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
 from .selectors.set_steps import attend_with_tail, visible_probabilities
 
 __all__ = ["PrHSLayer", "PrefillPlan", "install_row_skip", "remove_row_skip"]
-
-
-@dataclass
-class PrefillPlan:
-    """PSAW/ETF work of one layer for one multi-token forward."""
-
-    geom: SequenceGeometry
-    win_lo: torch.Tensor  # [B, Lq] int32, PSAW window start of each query row
-    frozen_lo: torch.Tensor  # [B] int32
-    frozen_hi: torch.Tensor  # [B] int32
-    active_rows: torch.Tensor | None  # flat indices of rows that are computed; None: all rows
 
 
 class PrHSLayer:
@@ -109,18 +98,15 @@ class PrHSLayer:
                 )
             if active_rows.numel() == frozen.numel():
                 active_rows = None
-        self.plan = PrefillPlan(geom, win_lo, frozen_lo, frozen_hi, active_rows)
+        self.plan = PrefillPlan(geom.pad, geom.q_start, win_lo, sink, frozen_lo, frozen_hi, active_rows)
 
     def active_rows(self) -> torch.Tensor | None:
         """Rows that ETF leaves active in the current forward (None: all of them)."""
         return None if self.plan is None else self.plan.active_rows
 
     def _prefill(self, query, key, value, scaling):
-        p = self.plan
         fn = self.runtime.prefill_function(query.device, query.dtype)
-        sink = self.runtime.resolved.config.budget.sink
-        out = fn(query, key, value, p.geom.pad, p.geom.q_start, p.win_lo, sink, p.frozen_lo, p.frozen_hi, scaling)
-        return out, None
+        return fn(query, key, value, self.plan, scaling), None
 
     # ------------------------------------------------------------------ decode
 
@@ -136,8 +122,8 @@ class PrHSLayer:
         selector = self.runtime.selector
         sparse = self.runtime.sparse_decode  # the policy's decision for this forward
         if selector is not None and sparse:
-            sel = selector.select(self.index, q, key, value, geom, self.decode_params, scaling)
-            ops = self.runtime.ops_for(query.device)
+            ops = self.runtime.ops_for(query.device)  # one table for the selection and the attention
+            sel = selector.select(self.index, q, key, value, geom, self.decode_params, scaling, ops)
             attend = ops.sparse_decode_attention if sel.idx.shape[1] == q.shape[1] else ops.sparse_decode_attention_grouped
             if sel.tail is None:
                 out = attend(q, key, value, geom.pad, sel.idx, sel.count, scaling)

@@ -22,14 +22,16 @@ from transformers import DynamicCache, StaticCache
 
 from . import attention
 from .config import PrHSConfig, load_config
-from .families import RUNTIME_ATTRIBUTE, check_model, decoder_layers, is_patched
+from .families import check_model, decoder_layers
 from .layer import install_row_skip, remove_row_skip
 from .runtime import PrHSRuntime
 from .telemetry_counters import TelemetryReport
 
-__all__ = ["PatchHandle", "patch", "unpatch", "is_patched", "telemetry", "reset", "local_heads"]
+__all__ = ["PatchHandle", "patch", "unpatch", "is_patched", "telemetry", "reset", "local_heads", "RUNTIME_ATTRIBUTE"]
 
 SUPPORTED_CACHES = (DynamicCache, StaticCache)
+RUNTIME_ATTRIBUTE = "_prhs_runtime"
+"""The model attribute that holds the runtime :func:`patch` attaches (absent when unpatched)."""
 
 
 class PatchHandle:
@@ -242,6 +244,11 @@ def unpatch(model: nn.Module) -> None:
     """Remove PrHS from ``model`` exactly (all of it, whatever was patched before); a model that is
     not patched is left as it is."""
     _uninstall(model)
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether :func:`patch` is in force on ``model``."""
+    return getattr(model, RUNTIME_ATTRIBUTE, None) is not None
 
 
 def _runtime(model: nn.Module) -> PrHSRuntime:

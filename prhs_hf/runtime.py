@@ -13,6 +13,7 @@ from transformers import StaticCache
 from .backends import dense_prefill_function, pick_decode_ops, prefill_function
 from .config import ResolvedConfig
 from .geometry import SequenceGeometry, check_layout, geometry_from_mask
+from .kernels.decode_ops import DecodeOps
 from .layer import PrHSLayer
 from .policy import DecodeShape, cost_model_for
 from .selectors import make_selector
@@ -68,12 +69,12 @@ class PrHSRuntime:
         self.telemetry = Telemetry(resolved.num_layers, num_heads, c.telemetry.oracle, num_kv_heads) if c.telemetry.enabled else None
         self.layers = [PrHSLayer(self, i) for i in range(resolved.num_layers)]
         # the decode selector: a baseline that baseline.name names, else CIS if it is on, else none
-        self.selector = make_selector(resolved, num_heads, self.ops_for)
+        self.selector = make_selector(resolved, num_heads)
         # a config that changes nothing keeps transformers' own dense path (the unpatched model's bits)
         self.passthrough = self.selector is None and not any(
             layer.plans_prefill or layer.window_decode for layer in self.layers
         )
-        self._ops: dict[torch.device, object] = {}
+        self._ops: dict[torch.device, DecodeOps] = {}  # device -> its decode ops table (ops_for)
         # prefill routes per (device, attention dtype): FA4 takes fp16/bf16 only
         self._prefill: dict[tuple[torch.device, torch.dtype], Callable] = {}
         self._dense_prefill: dict[tuple[torch.device, torch.dtype], Callable | None] = {}
@@ -219,8 +220,11 @@ class PrHSRuntime:
         if self.telemetry is not None:
             self.telemetry.prepare(device, batch)
 
-    def ops_for(self, device: torch.device):
-        """The decode ops table for ``device`` (chosen once per device)."""
+    def ops_for(self, device: torch.device) -> DecodeOps:
+        """The decode ops table of ``device``, picked by ``backend.decode`` the first time the device
+        is seen (its first prefill; a layer that a ``device_map`` puts elsewhere, at its first step)
+        and kept: a model moved by ``.to()`` gets its new device's. A layer's decode step looks it
+        up once and passes it to the selector and to the sparse attention."""
         if device not in self._ops:
             self._ops[device] = pick_decode_ops(self.resolved.config.backend.decode, device)
         return self._ops[device]

@@ -21,8 +21,7 @@ SMALL = {"budget": {"sink": 4, "local": 8, "topk": 16}}
 
 def cis_layer(p, B, H, D, block, **options):
     """A one-layer CIS selector on the PyTorch reference ops, set up for this shape."""
-    selector = CISSelector(1, block, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), lambda d: REFERENCE_OPS,
-                           **options)
+    selector = CISSelector(1, block, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), **options)
     selector.setup(B, H, D, torch.device("cpu"))
     return selector
 
@@ -175,7 +174,7 @@ def test_the_selection_records_its_anchors_in_its_composition_launch(tail_slot):
     p = _params(tau=2.0)  # every step retrieves: one anchor more per step
     B, H, D, T = 2, 2, 8, 40
     cis = CISSelector(1, 4, dilated_set_size(p.topk - int(tail_slot), p.dilation_topm, p.dilation_radius),
-                      lambda d: ops, tail_slot=tail_slot)
+                      tail_slot=tail_slot)
     cis.setup(B, H, D, torch.device("cpu"))
     torch.manual_seed(3)
     k, v = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
@@ -183,7 +182,7 @@ def test_the_selection_records_its_anchors_in_its_composition_launch(tail_slot):
                             torch.full((B,), T - 1, dtype=torch.int32))
     for step in range(3):
         q = torch.randn(B, H, D)
-        cis_step(cis, q, k, v, geom, p, 0.5)
+        cis.select(0, q, k, v, geom, p, 0.5, ops)
         assert (cis.state.anchor_count == step + 1).all()
         torch.testing.assert_close(cis.state.anchor_q[0, :, :, step], q / q.norm(dim=-1, keepdim=True))
     assert calls == (["dilate_and_compose", "record_anchors"] if tail_slot else ["dilate_compose_and_record"]) * 3
@@ -202,7 +201,7 @@ def test_retrieval_ratio_counts_block_starts(block):
     prhs_hf.unpatch(model)
     steps = 19  # decode forwards after the prefill
     blocks = -(-steps // block)
-    assert report.decode_steps == steps and report.sparse_steps == 2 * steps
+    assert report.decode_steps == steps and report.sparse_sequence_steps == 2 * steps
     assert report.retrieval_ratio == pytest.approx(blocks / steps)
     assert report.per_head_retrievals == [[2 * blocks] * 4] * 4
     # every head retrieves at the same steps, so every KV group with one retrieving head has all of them
@@ -289,7 +288,7 @@ def test_keep_anchor_local_in_a_model_reference_equals_triton_and_processes_more
 def test_a_model_split_across_devices_gets_one_state_per_device():
     """device_map: each device's layers keep their anchors on that device (here the CPU and 'meta')."""
     p = _params(tau=-1.0)
-    cis = CISSelector(4, 4, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), lambda d: REFERENCE_OPS)
+    cis = CISSelector(4, 4, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius))
     B, H, D = 1, 2, 8
     for layer, device in enumerate(["cpu", "cpu", "meta", "meta"]):
         cis.observe_prefill(layer, torch.zeros(B, H, 3, D, device=device), torch.zeros(B, H, 3, D, device=device), None, 1.0)

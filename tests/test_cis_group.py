@@ -54,8 +54,8 @@ def test_never_sharing_group_step_is_the_groups_exact_topk_attention(score):
     B, Hq, Hkv, D, T = 2, 6, 2, 16, 80
     p = DecodeParams(sink=4, local=8, topk=16, tau=1.5, dilation_topm=5, dilation_radius=1,
                      capacity=4 + 8 + 16 + 2 * 5, window_fraction=None)
-    cis = CISSelector(1, 4, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), lambda d: REFERENCE_OPS,
-                      grouped=True, group_score=score)
+    cis = CISSelector(1, 4, dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius), grouped=True,
+                      group_score=score)
     q = torch.randn(B, Hq, D)
     k, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
     cis.observe_prefill(0, q[:, :, None], k, None, 0.25)

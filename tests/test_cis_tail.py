@@ -1,4 +1,4 @@
-"""CIS + tail (issue 15 item 1, ``cis.tail_slot``): CertKV's tail-summary slot on top of CIS."""
+"""CIS + tail (``cis.tail_slot``): CertKV's tail-summary slot on top of CIS."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from prhs_hf.config import ConfigError
 from prhs_hf.decode import DecodeParams
 from prhs_hf.geometry import SequenceGeometry
 from prhs_hf.kernels.compose_indices import dilated_set_size
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS
 from prhs_hf.selectors import CISSelector, make_selector
 from prhs_hf.selectors.set_steps import attend_with_tail, tail_summary
 from conftest import triton_available
@@ -95,8 +94,8 @@ def _params(tau, topk=6, topm=2, radius=1):
 
 
 def _selector(p, block, tail=True, grouped=False):
-    sel = CISSelector(1, block, dilated_set_size(p.topk - tail, p.dilation_topm, p.dilation_radius), lambda d: REFERENCE_OPS,
-                      grouped=grouped, tail_slot=tail)
+    sel = CISSelector(1, block, dilated_set_size(p.topk - tail, p.dilation_topm, p.dilation_radius), grouped=grouped,
+                      tail_slot=tail)
     heads, dim = (HKV, D * HQ // HKV) if grouped else (HQ, D)
     sel.setup(B, heads, dim, torch.device("cpu"))
     return sel
@@ -220,7 +219,7 @@ def test_the_budget_is_cis_own_and_telemetry_counts_the_slot(selection):
             real = (sel.idx >= 0).sum(-1)
             assert (real == sum(BUDGET.values()) - (1 if tail else 0)).all()
     assert runs[True].processed_kv_per_step == runs[False].processed_kv_per_step == sum(BUDGET.values())
-    assert runs[True].sparse_steps == runs[False].sparse_steps > 0
+    assert runs[True].sparse_sequence_steps == runs[False].sparse_sequence_steps > 0
     assert 0 < runs[True].retrieval_ratio <= 1
     assert 0 <= runs[True].oracle.beta_emp <= 1 and 0 < runs[True].oracle.overlap_top50 <= 1
 

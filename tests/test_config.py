@@ -113,10 +113,10 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(bad)
 
 
-# --------------------------------------------------------------------------- issue 14
+# --------------------------------------------------------------------------- sections left out are off
 
 SHIPPED_MEANING = {
-    # the sections each shipped file switches on, and its budget: what it meant before issue 14
+    # the sections each shipped file switches on, and its budget: the files spell out every section
     "dense": ((False, False, False), (8, 32, 88)),
     "cis": ((True, False, False), (8, 32, 88)),
     "cpe": ((True, True, True), (8, 32, 88)),
@@ -297,7 +297,7 @@ def test_calibrated_qwen_config_is_cis_alone(name):
     assert load_config(name) == load_config("cis")
 
 
-# --------------------------------------------------------------------------- issue 39
+# --------------------------------------------------------------------------- unreadable files and numpy scalars
 
 
 def test_a_non_utf8_file_is_a_config_error_naming_the_file(tmp_path):

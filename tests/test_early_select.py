@@ -12,7 +12,6 @@ from prhs_hf.config import ConfigError, load_config
 from prhs_hf.selectors import CISSelector, EarlySelectSelector, QuestSelector, make_selector
 from prhs_hf.selectors.early_select import QueryProjection
 from prhs_hf.kernels.compose_indices import dilated_set_size
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS
 from test_selectors import B, HQ, SCALE, _compose, _data, _frame, _geom, _got, _params, _row_keys, _topk_middle
 from tiny_models import tiny_model
 
@@ -102,7 +101,7 @@ def test_es_cis_matches_and_retrieves_with_the_proxy():
     """ES-CIS is CIS fed the proxies (anchors included), layer 0 the real query."""
     p = _params(topk=5)
     size = dilated_set_size(p.topk, p.dilation_topm, p.dilation_radius)
-    make = lambda: CISSelector(LAYERS, 4, size, lambda d: REFERENCE_OPS)  # noqa: E731
+    make = lambda: CISSelector(LAYERS, 4, size)  # noqa: E731
     es, plain, real = EarlySelectSelector(make()), make(), make()
     for cis in (es.base, plain, real):
         cis.setup(B, HQ, 8, torch.device("cpu"))

@@ -5,7 +5,7 @@ import torch
 
 import prhs_hf
 from prhs_hf.selectors.cis_state import CISState
-from prhs_hf.kernels._common import HAS_TRITON, interpreting
+from prhs_hf.kernels.triton_support import HAS_TRITON, interpreting
 from tiny_models import FAMILIES, decode_by_backend, padded_batch, tiny_model
 
 SMALL_CPE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}, "psaw": {"enabled": True},
@@ -27,7 +27,7 @@ def test_budget_covering_the_context_equals_dense():
     report = prhs_hf.telemetry(model)
     prhs_hf.unpatch(model)
     assert torch.equal(sparse, dense)
-    assert report.sparse_steps == 0 and report.processed_kv_per_step == report.dense_kv_per_step
+    assert report.sparse_sequence_steps == 0 and report.processed_kv_per_step == report.dense_kv_per_step
 
 
 @pytest.mark.parametrize("config", ["cis", "cpe"])
@@ -47,13 +47,14 @@ def test_left_padded_batch_equals_each_sequence_alone(config):
 def test_pads_are_never_selected_and_sinks_are_the_first_real_tokens():
     model = tiny_model("llama")
     ids, mask = padded_batch([60, 40])
-    seen = []
+    seen, looked_up = [], set()
     prhs_hf.patch(model, {**SMALL_CPE, "psaw": {"enabled": False}, "etf": {"enabled": False}})
     runtime = model._prhs_runtime
     ops = runtime.ops_for(torch.device("cpu"))
 
     class Spy:
         def __getattr__(self, name):
+            looked_up.add(name)
             return getattr(ops, name)
 
         def sparse_decode_attention(self, q, k, v, pad, idx, count, scale):
@@ -64,6 +65,8 @@ def test_pads_are_never_selected_and_sinks_are_the_first_real_tokens():
     _generate(model, ids, mask, max_new_tokens=5)
     prhs_hf.unpatch(model)
     assert seen
+    # the selection ran on the same table as the attention: the runtime's for the device, passed to the selector
+    assert {"cis_match", "topk_retrieval"} <= looked_up
     for pad, idx, count, slots in seen:
         assert pad.tolist() == [0, 20]
         for b in range(2):

@@ -11,6 +11,7 @@ import prhs_hf
 from prhs_hf.decode import DecodeParams
 from prhs_hf.evaluation.accuracy import configs as accuracy_configs
 from prhs_hf.geometry import SequenceGeometry
+from prhs_hf.kernels.decode_ops import REFERENCE_OPS
 from prhs_hf.selectors import (
     SELECTORS,
     DirectReuseSelector,
@@ -368,8 +369,8 @@ class Recorder:
     def observe_prefill(self, *args):
         self.inner.observe_prefill(*args)
 
-    def select(self, layer, q, k_cache, v_cache, geom, params, scale):
-        sel = self.inner.select(layer, q, k_cache, v_cache, geom, params, scale)
+    def select(self, layer, q, k_cache, v_cache, geom, params, scale, ops=REFERENCE_OPS):
+        sel = self.inner.select(layer, q, k_cache, v_cache, geom, params, scale, ops)
         self.calls.append((layer, sel, geom.t_last.clone(), geom.pad.clone(), k_cache.shape[-2], params))
         return sel
 
@@ -450,7 +451,7 @@ def test_hshare_paper_settings(row, rho, reps):
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=15, do_sample=False)
     report = prhs_hf.telemetry(model)
     prhs_hf.unpatch(model)
-    assert (report.decode_steps, report.sparse_steps) == (14, 2 * 14)  # 7 whole periods, both sequences sparse
+    assert (report.decode_steps, report.sparse_sequence_steps) == (14, 2 * 14)  # 7 whole periods, both sequences sparse
     assert report.retrieval_ratio == pytest.approx(rho)
     kept = [len(set(r)) for r in reps]
     assert report.retrieval_ratio == pytest.approx(_expected_ratio("hshare", 14, period=2, heads_kept=kept[0],
@@ -475,7 +476,7 @@ def test_short_sequences_attend_to_everything(name):
             assert (sel.count == t[0]).all() and not sel.retrieved.any()
             assert (sel.idx[..., : int(t[0])] == torch.arange(int(t[0]), dtype=torch.int32)).all()
     assert phases == {False, True}
-    assert report.sparse_steps == 5  # t = 29..33
+    assert report.sparse_sequence_steps == 5  # t = 29..33
     if name in ("oracle", "quest", "h2o"):
         assert report.retrieval_ratio == pytest.approx(1.0)
     if name in ("direct_reuse", "random_expansion"):  # active from step 8 (mid-block: retrieve at once), block at 12

@@ -1,4 +1,4 @@
-"""ES-CIS's next-layer selection on a side CUDA stream (issue 15, ``early_select.side_stream``).
+"""ES-CIS's next-layer selection on a side CUDA stream (``early_select.side_stream``).
 
 The fork/join pair (``kernels/side_stream.py``) against its reference, ``decode_ops.cis_select``;
 ``generate()`` with the side stream against without it (eager and compiled, one graph); the
@@ -6,6 +6,8 @@ config's errors. On the CPU the fork runs in order; the GPU tests run both strea
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from transformers.generation.configuration_utils import CompileConfig
 import prhs_hf
 from prhs_hf.config import ConfigError, load_config
 from prhs_hf.kernels import side_stream
-from prhs_hf.kernels._common import HAS_TRITON, interpreting
+from prhs_hf.kernels.triton_support import HAS_TRITON, interpreting
 from prhs_hf.kernels.compose_indices import dilated_set_size
 from prhs_hf.kernels.decode_ops import cis_select, get_decode_ops
 from tiny_models import padded_batch, tiny_model
@@ -47,7 +49,7 @@ def _select_inputs(device, B=2, H=4, Hkv=2, D=16, S=120, s=4, k=16, grouped=Fals
 def _fork_join_equals_cis_select(backend, device, grouped):
     args, sizes, rows = _select_inputs(device, grouped=grouped)
     want = cis_select(get_decode_ops(backend), *args, **sizes)
-    ticket, keep = side_stream.fork_cis_select(3, backend, *args, **sizes)
+    ticket, keep = side_stream.fork_cis_select(3, get_decode_ops(backend), *args, **sizes)
     assert side_stream.pending_selections() == 1
     got = side_stream.join_cis_select(ticket, keep, 3, rows=rows, k=sizes["k"], dil_m=sizes["dil_m"],
                                       dil_r=sizes["dil_r"], cap=sizes["cap"])
@@ -71,9 +73,9 @@ def test_join_without_fork_and_double_fork_are_errors():
     args, sizes, rows = _select_inputs("cpu")
     with pytest.raises(RuntimeError, match="no selection of layer 5 in flight"):
         side_stream.join_cis_select(torch.empty(0), (), 5, rows=rows, k=16, dil_m=5, dil_r=1, cap=40)
-    side_stream.fork_cis_select(5, "torch", *args, **sizes)
+    side_stream.fork_cis_select(5, get_decode_ops("torch"), *args, **sizes)
     with pytest.raises(RuntimeError, match="forked twice"):
-        side_stream.fork_cis_select(5, "torch", *args, **sizes)
+        side_stream.fork_cis_select(5, get_decode_ops("torch"), *args, **sizes)
     side_stream.drop_pending()
     assert side_stream.pending_selections() == 0
 
@@ -95,12 +97,13 @@ def _es_generate(side: bool, tap: str = "mid", backend: str = "torch", device: s
 
 @pytest.fixture
 def fork_count(monkeypatch):
-    count = {"fork": 0}
+    count = {"fork": 0, "ops": set()}
     real = side_stream._fork
 
-    def counted(*args):
+    def counted(layer, ops, *args):
         count["fork"] += 1
-        return real(*args)
+        count["ops"].add(id(ops))
+        return real(layer, ops, *args)
 
     monkeypatch.setattr(side_stream, "_fork", counted)
     return count
@@ -117,6 +120,19 @@ def test_generate_with_the_side_stream_gives_the_same_tokens(tap, forks, fork_co
     assert torch.equal(side, base)
     assert 0 < r_side.retrieval_ratio == r_base.retrieval_ratio < 1
     assert r_side.processed_kv_per_step == r_base.processed_kv_per_step
+
+
+def test_an_eager_fork_runs_on_the_table_the_runtime_picked(fork_count):
+    """The tap hands the fork the runtime's ops table of the device itself (the object, no lookup by name)."""
+    ids, mask = padded_batch([90, 70])
+    model = tiny_model("llama", layers=3)
+    prhs_hf.patch(model, "configs/cis.yaml", overrides={
+        **OVERRIDES, "early_select": {"side_stream": True}, "backend": {"decode": "torch", "prefill": "torch"}})
+    table = dataclasses.replace(get_decode_ops("torch"))  # equal to the reference table, but another object
+    model._prhs_runtime._ops[torch.device("cpu")] = table
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    prhs_hf.unpatch(model)
+    assert fork_count["fork"] > 0 and fork_count["ops"] == {id(table)}
 
 
 def _cpu_compile_config() -> CompileConfig:

@@ -36,7 +36,8 @@ from transformers import DynamicCache, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 import prhs_hf
-from prhs_hf.families import RUNTIME_ATTRIBUTE, decoder_layers
+from prhs_hf.families import decoder_layers
+from prhs_hf.patching import RUNTIME_ATTRIBUTE
 from tiny_models import FAMILIES, padded_batch, tiny_model
 
 NEW = 4  # new tokens per generate() call
@@ -122,7 +123,7 @@ def _ones(ids):
 def _assert_sparse_and_sharing(model) -> None:
     """The telemetry of ``model`` (patched with :data:`SPARSE`) saw sparse steps that both retrieved and shared."""
     report = prhs_hf.telemetry(model)
-    assert report.sparse_steps > 0, "no sparse decode step ran: the scenario does not test the sparse path"
+    assert report.sparse_sequence_steps > 0, "no sparse decode step ran: the scenario does not test the sparse path"
     assert 0 < report.retrieval_ratio < 1, f"retrieval ratio {report.retrieval_ratio}: CIS did not both retrieve and share"
 
 
@@ -757,4 +758,4 @@ def test_chunked_prefill_gives_the_unchunked_tokens(family):
         whole = model.generate(ids, **kw)
         chunked = model.generate(ids, prefill_chunk_size=32, **kw)
     assert torch.equal(whole, chunked)
-    assert handle.telemetry().sparse_steps > 0
+    assert handle.telemetry().sparse_sequence_steps > 0

@@ -84,8 +84,8 @@ class SelectionRecorder:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def select(self, layer, q, k_cache, v_cache, geom, params, scale):
-        sel = self.inner.select(layer, q, k_cache, v_cache, geom, params, scale)
+    def select(self, layer, q, k_cache, v_cache, geom, *args):
+        sel = self.inner.select(layer, q, k_cache, v_cache, geom, *args)
         self.calls.append((layer, sel, geom.t_last.clone()))
         return sel
 
@@ -104,7 +104,7 @@ SMALL_CIS = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size"
 def decode_by_backend(family: str, device: str = "cpu", new_tokens: int = 8) -> dict:
     """Greedy ``generate()`` of a random fp32 ``family`` model on a left-padded batch under
     :data:`SMALL_CIS`, once per decode backend (``torch``: the PyTorch reference; ``triton``: the
-    kernels, through the interpreter on a CPU): ``{backend: (tokens, retrieval_ratio, sparse_steps)}``."""
+    kernels, through the interpreter on a CPU): ``{backend: (tokens, retrieval_ratio, sparse_sequence_steps)}``."""
     model = tiny_model(family, layers=2).to(device)
     ids, mask = padded_batch([70, 45], device=device)
     runs = {}
@@ -116,5 +116,5 @@ def decode_by_backend(family: str, device: str = "cpu", new_tokens: int = 8) -> 
             report = prhs_hf.telemetry(model)
         finally:
             prhs_hf.unpatch(model)
-        runs[backend] = (out, report.retrieval_ratio, report.sparse_steps)
+        runs[backend] = (out, report.retrieval_ratio, report.sparse_sequence_steps)
     return runs

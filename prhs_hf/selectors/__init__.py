@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable
 
-from ..backends import pick_decode_ops
 from ..config import ResolvedConfig
 from ..kernels.compose_indices import dilated_set_size
 from .base import Selector
@@ -55,14 +53,14 @@ SELECTORS: dict[str, Callable[[ResolvedConfig, int], Selector]] = {
 }
 
 
-def make_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable | None = None) -> Selector | None:
+def make_selector(resolved: ResolvedConfig, num_heads: int) -> Selector | None:
     """The decode selector of a config: the baseline that ``baseline.name`` names (see
-    :data:`SELECTORS`), else CIS when ``cis.enabled`` (on the ops table ``ops_for(device)``,
-    by default the one ``backend.decode`` picks), else ``None`` (decode stays dense, or the
+    :data:`SELECTORS`), else CIS when ``cis.enabled``, else ``None`` (decode stays dense, or the
     PSAW window). With an ``early_select`` section the selector (CIS or Quest) is wrapped in an
-    :class:`EarlySelectSelector` (its taps are attached by :func:`prhs_hf.patch`)."""
+    :class:`EarlySelectSelector` (its taps are attached by :func:`prhs_hf.patch`). The decode ops
+    table of a step is an argument of ``select`` (the runtime's, picked per device)."""
     c = resolved.config
-    selector = _base_selector(resolved, num_heads, ops_for)
+    selector = _base_selector(resolved, num_heads)
     es = c.early_select
     if selector is None or not es.enabled:
         return selector
@@ -70,17 +68,15 @@ def make_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable | 
                                side_stream=es.side_stream)
 
 
-def _base_selector(resolved: ResolvedConfig, num_heads: int, ops_for: Callable | None) -> Selector | None:
+def _base_selector(resolved: ResolvedConfig, num_heads: int) -> Selector | None:
     c = resolved.config
-    if ops_for is None:
-        ops_for = partial(pick_decode_ops, c.backend.decode)
     name = c.baseline.name
     if name is None:
         if not c.cis.enabled:
             return None
         kept = c.budget.topk - (1 if c.cis.tail_slot else 0)  # the tail slot is charged to the top-k
         set_size = dilated_set_size(kept, resolved.dilation_topm, c.cis.dilation_radius)
-        return CISSelector(resolved.num_layers, c.cis.block_size, set_size, ops_for, grouped=c.cis.selection != "head",
+        return CISSelector(resolved.num_layers, c.cis.block_size, set_size, grouped=c.cis.selection != "head",
                            group_score="mean" if c.cis.selection == "group_mean" else "max",
                            keep_anchor_local=c.cis.keep_anchor_local, tail_slot=c.cis.tail_slot)
     try:

@@ -12,6 +12,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
+from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
 
 __all__ = ["Selector", "export_call_state", "import_call_state"]
 
@@ -40,8 +41,13 @@ class Selector(Protocol):
         geom: SequenceGeometry,
         params: DecodeParams,
         scale: float,
+        ops: DecodeOps = REFERENCE_OPS,
     ) -> DecodeSelection:
-        """The key set of one decode step of ``layer`` for ``q [B, Hq, D]`` (real indices, sorted, -1 padded)."""
+        """The key set of one decode step of ``layer`` for ``q [B, Hq, D]`` (real indices, sorted, -1 padded).
+
+        ``ops`` is the decode ops table of ``q``'s device (the runtime passes the one that
+        ``backend.decode`` picked there; the sparse attention of the step runs on it too). CIS
+        runs its step on it; the baselines compute in PyTorch and leave it unused."""
 
     def reorder(self, index: torch.Tensor) -> None:
         """Follow beam search: row ``i`` becomes old row ``index[i]``."""

@@ -45,6 +45,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
+from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
 from .set_steps import LayerStates, compose, step_frame, tail_log_mass, tail_moments, to_real, window_scores
 
 __all__ = ["CertKVSelector", "window_scores", "allocate_budget", "FLOOR_FRACTION"]
@@ -161,9 +162,9 @@ class CertKVSelector(LayerStates):
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        geom: SequenceGeometry, params: DecodeParams, scale: float,
+        geom: SequenceGeometry, params: DecodeParams, scale: float, ops: DecodeOps = REFERENCE_OPS,
     ) -> DecodeSelection:
-        """Sinks, the kept prompt tokens, ``[hi0, t)`` and the tail slot (one set per KV head)."""
+        """Sinks, the kept prompt tokens, ``[hi0, t)`` and the tail slot (one set per KV head; ``ops`` unused)."""
         B, Hq, _ = q.shape
         step = self.advance(layer)
         frame = step_frame(geom, params)

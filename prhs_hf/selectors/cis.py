@@ -5,45 +5,39 @@ of its exact top-k middle indices. A query whose cosine with one of its head's a
 reuses that anchor's set (its top-k plus ±r around the best m, clipped to the current middle);
 otherwise it retrieves a fresh exact top-k and becomes an anchor. The set is
 ``sink ∪ middle ∪ local``; sequences with ``t <= sink + local + k`` attend to every token (those
-PSAW leaves visible). The steps run on the ops table of the device (PyTorch reference or Triton
-kernels, ``prhs_hf.kernels.decode_ops``); the state of every layer lives in one
-:class:`~prhs_hf.selectors.cis_state.CISState`. No host synchronisation: the step can be graph-captured.
+PSAW leaves visible). A step runs on the ops table it is given (PyTorch reference or Triton
+kernels, ``prhs_hf.kernels.decode_ops``; the runtime passes the one picked for the device); the
+state of every layer lives in one :class:`~prhs_hf.selectors.cis_state.CISState`. No host
+synchronisation: the step can be graph-captured.
 
-CIS + tail (``cis.tail_slot: true``, issue 15): CertKV's tail-summary slot on top of CIS. Each
-row's budget is charged one slot, exactly as CertKV's: a retrieval keeps the top ``k - 1`` middle
-tokens and the row attends, beside its index set, to one synthetic key/value
-(:func:`~prhs_hf.selectors.set_steps.tail_summary`) that summarises the middle tokens the set leaves
-out, so an active step processes ``sink + (k - 1) + 1 + local`` keys as CIS's ``sink + k + local``
-(the synthetic slot is counted in ``count`` wherever it carries mass).
+CIS + tail (``cis.tail_slot: true``): CertKV's tail-summary slot on top of CIS. Each row's budget
+is charged one slot: a retrieval keeps the top ``k - 1`` middle tokens and the row attends, beside
+its index set, to one synthetic key/value (:func:`~prhs_hf.selectors.set_steps.tail_summary`) that
+summarises the middle tokens the set leaves out, so an active step processes
+``sink + (k - 1) + 1 + local`` keys as CIS's ``sink + k + local`` (the synthetic slot is counted in
+``count`` wherever it carries mass).
 
-How the tail is estimated in decode, and why so: its moments need the query's scores over the
-whole middle, which only a *retrieval* computes. So the tail is computed when a row retrieves,
-from its own (exact) softmax: ``key``/``value`` the softmax-weighted means of the omitted tokens'
-keys/values and ``log_mass`` the log of their softmax mass over the synthetic key's logit. Two
-pairs are made, for the two sets the anchor serves:
+The tail's moments need the query's scores over the whole middle, which only a *retrieval*
+computes, so a retrieving row computes two pairs from its own exact softmax (``key``/``value`` the
+softmax-weighted means of the omitted tokens, ``log_mass`` the log of their mass over the
+synthetic key's logit):
 
-- the retrieving row's own step attends to its undilated top ``k - 1``; its pair summarises the
-  rest of ``[lo, min(hi, win_start))``. For one query per row (``selection: head``) this step is
-  then *exact* full attention over what it sees (the pair carries the omitted mass exactly);
-- its sharers attend to the anchor's dilated set, so the pair stored with the anchor summarises
-  the middle minus the dilated set (a dilation neighbour is never both attended and in the tail).
+- its own step attends to its undilated top ``k - 1``; its pair summarises the rest of
+  ``[lo, min(hi, win_start))`` (with ``selection: head`` the step is then exact full attention
+  over what it sees);
+- the pair stored with the anchor summarises the middle minus the dilated set, which its sharers
+  attend to (a dilation neighbour is never both attended and in the tail).
 
-A sharing row reuses its anchor's stored pair, the approximation CIS already makes for the
-indices: it is the anchor's summary, not the sharer's, and covers the middle of the anchor's step
-(tokens that aged out of the local window since are in neither, unless ``keep_anchor_local``
-keeps them in the window; with PSAW on in decode a few tokens the window has since hidden may stay
-in the summary, at most ``(1 - w_l)(s - 1)`` per block). With ``selection: group`` the pair is one
-per KV head, the group's softmax averaged (CertKV's convention). Cost: the summary reads the
-middle's keys *and values* of a retrieving row, where a plain retrieval reads only keys; here it
-runs in PyTorch for every row (masked to the retrieving ones, no host synchronisation), on the
-reference and on the Triton decode ops alike, and the attention with the pair is
-:func:`~prhs_hf.selectors.set_steps.attend_with_tail` (PyTorch). A fused kernel (the retrieval pass
-accumulating ``Σ e^s k``, ``Σ e^s v``, ``Σ e^s`` and subtracting the kept set's share) is not built.
+A sharing row reuses its anchor's stored pair, as it reuses the anchor's indices: the summary is
+the anchor's, over the middle of the anchor's step. With ``selection: group`` the pair is one per
+KV head, the group's softmax averaged (CertKV's convention). The summary and the attention with
+the pair (:func:`~prhs_hf.selectors.set_steps.attend_with_tail`) run in PyTorch on either ops table
+(docs/notes/runtime_design.md: what this costs and what it leaves out).
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -51,7 +45,7 @@ from .cis_state import CISState
 from ..decode import DecodeParams, DecodeSelection, StepFrame, step_frame
 from ..geometry import SequenceGeometry
 from ..kernels.compose_indices import SET_NONE
-from ..kernels.decode_ops import CISSelection, DecodeOps, cis_select, group_query
+from ..kernels.decode_ops import REFERENCE_OPS, CISSelection, DecodeOps, cis_select, group_query
 from ..kernels.side_stream import fork_cis_select, join_cis_select
 from .set_steps import tail_summaries
 
@@ -59,11 +53,12 @@ __all__ = ["CISSelector", "CISStart"]
 
 
 class CISStart(NamedTuple):
-    """A step :meth:`CISSelector.start` began: its frame and the selection, or, forked onto the side
-    stream, ``forked = (ticket, keep, sizes)`` for the join. A selection that was not forked
-    recorded its anchors itself (in its composition launch) unless ``cis.tail_slot`` is on."""
+    """A step :meth:`CISSelector.start` began: its ops table, its frame and the selection, or, forked
+    onto the side stream, ``forked = (ticket, keep, sizes)`` for the join. A selection that was not
+    forked recorded its anchors itself (in its composition launch) unless ``cis.tail_slot`` is on."""
 
     layer: int
+    ops: DecodeOps
     params: DecodeParams
     frame: StepFrame
     win_start: torch.Tensor
@@ -91,7 +86,7 @@ class CISSelector:
     CALL_STATE = ("states", "_slot", "_prompt_devices")
 
     def __init__(
-        self, num_layers: int, block_size: int, set_size: int, ops_for: Callable[[torch.device], DecodeOps],
+        self, num_layers: int, block_size: int, set_size: int,
         grouped: bool = False,
         group_score: str = "max",
         keep_anchor_local: bool = False,
@@ -100,7 +95,6 @@ class CISSelector:
         self.num_layers = num_layers
         self.block_size = block_size
         self.set_size = set_size
-        self.ops_for = ops_for
         self.grouped = grouped
         self.group_score = group_score
         self.keep_anchor_local = keep_anchor_local
@@ -162,19 +156,19 @@ class CISSelector:
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        geom: SequenceGeometry, params: DecodeParams, scale: float,
+        geom: SequenceGeometry, params: DecodeParams, scale: float, ops: DecodeOps = REFERENCE_OPS,
     ) -> DecodeSelection:
-        """One decode step of ``layer`` for ``q [B, Hq, D]`` (SPEC §4 steps 1-4); the first layer
-        of each device's state opens the step for its layers."""
-        return self.finish(self.start(layer, q, k_cache, geom, params, scale), q, k_cache, v_cache, geom, scale)
+        """One decode step of ``layer`` for ``q [B, Hq, D]`` (SPEC §4 steps 1-4) on the decode ops
+        ``ops``; the first layer of each device's state opens the step for its layers."""
+        return self.finish(self.start(layer, q, k_cache, geom, params, scale, ops), q, k_cache, v_cache, geom, scale)
 
     def start(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, geom: SequenceGeometry, params: DecodeParams,
-        scale: float, fork: bool = False,
+        scale: float, ops: DecodeOps = REFERENCE_OPS, fork: bool = False,
     ) -> CISStart:
-        """Match, retrieval and composition of ``layer``'s step (:func:`cis_select`), the part that
-        reads only the anchors, the middle of the cache and ``q``. ``fork=True`` launches it on a
-        side CUDA stream (:func:`~prhs_hf.kernels.side_stream.fork_cis_select`; EarlySelectKV's
+        """Match, retrieval and composition of ``layer``'s step (:func:`cis_select` on ``ops``), the
+        part that reads only the anchors, the middle of the cache and ``q``. ``fork=True`` launches it
+        on a side CUDA stream (:func:`~prhs_hf.kernels.side_stream.fork_cis_select`; EarlySelectKV's
         ``side_stream``), unless ``layer`` opens its device's step; :meth:`finish` joins it."""
         slot = self._slot.get(layer)
         if slot is None:
@@ -195,22 +189,21 @@ class CISSelector:
         k = p.topk - 1 if self.tail_slot else p.topk  # the tail slot is charged to the top-k budget
         sizes = dict(tau=p.tau, sink=p.sink, k=k, dil_m=p.dilation_topm, dil_r=p.dilation_radius, cap=p.capacity,
                      scale=scale, grouped=self.grouped, group_score=self.group_score)
-        ops = self.ops_for(q.device)
         args = (q, k_cache, geom.pad, f.t, f.lo, f.hi, win_start, anchor_q, anchor_count, anchor_set, f.active)
         if fork and local > 0:
-            ticket, keep = fork_cis_select(layer, ops.name, *args, **sizes)
-            return CISStart(layer, p, f, win_start, None, (ticket, keep, sizes))
+            ticket, keep = fork_cis_select(layer, ops, *args, **sizes)
+            return CISStart(layer, ops, p, f, win_start, None, (ticket, keep, sizes))
         # the anchors recorded in the composition's launch, unless the tail pairs go with them
         record = None if self.tail_slot else state.anchor_record(local)
-        return CISStart(layer, p, f, win_start, cis_select(ops, *args, **sizes, record=record), None)
+        return CISStart(layer, ops, p, f, win_start, cis_select(ops, *args, **sizes, record=record), None)
 
     def finish(
         self, started: CISStart, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         geom: SequenceGeometry, scale: float,
     ) -> DecodeSelection:
-        """The rest of the step :meth:`start` began (joined first if it was forked): the anchors of
-        the retrieving rows recorded (a forked selection's; the others recorded them), the tail pairs with
-        ``cis.tail_slot``, the selection."""
+        """The rest of the step :meth:`start` began (joined first if it was forked), on the start's ops:
+        the anchors of the retrieving rows recorded (a forked selection's; the others recorded them),
+        the tail pairs with ``cis.tail_slot``, the selection."""
         device, local = self._slot[started.layer]
         state = self.states[device]
         f = started.frame
@@ -224,7 +217,7 @@ class CISSelector:
                 cap=sizes["cap"])
             sel = CISSelection(best, new_idx, new_set, idx, count, group_query(q, kv_heads) if self.grouped else q)
         retrieved = sel.best == -1
-        ops = self.ops_for(q.device)
+        ops = started.ops
         if not self.tail_slot:
             if started.forked is not None:
                 state.record(ops, local, sel.match_q, sel.new_set, sel.best)

@@ -18,6 +18,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
+from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
 from .set_steps import LayerStates, StepFrame, compose, retrieve_topk, step_frame
 
 __all__ = ["DirectReuseSelector"]
@@ -32,17 +33,12 @@ class DirectReuseSelector(LayerStates):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
 
-    def observe_prefill(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
-    ) -> None:
-        """A new prompt: the layer's anchors are dropped and blocks count from the next step."""
-        self.begin_prompt(layer)
-
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        geom: SequenceGeometry, params: DecodeParams, scale: float,
+        geom: SequenceGeometry, params: DecodeParams, scale: float, ops: DecodeOps = REFERENCE_OPS,
     ) -> DecodeSelection:
-        """Retrieve at the block's first step (or when a row has no anchor yet), else reuse."""
+        """Retrieve at the block's first step (or when a row has no anchor yet), else reuse; blocks
+        count from the first decode step after a prefill (``ops`` unused)."""
         B, H, _ = q.shape
         k = params.topk
         st = self.layer_state(layer, B, lambda: {

@@ -54,6 +54,7 @@ from torch import nn
 from ..config import ConfigError
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
+from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
 from ..kernels.side_stream import drop_pending
 from .set_steps import compose, retrieve_topk, step_frame, to_real, visible_probabilities
 from .base import Selector
@@ -138,7 +139,7 @@ class EarlySelectSelector:
         self.started: dict[int, CISStart] = {}  # target layer -> its selection started at the tap (side_stream)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cache = None  # this forward's past_key_values (side_stream)
-        self._runtime = None  # geometry, decode params and scaling of the patched model (side_stream)
+        self._runtime = None  # geometry, decode params and decode ops of the patched model (side_stream)
         self._layers: nn.ModuleList | None = None
         self._fid: dict[int, torch.Tensor] = {}  # layer -> float64 [rows, overlap, mass_proxy, mass_real]
 
@@ -147,9 +148,9 @@ class EarlySelectSelector:
     def attach(self, layers: nn.ModuleList, runtime=None) -> list:
         """Build layers 1..N-1's query paths (the SVDs once per selector) and register the taps on ``layers``.
 
-        ``runtime`` (the model's :class:`~prhs_hf.runtime.PrHSRuntime`: the step's geometry and each
-        layer's decode params) is needed with ``side_stream``. Returns the hook handles; the caller
-        removes them (``patch`` keeps them with its own hooks).
+        ``runtime`` (the model's :class:`~prhs_hf.runtime.PrHSRuntime`: the step's geometry, each
+        layer's decode params and the device's decode ops) is needed with ``side_stream``. Returns
+        the hook handles; the caller removes them (``patch`` keeps them with its own hooks).
         """
         if self.side_stream and runtime is None:
             raise ValueError("early_select.side_stream: attach(layers, runtime) needs the patched model's runtime")
@@ -196,8 +197,9 @@ class EarlySelectSelector:
         geom = self._runtime.geometry_on(k_cache.device)
         params = self._runtime.layers[layer].decode_params
         scale = self._layers[layer].self_attn.scaling
+        ops = self._runtime.ops_for(k_cache.device)  # the table the layer's own step gets
         self.started[layer] = self.base.start(layer, proxy.to(device=k_cache.device, dtype=k_cache.dtype), k_cache,
-                                              geom, params, scale, fork=True)
+                                              geom, params, scale, ops, fork=True)
 
     # ------------------------------------------------------------------ selector protocol
 
@@ -213,9 +215,9 @@ class EarlySelectSelector:
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        geom: SequenceGeometry, params: DecodeParams, scale: float,
+        geom: SequenceGeometry, params: DecodeParams, scale: float, ops: DecodeOps = REFERENCE_OPS,
     ) -> DecodeSelection:
-        """The wrapped selector's set for the proxy query of ``layer`` (layer 0: the real query)."""
+        """The wrapped selector's set for the proxy query of ``layer`` (layer 0: the real query), on ``ops``."""
         proxy = q
         if layer > 0:
             proxy = self.proxies.pop(layer, None)
@@ -228,7 +230,7 @@ class EarlySelectSelector:
             started = self.started.pop(layer, None)
             if started is not None:
                 return self.base.finish(started, proxy, k_cache, v_cache, geom, scale)
-        return self.base.select(layer, proxy, k_cache, v_cache, geom, params, scale)
+        return self.base.select(layer, proxy, k_cache, v_cache, geom, params, scale, ops)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Follow beam search (the proxies are rebuilt every step)."""

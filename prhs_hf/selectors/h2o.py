@@ -24,6 +24,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
+from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
 from .set_steps import LayerStates, compose, grow_last, set_probabilities, step_frame, to_real, topk_of_scores
 
 __all__ = ["H2OSelector", "prefill_column_sums"]
@@ -79,9 +80,10 @@ class H2OSelector(LayerStates):
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        geom: SequenceGeometry, params: DecodeParams, scale: float,
+        geom: SequenceGeometry, params: DecodeParams, scale: float, ops: DecodeOps = REFERENCE_OPS,
     ) -> DecodeSelection:
-        """Top-k middle tokens by accumulated score; then this step's attention is added to the scores."""
+        """Top-k middle tokens by accumulated score; then this step's attention is added to the scores
+        (``ops`` unused)."""
         B, H, _ = q.shape
         slots = k_cache.shape[-2]
         st = self.layer_state(layer, B, lambda: {"score": torch.zeros(B, H, slots, device=q.device)})

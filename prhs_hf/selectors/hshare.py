@@ -39,6 +39,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
+from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
 from .set_steps import LayerStates, compose, retrieve_topk, step_frame
 
 __all__ = ["HShareSelector", "group_representatives", "refresh_period"]
@@ -84,17 +85,12 @@ class HShareSelector(LayerStates):
         layers = len(set(self.layer_rep)) / len(self.layer_rep)
         return heads * layers / self.period
 
-    def observe_prefill(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
-    ) -> None:
-        """A new prompt: the layer's shared indices are dropped; periods count from the next step."""
-        self.begin_prompt(layer)
-
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        geom: SequenceGeometry, params: DecodeParams, scale: float,
+        geom: SequenceGeometry, params: DecodeParams, scale: float, ops: DecodeOps = REFERENCE_OPS,
     ) -> DecodeSelection:
-        """Refresh (representatives retrieve or copy) or reuse, then compose the set."""
+        """Refresh (representatives retrieve or copy) or reuse, then compose the set; periods count
+        from the first decode step after a prefill (``ops`` unused)."""
         B, H, _ = q.shape
         if H != self.num_heads:
             raise ValueError(f"HShare was built for {self.num_heads} query heads, the layer has {H}")

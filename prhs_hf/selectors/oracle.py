@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from .set_steps import StatelessSelector, compose, retrieve_topk, step_frame
+from .set_steps import StepFrame, TopKSelector, retrieve_topk
 
 __all__ = ["OracleSelector"]
 
 
-class OracleSelector(StatelessSelector):
+class OracleSelector(TopKSelector):
     """Exact top-k of the middle per query (stateless)."""
 
-    def select(
-        self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        geom: SequenceGeometry, params: DecodeParams, scale: float,
-    ) -> DecodeSelection:
-        """``sink ∪ top-k(q · K[middle]) ∪ local`` for every active row; everything for the others."""
-        frame = step_frame(geom, params)
-        rows = frame.rows(q.shape[1])
-        middle = retrieve_topk(q, k_cache, geom, frame, rows, params.topk, scale)
-        return compose(frame, middle, params, retrieved=rows)
+    def middle(
+        self, q: torch.Tensor, k_cache: torch.Tensor, geom: SequenceGeometry, frame: StepFrame, rows: torch.Tensor,
+        k: int, scale: float,
+    ) -> torch.Tensor:
+        """``top-k(q · K[middle])`` of every active row."""
+        return retrieve_topk(q, k_cache, geom, frame, rows, k, scale)

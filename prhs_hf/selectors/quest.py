@@ -11,7 +11,7 @@ Budget: the middle selection holds ``topk`` tokens, like every selector: pages a
 descending bound order (ties: lower page first) and the last page taken is cut at the budget
 (its lowest positions are kept). Technically, every middle token is scored with its page's bound
 and the ``topk`` best tokens are kept with ties broken by position
-(:func:`._common.topk_of_scores`), which is exactly that page order.
+(:func:`.set_steps.topk_of_scores`), which is exactly that page order.
 
 Retrieval ratio: Quest scores every page at every step, so every active row counts as
 retrieving (ρ̂ = 1).
@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ..kernels._common import gqa_group
-from .set_steps import StatelessSelector, StepFrame, compose, step_frame, to_real, topk_of_scores
+from ..kernels.triton_support import gqa_group
+from .set_steps import StepFrame, TopKSelector, to_real, topk_of_scores
 
 __all__ = ["QuestSelector", "page_bounds"]
 
@@ -55,7 +54,7 @@ def page_bounds(
     return bound.masked_fill(~in_mid[:, None, :], float("-inf"))
 
 
-class QuestSelector(StatelessSelector):
+class QuestSelector(TopKSelector):
     """Top pages by min/max upper bound, filling ``topk`` middle tokens (stateless: the page bounds
     are read from the cache at every step)."""
 
@@ -64,13 +63,10 @@ class QuestSelector(StatelessSelector):
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
 
-    def select(
-        self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        geom: SequenceGeometry, params: DecodeParams, scale: float,
-    ) -> DecodeSelection:
-        """``sink ∪ (best pages' tokens, topk of them) ∪ local``."""
-        frame = step_frame(geom, params)
-        rows = frame.rows(q.shape[1])
+    def middle(
+        self, q: torch.Tensor, k_cache: torch.Tensor, geom: SequenceGeometry, frame: StepFrame, rows: torch.Tensor,
+        k: int, scale: float,
+    ) -> torch.Tensor:
+        """The best pages' tokens, ``k`` of them (the set is ``sink ∪ these ∪ local``)."""
         score = page_bounds(q, k_cache, geom.pad, frame, self.page_size, scale)
-        middle = topk_of_scores(score, frame, rows, params.topk)
-        return compose(frame, middle, params, retrieved=rows)
+        return topk_of_scores(score, frame, rows, k)

@@ -13,12 +13,14 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection, StepFrame, step_frame
 from ..geometry import SequenceGeometry
-from ..kernels._common import gqa_group
+from ..kernels.triton_support import gqa_group
 from ..kernels.compose_indices import compose_indices_reference
+from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
 from ..kernels.topk_retrieval import topk_retrieval_reference
 
 __all__ = [
     "StatelessSelector",
+    "TopKSelector",
     "StepFrame",  # re-exported from prhs_hf.decode for the selectors
     "step_frame",
     "compose",
@@ -302,6 +304,29 @@ class StatelessSelector:
         """Stateless."""
 
 
+class TopKSelector(StatelessSelector):
+    """A stateless selector whose every active row keeps, at every step, the ``topk`` middle tokens
+    that :meth:`middle` ranks best, so every active row counts as retrieving (ρ̂ = 1). Subclasses
+    define :meth:`middle` only."""
+
+    def select(
+        self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        geom: SequenceGeometry, params: DecodeParams, scale: float, ops: DecodeOps = REFERENCE_OPS,
+    ) -> DecodeSelection:
+        """``sink ∪ middle ∪ local`` for every active row; everything for the others (``ops`` unused)."""
+        frame = step_frame(geom, params)
+        rows = frame.rows(q.shape[1])
+        middle = self.middle(q, k_cache, geom, frame, rows, params.topk, scale)
+        return compose(frame, middle, params, retrieved=rows)
+
+    def middle(
+        self, q: torch.Tensor, k_cache: torch.Tensor, geom: SequenceGeometry, frame: StepFrame, rows: torch.Tensor,
+        k: int, scale: float,
+    ) -> torch.Tensor:
+        """``[B, Hq, k]`` middle indices of ``rows`` (best first, ``-1`` padded; other rows ``-1``)."""
+        raise NotImplementedError
+
+
 class LayerStates:
     """Per-layer selector state: named ``[B, ...]`` tensors and a decode-step counter per layer.
 
@@ -319,6 +344,13 @@ class LayerStates:
         """A prefill of ``layer``: its state starts over and the next decode step is step 0."""
         self.state.pop(layer, None)
         self.steps[layer] = 0
+
+    def observe_prefill(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
+    ) -> None:
+        """A new prompt: the layer's state is dropped and its decode steps count from 0 again
+        (:meth:`begin_prompt`); a selector that learns from the prompt overrides this."""
+        self.begin_prompt(layer)
 
     def layer_state(self, layer: int, batch: int, make) -> dict[str, torch.Tensor]:
         """``layer``'s state, rebuilt by ``make()`` when missing or of another batch size."""

@@ -16,6 +16,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
+from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
 from .set_steps import StatelessSelector, compose, step_frame
 
 __all__ = ["StreamingSelector"]
@@ -26,9 +27,9 @@ class StreamingSelector(StatelessSelector):
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        geom: SequenceGeometry, params: DecodeParams, scale: float,
+        geom: SequenceGeometry, params: DecodeParams, scale: float, ops: DecodeOps = REFERENCE_OPS,
     ) -> DecodeSelection:
-        """Sinks and the recent window; the middle selection is the window's older part."""
+        """Sinks and the recent window; the middle selection is the window's older part (``ops`` unused)."""
         frame = step_frame(geom, params)
         window = torch.where(frame.active, torch.maximum(frame.lo, frame.hi - params.topk), frame.win_start)
         none = torch.full((q.shape[0], q.shape[1], 1), -1, dtype=torch.int32, device=q.device)
