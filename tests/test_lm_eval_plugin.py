@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, SMALL_BUDGET, save_tiny_checkpoint, write_local_data
+from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, SMALL_BUDGET, checkpoint, data_dir  # noqa: F401 (fixtures)
 from prhs_hf.evaluation.accuracy import direct
 from prhs_hf.evaluation.lm_eval import LOCAL_TASKS, TASKS_DIR, metrics, prompts
 from prhs_hf.evaluation.lm_eval import shim
@@ -195,16 +195,6 @@ def test_prhs_overrides_from_dicts_strings_and_dotted_keys() -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return write_local_data(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture(scope="module")
 def local_tasks(data_dir):
     """lm-eval's task manager over the local tasks only, reading ``data_dir``."""
     pytest.importorskip("lm_eval")
@@ -224,7 +214,7 @@ def _check_telemetry(prhs: dict, tasks: list[str]) -> None:
     assert prhs["config"]["budget"] == {"sink": 4, "local": 8, "topk": 16}
     for task in tasks:
         report = prhs["telemetry"][task]["generate_until"]
-        assert report["decode_steps"] > 0 and report["sparse_steps"] > 0
+        assert report["decode_steps"] > 0 and report["sparse_sequence_steps"] > 0
         assert 0.0 < report["retrieval_ratio"] <= 1.0
         assert 0 < report["processed_kv_per_step"] < report["dense_kv_per_step"]
 
@@ -269,6 +259,49 @@ def test_cli_shim_writes_results_with_telemetry(checkpoint, data_dir, tmp_path) 
     assert results["n-samples"]["gsm8k_local"]["effective"] == len(GSM8K_ROWS)
     _check_telemetry(results["config"]["prhs"], ["gsm8k_local", "coqa_local"])
     assert "gsm8k_local" in proc.stdout  # lm-eval's table
+    table_end = proc.stdout.index("gsm8k_local (generate_until), prhs_config ")  # then each task's summary
+    assert "PrHS telemetry: " in proc.stdout[table_end:] and "coqa_local (generate_until)" in proc.stdout[table_end:]
+
+
+def test_the_shim_prints_each_tasks_telemetry_summary_without_output_path(monkeypatch, capsys) -> None:
+    """What a run reported to lm-eval (``PrHSLM.reported``) is summarised after lm-eval's output."""
+    pytest.importorskip("lm_eval")
+    import lm_eval.__main__
+    from prhs_hf.telemetry_counters import TelemetryReport
+
+    model = shim.register()
+    report = TelemetryReport(decode_steps=4, decode_sequence_steps=8, sparse_sequence_steps=6, retrieval_ratio=0.5,
+                             processed_kv_per_step=20.0, dense_kv_per_step=40.0)
+    info = {"config_source": "/configs/cis.yaml", "telemetry": {"gsm8k_local": {"generate_until": report.as_dict()}}}
+    seen = []
+
+    def fake_cli_evaluate() -> None:
+        seen.append(list(sys.argv))
+        print("|gsm8k_local| table |")
+        model.reported.append(info)
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", fake_cli_evaluate)
+    monkeypatch.setattr(model, "reported", [{"telemetry": {"earlier_run": {}}}])  # not this run's: not printed
+    assert shim.main(["--tasks", "gsm8k_local"]) == 0
+    out = capsys.readouterr().out
+    assert "--output_path" not in seen[0]
+    assert out.index("|gsm8k_local| table |") < out.index("gsm8k_local (generate_until), prhs_config /configs/cis.yaml:")
+    assert "PrHS telemetry: 4 decode steps, 6 of 8 sequence-steps sparse (75.0 %)" in out, out
+    assert "keys read per head and step: 20.0 of dense's 40.0 (50.0 %)" in out and "earlier_run" not in out, out
+
+
+def test_prhs_config_takes_a_named_config_of_the_result_tables(checkpoint) -> None:
+    pytest.importorskip("lm_eval")
+    from transformers import AutoModelForCausalLM
+
+    lm = object.__new__(shim.register())  # no HFLM loading: configure() only needs the model
+    lm._model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    config = lm.configure("cis-s8", {"budget": {"topk": 16}})
+    assert (config.cis.block_size, config.budget.topk, config.telemetry.enabled) == (8, 16, True)
+    assert lm.prhs_config_source == "cis-s8"
+    assert lm.configure("cis").cis.block_size == 16 and lm.prhs_config_source.endswith("configs/cis.yaml")
+    with pytest.raises(ValueError, match="named configs of the result tables: .*cis-s16"):
+        lm.configure("cpe-s16-share")
 
 
 def test_model_instance_matches_the_direct_engine(checkpoint, local_tasks, offline) -> None:
@@ -303,7 +336,7 @@ def test_model_instance_matches_the_direct_engine(checkpoint, local_tasks, offli
             assert lm_metrics[key] == pytest.approx(value)
 
 
-# ------------------------------------------------------------- pretrained= and device (issue 14)
+# ------------------------------------------------------------- pretrained= and device
 
 
 class _Captured(Exception):
@@ -317,6 +350,7 @@ def hflm_arguments(monkeypatch) -> dict:
     from lm_eval.models.huggingface import HFLM
 
     seen: dict = {}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id then goes to HFLM unchecked (offline: its cache)
 
     def fake_init(self, **kwargs):
         seen.update(kwargs)

@@ -270,7 +270,7 @@ def test_prepare_command_writes_files_and_manifest(prepared_dir, checkpoint) -> 
 
 def test_a_gzipped_prepared_file_loads_as_the_plain_one(prepared_dir, tmp_path) -> None:
     """Prepared files travel gzipped (to the GPU machine): ``.jsonl.gz`` is found and read like
-    ``.jsonl`` (it was refused once, after the model had loaded), and a pair present both ways is one."""
+    ``.jsonl``, and a pair present both ways is one."""
     import gzip
     import shutil
 
@@ -312,7 +312,7 @@ def test_lm_eval_plugin_and_direct_engine_agree(checkpoint, prepared_dir, monkey
     logged = sorted(res["samples"][task.lm_eval_task], key=lambda s: s["doc_id"])
     assert [s["arguments"][0][0] for s in logged] == [lc.prompt_text(d) for d in docs]
     report = res["config"]["prhs"]["telemetry"][task.lm_eval_task]["generate_until"]
-    assert report["sparse_steps"] > 0 and 0 < report["processed_kv_per_step"] < report["dense_kv_per_step"]
+    assert report["sparse_sequence_steps"] > 0 and 0 < report["processed_kv_per_step"] < report["dense_kv_per_step"]
     prhs_hf.reset(model)
     ours = direct.evaluate(model, tokenizer, task, docs, batch_size=1, max_new_tokens=6)
     assert [s["generation"] for s in ours.samples] == [s["resps"][0][0] for s in logged]

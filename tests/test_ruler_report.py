@@ -18,7 +18,7 @@ ruler_report = load_script("ruler_report")
 def _row(config: str, task: str, score: float, n: int, rho=None, prefill=None) -> dict:
     row = {"config": config, "task": task, "status": "ok", "metrics": {"string_match_all": score}, "n": n,
            "seconds": 10.0, "rho_hat": rho, "processed_kv_per_step": 100.0, "dense_kv_per_step": 4000.0}
-    if prefill is not None:  # rows of reports written before the prefill was timed lack the key
+    if prefill is not None:  # rows of reports without prefill times lack the key
         row["prefill_seconds"] = prefill
     return row
 
@@ -64,8 +64,8 @@ def test_report_tables_and_depth_recall(run, tmp_path) -> None:
 
 
 def test_prefill_saved_vs_dense(run, tmp_path) -> None:
-    """dense 2.0 s, cpe 1.5 s on the same task and length: 25 % saved; a row without the time (an old
-    report) shows — and leaves the saving unknown."""
+    """dense 2.0 s, cpe 1.5 s on the same task and length: 25 % saved; a row without the time shows —
+    and leaves the saving unknown."""
     results, data = run
     out = tmp_path / "r"
     assert ruler_report.main(["--results", str(results), "--data-dir", str(data), "--out", str(out)]) == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from script_loader import load_script
-from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, save_tiny_checkpoint, write_local_data
+from lm_eval_fixtures import COQA_ROWS, GSM8K_ROWS, checkpoint, data_dir  # noqa: F401 (fixtures)
 import prhs_hf
 from prhs_hf.evaluation.accuracy import configs as accuracy_configs
 from prhs_hf.evaluation.accuracy import direct
@@ -24,16 +24,6 @@ SCRIPTS = REPO / "scripts"
 
 run_accuracy = load_script("run_accuracy")
 pack_for_gpu = load_script("pack_for_gpu", REPO / "tools")  # its own folder (gpu_transfer.py) first, as when it runs
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return write_local_data(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture()
@@ -75,7 +65,7 @@ def test_direct_engine_table(checkpoint, data_dir, tmp_path, small_budget, monke
         assert set(dense["metrics"]) == set(sparse["metrics"]) == names
         assert dense["rho_hat"] is None and dense["processed_kv_per_step"] == dense["dense_kv_per_step"]
         assert 0 < sparse["rho_hat"] <= 1 and sparse["processed_kv_per_step"] < sparse["dense_kv_per_step"]
-        assert sparse["prhs_config"]["budget"]["topk"] == 16 and sparse["telemetry"]["sparse_steps"] > 0
+        assert sparse["prhs_config"]["budget"]["topk"] == 16 and sparse["telemetry"]["sparse_sequence_steps"] > 0
         assert rows[("quest", task)]["status"] == "not implemented"
         for row in (dense, sparse):  # the prefill is part of the row's time; the failed row has none
             assert 0 < row["prefill_seconds"] < row["seconds"] and row["prompt_tokens"] > 0
@@ -174,8 +164,8 @@ def test_max_seconds_leaves_rows_for_resume(checkpoint, data_dir, tmp_path) -> N
 
 
 def test_a_row_of_a_task_not_run_yet_is_estimated_from_the_others() -> None:
-    """--max-seconds used 0 s for a task not run yet: a call started a 32k RULER row (52 s on the H200)
-    with 24 s left, and the device call was killed before its results were copied back."""
+    """--max-seconds must not count 0 s for a task not run yet: a long RULER row started with too little
+    time left is killed with the call before its results are saved."""
     est = run_accuracy.estimate_seconds
     assert est("ruler_vt_32768", {}) == 0.0  # nothing measured: the first row always runs
     assert est("ruler_vt_16384", {"ruler_vt_16384": 20.0, "ruler_cwe_16384": 30.0}) == 20.0  # its own rows
@@ -200,6 +190,19 @@ def test_unknown_config_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown config"):
         accuracy_configs.named_config("cis-s99")
     assert accuracy_configs.named_config("my/own.yaml").name == "own"
+    assert accuracy_configs.named_config("cis_longbench") == accuracy_configs.NamedConfig("cis_longbench", "cis_longbench")
+
+
+def test_the_names_of_the_result_tables_load_wherever_a_config_is_named() -> None:
+    """The rows of the accuracy and RULER tables are named by these configs: each loads by its name."""
+    cis_s8 = accuracy_configs.load_any_config("cis-s8")
+    assert cis_s8.cis.block_size == 8 and not cis_s8.telemetry.enabled  # telemetry as the config says
+    assert accuracy_configs.load_any_config("cis-lb", {"budget": {"topk": 100}}).budget.topk == 100
+    assert accuracy_configs.load_any_config("cis_longbench").budget.topk == 4096  # a shipped config
+    for name in accuracy_configs.ACCURACY_CONFIGS:
+        accuracy_configs.load_any_config(name)
+    with pytest.raises(ValueError, match="named configs of the result tables: dense, cis-s8.*bench_e2e_decode"):
+        accuracy_configs.load_any_config("cpe-s16-share")
     for name in accuracy_configs.DEFAULT_CONFIGS:  # every registered config is valid
         assert accuracy_configs.load_named_config(accuracy_configs.named_config(name)).telemetry.enabled
 
@@ -334,7 +337,7 @@ def test_row_prefill_round_trips_and_old_rows_load(tmp_path) -> None:
     table = out.with_suffix(".md").read_text()
     assert "| 3.0 | 1.25 | ok |" in table and "| 3.0 | — | ok |" in table
 
-    # a report written before the field existed still loads (for --resume), prefill unknown
+    # a report without these fields still loads (for --resume), prefill unknown
     payload = json.loads(out.read_text())
     for r in payload["rows"]:
         del r["prefill_seconds"], r["prompt_tokens"]

@@ -1,4 +1,4 @@
-"""``prhs-hf bench`` (prhs_hf.evaluation.speed_map, issue 37 item 6): the --quick map on the CPU, its
+"""``prhs-hf bench`` (prhs_hf.evaluation.speed_map): the --quick map on the CPU, its
 JSON and PNG, the memory skip, the deadline, --resume and the speedup arithmetic."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A wheel built from the repository is complete: the shipped configs and the lm-eval task YAMLs
 are package data, found after a regular (non-editable) install, and the build has no setuptools
-deprecation warnings (issue 14)."""
+deprecation warnings."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.slow  # builds a wheel: ~15 s on a small CPU
+pytestmark = pytest.mark.slow  # builds and installs a wheel
 
 CHECK = """
 import json, sys

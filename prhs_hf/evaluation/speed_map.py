@@ -182,10 +182,10 @@ def load_target(args: argparse.Namespace, device: Any, dtype: Any) -> Target:
     if not args.prompts:
         ids = lambda b, n: torch.randint(1, vocab, (b, n), generator=gen).to(device)  # noqa: E731
         return Target(*_identity(args), model, ids, model.config.max_position_embeddings)
-    from prhs_hf.calibration.calibrate import _special_prefix
+    from prhs_hf.calibration.texts import special_prefix
 
     texts, tok = _read_texts(Path(args.prompts).expanduser()), transformers.AutoTokenizer.from_pretrained(folder)
-    prefix, sep = _special_prefix(tok), tok("\n\n", add_special_tokens=False)["input_ids"]
+    prefix, sep = special_prefix(tok), tok("\n\n", add_special_tokens=False)["input_ids"]
     cache: dict[int, list[int]] = {}
 
     def text_ids(batch: int, length: int) -> Any:
@@ -204,7 +204,8 @@ def load_target(args: argparse.Namespace, device: Any, dtype: Any) -> Target:
 
 
 def prhs_config(name: str, telemetry: bool = False) -> tuple[str, dict[str, Any]]:
-    """``(config, overrides)`` of a PrHS entry of ``--configs``: a shipped name or YAML path, with
+    """``(config, overrides)`` of a PrHS entry of ``--configs``: a shipped name, a named config of the
+    result tables (:func:`~prhs_hf.evaluation.accuracy.configs.load_any_config`) or a YAML path, with
     ``/sparse``, ``/dense`` or ``/auto`` appended to force ``policy.decode`` and ``policy.prefill``
     (``cis/sparse``: the shipped ``cis`` on every forward, the measurement the policy is fitted to)."""
     base, _, policy = name.partition("/") if not Path(name).suffix else (name, "", "")
@@ -220,12 +221,13 @@ def _select(model: Any, name: str, telemetry: bool) -> None:
     """Put the model in config ``name``: a dense attention implementation, or ``prhs_hf.patch``."""
     import prhs_hf
     from prhs_hf import attention
+    from prhs_hf.evaluation.accuracy.configs import load_any_config
 
     prhs_hf.unpatch(model)
     attention.register()
     model.set_attn_implementation(DENSE_CONFIGS.get(name, "sdpa"))
     if name not in DENSE_CONFIGS:
-        prhs_hf.patch(model, *prhs_config(name, telemetry))
+        prhs_hf.patch(model, load_any_config(*prhs_config(name, telemetry)))
 
 
 def _fresh_compile(model: Any) -> None:
@@ -422,7 +424,8 @@ def add_arguments(parser: argparse.ArgumentParser, default_config: str) -> None:
     a("--lengths", default=None, help=f"comma list of L, 4096 or 4k (default {LENGTHS})")
     a("--modes", default=MODES, help="eager (DynamicCache) and/or static (StaticCache, compiled) (default %(default)s)")
     a("--configs", default=f"sdpa,sdpa_gqa,{default_config},cis",
-      help="comma list: sdpa, sdpa_gqa (dense baselines) and PrHS configs (shipped names or YAML paths; "
+      help="comma list: sdpa, sdpa_gqa (dense baselines) and PrHS configs (shipped names, named configs of the "
+           "result tables such as cis-s16, or YAML paths; "
            "NAME/sparse or NAME/dense forces the policy) (default %(default)s)")
     a("--n1", type=int, default=None, help=f"timing starts after this many new tokens (default {N1})")
     a("--n2", type=int, default=None, help=f"... and ends after this many (default {N2}); ms/step = Δt / (N2 - N1)")
@@ -525,10 +528,11 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import prhs_hf
+    from prhs_hf.evaluation.accuracy.configs import load_any_config
 
     for name in args.config_list:
         if name not in DENSE_CONFIGS:
-            prhs_hf.load_config(*prhs_config(name))  # a wrong name fails now, not after the first cells
+            load_any_config(*prhs_config(name))  # a wrong name fails now, not after the first cells
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, weights, prompts = _identity(args)
     plan = plan_cells(args.batch_list, args.length_list, args.mode_list, args.config_list)

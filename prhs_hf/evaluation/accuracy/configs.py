@@ -32,6 +32,13 @@ and ``es-quest-r256`` / ``es-cis-r256`` (the mid tap through a rank-256 SVD of `
 ``quest-lb`` … ``es-cis-lb``, ``cis-tail-lb`` (:data:`LONG_CONTEXT_BASELINES`) are those baselines and
 seed selectors at ``cis-lb``'s long-context budget, for the RULER table; ``ds-cal-lb`` is Double Sparsity
 with the label channels calibrated for Qwen2.5-Coder-1.5B (``ds_qwen2.5-coder-1.5b.yaml``) at that budget. Anything else given as a name is a YAML path.
+
+These names are what the result files (``docs/results/accuracy*.json``, ``ruler_*.json``) call their
+rows, and :func:`load_any_config` loads them wherever a config is given by name: ``prhs-hf generate
+--config``, ``prhs-hf bench --configs`` and lm-eval's ``prhs_config``, beside the shipped configs
+and YAML paths. (``scripts/bench_e2e_decode.py`` labels its timing rows with names of its own,
+such as ``cpe-s16-share``; each of its result files maps them to a base YAML and overrides under
+``"configs"``.)
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from typing import Any, Mapping
 import prhs_hf
 
 __all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "LONG_CONTEXT_BASELINES", "named_config",
-           "load_named_config"]
+           "load_named_config", "load_any_config", "known_config_names"]
 
 
 @dataclass(frozen=True)
@@ -113,12 +120,17 @@ ACCURACY_CONFIGS["ds-cal-lb"] = NamedConfig("ds-cal-lb", "ds_qwen2.5-coder-1.5b"
 
 
 def named_config(name: str) -> NamedConfig:
-    """The registered config ``name``, or a YAML path taken as a config of its own (named by its stem)."""
+    """The registered config ``name``, a shipped config by its name, or a YAML path taken as a config
+    of its own (named by its stem)."""
+    from prhs_hf.config import shipped_configs
+
     if name in ACCURACY_CONFIGS:
         return ACCURACY_CONFIGS[name]
+    if name in shipped_configs():
+        return NamedConfig(name, name)
     if name.endswith((".yaml", ".yml")):
         return NamedConfig(Path(name).stem, name)
-    raise ValueError(f"unknown config {name!r}; known: {', '.join(ACCURACY_CONFIGS)}, or a .yaml path")
+    raise ValueError(f"unknown config {name!r}; {known_config_names()}; or a .yaml path")
 
 
 def load_named_config(config: NamedConfig) -> prhs_hf.PrHSConfig:
@@ -126,3 +138,35 @@ def load_named_config(config: NamedConfig) -> prhs_hf.PrHSConfig:
     overrides = dict(config.overrides)
     overrides["telemetry"] = {**overrides.get("telemetry", {}), "enabled": True}
     return prhs_hf.load_config(config.base, overrides)
+
+
+def known_config_names() -> str:
+    """The config names :func:`load_any_config` takes, as an error message or a help text lists them."""
+    from prhs_hf.config import shipped_configs
+
+    return (f"shipped configs: {', '.join(shipped_configs())}; named configs of the result tables: "
+            f"{', '.join(ACCURACY_CONFIGS)}")
+
+
+def load_any_config(name: "str | Path", overrides: Mapping[str, Any] | None = None) -> prhs_hf.PrHSConfig:
+    """The config ``name`` plus ``overrides``: a named config of the result tables
+    (:data:`ACCURACY_CONFIGS`, e.g. ``cis-s16``, ``cis-lb``), a shipped config (``cis``,
+    ``cis_longbench``) or a YAML path. Telemetry stays as the config and ``overrides`` set it.
+
+    Raises:
+        prhs_hf.ConfigError: a bare name that is none of these (the message lists the names), or
+            a config or override that does not validate.
+    """
+    from prhs_hf.config import ConfigError, shipped_configs
+
+    text = str(name)
+    if text in ACCURACY_CONFIGS:
+        named = ACCURACY_CONFIGS[text]
+        config = prhs_hf.load_config(named.base, named.overrides)
+        return prhs_hf.load_config(config, overrides) if overrides else config
+    bare = isinstance(name, str) and "/" not in text and "\\" not in text and Path(text).suffix not in (".yaml", ".yml")
+    if bare and text not in shipped_configs() and not Path(text).is_file():
+        raise ConfigError(f"{text}: not a config name and no such file; {known_config_names()}; or a YAML path "
+                          f"(the timing labels of scripts/bench_e2e_decode.py, such as cpe-s16-share, are that "
+                          f"script's own: its result files give each one's base YAML and overrides)")
+    return prhs_hf.load_config(name, overrides)

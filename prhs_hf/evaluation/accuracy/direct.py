@@ -192,13 +192,14 @@ def _text_stop(tokenizer: "PreTrainedTokenizerBase", start: int, done: Callable[
     return TextDone()
 
 
-def first_logits_clock(model: "PreTrainedModel") -> "LogitsProcessor":
+def first_logits_clock(model: "PreTrainedModel", on_call: Callable[[], None] | None = None) -> "LogitsProcessor":
     """A ``transformers.LogitsProcessor`` that reads the clock at its first call and changes nothing.
 
     ``model.generate`` calls its logits processors once per new token, the first time with the logits
     of the prefill forward: at that call the device of ``model`` is synchronised (CUDA only) and
-    ``time.perf_counter()`` kept in the processor's ``first`` (None until then). The scores come back
-    unchanged (the same tensor), so decoding is not affected.
+    ``time.perf_counter()`` kept in the processor's ``first`` (None until then). ``on_call`` (e.g. a
+    progress bar's update) runs at every call. The scores come back unchanged (the same tensor), so
+    decoding is not affected.
     """
     import torch
     from transformers import LogitsProcessor
@@ -210,6 +211,8 @@ def first_logits_clock(model: "PreTrainedModel") -> "LogitsProcessor":
             if self.first is None:
                 _synchronize(model)
                 self.first = time.perf_counter()
+            if on_call is not None:
+                on_call()
             return scores
 
     return FirstLogitsClock()

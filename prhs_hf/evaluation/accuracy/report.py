@@ -33,7 +33,7 @@ class Row:
 
     ``prefill_seconds``: the part of ``seconds`` spent prefilling the prompts (each batch from just
     before ``generate`` to its first logits, summed) and ``prompt_tokens`` the real prompt tokens
-    prefilled; None where not measured (the lm-eval engine, failed rows, reports written before them).
+    prefilled; None where not measured (the lm-eval engine, failed rows, reports without the fields).
     """
 
     config: str
@@ -105,8 +105,8 @@ def load_rows(path: str | os.PathLike[str]) -> list[Row]:
 def earlier_runs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The runs an existing JSON report was built from (its own and those it resumed), oldest first.
 
-    Each is ``{"command", "date", "gpu", "commit"}`` (commit None for reports written before it was
-    recorded); ``--resume`` keeps them in ``meta["earlier_runs"]`` so a
+    Each is ``{"command", "date", "gpu", "commit"}`` (commit None for a report that does not record
+    it); ``--resume`` keeps them in ``meta["earlier_runs"]`` so a
     table assembled over several runs (or device sessions) says which commands made it.
     """
     p = Path(path)

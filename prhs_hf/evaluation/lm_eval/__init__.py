@@ -40,7 +40,7 @@ def register() -> "type[PrHSLM]":
 def task_manager(include_path: "str | Path | list[str | Path] | None" = None, include_defaults: bool = True,
                  **kwargs: Any) -> "TaskManager":
     """lm-eval's ``TaskManager`` over :data:`TASKS_DIR`, ``include_path`` and, if ``include_defaults``,
-    lm-eval's own tasks (indexing those takes about 10 s on a small CPU; the local tasks alone, none).
+    lm-eval's own tasks (indexing those takes seconds; the local tasks alone, next to nothing).
 
     Other arguments go to ``TaskManager``; ``metadata={"data_dir": DIR}`` points the local tasks at
     a data folder (``simple_evaluate`` ignores its own ``metadata`` when given a task manager).

@@ -14,8 +14,10 @@ is there (``cuda`` when available, else ``cpu``; HFLM's own default is ``cuda``)
 
 Model arguments besides HFLM's own (which all pass through):
 
-- ``prhs_config``: a shipped config by name (``cis``, ``cpe``, ``dense``) or a PrHS YAML path;
-  default ``cis_longbench`` (the config of ``prhs-hf generate``; ``cis`` for short prompts).
+- ``prhs_config``: a shipped config by name (``cis``, ``cpe``, ``dense``), a named config of the
+  result tables (``cis-s16``, ``cis-lb``: :data:`~prhs_hf.evaluation.accuracy.configs.ACCURACY_CONFIGS`)
+  or a PrHS YAML path; default ``cis_longbench`` (the config of ``prhs-hf generate``; ``cis`` for
+  short prompts).
 - ``prhs_overrides``: a nested dict in the config schema (JSON ``--model_args`` or the Python API),
   or the same as a YAML/JSON string.
 - ``prhs.SECTION.KEY=VALUE``: one override each, for the comma form of ``--model_args``
@@ -23,7 +25,8 @@ Model arguments besides HFLM's own (which all pass through):
 
 Telemetry is always on. It is reset before each task's requests and read after them, and
 :meth:`PrHSLM.get_model_info` hands it to lm-eval, which writes it into ``results["config"]["prhs"]``
-(the dict that ``simple_evaluate`` returns and the file that ``--output_path`` writes).
+(the dict that ``simple_evaluate`` returns and the file that ``--output_path`` writes);
+``prhs-hf lm-eval`` also prints its summary at the end of the run.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
 import yaml
 from lm_eval.api.instance import Instance
@@ -39,8 +42,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 import prhs_hf
-from prhs_hf.hub import fetch
 from prhs_hf.config import resolve_config_path
+from prhs_hf.evaluation.accuracy.configs import ACCURACY_CONFIGS, load_any_config
+from prhs_hf.hub import fetch
 
 __all__ = ["MODEL_NAME", "DEFAULT_CONFIG", "PrHSLM", "parse_overrides", "default_device"]
 
@@ -99,6 +103,10 @@ def _resolve_pretrained(pretrained: Any, kwargs: dict[str, Any]) -> Any:
 class PrHSLM(HFLM):
     """``HFLM`` whose model decodes with PrHS (see the module docstring for the arguments)."""
 
+    #: the :meth:`prhs_info` of every :meth:`get_model_info` call in this process, oldest first:
+    #: ``prhs-hf lm-eval`` prints the telemetry summary of those its run added
+    reported: ClassVar[list[dict[str, Any]]] = []
+
     def __init__(
         self,
         pretrained: Any,
@@ -121,11 +129,16 @@ class PrHSLM(HFLM):
         """(Re-)patch the model with ``config`` plus ``overrides`` (telemetry forced on) and forget
         the telemetry gathered so far. Returns the config in force."""
         source = DEFAULT_CONFIG if config is None else config
-        if isinstance(source, (str, Path)):
-            source = resolve_config_path(str(source))
-        self.prhs_config_source = str(Path(source).resolve()) if isinstance(source, (str, Path)) else "<object>"
         self.prhs_overrides = dict(overrides or {})
-        cfg = prhs_hf.load_config(prhs_hf.load_config(source, self.prhs_overrides), _TELEMETRY_ON)
+        if isinstance(source, (str, Path)):
+            text = str(source)
+            cfg = load_any_config(text, self.prhs_overrides)  # a bad name fails here, listing the names
+            named = text in ACCURACY_CONFIGS  # a named config of the result tables is recorded by its name
+            self.prhs_config_source = text if named else str(resolve_config_path(text).resolve())
+        else:
+            self.prhs_config_source = "<object>"
+            cfg = prhs_hf.load_config(source, self.prhs_overrides)
+        cfg = prhs_hf.load_config(cfg, _TELEMETRY_ON)
         prhs_hf.patch(self.model, cfg)
         self.prhs_config = cfg
         self.prhs_telemetry = {}
@@ -169,5 +182,8 @@ class PrHSLM(HFLM):
         }
 
     def get_model_info(self) -> dict[str, Any]:
-        """HFLM's model info plus ``"prhs"`` (:meth:`prhs_info`); lm-eval puts it in ``results["config"]``."""
-        return {**super().get_model_info(), "prhs": self.prhs_info()}
+        """HFLM's model info plus ``"prhs"`` (:meth:`prhs_info`, also kept in :attr:`reported`);
+        lm-eval puts it in ``results["config"]``."""
+        info = self.prhs_info()
+        PrHSLM.reported.append(copy.deepcopy(info))
+        return {**super().get_model_info(), "prhs": info}
