@@ -214,7 +214,7 @@ def test_a_budget_covering_the_prompt_is_dense(tail):
     dense, _, _ = _generate(model, ids, mask, None, 12)
     cfg = {"baseline": {"name": "certkv", "tail_slot": tail}, "budget": BUDGET, "telemetry": {"enabled": True}}
     sparse, rec, report = _generate(model, ids, mask, cfg, 12)
-    assert report.sparse_steps > 0  # t = 20..30 crosses 2 + 4 + 16
+    assert report.sparse_sequence_steps > 0  # t = 20..30 crosses 2 + 4 + 16
     assert any(bool(sel.active.any()) for _, sel, _ in rec.calls)
     assert torch.equal(sparse.sequences, dense.sequences)
     for a, b in zip(sparse.scores, dense.scores):

@@ -35,7 +35,7 @@ def test_triton_decode_equals_reference_token_for_token_fp32(head_dim):
     ref, r_ref = _generate(model, ids, mask, {"decode": "torch", "prefill": "torch"}, cfg)
     tri, r_tri = _generate(model, ids, mask, {"decode": "triton", "prefill": "torch"}, cfg)
     assert torch.equal(ref, tri)
-    assert r_ref.retrieval_ratio == r_tri.retrieval_ratio and r_ref.sparse_steps == r_tri.sparse_steps > 0
+    assert r_ref.retrieval_ratio == r_tri.retrieval_ratio and r_ref.sparse_sequence_steps == r_tri.sparse_sequence_steps > 0
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -124,7 +124,7 @@ def test_static_cache_compiled_decode_matches_eager():
         assert err <= 1e-3 * scale, f"sequence {b}: logits differ by {err:.3g} (scale {scale:.3g}) before step {last}"
     # telemetry accumulates on the device inside the compiled step too
     assert r_compiled.decode_steps == r_eager.decode_steps == 31
-    assert r_compiled.sparse_steps > 0
+    assert r_compiled.sparse_sequence_steps > 0
 
 
 def _policy_run(model, ids, mask, policy, static=False):
@@ -147,5 +147,5 @@ def test_the_shipped_policy_goes_dense_on_a_short_context_and_equals_the_fair_de
     sparse, sparse_stats = _policy_run(model, ids, mask, "sparse", static)
     assert torch.equal(auto.sequences, dense.sequences)
     assert all(torch.equal(a, b) for a, b in zip(auto.logits, dense.logits))
-    assert auto_stats.sparse_steps == 0 and sparse_stats.sparse_steps > 0
+    assert auto_stats.sparse_sequence_steps == 0 and sparse_stats.sparse_sequence_steps > 0
     assert any(not torch.equal(a, b) for a, b in zip(sparse.logits, dense.logits))

@@ -106,8 +106,8 @@ def test_where_the_policy_goes_dense_the_output_is_the_fair_dense_bit_for_bit(mo
     sparse, sparse_stats = _generate({"decode": "sparse"}, ALWAYS_DENSE, monkeypatch)
     assert torch.equal(auto.sequences, dense.sequences)
     assert all(torch.equal(a, b) for a, b in zip(auto.logits, dense.logits))
-    assert auto_stats.sparse_steps == 0 and auto_stats.decode_steps == 7
-    assert sparse_stats.sparse_steps > 0  # the same prompts do run sparse when forced
+    assert auto_stats.sparse_sequence_steps == 0 and auto_stats.decode_steps == 7
+    assert sparse_stats.sparse_sequence_steps > 0  # the same prompts do run sparse when forced
     assert any(not torch.equal(a, b) for a, b in zip(sparse.logits, dense.logits))
 
 
@@ -119,14 +119,14 @@ def test_auto_goes_sparse_once_the_context_is_long_enough(monkeypatch):
                           per_key_ns=0.0, retrieval_rate=0.0, margin=1.0, min_sparse_prefill=1)
     out, stats = _generate({"decode": "auto"}, crossover, monkeypatch, lengths=(100, 100), new=10)
     steps = stats.decode_steps
-    assert steps == 9 and stats.sparse_steps == 2 * 4  # contexts 106..109 of both sequences
+    assert steps == 9 and stats.sparse_sequence_steps == 2 * 4  # contexts 106..109 of both sequences
 
 
 def test_auto_on_a_cpu_is_sparse(monkeypatch):
     auto, auto_stats = _generate({"decode": "auto"}, None, monkeypatch)
     sparse, _ = _generate({"decode": "sparse"}, None, monkeypatch)
     assert torch.equal(auto.sequences, sparse.sequences)
-    assert auto_stats.sparse_steps > 0
+    assert auto_stats.sparse_sequence_steps > 0
 
 
 def test_a_short_prompt_skips_the_sparse_prefill_under_auto(monkeypatch):
