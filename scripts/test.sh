@@ -4,8 +4,8 @@
 #
 # On a CPU the tests run in one pytest-xdist worker per core (PRHS_TEST_WORKERS overrides, 1 runs
 # them in this process): the interpreter runs Python single-threaded, so two cores take about
-# half the time of one (a clean clone on a 2-core machine: ~17 min of tests with 2 workers, with the
-# test tooling's interpreter speed-ups of tests/triton_interpreter_speedups.py).
+# half the time of one (a 2-core machine: about 8 min with 2 workers, with the test tooling's interpreter speed-ups of
+# tests/triton_interpreter_speedups.py).
 # Each worker gets one torch thread (OMP_NUM_THREADS, unless set) so that they do not contend.
 set -euo pipefail
 cd "$(dirname "$0")/.."
