@@ -27,7 +27,7 @@
 #            --prompts REAL_PROMPTS, REAL_CASES x REAL_CONFIGS, --resume into $OUT/real (issue 12's
 #            Qwen2.5-Coder-1.5B rows; the checkpoint is the one tools/gpu_join_and_eval.sh exports).
 #
-# Environment: STEPS (default "install tests op es e2e"), TEST_FILES (the tests step's files or test ids,
+# Environment: STEPS (default "install tests op es e2e"), SHARD_TIMEOUT (240 s: each test shard), TEST_FILES (the tests step's files or test ids,
 # default the decode, model and prefill GPU tests), E2E_CASES (default
 # "llama2-7b:8:16384,llama3-8b:16:16384"), E2E_CONFIGS (default
 # "dense,dense-gqa,cis-s16-share,cpe-s16-share"), E2E_TOKENS (256), E2E_EXTRA (more bench_e2e_decode.py
@@ -122,7 +122,7 @@ gpu_shards() {
   local pids=() ids i pid log
   for ids in "$dir"/ids.*; do
     i=${ids##*.}
-    timeout -k 10 240 $PY -m pytest -q -rfs -m gpu -p no:cacheprovider --junitxml="$dir/$name.$i.xml" \
+    timeout -k 10 "${SHARD_TIMEOUT:-240}" $PY -m pytest -q -rfs -m gpu -p no:cacheprovider --junitxml="$dir/$name.$i.xml" \
       $(cat "$ids") > "$dir/log.$i" 2>&1 &
     pids+=($!)
   done
