@@ -11,7 +11,7 @@ Sections you leave out are **off**. ``cis``, ``psaw`` and ``etf`` are on when th
 present (unless it says ``enabled: false``) and off when it is left out, so ``{cis: {tau: 0.7}}``
 is CIS alone; ``baseline`` is off unless ``baseline.name`` is set; ``early_select`` (EarlySelectKV on
 CIS or Quest) is on when present; ``telemetry`` is off unless
-``telemetry.enabled: true``; ``budget`` and ``backend`` fall back to neutral defaults (8 sink + 32
+``telemetry.enabled: true``; ``generation`` (the patched ``generate()`` loop) keeps its defaults; ``budget`` and ``backend`` fall back to neutral defaults (8 sink + 32
 local + 88 top-k; ``auto`` backends). An empty mapping, ``None`` or a bare :class:`PrHSConfig` is
 therefore dense (nothing on). The paper's settings live in the shipped files, which spell out
 every section: ``configs/cis.yaml`` (CIS), ``cpe.yaml`` (CIS + PSAW + ETF), ``cpe_longbench.yaml``
@@ -51,6 +51,8 @@ __all__ = [
     "BASELINES",
     "EarlySelectConfig",
     "EARLY_SELECT_TAPS",
+    "GenerationLoopConfig",
+    "MAX_STOP_CHECK_EVERY",
     "PrHSConfig",
     "ResolvedConfig",
     "load_config",
@@ -233,6 +235,26 @@ class EarlySelectConfig:
     side_stream: bool = False
 
 
+MAX_STOP_CHECK_EVERY = 1024
+"""Upper bound of ``generation.stop_check_every`` (a generation that stops early runs up to this
+many forwards minus one past its end)."""
+
+
+@dataclass(frozen=True)
+class GenerationLoopConfig:
+    """The patched model's ``generate()`` loop (:mod:`prhs_hf.patching`), on whatever attention runs.
+
+    ``stop_check_every``: greedy and sampling read the device's "all sequences finished" flag once
+    every this many decode steps instead of at each one, so the host can queue steps ahead of the
+    GPU; the steps that ran past the real end are undone (tokens, scores, logits, cache), so
+    ``generate()`` returns what it returns with ``1`` (the check at every step, plain
+    transformers). Cases that cannot be undone exactly check every step (see
+    :func:`prhs_hf.patching.patch`).
+    """
+
+    stop_check_every: int = 8
+
+
 @dataclass(frozen=True)
 class PrHSConfig:
     """A whole PrHS configuration, as read from YAML (``null`` values still unresolved).
@@ -250,6 +272,7 @@ class PrHSConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
     early_select: EarlySelectConfig = field(default_factory=lambda: EarlySelectConfig(enabled=False))
+    generation: GenerationLoopConfig = field(default_factory=GenerationLoopConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data (YAML-serialisable)."""
@@ -347,6 +370,7 @@ _SECTIONS: dict[str, type] = {
     "telemetry": TelemetryConfig,
     "baseline": BaselineConfig,
     "early_select": EarlySelectConfig,
+    "generation": GenerationLoopConfig,
 }
 
 # key -> (kind, lower, upper, lower_open, nullable[, upper_open]); kind in {"int", "float", "bool", "choice", "phases", "path"}
@@ -395,6 +419,7 @@ _RULES: dict[str, tuple] = {
     "early_select.tap": ("choice", EARLY_SELECT_TAPS),
     "early_select.rank": ("int", 1, MAX_EARLY_SELECT_RANK, False, True),
     "early_select.side_stream": ("bool",),
+    "generation.stop_check_every": ("int", 1, MAX_STOP_CHECK_EVERY, False, False),
 }
 
 _KIND_TEXT = {"int": "an int", "float": "a float"}
