@@ -2,7 +2,8 @@
 
 Each is a :class:`DecodeOps` with ``cis_match``, ``topk_retrieval``, ``compose_indices`` and
 ``sparse_decode_attention`` of the signatures in docs/DECODE_PIPELINE.md (plus
-``dilate_and_compose``, the anchor-set fast path, see compose_indices.py, and ``record_anchors``);
+``dilate_and_compose``, the anchor-set fast path, see compose_indices.py, ``record_anchors``, and the
+key index's ``write_key_index``, ``update_key_index`` and ``topk_retrieval_indexed``, key_index.py);
 :func:`get_decode_ops` picks one by name (``"torch"``/``"reference"`` or ``"triton"``);
 :func:`cis_select` chains match, retrieval and composition from the anchors' sets (the CIS
 selector, ``prhs_hf.selectors.cis``, calls it around its state; the stateless whole step with the
@@ -26,6 +27,15 @@ from .compose_indices import (
     dilate_compose_and_record,
     dilate_compose_and_record_reference,
     dilated_set_size,
+)
+from .key_index import (
+    KeyIndex,
+    topk_retrieval_indexed,
+    topk_retrieval_indexed_reference,
+    update_key_index,
+    update_key_index_reference,
+    write_key_index,
+    write_key_index_reference,
 )
 from .triton_support import HAS_TRITON, unit_vectors
 from .record_anchors import record_anchors, record_anchors_reference
@@ -73,6 +83,10 @@ class DecodeOps:
     record_anchors: Callable
     # dilate_and_compose and record_anchors in one launch (the layer's anchor sets read from the state)
     dilate_compose_and_record: Callable
+    # the key index (key_index.py): its prefill write, its per-step update, the two-stage retrieval on it
+    write_key_index: Callable
+    update_key_index: Callable
+    topk_retrieval_indexed: Callable
 
 
 REFERENCE_OPS = DecodeOps(
@@ -86,6 +100,9 @@ REFERENCE_OPS = DecodeOps(
     sparse_decode_attention_grouped=sparse_decode_attention_grouped_reference,
     record_anchors=record_anchors_reference,
     dilate_compose_and_record=dilate_compose_and_record_reference,
+    write_key_index=write_key_index_reference,
+    update_key_index=update_key_index_reference,
+    topk_retrieval_indexed=topk_retrieval_indexed_reference,
 )
 
 #: The Triton launchers (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), called
@@ -103,6 +120,9 @@ TRITON_OPS = DecodeOps(
     sparse_decode_attention_grouped=_via(sparse_decode_attention_grouped),
     record_anchors=_via(record_anchors),
     dilate_compose_and_record=_via(dilate_compose_and_record),
+    write_key_index=_via(write_key_index),
+    update_key_index=_via(update_key_index),
+    topk_retrieval_indexed=_via(topk_retrieval_indexed),
 )
 
 
@@ -172,6 +192,8 @@ def cis_select(
     grouped: bool = False,
     group_score: str = "max",
     record: Optional[AnchorRecord] = None,
+    key_index: Optional[KeyIndex] = None,
+    margin: int = 0,
 ) -> CISSelection:
     """SPEC §4 steps 1-4 from the anchors' dilated sets (``anchor_set [B, H, s, n]``, as made by
     ``ops.dilate_and_compose``): match each query against its head's anchors, retrieve a fresh exact
@@ -186,7 +208,12 @@ def cis_select(
 
     ``record`` (the state the anchors are slices of): the retrieving rows are recorded as anchors
     (``ops.record_anchors`` of ``match_q`` and ``new_set``) in the composition's launch
-    (``ops.dilate_compose_and_record``); the caller must not record them again."""
+    (``ops.dilate_compose_and_record``); the caller must not record them again.
+
+    ``key_index`` (this layer's :class:`~.key_index.KeyIndex`, written by the caller for every
+    slot the region reads): the retrieval is two-stage, ``ops.topk_retrieval_indexed`` (the best
+    ``k + margin`` candidates on the index, re-ranked exactly on ``k_cache``) instead of
+    ``ops.topk_retrieval[_grouped]``; ``None`` (the default) leaves the exact retrieval."""
     if group_score not in ("max", "mean"):
         raise ValueError(f"cis_select: group_score={group_score!r}; expected 'max' or 'mean'")
     kv_heads = k_cache.shape[1]
@@ -195,7 +222,13 @@ def cis_select(
     if grouped and group_score == "mean":
         B, H, D = q.shape
         mean_q = q.view(B, kv_heads, H // kv_heads, D).float().mean(2).to(q.dtype)
-        new_idx = ops.topk_retrieval(mean_q, k_cache, pad, lo, hi, retrieve, k, scale)
+        if key_index is None:
+            new_idx = ops.topk_retrieval(mean_q, k_cache, pad, lo, hi, retrieve, k, scale)
+        else:
+            new_idx = ops.topk_retrieval_indexed(mean_q, k_cache, key_index, pad, lo, hi, retrieve, k, margin, scale,
+                                                 False)
+    elif key_index is not None:
+        new_idx = ops.topk_retrieval_indexed(q, k_cache, key_index, pad, lo, hi, retrieve, k, margin, scale, grouped)
     else:
         retrieval = ops.topk_retrieval_grouped if grouped else ops.topk_retrieval
         new_idx = retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale)

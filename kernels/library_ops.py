@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from .cis_match import CISMatch, cis_match
+from .key_index import KeyIndex, topk_retrieval_indexed, update_key_index, write_key_index
 from .record_anchors import record_anchors
 from .compose_indices import (
     compose_indices,
@@ -169,6 +170,53 @@ def _compose_indices_via_op(t, lo, hi, win_start, sel_idx, dilate, sink, dil_m, 
     return compose_indices_op(t, lo, hi, win_start, sel_idx, _dilate_tensor(sel_idx, dilate), sink, dil_m, dil_r, cap)
 
 
+@torch.library.custom_op("prhs::write_key_index", mutates_args=("a", "b"))
+def write_key_index_op(a: Tensor, b: Tensor, kind: str, page: int, k_cache: Tensor, start: int, end: int) -> None:
+    write_key_index(KeyIndex(kind, a, b, page), k_cache, start, end)
+
+
+@write_key_index_op.register_fake
+def _(a, b, kind, page, k_cache, start, end):
+    return None
+
+
+@torch.library.custom_op("prhs::update_key_index", mutates_args=("a", "b"))
+def update_key_index_op(a: Tensor, b: Tensor, kind: str, page: int, k_cache: Tensor, slot: Tensor) -> None:
+    update_key_index(KeyIndex(kind, a, b, page), k_cache, slot)
+
+
+@update_key_index_op.register_fake
+def _(a, b, kind, page, k_cache, slot):
+    return None
+
+
+@torch.library.custom_op("prhs::topk_retrieval_indexed", mutates_args=())
+def topk_retrieval_indexed_op(
+    q: Tensor, k_cache: Tensor, a: Tensor, b: Tensor, kind: str, page: int, pad: Tensor, lo: Tensor, hi: Tensor,
+    retrieve: Tensor, k: int, margin: int, scale: float, grouped: bool,
+) -> Tensor:
+    return topk_retrieval_indexed(q, k_cache, KeyIndex(kind, a, b, page), pad, lo, hi, retrieve, k, margin, scale,
+                                  grouped)
+
+
+@topk_retrieval_indexed_op.register_fake
+def _(q, k_cache, a, b, kind, page, pad, lo, hi, retrieve, k, margin, scale, grouped):
+    return _int32(q.shape[0], k_cache.shape[1] if grouped else q.shape[1], int(k), like=q)
+
+
+def _write_key_index_via_op(index: KeyIndex, k_cache: Tensor, start: int, end: int) -> None:
+    write_key_index_op(index.a, index.b, index.kind, index.page, k_cache, start, end)
+
+
+def _update_key_index_via_op(index: KeyIndex, k_cache: Tensor, slot: Tensor) -> None:
+    update_key_index_op(index.a, index.b, index.kind, index.page, k_cache, slot)
+
+
+def _topk_retrieval_indexed_via_op(q, k_cache, index: KeyIndex, pad, lo, hi, retrieve, k, margin, scale, grouped):
+    return topk_retrieval_indexed_op(q, k_cache, index.a, index.b, index.kind, index.page, pad, lo, hi, retrieve,
+                                     k, margin, scale, grouped)
+
+
 _OPS: dict[Callable, Callable] = {
     cis_match: _cis_match_via_op,
     topk_retrieval: topk_retrieval_op,
@@ -179,6 +227,9 @@ _OPS: dict[Callable, Callable] = {
     topk_retrieval_grouped: topk_retrieval_grouped_op,
     sparse_decode_attention_grouped: sparse_decode_attention_grouped_op,
     record_anchors: record_anchors_op,
+    write_key_index: _write_key_index_via_op,
+    update_key_index: _update_key_index_via_op,
+    topk_retrieval_indexed: _topk_retrieval_indexed_via_op,
 }
 
 

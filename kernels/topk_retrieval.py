@@ -452,15 +452,18 @@ def topk_retrieval_grouped(q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Te
 
 def _topk_of_scores(
     scores: torch.Tensor, pad: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-    retrieve: torch.Tensor, k: int,
+    retrieve: torch.Tensor, k: int, candidates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact top-k of ``scores [B, R, S]`` (per slot) over each row's middle region: the
     ``k`` best real indices, descending score, ties lower index first, -1 padded; rows with
-    ``retrieve [B, R]`` off are all -1."""
+    ``retrieve [B, R]`` off are all -1. ``candidates [B, R, S]`` bool (the re-rank of an
+    indexed retrieval): only the slots it marks count, the others as if outside the region."""
     B, R, S = scores.shape
     real = torch.arange(S, device=scores.device).unsqueeze(0) - pad.long().unsqueeze(1)  # [B, S]
     in_mid = (real >= lo.long().unsqueeze(1)) & (real < hi.long().unsqueeze(1)) & (real >= 0)
     valid = in_mid.unsqueeze(1) & retrieve.unsqueeze(-1)  # [B, R, S]
+    if candidates is not None:
+        valid = valid & candidates
     scores = torch.where(valid, scores, torch.full_like(scores, float("-inf")))
     kk = min(int(k), S)
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kk]

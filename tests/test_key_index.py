@@ -1,0 +1,403 @@
+"""The key index (kernels/key_index.py): quantisation, page bounds, the two-stage retrieval.
+
+* the PyTorch references against naive per-element loops written here (the naive oracle):
+  fp8 / int4 codes and scales, page min/max over the written slots only, write vs update,
+  the two-stage retrieval (exact top-k when ``k + margin`` covers the region, else the exact
+  re-rank of the stage-1 candidates), per-head and grouped, left padding, empty regions, ``k``
+  larger than the region, rows not retrieving;
+* ``decode_ops.cis_select`` with and without a key index;
+* each Triton launcher against its reference (``TRITON_INTERPRET=1`` on the CPU, or CUDA), and
+  ``gpu``-marked tests at realistic sizes.
+
+Run on a CPU: ``TRITON_INTERPRET=1 pytest tests/test_key_index.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import triton_available
+from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_select
+from prhs_hf.kernels.key_index import (
+    FP8_MAX,
+    INDEX_KINDS,
+    INT4_GROUP,
+    KeyIndex,
+    allocate_key_index,
+    dequantize_key_index,
+    index_bytes_per_slot,
+    topk_retrieval_indexed_reference,
+    update_key_index_reference,
+    write_key_index_reference,
+)
+from prhs_hf.kernels.topk_retrieval import topk_retrieval_grouped_reference, topk_retrieval_reference
+
+needs_triton = pytest.mark.skipif(
+    not triton_available(),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (run: TRITON_INTERPRET=1 pytest tests/test_key_index.py)",
+)
+DEV = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+I32 = torch.int32
+
+
+def i32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=I32)
+
+
+def build(kind, kc, page=4, upto=None):
+    """An index of ``kind`` written by the reference for slots ``[0, upto)`` (all by default)."""
+    B, H, S, D = kc.shape
+    index = allocate_key_index(kind, B, H, S, D, kc.dtype, kc.device, page=page)
+    write_key_index_reference(index, kc, 0, S if upto is None else upto)
+    return index
+
+
+# ----------------------------------------------------------------------------- naive oracle
+
+
+def naive_fp8(key):
+    """``(codes as float, scale)`` of one key vector, element by element."""
+    amax = max(abs(float(x)) for x in key.float())
+    s = torch.tensor(amax, dtype=torch.float32) / FP8_MAX if amax > 0 else torch.tensor(1.0)
+    codes = [float(torch.tensor(float(x) / float(s)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float())
+             for x in key.float()]
+    return codes, float(s)
+
+
+def naive_unpack_int4(row):
+    """Signed codes of one packed row (low nibble = even channel), byte by byte."""
+    out = []
+    for byte in row.tolist():
+        for nib in (byte & 15, byte >> 4):
+            out.append(nib - 16 if nib >= 8 else nib)
+    return out
+
+
+def naive_page_bounds(kc, b, h, p, page, last):
+    """Per-channel (max, min) of page ``p`` over its slots ``<= last``."""
+    slots = [s for s in range(p * page, (p + 1) * page) if s <= last and s < kc.shape[2]]
+    keys = kc[b, h, slots].double()
+    return keys.max(dim=0).values, keys.min(dim=0).values
+
+
+def naive_stage1(kind, q, index, b, h, kvh, slot, page):
+    """The approximate score of one (query head, slot) from the index, in float64 (pages: its page's bound)."""
+    qv = q[b, h].double()
+    if kind == "pages":
+        mx, mn = index.a[b, kvh, slot // page].double(), index.b[b, kvh, slot // page].double()
+        return float(sum(max(qd * x, qd * n) for qd, x, n in zip(qv.tolist(), mx.tolist(), mn.tolist())))
+    if kind == "fp8":
+        deq = index.a[b, kvh, slot].view(torch.float8_e4m3fn).double() * float(index.b[b, kvh, slot])
+    else:
+        codes = naive_unpack_int4(index.a[b, kvh, slot])
+        deq = torch.tensor([c * float(index.b[b, kvh, slot, d // INT4_GROUP]) for d, c in enumerate(codes)],
+                           dtype=torch.float64)
+    return float(qv @ deq)
+
+
+def naive_indexed(kind, q, kc, index, pad, lo, hi, retrieve, k, margin, scale, grouped, page=1):
+    """Both stages, row by row: candidates by the index's scores (pages: the best pages, then
+    their tokens), then the exact float64 scores of the candidates, ties lower index first."""
+    B, Hq, D = q.shape
+    Hkv, S = kc.shape[1], kc.shape[2]
+    G = Hq // Hkv
+    H = Hkv if grouped else Hq
+    out = torch.full((B, H, k), -1, dtype=I32)
+    n_cand = math.ceil((k + margin) / (page if kind == "pages" else 1))
+    for b in range(B):
+        region = [j for j in range(max(int(lo[b]), 0), int(hi[b])) if int(pad[b]) + j < S]
+        for r in range(H):
+            if not bool(retrieve[b, r]):
+                continue
+            kvh = r if grouped else r // G
+            heads = [kvh * G + g for g in range(G)] if grouped else [r]
+
+            def score(fn):
+                return max(fn(h) for h in heads)
+
+            if kind == "pages":
+                pages = sorted({(int(pad[b]) + j) // page for j in region})
+                ranked = sorted(pages, key=lambda p: (-score(lambda h: naive_stage1(kind, q, index, b, h, kvh,
+                                                                                     p * page, page)), p))
+                keep = set(ranked[:n_cand])
+                cands = [j for j in region if (int(pad[b]) + j) // page in keep]
+            else:
+                ranked = sorted(region, key=lambda j: (-score(lambda h: naive_stage1(
+                    kind, q, index, b, h, kvh, int(pad[b]) + j, page)), j))
+                cands = ranked[:n_cand]
+            exact = sorted(cands, key=lambda j: (-score(lambda h: scale * float(
+                q[b, h].double() @ kc[b, kvh, int(pad[b]) + j].double())), j))
+            for i, j in enumerate(exact[:k]):
+                out[b, r, i] = j
+    return out
+
+
+# ----------------------------------------------------------------------------- quantisation
+
+
+def test_fp8_codes_and_scales_against_naive():
+    g = torch.Generator().manual_seed(1)
+    kc = (torch.randn(2, 2, 9, 16, generator=g) * torch.rand(2, 2, 9, 1, generator=g) * 4).to(torch.bfloat16)
+    kc[1, 0, 3] = 0  # a zero key: scale 1, codes 0
+    index = build("fp8", kc)
+    assert index.a.dtype == torch.uint8 and index.a.shape == kc.shape and index.b.shape == kc.shape[:3]
+    for b, h, s in [(0, 0, 0), (0, 1, 8), (1, 0, 3), (1, 1, 5)]:
+        codes, scale = naive_fp8(kc[b, h, s])
+        assert index.b[b, h, s].item() == scale
+        assert index.a[b, h, s].view(torch.float8_e4m3fn).float().tolist() == codes
+    assert index.b[1, 0, 3].item() == 1.0 and (index.a[1, 0, 3] == 0).all()
+    # every key's largest channel maps to +-448; the error is at most half an fp8 step (3 mantissa
+    # bits: 2^-4 relative for normal codes, 2^-10 * scale in the subnormal range)
+    deq, kf = dequantize_key_index(index), kc.float()
+    bound = torch.maximum(kf.abs() * 2.0**-4, index.b.unsqueeze(-1) * 2.0**-10) * (1 + 1e-6)
+    assert ((deq - kf).abs() <= bound).all()
+    amax_codes = index.a.view(torch.float8_e4m3fn).float().abs().amax(-1)
+    assert torch.equal(amax_codes[kc.float().abs().amax(-1) > 0], torch.full_like(amax_codes, FP8_MAX)[
+        kc.float().abs().amax(-1) > 0])
+
+
+def test_int4_codes_and_scales_against_naive():
+    g = torch.Generator().manual_seed(2)
+    D = 64
+    kc = torch.randn(2, 3, 7, D, generator=g) * 3
+    kc[0, 1, 2, :INT4_GROUP] = 0  # a zero group: scale 1
+    index = build("int4", kc)
+    assert index.a.shape == (2, 3, 7, D // 2) and index.b.shape == (2, 3, 7, D // INT4_GROUP)
+    for b in range(2):
+        for h in range(3):
+            for s in range(7):
+                codes = naive_unpack_int4(index.a[b, h, s])
+                for gi in range(D // INT4_GROUP):
+                    grp = kc[b, h, s, gi * INT4_GROUP:(gi + 1) * INT4_GROUP].tolist()
+                    amax = max(abs(x) for x in grp)
+                    scale = float(index.b[b, h, s, gi])
+                    assert scale == (float(torch.tensor(amax) / 7) if amax > 0 else 1.0)
+                    for d, x in enumerate(grp):
+                        c = codes[gi * INT4_GROUP + d]
+                        assert -7 <= c <= 7 and c == max(-7, min(7, math.floor(x / scale + 0.5)))
+                        assert abs(c * scale - x) <= scale / 2 * (1 + 1e-5)
+    assert torch.equal(dequantize_key_index(index)[0, 1, 2, :INT4_GROUP], torch.zeros(INT4_GROUP))
+
+
+def test_page_bounds_cover_exactly_the_written_slots():
+    g = torch.Generator().manual_seed(3)
+    kc = torch.randn(2, 2, 23, 8, generator=g).to(torch.bfloat16)  # 6 pages of 4, the last one of 3 slots
+    index = build("pages", kc, page=4, upto=14)  # pages 0-3 written; page 3 holds slots 12, 13 only
+    assert index.a.shape == (2, 2, 6, 8) and index.a.dtype == torch.bfloat16
+    for b in range(2):
+        for h in range(2):
+            for p in range(4):
+                mx, mn = naive_page_bounds(kc, b, h, p, 4, 13)
+                assert torch.equal(index.a[b, h, p].double(), mx) and torch.equal(index.b[b, h, p].double(), mn)
+    assert (index.a[:, :, 4:] == 0).all()  # not written yet
+    write_key_index_reference(index, kc, 14, 23)  # the rest: page 3 recomputed from all its slots
+    mx, mn = naive_page_bounds(kc, 1, 0, 5, 4, 22)
+    assert torch.equal(index.a[1, 0, 5].double(), mx) and torch.equal(index.b[1, 0, 3].double(),
+                                                                       naive_page_bounds(kc, 1, 0, 3, 4, 22)[1])
+
+
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_write_then_updates_equals_one_write(kind):
+    """A prefill of n slots, then m decode steps (one slot each), equals a write of n + m."""
+    g = torch.Generator().manual_seed(4)
+    B, H, S, D = 2, 2, 29, 32
+    kc = torch.randn(B, H, S, D, generator=g).to(torch.bfloat16)
+    n, m = 10, 13
+    index = build(kind, kc, page=8, upto=n)
+    for i in range(m):
+        update_key_index_reference(index, kc, torch.full((B,), n + i, dtype=I32))
+    want = build(kind, kc, page=8, upto=n + m)
+    assert torch.equal(index.a, want.a) and torch.equal(index.b, want.b)
+
+
+def test_update_ragged_slots_and_pad_pages():
+    """Each sequence updates its own slot; a page's bounds cover its slots up to the update, the left-pad
+    slots among them (an upper bound of the real keys all the same)."""
+    g = torch.Generator().manual_seed(5)
+    B, H, S, D = 3, 2, 24, 32
+    kc = torch.randn(B, H, S, D, generator=g)
+    slot = i32([5, 12, 23])
+    for kind in INDEX_KINDS:
+        index = allocate_key_index(kind, B, H, S, D, kc.dtype, "cpu", page=8)
+        update_key_index_reference(index, kc, slot)
+        for b in range(B):
+            s = int(slot[b])
+            if kind == "pages":
+                for h in range(H):
+                    mx, mn = naive_page_bounds(kc, b, h, s // 8, 8, s)
+                    assert torch.equal(index.a[b, h, s // 8].double(), mx)
+                    assert torch.equal(index.b[b, h, s // 8].double(), mn)
+            else:
+                one = build(kind, kc[b:b + 1, :, s:s + 1])
+                assert torch.equal(index.a[b, :, s], one.a[0, :, 0]) and torch.equal(index.b[b, :, s], one.b[0, :, 0])
+        untouched = torch.ones_like(index.a, dtype=torch.bool)
+        for b in range(B):
+            untouched[b, :, int(slot[b]) // (8 if kind == "pages" else 1)] = False
+        assert (index.a[untouched] == 0).all()
+    # pad slots: a page holding pad and real slots bounds every real key of it
+    index = build("pages", kc, page=8)
+    pad = 5
+    q = torch.randn(H, D, generator=g)
+    bound = (q.clamp_min(0) @ index.a[0, :, 0].T.float() + q.clamp_max(0) @ index.b[0, :, 0].T.float()).diagonal()
+    for j in range(8 - pad):
+        assert (bound >= (q * kc[0, :, pad + j]).sum(-1) - 1e-5).all()
+
+
+def test_sizes_and_bad_input():
+    assert index_bytes_per_slot("fp8", 128, torch.bfloat16, 1) == 132
+    assert index_bytes_per_slot("int4", 128, torch.bfloat16, 1) == 64 + 16
+    assert index_bytes_per_slot("pages", 128, torch.bfloat16, 16) == 32
+    with pytest.raises(ValueError, match="expected one of"):
+        allocate_key_index("int8", 1, 1, 4, 32, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        allocate_key_index("int4", 1, 1, 4, 48, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="power of two"):
+        allocate_key_index("pages", 1, 1, 4, 32, torch.bfloat16, "cpu", page=6)
+    index = allocate_key_index("fp8", 1, 1, 4, 32, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="margin"):
+        topk_retrieval_indexed_reference(torch.zeros(1, 1, 32), torch.zeros(1, 1, 4, 32), index, i32([0]), i32([0]),
+                                         i32([4]), torch.ones(1, 1, dtype=torch.bool), 2, -1, 1.0, False)
+
+
+# ----------------------------------------------------------------------------- two-stage retrieval
+
+
+def retrieval_case(B, Hq, Hkv, D, S, pads, seed, dtype=torch.float32, integer=False):
+    """Inputs with ragged left padding, an empty region (sequence 1 when B > 1) and some rows not
+    retrieving. ``integer``: keys whose groups all hold their amax (±7 / 2) in one channel, so
+    the fp8 / int4 codes are exact multiples of one scale and every score is exact (ties real)."""
+    g = torch.Generator().manual_seed(seed)
+    if integer:
+        q = torch.randint(-2, 3, (B, Hq, D), generator=g).to(dtype)
+        kc = torch.randint(-2, 3, (B, Hkv, S, D), generator=g).float()
+        kc[..., ::INT4_GROUP] = 2.0
+        kc = kc.to(dtype)
+    else:
+        q = torch.randn(B, Hq, D, generator=g).to(dtype)
+        kc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    pad = i32(pads)
+    lo = torch.full((B,), 3, dtype=I32)
+    hi = (S - pad - 4).to(I32)
+    if B > 1:
+        lo[1], hi[1] = 9, 9
+    return q, kc, pad, lo, hi, g
+
+
+def flags(B, H, g, frac=0.7):
+    r = torch.rand(B, H, generator=g) < frac
+    r[0, 0] = True
+    return r
+
+
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_indexed_reference_is_exact_when_the_margin_covers_the_region(kind, grouped):
+    q, kc, pad, lo, hi, g = retrieval_case(3, 8, 2, 32, 40, [0, 4, 7], 10 + grouped, torch.bfloat16)
+    index = build(kind, kc, page=8)
+    retrieve = flags(3, 2 if grouped else 8, g)
+    exact = topk_retrieval_grouped_reference if grouped else topk_retrieval_reference
+    for k, margin in ((5, 40), (40, 0), (60, 3)):  # k + margin >= every region (<= 33 keys); k > region
+        out = topk_retrieval_indexed_reference(q, kc, index, pad, lo, hi, retrieve, k, margin, 0.3, grouped)
+        assert torch.equal(out, exact(q, kc, pad, lo, hi, retrieve, k, 0.3))
+    assert (out[1] == -1).all() and (out[~retrieve] == -1).all()
+
+
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_indexed_reference_against_naive(kind, grouped):
+    """Small margins: the exact re-rank of the stage-1 candidates, against the naive oracle (integer
+    data: no rounding decides an order)."""
+    q, kc, pad, lo, hi, g = retrieval_case(3, 4, 2, 32, 37, [0, 4, 6], 20 + grouped, integer=True)
+    index = build(kind, kc, page=4)
+    retrieve = flags(3, 2 if grouped else 4, g)
+    for k, margin in ((3, 0), (6, 4), (9, 2)):
+        out = topk_retrieval_indexed_reference(q, kc, index, pad, lo, hi, retrieve, k, margin, 0.5, grouped)
+        want = naive_indexed(kind, q, kc, index, pad, lo, hi, retrieve, k, margin, 0.5, grouped, page=4)
+        assert torch.equal(out, want), (k, margin)
+    assert (out[retrieve & (torch.arange(3) != 1)[:, None]] >= 0).any()
+
+
+def test_indexed_reference_random_data_subset_consistent():
+    """Gaussian data, margin 0: every index returned is a stage-1 candidate (the best k + margin
+    by the index's own scores), in exact-score order."""
+    q, kc, pad, lo, hi, g = retrieval_case(2, 4, 4, 32, 60, [0, 5], 30)
+    lo[1], hi[1] = 2, 50
+    retrieve = torch.ones(2, 4, dtype=torch.bool)
+    for kind in ("fp8", "int4"):
+        index = build(kind, kc)
+        deq = dequantize_key_index(index)
+        out = topk_retrieval_indexed_reference(q, kc, index, pad, lo, hi, retrieve, 8, 4, 1.0, False)
+        cand = topk_retrieval_reference(q, deq.to(q.dtype), pad, lo, hi, retrieve, 12, 1.0)
+        for b in range(2):
+            for h in range(4):
+                row = out[b, h].tolist()
+                assert set(row) <= set(cand[b, h].tolist())
+                exact = [float(q[b, h] @ kc[b, h, int(pad[b]) + j]) for j in row]
+                assert exact == sorted(exact, reverse=True)
+
+
+# ----------------------------------------------------------------------------- decode_ops
+
+
+def step_case(seed, dtype):
+    """A decode step's inputs, with some rows matching an anchor and some retrieving."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, Hkv, D, S, s, k = 3, 4, 2, 32, 120, 4, 12
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    kc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    pad = i32([0, 9, 30])
+    t = (S - pad).to(I32)
+    lo = torch.full((B,), 4, dtype=I32)
+    hi = (t - 8).to(I32)
+    active = torch.ones(B, dtype=torch.bool)
+    anchors = torch.randn(B, H, s, D, generator=g)
+    anchors = anchors / anchors.norm(dim=-1, keepdim=True)
+    anchors[:, :2, 0] = q[:, :2].float() / q[:, :2].float().norm(dim=-1, keepdim=True)
+    count = torch.full((B, H), s, dtype=I32)
+    sets = torch.randint(0, 2 * S, (B, H, s, k + 8), generator=g, dtype=I32).sort(-1).values
+    kw = dict(tau=0.9, sink=4, k=k, dil_m=4, dil_r=1, cap=4 + 8 + k + 8 + S, scale=D**-0.5)
+    return (q, kc, pad, t, lo, hi, hi, anchors, count, sets, active), kw
+
+
+def _tables():
+    return [(REFERENCE_OPS, torch.device("cpu"))] + ([(TRITON_OPS, DEV)] if triton_available() else [])
+
+
+@pytest.mark.parametrize("grouped,group_score", [(False, "max"), (True, "max"), (True, "mean")])
+def test_cis_select_key_index(grouped, group_score):
+    """key_index=None is the exact retrieval (the chain of the ops, unchanged); a key index whose
+    k + margin covers the region gives the same selection bit for bit; a small margin changes only
+    the retrieving rows' fresh top-k (the re-rank of the index's candidates)."""
+    inputs, kw = step_case(7, torch.bfloat16)
+    q, kc, pad, t, lo, hi = inputs[:6]
+    if grouped:
+        inputs = (*inputs[:7], torch.randn(3, 2, 4, 2 * 32), torch.full((3, 2), 4, dtype=I32),
+                  inputs[9][:, :2], inputs[10])
+    for ops, dev in _tables():
+        x = [v.to(dev) for v in inputs]
+        base = cis_select(ops, *x, grouped=grouped, group_score=group_score, **kw)
+        best, retrieve = ops.cis_match(base.match_q, x[7], x[8], x[10], kw["tau"])
+        if grouped and group_score == "mean":
+            B, H, D = x[0].shape
+            mean_q = x[0].view(B, 2, H // 2, D).float().mean(2).to(x[0].dtype)
+            want = ops.topk_retrieval(mean_q, x[1], x[2], x[4], x[5], retrieve, kw["k"], kw["scale"])
+        else:
+            retrieval = ops.topk_retrieval_grouped if grouped else ops.topk_retrieval
+            want = retrieval(x[0], x[1], x[2], x[4], x[5], retrieve, kw["k"], kw["scale"])
+        assert torch.equal(base.best, best) and torch.equal(base.new_idx, want)
+        assert (base.best == -1).any()
+        for kind in INDEX_KINDS:
+            index = build(kind, x[1], page=8)
+            full = cis_select(ops, *x, grouped=grouped, group_score=group_score, key_index=index, margin=200, **kw)
+            for a, b in zip(full, base):
+                assert torch.equal(a, b), kind
+            small = cis_select(ops, *x, grouped=grouped, group_score=group_score, key_index=index, margin=0, **kw)
+            q_rows = mean_q if grouped and group_score == "mean" else x[0]
+            want = topk_retrieval_indexed_reference(*(v.cpu() for v in (q_rows, x[1])), KeyIndex(
+                kind, index.a.cpu(), index.b.cpu(), index.page), *(v.cpu() for v in (x[2], x[4], x[5], retrieve)),
+                kw["k"], 0, kw["scale"], grouped and group_score == "max")
+            assert torch.equal(small.new_idx.cpu(), want) and torch.equal(small.best, base.best)
