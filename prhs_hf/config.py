@@ -41,6 +41,7 @@ import yaml
 
 __all__ = [
     "ConfigError",
+    "CIS_INDEXES",
     "BudgetConfig",
     "CISConfig",
     "PSAWConfig",
@@ -122,6 +123,12 @@ class CISConfig:
     # CertKV's tail-summary slot on top of CIS: one slot of each row's top-k budget holds a synthetic
     # key/value for the middle tokens its index set leaves out (prhs_hf/selectors/cis.py)
     tail_slot: bool = False
+    # the key index (docs/notes/key_index.md): a low-precision copy of the keys beside the cache that a
+    # retrieval scores first; its best k + rerank_margin candidates are then re-ranked exactly on the
+    # cache's keys. "none": every retrieval scores the cache itself (bit-identical to no index)
+    index: str = "none"
+    rerank_margin: int = 64  # m: candidates beyond k re-ranked exactly (pages: rounded up to whole pages)
+    index_page: int = 16  # index: pages, tokens per page (a power of two in [4, 128])
 
 
 @dataclass(frozen=True)
@@ -375,6 +382,10 @@ _SECTIONS: dict[str, type] = {
 
 # key -> (kind, lower, upper, lower_open, nullable[, upper_open]); kind in {"int", "float", "bool", "choice", "phases", "path"}
 CIS_SELECTIONS = ("head", "group", "group_mean")
+CIS_INDEXES = ("none", "fp8", "int4", "pages")
+"""``cis.index``: ``none``, or a key index kind that ``prhs_hf.kernels.key_index`` implements
+(``INDEX_KINDS``; tests/test_config.py checks that the two agree)."""
+MIN_INDEX_PAGE, MAX_INDEX_PAGE = 4, 128
 
 _RULES: dict[str, tuple] = {
     "budget.sink": ("int", 0, MAX_TOKENS, False, False),
@@ -388,6 +399,9 @@ _RULES: dict[str, tuple] = {
     "cis.tail_slot": ("bool",),
     "cis.dilation_topm": ("int", 0, MAX_TOKENS, False, True),
     "cis.dilation_radius": ("int", 0, MAX_TOKENS, False, False),
+    "cis.index": ("choice", CIS_INDEXES),
+    "cis.rerank_margin": ("int", 0, MAX_TOKENS, False, False),
+    "cis.index_page": ("int", MIN_INDEX_PAGE, MAX_INDEX_PAGE, False, False),
     "psaw.enabled": ("bool",),
     "psaw.phases": ("phases",),
     "psaw.start_layer": ("int", 0, MAX_LAYERS, False, True, True),
@@ -552,7 +566,18 @@ def _check_sizes(config: PrHSConfig) -> None:
         _require_no_baseline(config, "cis.tail_slot", "CIS", "set cis.tail_slot: false, or baseline.tail_slot for certkv")
         _require_budget(config, "topk", 2, "leaves CIS no real-token slot beside its tail slot (cis.tail_slot: true "
                         "charges one per row)", ", or cis.tail_slot: false")
+    if cis.index_page & (cis.index_page - 1):
+        raise ConfigError(f"cis.index_page: {cis.index_page} is not a power of two; allowed 4, 8, 16, 32, 64 or 128")
     es = config.early_select
+    if cis.index != "none":
+        _require_no_baseline(config, "cis.index", "CIS", "the baselines score the cache itself: set cis.index: none")
+        if not cis.enabled:
+            raise ConfigError(f"cis.index: applies to CIS; this config has cis.enabled: false (set cis.index: none, "
+                              f"or turn CIS on)")
+        if es.enabled and es.side_stream:
+            raise ConfigError(f"cis.index: {cis.index} cannot run with early_select.side_stream: true (the side "
+                              f"stream's selection starts before the step's key is in the cache, so the index could "
+                              f"not be updated first); set cis.index: none or early_select.side_stream: false")
     if es.enabled and not (config.baseline.name == "quest" or (config.baseline.name is None and cis.enabled)):
         selector = f"baseline.name: {config.baseline.name}" if config.baseline.name else "no selector (cis is off)"
         raise ConfigError(f"early_select: applies to {' or '.join(EARLY_SELECT_APPLIES_TO)}; this config has "

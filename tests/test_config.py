@@ -228,6 +228,8 @@ def test_only_a_bare_name_resolves_to_a_shipped_config(tmp_path, monkeypatch):
         ({"psaw": {"alpha": 1e300}}, "psaw.alpha", "[0.0, 1000.0]"),
         ({"etf": {"gamma": 1e300}}, "etf.gamma", "[0.0, 1000.0]"),
         ({"cis": {"tau": 1e300}}, "cis.tau", "[-1.0, 2.0]"),
+        ({"cis": {"rerank_margin": 2**21}}, "cis.rerank_margin", "[0, 1048576]"),
+        ({"cis": {"index_page": 256}}, "cis.index_page", "[4, 128]"),
     ],
 )
 def test_every_numeric_key_has_an_upper_bound(data, key, allowed):
@@ -388,3 +390,39 @@ def test_empty_psaw_phases_is_an_error(phases):
                                           r".*psaw\.enabled: false.*got (\[\]|\(\))"):
         load_config({"psaw": {"phases": phases}})
     assert load_config({"psaw": {"phases": "decode"}}).psaw.phases == ("decode",)
+
+
+def test_key_index_keys_default_to_no_index_and_name_the_allowed_values():
+    cis = load_config("cis").cis
+    assert (cis.index, cis.index_page) == ("none", 16) and cis.rerank_margin >= 0
+    assert load_config({"cis": {"index": "pages", "index_page": 64, "rerank_margin": 0}}).cis.index_page == 64
+    with pytest.raises(ConfigError, match=r"^cis\.index: 'fp4' is not allowed; allowed: none, fp8, int4, pages$"):
+        load_config({"cis": {"index": "fp4"}})
+    for page in (2, 24, 256):
+        with pytest.raises(ConfigError, match=r"^cis\.index_page: .*(power of two|out of range)"):
+            load_config({"cis": {"index_page": page}})
+    with pytest.raises(ConfigError, match=r"^cis\.rerank_margin: -1 is out of range; allowed \[0, 1048576\]"):
+        load_config({"cis": {"rerank_margin": -1}})
+    with pytest.raises(ConfigError, match=r"^cis\.rerank_margin: expected an int"):
+        load_config({"cis": {"rerank_margin": 1.5}})
+
+
+def test_config_index_kinds_are_the_kernels_kinds():
+    from prhs_hf.config import CIS_INDEXES
+    from prhs_hf.kernels.key_index import INDEX_KINDS
+
+    assert CIS_INDEXES == ("none", *INDEX_KINDS)
+
+
+@pytest.mark.parametrize(
+    "data, text",
+    [
+        ({"cis": {"index": "fp8"}, "baseline": {"name": "quest"}}, r"applies to CIS .*baseline\.name: quest"),
+        ({"cis": {"index": "int4", "enabled": False}}, r"applies to CIS; this config has cis\.enabled: false"),
+        ({"cis": {"index": "pages"}, "early_select": {"side_stream": True}}, r"pages cannot run with early_select\.side_stream"),
+    ],
+)
+def test_key_index_is_refused_where_cis_does_not_retrieve_with_it(data, text):
+    with pytest.raises(ConfigError, match=r"^cis\.index: " + text):
+        load_config(data)
+    load_config({**data, "cis": {**data["cis"], "index": "none"}})  # the same config without the index loads
