@@ -78,7 +78,9 @@ def _base_selector(resolved: ResolvedConfig, num_heads: int) -> Selector | None:
         set_size = dilated_set_size(kept, resolved.dilation_topm, c.cis.dilation_radius)
         return CISSelector(resolved.num_layers, c.cis.block_size, set_size, grouped=c.cis.selection != "head",
                            group_score="mean" if c.cis.selection == "group_mean" else "max",
-                           keep_anchor_local=c.cis.keep_anchor_local, tail_slot=c.cis.tail_slot)
+                           keep_anchor_local=c.cis.keep_anchor_local, tail_slot=c.cis.tail_slot,
+                           index=c.cis.index, rerank_margin=c.cis.rerank_margin, index_page=c.cis.index_page,
+                           decode_backend=c.backend.decode)
     try:
         factory = SELECTORS[name]
     except KeyError:

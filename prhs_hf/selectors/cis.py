@@ -33,6 +33,16 @@ the anchor's, over the middle of the anchor's step. With ``selection: group`` th
 KV head, the group's softmax averaged (CertKV's convention). The summary and the attention with
 the pair (:func:`~prhs_hf.selectors.set_steps.attend_with_tail`) run in PyTorch on either ops table
 (docs/notes/runtime_design.md: what this costs and what it leaves out).
+
+The key index (``cis.index``: ``fp8``, ``int4`` or ``pages``; docs/notes/key_index.md): a
+low-precision copy of every layer's keys in the :class:`CISState`, which a retrieval scores first;
+its best ``k + cis.rerank_margin`` candidates are re-ranked exactly on the cache's keys
+(``ops.topk_retrieval_indexed``). The prompt's entries are written when the prompt's last layer has
+been seen (``ops.write_key_index`` of the slots the prefill wrote, on the ops table of the device's
+``backend.decode``), the new key's at each decode step before the layer's selection
+(``ops.update_key_index``, graph-safe). An eager step first writes the slots of steps the selector
+did not see (a forward the policy ran dense); a dynamic cache that outgrows the index makes it
+grow ×1.5 (:meth:`CISState.grow_key_index`).
 """
 
 from __future__ import annotations
@@ -41,11 +51,14 @@ from typing import NamedTuple
 
 import torch
 
-from .cis_state import CISState
+from .cis_state import CISState, KeyIndexSpec
+from ..backends import pick_decode_ops
 from ..decode import DecodeParams, DecodeSelection, StepFrame, step_frame
 from ..geometry import SequenceGeometry
 from ..kernels.compose_indices import SET_NONE
 from ..kernels.decode_ops import REFERENCE_OPS, CISSelection, DecodeOps, cis_select, group_query
+from ..config import ConfigError
+from ..kernels.key_index import INDEX_KINDS, INT4_GROUP, KeyIndex
 from ..kernels.side_stream import fork_cis_select, join_cis_select
 from .set_steps import tail_summaries
 
@@ -81,6 +94,12 @@ class CISSelector:
     is then ``dilated_set_size(k - 1, m, r)``) and every active row attends to one tail-summary pair
     besides (see the module docstring); the pairs of the anchors are kept in the
     :class:`CISState` (``tail_k``/``tail_v`` ``[L, B, H, s, D]``, ``tail_log_mass``).
+
+    ``index`` (``cis.index``): ``"none"`` (every retrieval scores the cache), or the key index kind
+    that retrievals score first, re-ranking their best ``topk + rerank_margin`` candidates exactly
+    (``index_page``: tokens per page of ``"pages"``); see the module docstring. ``decode_backend``
+    (``backend.decode``) picks the ops table that writes the prompt's index entries, the one the
+    runtime picks for the device (a decode step runs on the table it is given).
     """
 
     CALL_STATE = ("states", "_slot", "_prompt_devices")
@@ -91,7 +110,15 @@ class CISSelector:
         group_score: str = "max",
         keep_anchor_local: bool = False,
         tail_slot: bool = False,
+        index: str = "none",
+        rerank_margin: int = 0,
+        index_page: int = 16,
+        decode_backend: str = "auto",
     ):
+        if index != "none" and index not in INDEX_KINDS:
+            raise ValueError(f"cis.index: {index!r} is not allowed; allowed: none, {', '.join(INDEX_KINDS)}")
+        if rerank_margin < 0:
+            raise ValueError(f"cis.rerank_margin: {rerank_margin} is out of range; allowed >= 0")
         self.num_layers = num_layers
         self.block_size = block_size
         self.set_size = set_size
@@ -99,6 +126,12 @@ class CISSelector:
         self.group_score = group_score
         self.keep_anchor_local = keep_anchor_local
         self.tail_slot = tail_slot
+        self.index = index
+        self.rerank_margin = rerank_margin
+        self.index_page = index_page if index == "pages" else 1
+        self.decode_backend = decode_backend
+        # layer -> its key cache, kept from its prefill until the prompt's last layer writes the index
+        self._prompt_keys: dict[int, torch.Tensor] = {}
         self.states: dict[torch.device, CISState] = {}
         # layer -> (its device, its index in that device's state), fixed at each prefill
         self._slot: dict[int, tuple[torch.device, int]] = {}
@@ -117,21 +150,57 @@ class CISSelector:
         layers is set up for its shape (or reset in place)."""
         if layer == 0:
             self._prompt_devices = {}
+            self._prompt_keys = {}
         self._prompt_devices[layer] = query.device
+        if self.index != "none":
+            self._prompt_keys[layer] = key
         if layer == self.num_layers - 1:
-            batch, heads, _, head_dim = query.shape
+            batch, heads, q_len, head_dim = query.shape
             if self.grouped:  # a row per KV head, its anchors the group's queries side by side
                 heads, head_dim = key.shape[1], head_dim * (heads // key.shape[1])
-            self._setup_layers(batch, heads, head_dim, self._prompt_devices)
+            index = self._index_spec(key)
+            self._setup_layers(batch, heads, head_dim, self._prompt_devices, index, key.shape[2])
+            if index is not None:
+                keys, self._prompt_keys = self._prompt_keys, {}
+                self._write_prompt_index(keys, q_len, geom)
+
+    def _index_spec(self, key: torch.Tensor) -> KeyIndexSpec | None:
+        """The key index layout for a cache of keys like ``key [B, Hkv, S, D]`` (None: no index)."""
+        if self.index == "none":
+            return None
+        if self.index == "int4" and key.shape[-1] % INT4_GROUP:
+            raise ConfigError(f"cis.index: int4 needs a head size that is a multiple of {INT4_GROUP} (its scale "
+                              f"groups); this model's is {key.shape[-1]}: use fp8 or pages")
+        return KeyIndexSpec(self.index, key.shape[1], key.shape[-1], key.dtype, self.index_page)
+
+    def _write_prompt_index(self, keys: dict[int, torch.Tensor], q_len: int, geom: SequenceGeometry | None) -> None:
+        """Write the index entries of the slots this prefill wrote (the ``q_len`` slots from the first
+        query row's, the same in every sequence; without ``geom``, the cache's last ``q_len``) and of
+        any slot before them that the index missed, for every layer (eager: reads one int)."""
+        slots = keys[self.num_layers - 1].shape[2]
+        start = slots - q_len if geom is None else int((geom.pad + geom.q_start).max())
+        end = start + q_len
+        for layer, key in keys.items():
+            device, local = self._slot[layer]
+            state = self.states[device]
+            ops = pick_decode_ops(self.decode_backend, device)
+            ops.write_key_index(state.key_index(local, key.shape[2]), key, min(state.index_end, start), end)
+        for state in self.states.values():
+            state.index_end = end
 
     def setup(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:
         """Buffers for decode steps of this shape with every layer on ``device``."""
         self._setup_layers(batch, heads, head_dim, dict.fromkeys(range(self.num_layers), device))
 
-    def _setup_layers(self, batch: int, heads: int, head_dim: int, devices: dict[int, torch.device]) -> None:
+    def _setup_layers(
+        self, batch: int, heads: int, head_dim: int, devices: dict[int, torch.device],
+        index: KeyIndexSpec | None = None, index_slots: int = 0,
+    ) -> None:
         """One state per device for the layers on it; existing ones of the right shape are reset
         in place, so that a compiled step keeps seeing the same addresses from one generate()
-        call to the next."""
+        call to the next. ``index``: the key index layout (None: none), with room for
+        ``index_slots`` cache slots (an index of that layout that is too small grows, its entries
+        kept: a chunked prefill writes only its own slots)."""
         if sorted(devices) != list(range(self.num_layers)):
             raise RuntimeError(f"CIS saw the prefill of layers {sorted(devices)} of {self.num_layers}")
         per_device: dict[torch.device, list[int]] = {}
@@ -140,19 +209,25 @@ class CISSelector:
         self._slot = {layer: (dev, i) for dev, layers in per_device.items() for i, layer in enumerate(layers)}
         for dev, layers in per_device.items():
             state = self.states.get(dev)
-            if state is None or not state.matches(len(layers), batch, heads, head_dim, dev):
-                self._allocate(dev, len(layers), batch, heads, head_dim)
+            if state is not None and index is not None and state.index_spec == index:
+                state.grow_key_index(index_slots)
+            if state is None or not state.matches(len(layers), batch, heads, head_dim, dev, index, index_slots):
+                self._allocate(dev, len(layers), batch, heads, head_dim, index, index_slots)
             else:
                 state.reset()
         for dev in [d for d in self.states if d not in per_device]:
             del self.states[dev]
 
     @torch.compiler.disable
-    def _allocate(self, device: torch.device, layers: int, batch: int, heads: int, head_dim: int) -> None:
+    def _allocate(
+        self, device: torch.device, layers: int, batch: int, heads: int, head_dim: int,
+        index: KeyIndexSpec | None = None, index_slots: int = 0,
+    ) -> None:
         # eager even inside a compiled forward: the buffers must live outside any CUDA graph pool; and
         # normal tensors even under inference_mode: reset() zeroes them in place outside it (lm-eval)
         with torch.inference_mode(False):
-            self.states[device] = CISState(layers, batch, heads, head_dim, self.block_size, self.set_size, device)
+            self.states[device] = CISState(layers, batch, heads, head_dim, self.block_size, self.set_size, device,
+                                           index, index_slots)
 
     def select(
         self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -191,11 +266,58 @@ class CISSelector:
                      scale=scale, grouped=self.grouped, group_score=self.group_score)
         args = (q, k_cache, geom.pad, f.t, f.lo, f.hi, win_start, anchor_q, anchor_count, anchor_set, f.active)
         if fork and local > 0:
+            if self.index != "none":  # the config refuses it: the step's key is not in the cache yet
+                raise ValueError("cis.index: a forked (side stream) selection cannot update the key index first")
             ticket, keep = fork_cis_select(layer, ops, *args, **sizes)
             return CISStart(layer, ops, p, f, win_start, None, (ticket, keep, sizes))
         # the anchors recorded in the composition's launch, unless the tail pairs go with them
         record = None if self.tail_slot else state.anchor_record(local)
-        return CISStart(layer, ops, p, f, win_start, cis_select(ops, *args, **sizes, record=record), None)
+        key_index = None if self.index == "none" else self._step_index(state, local, k_cache, geom, ops)
+        selection = cis_select(ops, *args, **sizes, record=record, key_index=key_index, margin=self.rerank_margin)
+        return CISStart(layer, ops, p, f, win_start, selection, None)
+
+    def _step_index(
+        self, state: CISState, local: int, k_cache: torch.Tensor, geom: SequenceGeometry, ops: DecodeOps
+    ) -> KeyIndex:
+        """``layer``'s key index with this step's key written (``ops.update_key_index`` of the slot
+        ``pad + t - 1``, graph-safe). An eager step first makes room (a dynamic cache that outgrew the
+        index; an index set up by :meth:`setup`, before any key) and writes the slots of the steps
+        this selector did not see (:meth:`_open_index_step`)."""
+        slots = k_cache.shape[2]
+        if state.key_index_a is None or slots > state.index_slots:
+            if torch.compiler.is_compiling() and state.key_index_a is None:
+                raise RuntimeError("cis.index: a compiled decode step before the key index was set up: run the "
+                                   "prompt through the patched model eagerly first")
+            self._index_room(state, k_cache)
+        index = state.key_index(local, slots)
+        if not torch.compiler.is_compiling():
+            if local == 0:
+                self._open_index_step(state, slots, geom)
+            if state.index_gap is not None:
+                ops.write_key_index(index, k_cache, *state.index_gap)
+        ops.update_key_index(index, k_cache, geom.pad + geom.t_last - 1)
+        return index
+
+    @torch.compiler.disable
+    def _index_room(self, state: CISState, k_cache: torch.Tensor) -> None:
+        if state.key_index_a is None:
+            with torch.inference_mode(False):
+                state.index_spec = self._index_spec(k_cache)
+                state._make_key_index(k_cache.shape[2])
+            state.index_end = 0
+        state.grow_key_index(k_cache.shape[2])
+
+    @staticmethod
+    def _open_index_step(state: CISState, slots: int, geom: SequenceGeometry) -> None:
+        """At an eager step's first layer: the slots its layers write before their update
+        (``state.index_gap``: those after ``state.index_end`` and before the new key's, or None).
+        The new key is at the dynamic cache's last slot when the index is current up to it; elsewhere
+        (a static cache, steps the selector missed, a cropped cache) its slot is read (one sync)."""
+        newest = slots - 1
+        if newest != state.index_end:
+            newest = int((geom.pad + geom.t_last).max()) - 1
+        state.index_gap = (state.index_end, newest) if newest > state.index_end else None
+        state.index_end = newest + 1
 
     def finish(
         self, started: CISStart, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

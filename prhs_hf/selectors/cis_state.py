@@ -5,17 +5,39 @@ per prompt shape and updated in place without host synchronisation, so that a co
 CUDA-graph-captured decode step sees few, fixed graph inputs. Anchors hold real indices (left
 padding excluded), which stay valid while a sequence grows and follow their sequence under beam
 reordering.
+
+With ``cis.index`` the state also holds the key index of every layer (``kernels.key_index``): one
+capacity buffer per tensor of the index, ``[L, B, Hkv, S_cap, ...]`` over cache slots, of which each
+step reads a view of the cache's slots (:meth:`CISState.key_index`).
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 
 from ..kernels.compose_indices import SET_NONE
 from ..kernels.decode_ops import AnchorRecord, DecodeOps
+from ..kernels.key_index import KeyIndex, allocate_key_index
 from ..kernels.record_anchors import anchor_slots
 
-__all__ = ["CISState"]
+__all__ = ["CISState", "KeyIndexSpec", "INDEX_GROWTH"]
+
+INDEX_GROWTH = 1.5
+"""A key index that a growing (dynamic) cache outgrows is reallocated this many times larger."""
+
+
+class KeyIndexSpec(NamedTuple):
+    """The layout of a model's key index: ``kind`` (``fp8``, ``int4``, ``pages``), the cache's KV
+    heads, head size and dtype, and ``page`` (tokens per page of ``pages``; 1 otherwise)."""
+
+    kind: str
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    page: int
 
 
 class CISState:
@@ -32,10 +54,18 @@ class CISState:
         tail_k, tail_v, tail_log_mass: with ``cis.tail_slot`` (made by :meth:`ensure_tails`, else
             None): ``[L, B, Hq, s, D]`` fp32 each anchor's tail-summary key/value and ``[L, B, Hq, s]``
             its log-mass (``-inf``: none), written with the anchor by :meth:`record`.
+        key_index_a, key_index_b: with ``cis.index`` (``index`` given, else None): the key index of
+            every layer, ``[L, B, Hkv, S_cap, ...]`` (pages: ``ceil(S_cap / page)`` pages), the
+            ``a``/``b`` of :class:`~prhs_hf.kernels.key_index.KeyIndex`; ``S_cap`` (``index_slots``)
+            is at least the cache's slot count (:meth:`grow_key_index`).
+        index_end: host int, the cache slots ``[0, index_end)`` whose index entries are current
+            (kept by the selector's eager forwards; a compiled step leaves it behind, which only
+            makes the next eager step rewrite entries that were already current).
     """
 
     def __init__(
-        self, layers: int, batch: int, heads: int, head_dim: int, block_size: int, set_size: int, device: torch.device
+        self, layers: int, batch: int, heads: int, head_dim: int, block_size: int, set_size: int, device: torch.device,
+        index: KeyIndexSpec | None = None, index_slots: int = 0,
     ):
         self.block_size = block_size
         self.anchor_q = torch.zeros(layers, batch, heads, block_size, head_dim, dtype=torch.float32, device=device)
@@ -48,6 +78,59 @@ class CISState:
         self.tail_k: torch.Tensor | None = None
         self.tail_v: torch.Tensor | None = None
         self.tail_log_mass: torch.Tensor | None = None
+        self.index_spec = index
+        self.index_slots = 0
+        self.index_end = 0
+        # the slots [start, end) that every layer of the open eager step writes before its update
+        # (steps the selector did not see: a dense forward of the policy, a compiled one), or None
+        self.index_gap: tuple[int, int] | None = None
+        self.key_index_a: torch.Tensor | None = None
+        self.key_index_b: torch.Tensor | None = None
+        if index is not None:
+            self._make_key_index(index_slots)
+
+    def _make_key_index(self, slots: int) -> None:
+        """Zeroed index buffers for ``slots`` cache slots (the layers side by side on the batch axis
+        of one :func:`~prhs_hf.kernels.key_index.allocate_key_index`)."""
+        spec = self.index_spec
+        layers, batch = self.anchor_q.shape[:2]
+        made = allocate_key_index(spec.kind, layers * batch, spec.kv_heads, slots, spec.head_dim, spec.dtype,
+                                  self.anchor_q.device, spec.page)
+        self.key_index_a = made.a.view(layers, batch, *made.a.shape[1:])
+        self.key_index_b = made.b.view(layers, batch, *made.b.shape[1:])
+        self.index_slots = slots
+        for buffer in (self.key_index_a, self.key_index_b):
+            torch._dynamo.mark_static_address(buffer)
+
+    def _index_rows(self, slots: int) -> int:
+        """Rows of the index's slot axis that cover ``slots`` cache slots (pages: whole pages)."""
+        return -(-slots // self.index_spec.page)
+
+    @torch.compiler.disable
+    def grow_key_index(self, slots: int) -> None:
+        """Make room for ``slots`` cache slots: a new buffer ``INDEX_GROWTH`` times larger (at least
+        ``slots``), the current entries copied. Eager even inside a compiled forward; a static cache
+        never needs it (its slot count is the index's from its prefill)."""
+        if slots <= self.index_slots:
+            return
+        old_a, old_b, old_slots = self.key_index_a, self.key_index_b, self.index_slots
+        with torch.inference_mode(False):  # as the state's other buffers
+            self._make_key_index(max(slots, math.ceil(old_slots * INDEX_GROWTH)))
+            rows = self._index_rows(old_slots)
+            self.key_index_a[:, :, :, :rows].copy_(old_a[:, :, :, :rows])
+            self.key_index_b[:, :, :, :rows].copy_(old_b[:, :, :, :rows])
+
+    def key_index(self, layer: int, slots: int) -> KeyIndex:
+        """``layer``'s key index over the first ``slots`` cache slots (views into the buffers, which
+        the ops write in place; not contiguous where the capacity exceeds ``slots``)."""
+        rows = self._index_rows(slots)
+        spec = self.index_spec
+        return KeyIndex(spec.kind, self.key_index_a[layer, :, :, :rows], self.key_index_b[layer, :, :, :rows],
+                        spec.page)
+
+    def index_nbytes(self) -> int:
+        """Bytes the key index buffers hold (0 without an index)."""
+        return sum(b.numel() * b.element_size() for b in (self.key_index_a, self.key_index_b) if b is not None)
 
     @torch.compiler.disable
     def ensure_tails(self, dim: int) -> None:
@@ -72,15 +155,23 @@ class CISState:
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         tails = () if self.tail_k is None else (self.tail_k, self.tail_v, self.tail_log_mass)
-        return (self.anchor_q, self.anchor_idx, self.anchor_count, *tails)
+        index = () if self.key_index_a is None else (self.key_index_a, self.key_index_b)
+        return (self.anchor_q, self.anchor_idx, self.anchor_count, *tails, *index)
 
-    def matches(self, layers: int, batch: int, heads: int, head_dim: int, device: torch.device) -> bool:
-        """Whether the buffers fit decode steps of this shape."""
+    def matches(
+        self, layers: int, batch: int, heads: int, head_dim: int, device: torch.device,
+        index: KeyIndexSpec | None = None, index_slots: int = 0,
+    ) -> bool:
+        """Whether the buffers fit decode steps of this shape, with a key index of layout ``index``
+        (None: none) and room for ``index_slots`` cache slots."""
         n, b, h, _, d = self.anchor_q.shape
-        return (n, b, h, d) == (layers, batch, heads, head_dim) and self.anchor_q.device == device
+        return ((n, b, h, d) == (layers, batch, heads, head_dim) and self.anchor_q.device == device
+                and self.index_spec == index and (index is None or index_slots <= self.index_slots))
 
     def reset(self) -> None:
-        """Start over (a new prompt) in place: no anchors, step 0; the addresses stay the same."""
+        """Start over (a new prompt) in place: no anchors, step 0; the addresses stay the same. The
+        key index stays: its entries follow the cache's keys, which a reset leaves as they are (a
+        prefill rewrites those of the slots it writes, :attr:`index_end`)."""
         self.anchor_count.zero_()
         self.step.zero_()
 
