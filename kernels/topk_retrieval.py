@@ -183,14 +183,14 @@ def _compact(flags: torch.Tensor, group: int, with_groups: bool):
 
 @triton.jit
 def _group_score_kernel(
-    Q, K, PAD, LO, HI, FLAG, GORDER, GCOUNT, KEYS, HIST, TAKEN, TMAX, ORDER, COUNT,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys, stride_tmax,
+    Q, K, KB, PAD, LO, HI, FLAG, GORDER, GCOUNT, KEYS, HIST, TAKEN, TMAX, ORDER, COUNT,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_bb, stride_bh, stride_bs, stride_keys, stride_tmax,
     scale, S, CHUNK, MIN_CHUNK, MAX_SPLITS, R,
     HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, AGG_MAX: tl.constexpr, IEEE: tl.constexpr,
     ZERO_SCRATCH: tl.constexpr, ZROWS: tl.constexpr, HIST_ROW: tl.constexpr, TILE_MAX: tl.constexpr = False,
     SUB: tl.constexpr = 32, COMPACT: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, FG: tl.constexpr = 1, FGP: tl.constexpr = 1,
-    NGP: tl.constexpr = 16,
+    NGP: tl.constexpr = 16, KFMT: tl.constexpr = 0,
 ):
     """Persistent grid of the group scoring: the programs stride over the (live group, split)
     items, ``splits`` per live group, items ``i = c * splits + sp``.
@@ -206,7 +206,11 @@ def _group_score_kernel(
     itself (``_live_groups``: the flags of FG consecutive rows per group, one row per group in
     grouped mode), and program 0 also writes the rows' compaction (``ORDER``, ``COUNT`` of the
     ``R`` flags, what the select launched after this one reads). Else the live groups are
-    ``GORDER[:GCOUNT]``, from ``_compact_kernel``."""
+    ``GORDER[:GCOUNT]``, from ``_compact_kernel``.
+
+    KFMT: what K holds (:func:`_score_tile`): the keys (0), or a key index (key_index.py) with
+    its second tensor KB: fp8 codes and slot scales (1), int4 codes and group scales (2), page
+    maxima and minima (3)."""
     nprog = tl.num_programs(0)
     if COMPACT:
         if tl.program_id(0) == 0:
@@ -225,22 +229,57 @@ def _group_score_kernel(
         else:
             gid = tl.load(GORDER + c)
         _group_score_item(
-            Q, K, PAD, LO, HI, FLAG, KEYS, HIST, TAKEN, TMAX,
-            stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys, stride_tmax,
-            scale, S, CHUNK, MIN_CHUNK, gid, item % splits, splits,
-            HKV, GROUP, D, BLOCK_M, BLOCK_N, BLOCK_D, AGG_MAX, IEEE, ZERO_SCRATCH, ZROWS, HIST_ROW, TILE_MAX, SUB,
+            Q, K, KB, PAD, LO, HI, FLAG, KEYS, HIST, TAKEN, TMAX,
+            stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_bb, stride_bh, stride_bs, stride_keys,
+            stride_tmax, scale, S, CHUNK, MIN_CHUNK, gid, item % splits, splits,
+            HKV, GROUP, D, BLOCK_M, BLOCK_N, BLOCK_D, AGG_MAX, IEEE, ZERO_SCRATCH, ZROWS, HIST_ROW, TILE_MAX, SUB, KFMT,
         )
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` with fp32 accumulation (IEEE: in exact fp32, b converted to it)."""
+    if IEEE:
+        return tl.dot(a, b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b.to(a.dtype))
+
+
+@triton.jit
+def _score_tile(q, q_neg, k_base, kb_base, slot, m, offs_d, dmask, stride_ks, stride_bs,
+                IEEE: tl.constexpr, KFMT: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` fp32 scores (unscaled) of the queries ``q`` against the slots ``slot``
+    (lanes ``m``) of one KV head: of its keys (KFMT 0, ``k_base``), or of its key index (``k_base``
+    the index's codes / page maxima, ``kb_base`` its scales / page minima; the module docstring of
+    key_index.py): fp8 ``(q . code) * slot scale`` (1); int4 ``q . (code * group scale)`` (2);
+    pages the bound ``q+ . max + q- . min`` of each page (3; ``q`` holds ``q+``, ``q_neg`` ``q-``)."""
+    mk = m[None, :] & dmask[:, None]
+    rows = slot.to(tl.int64)[None, :]
+    if KFMT == 1:
+        code = tl.load(k_base + rows * stride_ks + offs_d[:, None], mask=mk, other=0)
+        sc = tl.load(kb_base + slot.to(tl.int64) * stride_bs, mask=m, other=0.0)
+        return _dot(q, code.to(tl.float8e4nv, bitcast=True), IEEE) * sc[None, :]
+    elif KFMT == 2:
+        byte = tl.load(k_base + rows * stride_ks + (offs_d // 2)[:, None], mask=mk, other=0).to(tl.int32)
+        nib = (byte >> ((offs_d % 2) * 4)[:, None]) & 15
+        sc = tl.load(kb_base + rows * stride_bs + (offs_d // 32)[:, None], mask=mk, other=0.0)
+        return _dot(q, ((nib ^ 8) - 8).to(tl.float32) * sc, IEEE)
+    elif KFMT == 3:
+        mx = tl.load(k_base + rows * stride_ks + offs_d[:, None], mask=mk, other=0.0)
+        mn = tl.load(kb_base + rows * stride_bs + offs_d[:, None], mask=mk, other=0.0)
+        return _dot(q, mx, IEEE) + _dot(q_neg, mn, IEEE)
+    else:
+        return _dot(q, tl.load(k_base + rows * stride_ks + offs_d[:, None], mask=mk, other=0.0), IEEE)
+
+
+@triton.jit
 def _group_score_item(
-    Q, K, PAD, LO, HI, FLAG, KEYS, HIST, TAKEN, TMAX,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_keys, stride_tmax,
+    Q, K, KB, PAD, LO, HI, FLAG, KEYS, HIST, TAKEN, TMAX,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_bb, stride_bh, stride_bs, stride_keys, stride_tmax,
     scale, S, CHUNK, MIN_CHUNK, gid, sp, splits,
     HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, AGG_MAX: tl.constexpr, IEEE: tl.constexpr,
     ZERO_SCRATCH: tl.constexpr, ZROWS: tl.constexpr, HIST_ROW: tl.constexpr, TILE_MAX: tl.constexpr,
-    SUB: tl.constexpr,
+    SUB: tl.constexpr, KFMT: tl.constexpr,
 ):
     """Scores of split ``sp`` (of ``splits``) of live KV group ``gid``'s (``b * Hkv + kvh``)
     middle region, for all G heads at once.
@@ -282,7 +321,12 @@ def _group_score_item(
                 mask=mrow[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if IEEE:
         q = q.to(tl.float32)
+    q_neg = q
+    if KFMT == 3:  # the page bound's two halves
+        q_neg = tl.where(q < 0, q, tl.zeros_like(q))
+        q = tl.where(q > 0, q, tl.zeros_like(q))
     k_base = K + b.to(tl.int64) * stride_kb + kvh * stride_kh  # > 2^31 elements ok
+    kb_base = KB + b.to(tl.int64) * stride_bb + kvh * stride_bh
     if ZERO_SCRATCH:
         if sp == 0:
             offs_z = tl.arange(0, HIST_ROW)
@@ -297,14 +341,7 @@ def _group_score_item(
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         m = j < end
-        kt = tl.load(
-            k_base + (pad + j).to(tl.int64)[None, :] * stride_ks + offs_d[:, None],
-            mask=m[None, :] & dmask[:, None], other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        if IEEE:
-            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
+        s = _score_tile(q, q_neg, k_base, kb_base, pad + j, m, offs_d, dmask, stride_ks, stride_bs, IEEE, KFMT)
         s = (s * scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]
         if AGG_MAX:
             s = tl.max(tl.where(mrow[:, None], s, float("-inf")), axis=0)
@@ -331,10 +368,14 @@ def _retrieve(
     q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     flags: torch.Tensor, k: int, scale: float, *, grouped: bool, _select: str = "auto",
     _stop_after: str = "select", _select_block: int | None = None, _select_warps: int | None = None,
-    _score_cfg: tuple[int, ...] | None = None,
+    _score_cfg: tuple[int, ...] | None = None, _key_format: int = 0, _key_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The launcher of both: per-head rows (``grouped`` off, flags [B, Hq]) or one row per KV
     group (flags [B, Hkv], scores = max over the group's heads). Returns [B, rows per sequence, k].
+
+    ``_key_format`` / ``_key_b`` (key_index.py's stage 1): ``k_cache`` is a key index's first
+    tensor, ``_key_b`` its second, scored as the score kernel's KFMT (its slots: cache slots, or
+    pages with ``pad`` 0 and the region in pages).
 
     Private switches (benchmarks and tests): ``_select`` in :data:`SELECT_MODES` or ``"auto"``;
     ``_stop_after`` returns the unfinished output after ``"compact"`` or ``"score"`` (the stage
@@ -394,15 +435,17 @@ def _retrieve(
     max_splits = triton.cdiv(S, fixed_chunk or min_chunk)
     programs = max(1, min(per_sm * num_sms(q.device), B * Hkv * max_splits))
     sub, tmax = tilemax_scratch(R, S, block_n, block, q.device) if not radix else (32, keys)  # keys: unused
+    kb = k_cache if _key_b is None else _key_b
     _group_score_kernel[(programs,)](
-        q, k_cache, pad, lo, hi, flags, gorder, gcount, keys, hist, taken, tmax, order, count,
+        q, k_cache, kb, pad, lo, hi, flags, gorder, gcount, keys, hist, taken, tmax, order, count,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        keys.stride(0), tmax.stride(0), float(scale), S, fixed_chunk, min_chunk, max_splits, R,
+        kb.stride(0), kb.stride(1), kb.stride(2), keys.stride(0), tmax.stride(0), float(scale), S, fixed_chunk,
+        min_chunk, max_splits, R,
         HKV=Hkv, GROUP=group, D=D, BLOCK_M=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         AGG_MAX=grouped, IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
         ZERO_SCRATCH=radix, ZROWS=1 if grouped else group, HIST_ROW=HIST_ROW, TILE_MAX=not radix, SUB=sub,
         COMPACT=compact_in_score, BLOCK_R=min(next_pow2(R, 16), 1024), FG=flags_per_group, FGP=fgp, NGP=ngp,
-        num_warps=warps, num_stages=stages,
+        KFMT=_key_format, num_warps=warps, num_stages=stages,
     )
     if _stop_after == "score":
         return out

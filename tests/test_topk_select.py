@@ -430,7 +430,7 @@ TYPES = {"Q": "*bf16", "K": "*bf16", "FLAG": "*i1", "scale": "fp32", "S": "i32",
 def compile_sm90(fn, constexprs, num_warps):
     # constexprs with defaults must still be named (an unnamed upper-case one would become a pointer)
     constexprs = {**{n: v for n, v in (("TILE_MAX", False), ("SUB", 32), ("COMPACT", False), ("BLOCK_R", 16),
-                                       ("FG", 1), ("FGP", 1), ("NGP", 16)) if n in fn.arg_names}, **constexprs}
+                                       ("FG", 1), ("FGP", 1), ("NGP", 16), ("KFMT", 0)) if n in fn.arg_names}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else TYPES.get(n, "*i32" if n.isupper() else "i32")
            for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
