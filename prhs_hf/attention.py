@@ -5,16 +5,25 @@ the query ``[B, Hq, Lq, D]``, the whole cache ``[B, Hkv, Lk, D]`` after the upda
 built by the registered mask function (``sdpa_mask``), and returns ``([B, Lq, Hq, D], None)``:
 the signature of transformers' ``AttentionInterface``, which both functions here have.
 A module of a model that is not patched (no ``_prhs_layer``) gets plain SDPA.
+
+Both names build their masks with :func:`generation_sdpa_mask`: transformers' ``sdpa_mask``, except
+that inside :func:`decode_padding_read_once` (a patched ``generate()``) the decode steps ask the
+device whether the batch has padding once, not at every step.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask, sdpa_mask
 
-__all__ = ["ATTENTION_NAME", "GQA_SDPA_NAME", "gqa_sdpa_attention_forward", "prhs_attention_forward", "register"]
+__all__ = ["ATTENTION_NAME", "GQA_SDPA_NAME", "decode_padding_read_once", "generation_sdpa_mask",
+           "gqa_sdpa_attention_forward", "prhs_attention_forward", "register"]
 
 ATTENTION_NAME = "prhs"
 #: dense SDPA that reads grouped K/V in place, also under a mask (see gqa_sdpa_attention_forward)
@@ -53,6 +62,61 @@ def prhs_attention_forward(
     return layer.attend(module, query, key, value, attention_mask, dropout, scaling, kwargs)
 
 
+class _DecodePadding:
+    """The decode steps of one ``generate()`` of the model whose configs are ``configs``: whether
+    their 2D attention mask is all ones (``None`` until the first decode step reads it)."""
+
+    def __init__(self, configs: tuple[Any, ...]):
+        self.configs = configs
+        self.unpadded: bool | None = None
+
+
+_DECODE_PADDING: ContextVar[_DecodePadding | None] = ContextVar("prhs_decode_padding", default=None)
+
+
+@contextmanager
+def decode_padding_read_once(model: torch.nn.Module) -> Iterator[None]:
+    """For the block (one ``generate()`` of ``model``): the decode steps' masks ask the device
+    whether the batch has padding at the first decode step only.
+
+    transformers' ``sdpa_mask`` reads ``attention_mask.all()`` on the host at every decode step to
+    pass SDPA no mask where there is no padding. Within one ``generate()`` the answer cannot change:
+    each step appends a real token (a 1) to the 2D mask of a full-attention layer's cache, so the
+    first decode step's answer holds for the rest and the masks are the ones transformers builds.
+    """
+    config = model.config
+    configs = (config, config.get_text_config()) if hasattr(config, "get_text_config") else (config,)
+    token = _DECODE_PADDING.set(_DecodePadding(configs))
+    try:
+        yield
+    finally:
+        _DECODE_PADDING.reset(token)
+
+
+def generation_sdpa_mask(*args, **kwargs) -> torch.Tensor | None:
+    """transformers' ``sdpa_mask`` (same arguments, same masks), which inside
+    :func:`decode_padding_read_once` reads the decode steps' padding once instead of at each step.
+
+    Only a one-token step of a full-attention layer (no ``local_size``, ``kv_offset`` 0) of the
+    block's model that transformers would let skip its mask takes the remembered answer: ``None``
+    (no padding: SDPA without a mask, as ``sdpa_mask`` returns then) or the mask built as
+    ``sdpa_mask`` builds it. Everything else (prefills, sliding windows, compiled steps, other
+    models, forwards outside ``generate()``) is ``sdpa_mask`` itself.
+    """
+    state = _DECODE_PADDING.get()
+    mask_2d = kwargs.get("attention_mask")
+    if (state is None or args or kwargs.get("q_length") != 1 or not kwargs.get("allow_is_causal_skip", True)
+            or kwargs.get("local_size") is not None or kwargs.get("kv_offset", 0) != 0 or mask_2d is None
+            or not any(kwargs.get("config") is c for c in state.configs) or torch.compiler.is_compiling()):
+        return sdpa_mask(*args, **kwargs)
+    if state.unpadded is None:  # the one host read of this generate()'s decode masks
+        kv_length = kwargs["kv_length"]
+        state.unpadded = bool(prepare_padding_mask(mask_2d, kv_length, 0)[:, :kv_length].all())
+    if state.unpadded:
+        return None
+    return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False})
+
+
 def register() -> None:
     """Register the attention functions (``"prhs"`` and ``"sdpa_gqa"``) and their mask builder
     (idempotent); ``model.set_attn_implementation("sdpa_gqa")`` makes a fair dense baseline.
@@ -61,4 +125,4 @@ def register() -> None:
     """
     for name, function in ((ATTENTION_NAME, prhs_attention_forward), (GQA_SDPA_NAME, gqa_sdpa_attention_forward)):
         AttentionInterface.register(name, function)
-        AttentionMaskInterface.register(name, sdpa_mask)
+        AttentionMaskInterface.register(name, generation_sdpa_mask)
