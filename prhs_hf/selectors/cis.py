@@ -378,6 +378,10 @@ class CISSelector:
         pick = retrieved[..., None]
         return (torch.where(pick, own[0], shared[0]), torch.where(pick, own[1], shared[1]), log_mass), stored
 
+    def index_nbytes(self) -> int:
+        """Bytes the key index of the generation in progress holds on every device (0 without one)."""
+        return sum(state.index_nbytes() for state in self.states.values())
+
     def reorder(self, index: torch.Tensor) -> None:
         """Follow beam search."""
         for state in self.states.values():
