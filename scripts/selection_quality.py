@@ -43,12 +43,22 @@ each also at s = 1, and the oracle: which group ranking loses least against per-
 ``--schedule seeds`` runs the seed systems (CIS + tail, EarlySelectKV, Double Sparsity, CertKV)
 beside CIS-main and the oracle at one budget.
 
+Key index (``cis.index``, docs/notes/key_index.md): ``--schedule key_index`` runs CIS as
+``configs/cis.yaml`` ships it (s 16, τ 0.8, the budget of ``--sink/--local/--topk``) with no index
+and with each index kind at the rerank margins of ``--margins``, each row also with its retrieval
+probed (:class:`RetrievalProbe`, the script's own ops table: every indexed retrieval runs the exact
+one on the same queries beside it): the top-k overlap of the indexed retrieval with the exact one
+(``retrieval_overlap``, over retrieving rows) and the bytes the retrieval reads, the index's over
+the middle region plus the re-ranked candidates' keys, against the exact retrieval's keys (bf16
+keys counted, whatever the run's dtype: ``retrieval_bytes_ratio``).
+
 Writes ``docs/results/<--name>.{json,md}`` (default ``selection_quality``) and PNG plots there. Example::
 
     python scripts/selection_quality.py --prompts 4 --max-new-tokens 64            # CPU, smollm2-135m
     python scripts/selection_quality.py --model qwen2.5-coder-1.5b --device cuda --dtype bfloat16 --prompts 32
     python scripts/selection_quality.py --schedule early_select --name selection_quality_early_select --prompts 2
     python scripts/selection_quality.py --schedule cis_tail --name selection_quality_cis_tail --prompts 2
+    python scripts/selection_quality.py --schedule key_index --name selection_quality_key_index --prompts 4
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ import platform
 import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -71,6 +82,9 @@ import transformers
 import prhs_hf
 from prhs_hf.hub import fetch
 from prhs_hf.evaluation.lm_eval.data import load_rows
+from prhs_hf.kernels.decode_ops import REFERENCE_OPS, DecodeOps
+from prhs_hf.kernels.key_index import INDEX_KINDS, INT4_GROUP, candidate_count, index_bytes_per_slot
+from prhs_hf.kernels.topk_retrieval import topk_retrieval_grouped_reference, topk_retrieval_reference
 from prhs_hf.telemetry_counters import Telemetry, routing_certificate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -243,6 +257,74 @@ class RoutingTelemetry(Telemetry):
 
 
 # --------------------------------------------------------------------------------------------
+# Retrieval probe (the key index schedule)
+# --------------------------------------------------------------------------------------------
+
+
+class RetrievalProbe:
+    """A decode ops table (the PyTorch references) whose retrievals also measure themselves.
+
+    Every indexed retrieval (``topk_retrieval_indexed``) runs the exact retrieval on the same
+    queries beside it and counts, over the rows that retrieve, the exact top-k indices it found;
+    every retrieval, indexed or not, counts the bytes it reads: for each (sequence, KV head) with a
+    retrieving row, the exact one reads the middle region's keys once, the indexed one the index
+    over the region (``index_bytes_per_slot``) plus, per retrieving row, its candidates' keys
+    (``k + margin`` tokens, pages: whole pages, at most the region). Keys count as ``itemsize``
+    bytes per element (2: the bf16 cache of a GPU run).
+    """
+
+    def __init__(self, itemsize: int = 2):
+        self.itemsize = itemsize
+        self.found = 0  # exact top-k indices the indexed retrievals also returned
+        self.wanted = 0  # exact top-k indices of the retrieving rows
+        self.bytes = 0.0  # read by the retrievals as run
+        self.exact_bytes = 0.0  # an exact retrieval of the same rows would read
+        self.ops = dataclasses.replace(REFERENCE_OPS, topk_retrieval=self._exact(topk_retrieval_reference, False),
+                                       topk_retrieval_grouped=self._exact(topk_retrieval_grouped_reference, True),
+                                       topk_retrieval_indexed=self._indexed)
+
+    def _region_bytes(self, q, k_cache, lo, hi, retrieve, grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(region tokens [B, H], whether each (sequence, KV head) reads [B, Hkv])`` of a retrieval."""
+        B, Hkv = k_cache.shape[:2]
+        rows = retrieve if grouped else retrieve.view(B, Hkv, -1).any(-1)
+        return (hi - lo).clamp_min(0).to(torch.float64).view(B, 1), rows
+
+    def _count_exact(self, q, k_cache, lo, hi, retrieve, grouped: bool) -> float:
+        width, reads = self._region_bytes(q, k_cache, lo, hi, retrieve, grouped)
+        key_bytes = k_cache.shape[-1] * self.itemsize
+        return float((width * reads * key_bytes).sum())
+
+    def _exact(self, fn, grouped: bool):
+        def retrieval(q, k_cache, pad, lo, hi, retrieve, k, scale):
+            spent = self._count_exact(q, k_cache, lo, hi, retrieve, grouped)
+            self.bytes += spent
+            self.exact_bytes += spent
+            return fn(q, k_cache, pad, lo, hi, retrieve, k, scale)
+
+        return retrieval
+
+    def _indexed(self, q, k_cache, index, pad, lo, hi, retrieve, k, margin, scale, grouped):
+        got = REFERENCE_OPS.topk_retrieval_indexed(q, k_cache, index, pad, lo, hi, retrieve, k, margin, scale, grouped)
+        exact_fn = topk_retrieval_grouped_reference if grouped else topk_retrieval_reference
+        exact = exact_fn(q, k_cache, pad, lo, hi, retrieve, k, scale)
+        hit = (got[..., :, None] == exact[..., None, :]) & (exact[..., None, :] >= 0)
+        self.found += int(hit.any(-2).sum())
+        self.wanted += int((exact >= 0).sum())
+        width, reads = self._region_bytes(q, k_cache, lo, hi, retrieve, grouped)
+        D = k_cache.shape[-1]
+        per_slot = index_bytes_per_slot(index.kind, D, torch.bfloat16, index.page)
+        candidates = torch.clamp(width, max=candidate_count(k, margin, index.page) * index.page)  # [B, 1]
+        self.bytes += float((width * reads * per_slot).sum()) + float((candidates * retrieve * D * self.itemsize).sum())
+        self.exact_bytes += self._count_exact(q, k_cache, lo, hi, retrieve, grouped)
+        return got
+
+    def results(self) -> dict[str, float | None]:
+        """``retrieval_overlap`` (None: no indexed retrieval), ``retrieval_bytes_ratio`` (None: none read)."""
+        return {"retrieval_overlap": self.found / self.wanted if self.wanted else None,
+                "retrieval_bytes_ratio": self.bytes / self.exact_bytes if self.exact_bytes else None}
+
+
+# --------------------------------------------------------------------------------------------
 # Variants
 # --------------------------------------------------------------------------------------------
 
@@ -256,6 +338,7 @@ class Variant:
     config: dict[str, Any]
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    probe: bool = False  # run on a RetrievalProbe's ops table (the key index schedule)
 
 
 def base_config(budget: dict[str, int]) -> dict[str, Any]:
@@ -328,6 +411,9 @@ def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, dev
     """Patch, run every prompt teacher-forced, unpatch; the row of measurements."""
     rt = prhs_hf.patch(model, variant.config).runtime
     rt.telemetry = RoutingTelemetry(rt.telemetry)
+    probe = RetrievalProbe() if variant.probe else None
+    if probe is not None:  # the table the runtime hands every layer's decode step on this device
+        rt._ops[torch.device(device)] = probe.ops
     h_err, l_err, top1 = [], [], []
     start = time.perf_counter()
     try:
@@ -370,6 +456,8 @@ def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, dev
     }
     if fidelity is not None:
         row["fidelity"] = fidelity
+    if probe is not None:
+        row.update(probe.results())
     return row
 
 
@@ -446,6 +534,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         settings = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["settings"].items())
         lines.append(f"- **{r['variant']}**: {settings or '—'}{'; ' + r['note'] if r['note'] else ''}")
     lines += fidelity_lines(rows)
+    lines += key_index_lines(rows)
     lines += ["", "Targets:", "", *targets(rows), "",
               "Definitions: ρ̂ retrievals per (head, layer, sparse step); KV/step keys attended per head and "
               "layer; β_emp = τ*_N − τ_S against the budget-matched top-N oracle of full attention (N = |S|); "
@@ -454,6 +543,35 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
               "g(δ̄) the certificate of the global mean dropped mass and context; B_MI and ΔI_emp the per-cell "
               "certificate and the plug-in routing-MI perturbation (see the script's docstring).", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def key_index_lines(rows: list[dict]) -> list[str]:
+    """The key index rows (``--schedule key_index``) as their own table, with the issue's targets
+    against the row without an index: top-k overlap with the exact retrieval ≥ 0.99 and β_emp within
+    5 % of the exact retrieval's (none: no lines)."""
+    probed = [r for r in rows if "retrieval_bytes_ratio" in r]
+    if not probed:
+        return []
+    lines = ["", "Key index: each retrieval against the exact retrieval of the same queries (top-k overlap over "
+             "retrieving rows); retrieval bytes: the index over the middle region plus the re-ranked candidates' "
+             "bf16 keys, over the exact retrieval's bf16 keys (per retrieving (sequence, KV head)).", "",
+             "| " + " | ".join(c[1] for c in KEY_INDEX_COLUMNS) + " |", "|" + "|".join("---" for _ in KEY_INDEX_COLUMNS) + "|"]
+    for r in probed:
+        lines.append("| " + " | ".join(_fmt(r.get(k), spec) for k, _, spec in KEY_INDEX_COLUMNS) + " |")
+    exact = next((r for r in probed if r["settings"].get("index") == "none"), None)
+    if exact is None:
+        return lines
+    lines += ["", "Targets (top-k overlap ≥ 0.99 and β_emp within 5 % of no index's "
+              f"{exact['beta_emp']:.4f}):", ""]
+    for r in probed:
+        if r is exact:
+            continue
+        close = abs(r["beta_emp"] - exact["beta_emp"]) <= 0.05 * abs(exact["beta_emp"])
+        ok = r["retrieval_overlap"] is not None and r["retrieval_overlap"] >= 0.99 and close
+        lines.append(f"- {r['variant']}: overlap {_fmt(r['retrieval_overlap'], '{:.4f}')}, β_emp "
+                     f"{r['beta_emp']:.4f} ({(r['beta_emp'] / exact['beta_emp'] - 1) * 100:+.1f} %), bytes "
+                     f"{_fmt(r['retrieval_bytes_ratio'], '{:.3f}')} of exact: {'met' if ok else 'NOT met'}")
+    return lines
 
 
 def fidelity_lines(rows: list[dict]) -> list[str]:
@@ -488,6 +606,7 @@ FAMILY_STYLE = {  # family -> (legend name, colour, marker)
     "cis": ("CIS", "tab:blue", "o"),
     "cis_tail": ("CIS + tail", "navy", "o"),
     "cis_group": ("CIS group-shared", "teal", "s"),
+    "cis_index": ("CIS with a key index", "tab:blue", "x"),
     "hshare": ("HShare", "tab:red", "s"),
     "direct_reuse": ("DirectReuse", "tab:orange", "^"),
     "random_expansion": ("RandomExpansion", "tab:brown", "v"),
@@ -505,6 +624,8 @@ FAMILY_STYLE = {  # family -> (legend name, colour, marker)
 def _short(row: dict) -> str:
     """A point label: CIS rows by (s, τ), the others by what distinguishes rows of one family."""
     st = row["settings"]
+    if row["family"] == "cis_index":
+        return row["variant"].removeprefix("CIS index ")
     if row["family"] in ("cis", "cis_tail", "cis_group"):
         return f"s{st['block_size']} τ{st['tau']}" + (f" {st['selection']}" if "selection" in st else "")
     if row["family"] in ("direct_reuse", "random_expansion"):
@@ -715,6 +836,35 @@ def run_group_schedule(run, budget: dict[str, int], args: argparse.Namespace) ->
     run(baseline_variant(budget, "oracle", "Oracle top-k"))
 
 
+KEY_INDEX_COLUMNS = [
+    ("variant", "CIS retrieval", "{}"),
+    ("retrieval_overlap", "top-k overlap with exact", "{:.4f}"),
+    ("dropped_mass", "δ̄", "{:.4f}"),
+    ("beta_emp", "β_emp", "{:.4f}"),
+    ("processed_kv", "KV/step", "{:.1f}"),
+    ("rho_hat", "ρ̂", "{:.3f}"),
+    ("retrieval_bytes_ratio", "retrieval bytes / exact", "{:.3f}"),
+    ("top1_agree", "top-1 agree", "{:.3f}"),
+]
+
+
+def run_key_index_schedule(run, budget: dict[str, int], args: argparse.Namespace, head_dim: int) -> None:
+    """``--schedule key_index``: shipped CIS (s 16, τ 0.8) with no index, then each index kind at
+    each rerank margin of ``--margins`` (pages of ``--page-size`` tokens), all on the probe (int4
+    only where ``head_dim`` splits into its scale groups)."""
+    base = cis_variant(budget, 16, 0.8, "CIS index none")
+    run(dataclasses.replace(base, family="cis_index", probe=True, extra={**base.extra, "index": "none"}))
+    kinds = [k for k in INDEX_KINDS if k != "int4" or head_dim % INT4_GROUP == 0]
+    if len(kinds) < len(INDEX_KINDS):
+        print(f"key_index: int4 skipped (head size {head_dim} is not a multiple of {INT4_GROUP})", file=sys.stderr)
+    for kind in kinds:
+        for margin in args.margins:
+            v = cis_variant(budget, 16, 0.8, f"CIS index {kind} m={margin}")
+            v.config["cis"].update(index=kind, rerank_margin=margin, index_page=args.page_size)
+            keys = {"index": kind, "rerank_margin": margin, **({"index_page": args.page_size} if kind == "pages" else {})}
+            run(dataclasses.replace(v, family="cis_index", probe=True, extra={**v.extra, **keys}))
+
+
 def run_low_rho_schedule(run, budget: dict[str, int], args: argparse.Namespace) -> None:
     """``--schedule low_rho`` (issue 13 item 4): CIS settings that retrieve at ρ̂ ≤ 10 % on the GPU
     GSM8K runs (τ 0.7, s 16) with what could close their gap: the aged-local tokens, a wider
@@ -759,11 +909,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16, help="Quest page size")
     ap.add_argument("--seed", type=int, default=0, help="RandomExpansion seed")
     ap.add_argument("--es-rank", type=int, default=64, help="rank of the low-rank W_q of the EarlySelectKV rows")
-    ap.add_argument("--schedule", choices=("full", "early_select", "cis_tail", "group", "low_rho", "seeds"),
+    ap.add_argument("--margins", type=lambda text: [int(m) for m in text.split(",")], default=[0, 32, 128],
+                    help="--schedule key_index: the cis.rerank_margin values of each index kind (default: 0,32,128)")
+    ap.add_argument("--schedule", choices=("full", "early_select", "cis_tail", "group", "low_rho", "seeds",
+                                           "key_index"),
                     default="full",
                     help="every selector; or only Quest, CIS-main, the EarlySelectKV rows and the oracle; or only "
                          "CIS-main, CIS + tail (s = 16 and s = 1) and the oracle; seeds: CIS-main, CIS + tail, "
-                         "EarlySelectKV, Double Sparsity, CertKV and the oracle")
+                         "EarlySelectKV, Double Sparsity, CertKV and the oracle; key_index: CIS with each key "
+                         "index kind at each --margins value, its retrieval compared with the exact one")
     ap.add_argument("--name", default="selection_quality", help="file name (stem) of the report and its plots")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 24 steps, fewer CIS settings (a smoke run)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
@@ -861,6 +1015,10 @@ def main(argv=None) -> int:
         run_low_rho_schedule(run, budget, args)
     elif args.schedule == "seeds":
         run_seeds_schedule(run, budget, args)
+    elif args.schedule == "key_index":
+        text = model.config.get_text_config()
+        run_key_index_schedule(run, budget, args,
+                               getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     else:
         run_schedule(run, budget, args, model.config.num_hidden_layers, model.config.num_attention_heads)
 

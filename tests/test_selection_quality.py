@@ -51,14 +51,14 @@ def test_quick_run_on_local_data(tmp_path) -> None:
     assert all((out / p).is_file() for p in plots)
 
 
-def _run_schedule(tmp_path, schedule: str) -> dict[str, dict]:
+def _run_schedule(tmp_path, schedule: str, *extra: str) -> dict[str, dict]:
     """``--quick --schedule SCHEDULE`` on the tiny GQA llama and local CoQA rows: its rows by variant."""
     checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
     data_dir = write_local_data(tmp_path / "data")
     out = tmp_path / "out"
     assert _load_script().main(["--model", str(checkpoint), "--data-dir", str(data_dir), "--datasets", "coqa",
                                 "--quick", "--sink", "4", "--local", "8", "--topk", "16", "--schedule", schedule,
-                                "--name", f"sq_{schedule}", "--out-dir", str(out)]) == 0
+                                "--name", f"sq_{schedule}", "--out-dir", str(out), *extra]) == 0
     return {r["variant"]: r for r in json.loads((out / f"sq_{schedule}.json").read_text())["rows"]}
 
 
@@ -122,3 +122,22 @@ def test_seeds_schedule_runs_the_seed_systems_beside_cis(tmp_path) -> None:
     cis = rows["CIS-main"]
     assert cis["rho_hat"] <= cis["kv_group_rho_hat"] <= 1
     assert all(r["beta_emp"] >= -1e-6 for r in rows.values())
+
+
+def test_key_index_schedule_compares_each_retrieval_with_the_exact_one(tmp_path) -> None:
+    """``--schedule key_index``: CIS without an index, then fp8 and pages (int4 needs a head size of
+    32k; the tiny llama's is 16) at each margin. A margin covering the middle retrieves exactly the
+    exact top-k (overlap 1, the same β_emp); margin 0 reads fewer bytes than it; no index reads as many."""
+    rows = _run_schedule(tmp_path, "key_index", "--margins", "0,4096", "--page-size", "4")
+    assert set(rows) == {"CIS index none", *(f"CIS index {k} m={m}" for k in ("fp8", "pages") for m in (0, 4096))}
+    none = rows["CIS index none"]
+    assert none["retrieval_overlap"] is None and none["retrieval_bytes_ratio"] == 1
+    for kind in ("fp8", "pages"):
+        covering, tight = rows[f"CIS index {kind} m=4096"], rows[f"CIS index {kind} m=0"]
+        assert covering["retrieval_overlap"] == 1 and covering["beta_emp"] == none["beta_emp"]
+        assert covering["settings"]["rerank_margin"] == 4096 and covering["settings"]["index"] == kind
+        assert 0 < tight["retrieval_overlap"] <= 1
+        assert tight["retrieval_bytes_ratio"] < covering["retrieval_bytes_ratio"]
+    assert rows["CIS index fp8 m=0"]["retrieval_overlap"] < 1  # the index decides something at margin 0
+    report = (tmp_path / "out" / "sq_key_index.md").read_text()
+    assert "top-k overlap with exact" in report and "CIS index fp8 m=0: overlap" in report
