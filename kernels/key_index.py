@@ -43,8 +43,9 @@ from typing import NamedTuple
 
 import torch
 
-from .topk_retrieval import _group_scores, _topk_of_scores
-from .triton_support import gqa_group
+from .topk_retrieval import _group_scores, _retrieve, _topk_of_scores
+from .topk_select import _orderable_key
+from .triton_support import gqa_group, interpreting, next_pow2, require_triton, tl, triton
 
 __all__ = [
     "INDEX_KINDS",
@@ -57,6 +58,10 @@ __all__ = [
     "update_key_index_reference",
     "topk_retrieval_indexed_reference",
     "dequantize_key_index",
+    "write_key_index",
+    "update_key_index",
+    "topk_retrieval_indexed",
+    "RERANK_MAX",
 ]
 
 #: The index kinds implemented end to end (reference and Triton).
@@ -67,6 +72,11 @@ INT4_GROUP = 32
 FP8_MAX = 448.0
 #: Largest int4 code (symmetric: codes in [-7, 7]).
 INT4_MAX = 7.0
+#: Most stage-1 candidate tokens per row (``k + margin``, rounded up to whole pages) the re-rank
+#: sorts in one program's registers.
+RERANK_MAX = 8192
+#: The score kernel's key format of each kind (topk_retrieval._score_tile).
+_KFMT = {"fp8": 1, "int4": 2, "pages": 3}
 
 
 class KeyIndex(NamedTuple):
@@ -283,21 +293,254 @@ def topk_retrieval_indexed_reference(q: torch.Tensor, k_cache: torch.Tensor, ind
     return _topk_of_scores(exact, pad, lo, hi, retrieve, k, candidates=mask[..., :S])
 
 
+# ----------------------------------------------------------------------------- kernels
+# Design (no host sync; every grid from B, H, S, k and margin only):
+#   * write / update: one program per (sequence, KV head) and block of slots (or page); the update is
+#     one launch per layer and step, the slot of each sequence read on the device.
+#   * stage 1: topk_retrieval's group score kernel with the index's key format (each live KV group's
+#     index read once for its G heads, one tensor-core dot per tile; pages: two, over the pages), then
+#     its selects for the k + margin best (pages: over the pages, with pad 0 and the region in pages).
+#   * stage 2 (`_rerank_kernel`): one program per row; the retrieving rows gather their candidates'
+#     keys from the cache, score them exactly (one dot per block, the group's maximum in grouped mode),
+#     pack each as ``orderable score << 32 | ~index`` (all distinct; descending order is the output
+#     order) and sort them in registers.
+
+
+@triton.jit
+def _fp8_e4m3_bits(x):
+    """The float8_e4m3fn bits (uint8) of fp32 ``x`` in ``[-448, 448]``, rounded to nearest even, in
+    integer arithmetic (the same bits on every backend; the interpreter's own conversion does not
+    round to nearest even)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 128
+    mag = bits & 2147483647
+    # normal (>= 2^-6): keep 3 of the 23 mantissa bits, ties to even, rebias the exponent (127 -> 7)
+    r = (mag + 524287 + ((mag >> 20) & 1)) >> 20
+    normal = r - ((127 - 7) << 3)
+    # subnormal: the multiple of 2^-9 nearest (ties even: the fp32 add of 2^23 rounds so); 8 is 2^-6
+    sub = ((tl.abs(x) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    return (tl.where(mag >= (121 << 23), normal, sub) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _index_write_kernel(
+    K, A, BS, SLOT, start, end,
+    stride_kb, stride_kh, stride_ks, stride_ab, stride_ah, stride_as, stride_bb, stride_bh, stride_bs,
+    HKV: tl.constexpr, KIND: tl.constexpr, FROM_SLOT: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Index entries of one (sequence, KV head) (program 0 axis) from the keys of K. FROM_SLOT (the
+    update): the slot ``SLOT[b]``; else (the write) block ``program_id(1)`` of slots ``[start, end)``.
+    KIND 1 fp8, 2 int4 (BLOCK_S slots per program, one with FROM_SLOT); 3 pages (one page per
+    program, PAGE = BLOCK_S: its bounds over its slots up to the slot / below ``end``)."""
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    offs_s = tl.arange(0, BLOCK_S)
+    if FROM_SLOT:
+        last = tl.load(SLOT + b).to(tl.int64)
+        if KIND == 3:
+            first = (last // PAGE) * PAGE
+        else:
+            first = last
+    else:
+        last = end - 1
+        if KIND == 3:
+            first = ((start // PAGE) + tl.program_id(1)) * PAGE
+        else:
+            first = start + tl.program_id(1) * BLOCK_S
+    rows = first + offs_s
+    m = rows <= last
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    mk = m[:, None] & dmask[None, :]
+    kp = K + b.to(tl.int64) * stride_kb + h * stride_kh + rows.to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
+    a_base = A + b.to(tl.int64) * stride_ab + h * stride_ah
+    b_base = BS + b.to(tl.int64) * stride_bb + h * stride_bh
+    if KIND == 3:
+        kt = tl.load(kp, mask=mk, other=0.0).to(tl.float32)  # min / max exact in fp32, stored back exactly
+        mx = tl.max(tl.where(mk, kt, float("-inf")), axis=0)
+        mn = tl.min(tl.where(mk, kt, float("inf")), axis=0)
+        pg = first // PAGE
+        tl.store(a_base + pg * stride_as + offs_d, mx.to(A.dtype.element_ty), mask=dmask)
+        tl.store(b_base + pg * stride_bs + offs_d, mn.to(BS.dtype.element_ty), mask=dmask)
+    elif KIND == 1:
+        kt = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(kt), axis=1)
+        sc = tl.where(amax > 0, tl.div_rn(amax, tl.full([BLOCK_S], 448.0, tl.float32)), 1.0)
+        x = tl.div_rn(kt, tl.broadcast_to(sc[:, None], [BLOCK_S, BLOCK_D]))
+        code = _fp8_e4m3_bits(tl.minimum(tl.maximum(x, -448.0), 448.0))
+        tl.store(a_base + rows.to(tl.int64)[:, None] * stride_as + offs_d[None, :], code, mask=mk)
+        tl.store(b_base + rows.to(tl.int64) * stride_bs, sc, mask=m)
+    else:
+        kt = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
+        kg = tl.reshape(kt, [BLOCK_S, BLOCK_D // 32, 32])
+        amax = tl.max(tl.abs(kg), axis=2)
+        sc = tl.where(amax > 0, tl.div_rn(amax, tl.full([BLOCK_S, BLOCK_D // 32], 7.0, tl.float32)), 1.0)
+        x = tl.div_rn(kg, tl.broadcast_to(sc[:, :, None], [BLOCK_S, BLOCK_D // 32, 32]))
+        code = tl.minimum(tl.maximum(tl.floor(x + 0.5), -7.0), 7.0).to(tl.int32) & 15
+        even, odd = tl.split(tl.reshape(code, [BLOCK_S, BLOCK_D // 2, 2]))
+        byte = (even | (odd << 4)).to(tl.uint8)
+        offs_h = tl.arange(0, BLOCK_D // 2)
+        tl.store(a_base + rows.to(tl.int64)[:, None] * stride_as + offs_h[None, :], byte,
+                 mask=m[:, None] & (offs_h < D // 2)[None, :])
+        offs_g = tl.arange(0, BLOCK_D // 32)
+        tl.store(b_base + rows.to(tl.int64)[:, None] * stride_bs + offs_g[None, :], sc,
+                 mask=m[:, None] & (offs_g < D // 32)[None, :])
+
+
+@triton.jit
+def _rerank_kernel(
+    Q, K, CAND, FLAG, OUT, SCR, PAD, LO, HI,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, scale, S, KOUT, NC,
+    H: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUPED: tl.constexpr, PAGED: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, C_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Stage 2 of one row (``b * H + r``): its NC candidates (real indices, or PAGED: pages of PAGE slots)
+    scored exactly on the keys of K and the KOUT best written to OUT, best first, ties lower index
+    first, -1 padded (all -1 for a row that does not retrieve). SCR: C_PAD int64 per row."""
+    row = tl.program_id(0)
+    b = row // H
+    r = row % H
+    offs_c = tl.arange(0, C_PAD)
+    out_row = OUT + row.to(tl.int64) * KOUT
+    if tl.load(FLAG + row) == 0:
+        tl.store(out_row + offs_c, tl.full([C_PAD], -1, tl.int32), mask=offs_c < KOUT)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < D
+        if GROUPED:
+            kvh = r
+            head = r * GROUP + offs_m
+            mrow = offs_m < GROUP
+        else:
+            kvh = r // GROUP
+            head = r + offs_m * 0
+            mrow = offs_m < 1
+        q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=mrow[:, None] & dmask[None, :], other=0.0)
+        if IEEE:
+            q = q.to(tl.float32)
+        pad = tl.load(PAD + b)
+        lo = tl.maximum(tl.load(LO + b), 0)
+        hi = tl.minimum(tl.load(HI + b), S - pad)
+        k_base = K + b.to(tl.int64) * stride_kb + kvh * stride_kh
+        cand_base = CAND + row.to(tl.int64) * NC
+        scr = SCR + row.to(tl.int64) * C_PAD
+        for c0 in range(0, C_PAD, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            if PAGED:
+                pg = tl.load(cand_base + c // PAGE, mask=c < NC * PAGE, other=-1)
+                real = pg * PAGE + c % PAGE - pad
+            else:
+                pg = tl.load(cand_base + c, mask=c < NC, other=-1)
+                real = pg
+            valid = (pg >= 0) & (real >= lo) & (real < hi)
+            kt = tl.load(k_base + (pad + real).to(tl.int64)[None, :] * stride_ks + offs_d[:, None],
+                         mask=valid[None, :] & dmask[:, None], other=0.0)  # [BLOCK_D, BLOCK_C]
+            if IEEE:
+                s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, kt)
+            s = (s * scale).to(tl.float32)
+            s = tl.max(tl.where(mrow[:, None], s, float("-inf")), axis=0)
+            packed = (_orderable_key(s).to(tl.int64) << 32) | (2147483647 - real).to(tl.int64)
+            tl.store(scr + c, tl.where(valid, packed, -9223372036854775808))
+        tl.debug_barrier()
+        x = tl.sort(tl.load(scr + offs_c), descending=True)
+        idx = tl.where(x != -9223372036854775808, (2147483647 - (x & 4294967295)).to(tl.int32), -1)
+        tl.store(out_row + offs_c, idx, mask=offs_c < KOUT)
+
+
 # ----------------------------------------------------------------------------- launchers
 
 
+def _write(index: KeyIndex, k_cache: torch.Tensor, start: int, end: int, slot: torch.Tensor | None) -> None:
+    """Launch the write (``slot`` None: slots ``[start, end)``) or the update (``slot [B]``)."""
+    require_triton(k_cache, index.a)
+    B, H, S, D = k_cache.shape
+    _check_kind(index.kind, D, index.page)
+    kind = _KFMT[index.kind]
+    if k_cache.stride(-1) != 1:
+        k_cache = k_cache.contiguous()
+    from_slot = slot is not None
+    block_s = index.page if kind == 3 else (1 if from_slot else 16)
+    if from_slot:
+        grid: tuple[int, ...] = (B * H,)
+    else:
+        n = -(-end // index.page) - start // index.page if kind == 3 else triton.cdiv(end - start, block_s)
+        grid = (B * H, n)
+        slot = torch.zeros(1, dtype=torch.int32, device=k_cache.device)  # unused
+    a, bs = index.a, index.b
+    _index_write_kernel[grid](
+        k_cache, a, bs, slot, start, end,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), a.stride(0), a.stride(1), a.stride(2),
+        bs.stride(0), bs.stride(1), bs.stride(2),
+        HKV=H, KIND=kind, FROM_SLOT=from_slot, PAGE=index.page, BLOCK_S=block_s, D=D,
+        BLOCK_D=next_pow2(D, 32), num_warps=4,
+    )
+
+
 def write_key_index(index: KeyIndex, k_cache: torch.Tensor, start: int, end: int) -> None:
-    """Triton :func:`write_key_index_reference`."""
-    raise NotImplementedError("write_key_index: the Triton kernel is not written yet; use the reference")
+    """Triton :func:`write_key_index_reference`: one launch, a program per (sequence, KV head) and
+    block of 16 slots (pages: per page)."""
+    start, end = max(int(start), 0), min(int(end), k_cache.shape[2])
+    if start < end:
+        _write(index, k_cache, start, end, None)
 
 
 def update_key_index(index: KeyIndex, k_cache: torch.Tensor, slot: torch.Tensor) -> None:
-    """Triton :func:`update_key_index_reference`."""
-    raise NotImplementedError("update_key_index: the Triton kernel is not written yet; use the reference")
+    """Triton :func:`update_key_index_reference`: one launch (a program per sequence and KV head, the
+    slot read on the device), graph-safe."""
+    _write(index, k_cache, 0, 0, slot.reshape(-1).to(torch.int32))
 
 
 def topk_retrieval_indexed(q: torch.Tensor, k_cache: torch.Tensor, index: KeyIndex, pad: torch.Tensor,
                            lo: torch.Tensor, hi: torch.Tensor, retrieve: torch.Tensor, k: int, margin: int,
                            scale: float, grouped: bool) -> torch.Tensor:
-    """Triton :func:`topk_retrieval_indexed_reference`."""
-    raise NotImplementedError("topk_retrieval_indexed: the Triton kernels are not written yet; use the reference")
+    """Triton :func:`topk_retrieval_indexed_reference` (no host sync, grids from shapes only).
+
+    Stage 1 is :func:`~.topk_retrieval.topk_retrieval`'s score launch on the index (its key format)
+    and its select of the ``k + margin`` best (pages: of ``ceil((k + margin) / page)`` pages);
+    stage 2 one launch of the re-rank, a program per row. ``k + margin`` rounded up to whole pages
+    must be at most :data:`RERANK_MAX` (the candidates are sorted in registers)."""
+    require_triton(q, k_cache, index.a)
+    B, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    _check_kind(index.kind, D, index.page)
+    n_cand = candidate_count(k, margin, index.page)
+    tokens = n_cand * index.page
+    if tokens > RERANK_MAX:
+        raise ValueError(f"topk_retrieval_indexed: k + margin = {int(k) + int(margin)} (rounded up to pages of "
+                         f"{index.page}: {tokens}) exceeds RERANK_MAX = {RERANK_MAX}")
+    group = gqa_group(Hq, Hkv)
+    H = Hkv if grouped else Hq
+    k = int(k)
+    if k == 0 or B * H == 0 or S == 0:
+        return torch.full((B, H, k), -1, dtype=torch.int32, device=q.device)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1:
+        k_cache = k_cache.contiguous()
+    kfmt = _KFMT[index.kind]
+    if kfmt == 3:
+        spad, slo, shi = page_region(pad, lo, hi, S, index.page)
+    else:
+        spad, slo, shi = pad, lo, hi
+    cand = _retrieve(q, index.a, spad, slo, shi, retrieve, n_cand, scale, grouped=grouped, _key_format=kfmt,
+                     _key_b=index.b)
+    c_pad = next_pow2(tokens, 16)
+    out = torch.empty((B, H, k), dtype=torch.int32, device=q.device)
+    scratch = torch.empty((B * H, c_pad), dtype=torch.int64, device=q.device)
+    block_d = next_pow2(D, 16)
+    _rerank_kernel[(B * H,)](
+        q, k_cache, cand, retrieve.reshape(-1).contiguous(), out, scratch, pad, lo, hi,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), float(scale), S, k,
+        n_cand, H=H, HKV=Hkv, GROUP=group, GROUPED=grouped, PAGED=kfmt == 3, PAGE=index.page, D=D,
+        BLOCK_M=max(16, next_pow2(group if grouped else 1)), BLOCK_C=min(c_pad, max(16, 8192 // block_d)),
+        BLOCK_D=block_d, C_PAD=c_pad, IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
+        num_warps=8 if c_pad >= 2048 else 4,
+    )
+    return out

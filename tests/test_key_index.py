@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import triton_available
+from test_topk_select import _has_cuda_backend
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_select
 from prhs_hf.kernels.key_index import (
     FP8_MAX,
@@ -401,3 +402,166 @@ def test_cis_select_key_index(grouped, group_score):
                 kind, index.a.cpu(), index.b.cpu(), index.page), *(v.cpu() for v in (x[2], x[4], x[5], retrieve)),
                 kw["k"], 0, kw["scale"], grouped and group_score == "max")
             assert torch.equal(small.new_idx.cpu(), want) and torch.equal(small.best, base.best)
+
+
+# ----------------------------------------------------------------------------- Triton (interpreter or CUDA)
+
+
+def _on(*xs):
+    return [x.to(DEV) for x in xs]
+
+
+def _index_on(index):
+    return KeyIndex(index.kind, index.a.to(DEV), index.b.to(DEV), index.page)
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 64), (torch.float32, 96)])
+def test_write_and_update_kernels_equal_the_reference(kind, dtype, D):
+    """A chunked prefill (two writes, the second starting inside a page) and decode steps at ragged slots,
+    bit for bit; one update launch per step."""
+    from prhs_hf.kernels.key_index import update_key_index, write_key_index
+
+    g = torch.Generator().manual_seed(40)
+    B, H, S = 3, 2, 45
+    kc = (torch.randn(B, H, S, D, generator=g) * torch.rand(B, H, S, 1, generator=g) * 3).to(dtype)
+    kc[0, 1, 7] = 0  # a zero key
+    ref = allocate_key_index(kind, B, H, S, D, dtype, "cpu", page=8)
+    out = _index_on(ref)
+    for start, end in ((0, 21), (21, 30)):
+        write_key_index_reference(ref, kc, start, end)
+        write_key_index(out, kc.to(DEV), start, end)
+    for step in range(4):
+        slot = i32([30 + step, 33 + 2 * step, 44 - step])
+        update_key_index_reference(ref, kc, slot)
+        update_key_index(out, kc.to(DEV), slot.to(DEV))
+    assert torch.equal(out.a.cpu(), ref.a) and torch.equal(out.b.cpu(), ref.b)
+
+
+@needs_triton
+def test_fp8_rounding_ties_and_subnormals_in_the_kernel():
+    """The kernel's integer fp8 conversion rounds as torch's float8_e4m3fn cast: every midpoint of two
+    fp8 values (ties to even), the subnormal range, the largest value."""
+    from prhs_hf.kernels.key_index import write_key_index
+
+    codes = torch.arange(0, 126, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mid = (codes[:-1] + codes[1:]) / 2
+    vals = torch.cat([mid, -mid, codes, -codes, torch.linspace(-0.03, 0.03, 250)])
+    D = 64
+    n = -(-vals.numel() // (D - 1))
+    keys = torch.zeros(n * (D - 1))
+    keys[:vals.numel()] = vals
+    # one channel of every key holds 448: scale 1, so the codes are the values themselves
+    kc = torch.cat([keys.view(1, 1, n, D - 1), torch.full((1, 1, n, 1), FP8_MAX)], dim=-1)
+    ref, out = build("fp8", kc), allocate_key_index("fp8", 1, 1, n, D, kc.dtype, DEV)
+    write_key_index(out, kc.to(DEV), 0, n)
+    assert (ref.b == 1).all() and torch.equal(out.a.cpu(), ref.a) and torch.equal(out.b.cpu(), ref.b)
+
+
+def _check_indexed(q, kc, index, pad, lo, hi, retrieve, k, margin, scale, grouped):
+    from prhs_hf.kernels.key_index import topk_retrieval_indexed
+
+    out = topk_retrieval_indexed(*_on(q, kc), _index_on(index), *_on(pad, lo, hi, retrieve), k, margin, scale, grouped)
+    ref = topk_retrieval_indexed_reference(q, kc, index, pad, lo, hi, retrieve, k, margin, scale, grouped)
+    assert out.shape == ref.shape and out.dtype == I32
+    assert torch.equal(out.cpu(), ref), (index.kind, k, margin, grouped)
+    return out.cpu()
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+@pytest.mark.parametrize("dtype,Hq,Hkv", [(torch.bfloat16, 4, 4), (torch.bfloat16, 4, 2), (torch.float32, 8, 2),
+                                          (torch.bfloat16, 12, 2)])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_indexed_kernel_equals_the_reference(kind, dtype, Hq, Hkv, grouped):
+    """GQA groups 1/2/4/6, per head and grouped, ragged padding, an empty region, rows not
+    retrieving; margins from 0 to past the region, k larger than the region."""
+    q, kc, pad, lo, hi, g = retrieval_case(3, Hq, Hkv, 32, 70, [0, 5, 11], 50 + Hq + grouped, dtype)
+    index = build(kind, kc, page=8)
+    retrieve = flags(3, Hkv if grouped else Hq, g)
+    for k, margin in ((4, 0), (9, 7), (16, 100), (70, 3)):
+        out = _check_indexed(q, kc, index, pad, lo, hi, retrieve, k, margin, 0.3, grouped)
+    assert (out[1] == -1).all() and (out[~retrieve] == -1).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_indexed_kernel_radix8_candidates_and_ties(kind):
+    """k + margin above the tilemax select's range (stage 1 through radix8), and integer data with
+    exact ties in both stages (lower index first)."""
+    q, kc, pad, lo, hi, g = retrieval_case(2, 4, 2, 32, 700, [0, 37], 60, torch.bfloat16, integer=True)
+    lo[1], hi[1] = 10, 600
+    index = build(kind, kc, page=16)
+    for grouped in (False, True):
+        retrieve = flags(2, 2 if grouped else 4, g, frac=0.8)
+        _check_indexed(q, kc, index, pad, lo, hi, retrieve, 200, 120, 0.5, grouped)
+        _check_indexed(q, kc, index, pad, lo, hi, retrieve, 7, 5, 0.5, grouped)
+
+
+@needs_triton
+def test_indexed_kernel_errors():
+    from prhs_hf.kernels.key_index import RERANK_MAX, topk_retrieval_indexed
+
+    q, kc, pad, lo, hi, g = retrieval_case(1, 2, 2, 32, 40, [0], 70)
+    index = _index_on(build("pages", kc, page=8))
+    r = torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="RERANK_MAX"):
+        topk_retrieval_indexed(*_on(q, kc), index, *_on(pad, lo, hi, r), RERANK_MAX, 1, 1.0, False)
+    assert (topk_retrieval_indexed(*_on(q, kc), index, *_on(pad, lo, hi, r), 0, 5, 1.0, False).shape == (1, 2, 0))
+
+
+_SM90_CHECK = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from prhs_hf.kernels import key_index as ki, topk_retrieval as tk
+
+SCALARS = {"S": "i32", "R": "i32", "CHUNK": "i32", "MIN_CHUNK": "i32", "MAX_SPLITS": "i32", "KOUT": "i32", "NC": "i32"}
+
+
+def compile_sm90(fn, constexprs, types, num_warps=4):
+    types = {**SCALARS, **types}
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "*i32" if n.isupper() else "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm
+
+
+n = 0
+for kind, a, b in ((1, "*u8", "*fp32"), (2, "*u8", "*fp32"), (3, "*bf16", "*bf16")):
+    for from_slot in (True, False):
+        compile_sm90(ki._index_write_kernel, dict(HKV=8, KIND=kind, FROM_SLOT=from_slot, PAGE=16 if kind == 3 else 1,
+                     BLOCK_S=16 if kind == 3 or not from_slot else 1, D=128, BLOCK_D=128),
+                     {"K": "*bf16", "A": a, "BS": b})
+        n += 1
+    base = dict(D=128, BLOCK_D=128, BLOCK_N=128, TILE_MAX=True, SUB=32, ZERO_SCRATCH=False, HIST_ROW=1024, HKV=8,
+                GROUP=4, BLOCK_M=16, IEEE=False, COMPACT=True, BLOCK_R=512, FGP=4, NGP=128, KFMT=kind)
+    for agg in (False, True):
+        compile_sm90(tk._group_score_kernel, dict(base, AGG_MAX=agg, ZROWS=1 if agg else 4, FG=1 if agg else 4),
+                     {"Q": "*bf16", "K": a, "KB": b, "FLAG": "*i1", "scale": "fp32"})
+        n += 1
+for grouped, paged in ((False, False), (True, True)):
+    compile_sm90(ki._rerank_kernel, dict(H=8 if grouped else 32, HKV=8, GROUP=4, GROUPED=grouped, PAGED=paged,
+                 PAGE=16 if paged else 1, D=128, BLOCK_M=16, BLOCK_C=64, BLOCK_D=128, C_PAD=ki.RERANK_MAX,
+                 IEEE=False), {"Q": "*bf16", "K": "*bf16", "FLAG": "*i1", "OUT": "*i32", "SCR": "*i64",
+                 "scale": "fp32"}, 8)
+    n += 1
+print("compiled", n)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_cuda_backend(), reason="needs Triton with its CUDA backend (ptxas)")
+def test_key_index_kernels_compile_for_sm90():
+    """The write/update kernel (each kind, both modes), the group score kernel on each index format (per
+    head and grouped) and the re-rank at its largest candidate count compile to sm_90 cubins at d 128
+    (a subprocess without the interpreter: the interpreter does not see compiler-only errors)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _SM90_CHECK], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "compiled 14" in res.stdout
