@@ -158,6 +158,11 @@ class BackendConfig:
 
     prefill: str = "auto"
     decode: str = "auto"
+    # eager decode: "plain" (transformers' DynamicCache), "buffered" (K/V in buffers that grow by
+    # kv_growth: no copy of the cache per step), "graphs" (buffered, and each layer's sparse step
+    # replayed as a CUDA graph on CUDA); prhs_hf.runtime.BufferedLayer
+    eager_step: str = "plain"
+    kv_growth: float = 1.25
 
 
 POLICIES = ("auto", "sparse", "dense")
@@ -413,6 +418,8 @@ _RULES: dict[str, tuple] = {
     "etf.gamma": ("float", 0.0, MAX_EXPONENT, False, False),
     "backend.prefill": ("choice", PREFILL_BACKENDS),
     "backend.decode": ("choice", DECODE_BACKENDS),
+    "backend.eager_step": ("choice", ("plain", "buffered", "graphs")),
+    "backend.kv_growth": ("float", 1.0, 4.0, True, False),
     "policy.decode": ("choice", POLICIES),
     "policy.prefill": ("choice", POLICIES),
     "policy.cost_model": ("path",),
