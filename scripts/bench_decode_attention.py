@@ -55,7 +55,18 @@ and, when it is missed, the largest stage.
 Keys are Gaussian with "hot spans" (runs of 64 tokens aligned with a per-head direction that
 the queries share), so that top-k sets are clustered as in real attention.
 
-Usage: ``python scripts/bench_decode_attention.py [--quick] [--ds-rank R] [--out DIR]``.
+Key index (``--index``, kernels/key_index.py; writes ``bench_key_index.json`` only): the GQA
+shape B16/16k 32/8 alone (without CUDA the tiny shape), tau and s of ``configs/cis.yaml``, a
+``--retrieve-share`` of the rows retrieving (default 0.5) through the real match. Times (CUDA graph
+replay, like every column here) the retrieval alone, exact (``topk_retrieval``) against the
+two-stage ``topk_retrieval_indexed`` of each index kind and ``--index-margins`` at the budget's k
+and at k = ctx/8, with each one's recall of the exact top-k; the grouped retrieval at the middle
+margin; the index update of one layer; and the whole CIS-16 step (match + retrieval + composition
++ attention; the indexed steps with their update) against the dense columns. The keys are the
+hot-span keys of :func:`make_inputs`, not a model's: the recalls say how the index ranks those.
+
+Usage: ``python scripts/bench_decode_attention.py [--quick] [--ds-rank R] [--out DIR]``;
+``python scripts/bench_decode_attention.py --index [--index-margins 256,512,1024] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -84,6 +95,14 @@ from prhs_hf.kernels.cis_match import cis_match  # noqa: E402
 from prhs_hf.kernels.compose_indices import compose_from_sets, compose_indices, dilate_and_compose, dilated_set  # noqa: E402
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, group_query  # noqa: E402
 from prhs_hf.kernels.ds_decode import ds_decode_step, ds_decode_step_reference, ds_query_labels  # noqa: E402
+from prhs_hf.kernels.key_index import (  # noqa: E402
+    INDEX_KINDS,
+    allocate_key_index,
+    index_bytes_per_slot,
+    topk_retrieval_indexed,
+    update_key_index,
+    write_key_index,
+)
 from prhs_hf.kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
 from prhs_hf.kernels.topk_retrieval import topk_retrieval, topk_retrieval_grouped  # noqa: E402
 from prhs_hf.selectors.double_sparsity import label_keys, top_channels  # noqa: E402
@@ -632,6 +651,113 @@ def stage_breakdown(x: dict, bud: Budget, st16: tuple, attention_ms: float, time
 # ----------------------------------------------------------------------------- report
 
 
+# ----------------------------------------------------------------------------- the key index
+
+
+def _recall(idx: torch.Tensor, exact: torch.Tensor, rows: torch.Tensor, S: int) -> float:
+    """Mean share of each retrieving row's exact top-k (``exact``, -1 padded) that ``idx`` holds."""
+    got = torch.zeros(*idx.shape[:2], S + 1, dtype=torch.bool, device=idx.device)
+    got.scatter_(2, torch.where(idx >= 0, idx.long(), S), True)
+    hit = torch.gather(got, 2, torch.where(exact >= 0, exact.long(), S)) & (exact >= 0)
+    share = hit.sum(-1).float() / (exact >= 0).sum(-1).clamp_min(1).float()
+    return float(share[rows].mean()) if bool(rows.any()) else float("nan")
+
+
+def index_row(sh: Shape, dev: torch.device, dtype: torch.dtype, share: float, margins: tuple[int, ...],
+              page: int = 16) -> dict:
+    """The key-index table of one shape (module docstring, ``--index``)."""
+    cfg = yaml.safe_load(CIS_CONFIG.read_text())["cis"]
+    tau, s = float(cfg["tau"]), int(cfg["block_size"])
+    bud = shape_budget(sh)
+    x = make_inputs(sh, bud, dev, dtype)
+    g = torch.Generator(device=dev).manual_seed(1)
+    q, kc, vc, scale = x["q"], x["k_cache"], x["v_cache"], x["scale"]
+    kw = dict(sink=bud.sink, k=bud.k, dil_m=bud.dil_m, dil_r=bud.dil_r, cap=bud.cap, scale=scale, tau=tau)
+    geo = (x["pad"], x["t"], x["lo"], x["hi"], x["hi"])
+    aq, ac, ai, _ = make_anchors(x, sh, bud, s, g, share=share)
+    sets = dilated_set(ai.view(sh.B, sh.Hq * s, -1), True, bud.dil_m, bud.dil_r).view(sh.B, sh.Hq, s, -1)
+    row: dict = dict(asdict(sh), **asdict(bud), tau=tau, block_size=s, page=page, margins=list(margins),
+                     dtype=str(dtype).replace("torch.", ""))
+
+    def time_it(fn) -> tuple[float, str]:
+        t = common.median_ms(fn, dev, cuda_graph=True, rep_ms=50.0)
+        return t.ms, t.method
+
+    def step(key_index=None, margin=0):
+        return common.cis_decode_step(TRITON_OPS, q, kc, vc, *geo, aq, ac, sets, x["active"], **kw, anchor_sets=True,
+                                      key_index=key_index, margin=margin)
+
+    retrieve = step().best == -1  # the rows the match sends to the retrieval (tau of cis.yaml)
+    retrieve_g = retrieve.view(sh.B, sh.Hkv, -1).any(-1)
+    row["retrieving_rows"], row["retrieving_share"] = int(retrieve.sum()), float(retrieve.float().mean())
+    dense_columns(x, sh, dev, time_it, row)
+    base = (q, kc, x["pad"], x["lo"], x["hi"])
+    indexes = {}
+    for kind in INDEX_KINDS:
+        index = allocate_key_index(kind, sh.B, sh.Hkv, sh.ctx, sh.D, dtype, dev, page=page)
+        write_key_index(index, kc, 0, sh.ctx)
+        indexes[kind] = index
+        row[f"index_{kind}_bytes_per_slot"] = index_bytes_per_slot(kind, sh.D, dtype, page)
+        slot = x["t"] - 1
+        row[f"update_{kind}_ms"] = time_it(lambda index=index, slot=slot: update_key_index(index, kc, slot))[0]
+    mid_margin = margins[len(margins) // 2]
+    for k in sorted({bud.k, sh.ctx // 8}) if dev.type == "cuda" else [bud.k]:
+        exact = topk_retrieval(*base, retrieve, k, scale)
+        row[f"retrieval_k{k}_exact_ms"] = time_it(lambda k=k: topk_retrieval(*base, retrieve, k, scale))[0]
+        for kind, index in indexes.items():
+            for m in margins:
+                fn = (lambda k=k, m=m, index=index:
+                      topk_retrieval_indexed(q, kc, index, x["pad"], x["lo"], x["hi"], retrieve, k, m, scale, False))
+                row[f"retrieval_k{k}_{kind}_m{m}_ms"] = time_it(fn)[0]
+                row[f"retrieval_k{k}_{kind}_m{m}_recall"] = _recall(fn(), exact, retrieve, sh.ctx)
+    k = bud.k
+    exact_g = topk_retrieval_grouped(*base, retrieve_g, k, scale)
+    row[f"grouped_k{k}_exact_ms"] = time_it(lambda: topk_retrieval_grouped(*base, retrieve_g, k, scale))[0]
+    for kind, index in indexes.items():
+        fn = (lambda index=index:
+              topk_retrieval_indexed(q, kc, index, x["pad"], x["lo"], x["hi"], retrieve_g, k, mid_margin, scale, True))
+        row[f"grouped_k{k}_{kind}_m{mid_margin}_ms"] = time_it(fn)[0]
+        row[f"grouped_k{k}_{kind}_m{mid_margin}_recall"] = _recall(fn(), exact_g, retrieve_g, sh.ctx)
+    row["step_exact_ms"] = time_it(step)[0]
+    for kind, index in indexes.items():
+        def indexed_step(index=index):
+            update_key_index(index, kc, x["t"] - 1)
+            return step(index, mid_margin)
+
+        row[f"step_{kind}_m{mid_margin}_ms"] = time_it(indexed_step)[0]
+    fastest = row["fastest_dense_ms"]
+    for key in [k_ for k_ in row if k_.startswith("step_") and k_.endswith("_ms")]:
+        row[key[:-3] + "_speedup_vs_fastest_dense"] = fastest / row[key] if fastest and row[key] else None
+    return row
+
+
+def index_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
+    """``--index``: the key-index table (module docstring) to ``bench_key_index.json``."""
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    share = 0.5 if args.retrieve_share is None else args.retrieve_share
+    margins = tuple(int(m) for m in args.index_margins.split(",") if m)
+    if not margins or min(margins) < 0:
+        raise SystemExit(f"--index-margins {args.index_margins!r}: expected integers >= 0, comma separated")
+    sh = Shape(16, 32, 8, 128, 16384) if cuda else Shape(2, 4, 2, 32, 512)
+    if not cuda:
+        margins = margins[:1]
+        print("no CUDA: smoke test through TRITON_INTERPRET=1 (timings mean nothing)", flush=True)
+    t0 = time.time()
+    row = index_row(sh, dev, torch.bfloat16, share, margins)
+    meta = common.run_metadata(dev, argv, retrieve_share=share, timing="CUDA graph replay, median (do_bench)")
+    meta["wall_s"] = round(time.time() - t0, 1)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "bench_key_index.json"
+    path.write_text(json.dumps(dict(meta, rows=[row]), indent=2))
+    for key, value in row.items():
+        if key.endswith(("_ms", "_recall", "_speedup_vs_fastest_dense", "_bytes_per_slot")) or key.startswith("retriev"):
+            print(f"  {key:44s} {fmt(value, '.4f') if isinstance(value, float) else value}")
+    print(f"wrote {path} ({meta['wall_s']} s)")
+    return 0
+
+
 def fmt(v: Optional[float], spec: str = ".3f") -> str:
     return "n/a" if v is None else format(v, spec)
 
@@ -733,9 +859,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="rows that retrieve per step as a share of all rows, in (0, 1], e.g. a model's measured "
                          "rho-hat (default: 1/s, every row retrieving once per block)")
     ap.add_argument("--out", default="docs/results", help="output folder (bench_decode_attention.json + .md)")
+    ap.add_argument("--index", action="store_true",
+                    help="the key-index table only (GQA B16/16k; --retrieve-share default 0.5): bench_key_index.json")
+    ap.add_argument("--index-margins", default="256,512,1024", metavar="M,...",
+                    help="--index: the re-rank margins timed (the middle one for the grouped retrieval and the step)")
     args = ap.parse_args(argv)
     if args.retrieve_share is not None and not 0 < args.retrieve_share <= 1:
         ap.error(f"--retrieve-share {args.retrieve_share}: allowed (0, 1]")
+    if args.index:
+        return index_main(args, argv)
     plan = shapes(args.quick or not torch.cuda.is_available(), torch.cuda.is_available())
     if not all(1 <= args.ds_rank <= sh.D for sh in plan):
         ap.error(f"--ds-rank {args.ds_rank}: allowed 1 to the head size ({min(sh.D for sh in plan)} in this run)")

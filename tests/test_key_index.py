@@ -565,3 +565,150 @@ def test_key_index_kernels_compile_for_sm90():
                          cwd=Path(__file__).resolve().parents[1], timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "compiled 14" in res.stdout
+
+
+# ----------------------------------------------------------------------------- GPU, realistic sizes
+
+
+def _gpu_case(B=4, Hq=32, Hkv=8, D=128, S=16384, frac=0.5, seed=80, gaussian=False):
+    """bf16 decode inputs at a realistic size on CUDA. Default: keys on the grid of multiples of 1/8 in
+    [-7/8, 7/8] with one channel of every group of 32 at 7/8, so the fp8 scale is 1/512 and the int4
+    scale 1/8: the codes are exact, and so is every stage-1 and stage-2 score in fp32 whatever the
+    summation order (exact comparisons, exact ties). ``gaussian``: normal keys and queries."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    if gaussian:
+        q = torch.randn(B, Hq, D, generator=g, device=dev).bfloat16()
+        kc = torch.randn(B, Hkv, S, D, generator=g, device=dev).bfloat16()
+    else:
+        q = (torch.randint(-8, 9, (B, Hq, D), generator=g, device=dev).float() / 8).bfloat16()
+        kc = torch.randint(-7, 8, (B, Hkv, S, D), generator=g, device=dev).float() / 8
+        kc[..., ::INT4_GROUP] = 7 / 8
+        kc = kc.bfloat16()
+    pad = torch.randint(0, S // 8, (B,), generator=g, device=dev).to(I32)
+    pad[0] = 0
+    lo = torch.full((B,), 64, dtype=I32, device=dev)
+    hi = (S - pad - 256).to(I32)
+    hi[-1] = lo[-1] + 700  # a region shorter than k + margin
+    r_head = torch.rand(B, Hq, generator=g, device=dev) < frac
+    r_head[0, 0] = True
+    return q, kc, pad, lo, hi, r_head, r_head.view(B, Hkv, -1).any(-1), D**-0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_gpu_write_update_equal_the_reference(kind):
+    from prhs_hf.kernels.key_index import update_key_index, write_key_index
+
+    q, kc, pad, *_ = _gpu_case(gaussian=True)
+    B, H, S, D = kc.shape
+    ref = allocate_key_index(kind, B, H, S, D, kc.dtype, kc.device)
+    out = allocate_key_index(kind, B, H, S, D, kc.dtype, kc.device)
+    write_key_index_reference(ref, kc, 0, S - 40)
+    write_key_index(out, kc, 0, S - 40)
+    for step in range(40):
+        slot = torch.full((B,), S - 40 + step, dtype=I32, device=kc.device)
+        update_key_index_reference(ref, kc, slot)
+        update_key_index(out, kc, slot)
+    assert torch.equal(out.a, ref.a) and torch.equal(out.b, ref.b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("k,margin", [(512, 512), (2048, 512), (100, 60)])
+def test_gpu_indexed_exact_on_quantised_data(kind, grouped, k, margin):
+    """B4, 32/8 heads, 16k slots, half the rows retrieving: equal to the reference (exact data)."""
+    from prhs_hf.kernels.key_index import topk_retrieval_indexed
+
+    q, kc, pad, lo, hi, r_head, r_group, scale = _gpu_case()
+    retrieve = r_group if grouped else r_head
+    index = allocate_key_index(kind, *kc.shape[:3], kc.shape[3], kc.dtype, kc.device)
+    write_key_index_reference(index, kc, 0, kc.shape[2])
+    out = topk_retrieval_indexed(q, kc, index, pad, lo, hi, retrieve, k, margin, scale, grouped)
+    ref = topk_retrieval_indexed_reference(q, kc, index, pad, lo, hi, retrieve, k, margin, scale, grouped)
+    assert torch.equal(out, ref)
+    assert (out[~retrieve] == -1).all() and (out[retrieve][:, 0] >= 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_gpu_indexed_gaussian_scores_match(kind):
+    """Gaussian data: summation order may swap near-equal scores (in either stage), so compare the exact
+    scores of the selections."""
+    from prhs_hf.kernels.key_index import topk_retrieval_indexed
+
+    q, kc, pad, lo, hi, r_head, _, scale = _gpu_case(gaussian=True, seed=81)
+    index = allocate_key_index(kind, *kc.shape[:3], kc.shape[3], kc.dtype, kc.device)
+    write_key_index_reference(index, kc, 0, kc.shape[2])
+    out = topk_retrieval_indexed(q, kc, index, pad, lo, hi, r_head, 512, 512, scale, False)
+    ref = topk_retrieval_indexed_reference(q, kc, index, pad, lo, hi, r_head, 512, 512, scale, False)
+    assert torch.equal(out < 0, ref < 0)
+    B, Hq, _ = q.shape
+    kvh = torch.arange(Hq, device=q.device) // (Hq // kc.shape[1])
+    b_ix = torch.arange(B, device=q.device)[:, None, None]
+
+    def scores(idx):
+        slots = pad.long()[:, None, None] + idx.long().clamp_min(0)
+        return (kc[b_ix, kvh[None, :, None], slots].double() @ q.double()[..., None])[..., 0]
+
+    valid = out >= 0
+    torch.testing.assert_close(scores(out)[valid], scores(ref)[valid], atol=1e-3, rtol=1e-4)
+    assert ((out == ref) | ~valid).float().mean() > 0.98
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_gpu_update_and_retrieval_sync_free_and_graph_capturable(kind):
+    from script_loader import load_script
+    from prhs_hf.kernels.key_index import topk_retrieval_indexed, update_key_index, write_key_index
+
+    common = load_script("_bench_common")
+    q, kc, pad, lo, hi, r_head, r_group, scale = _gpu_case(B=8, S=8192, gaussian=True, seed=82)
+    B, H, S, D = kc.shape
+    index = allocate_key_index(kind, B, H, S, D, kc.dtype, kc.device)
+    write_key_index(index, kc, 0, S - 1)
+    slot = (S - 1 - torch.arange(B, device=kc.device) % 3).to(I32)
+
+    def step():
+        update_key_index(index, kc, slot)
+        return (topk_retrieval_indexed(q, kc, index, pad, lo, hi, r_head, 512, 256, scale, False),
+                topk_retrieval_indexed(q, kc, index, pad, lo, hi, r_group, 512, 256, scale, True))
+
+    eager = step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph, captured = common.capture_graph(step)
+    q.copy_(torch.randn_like(q))
+    kc[:, :, S - 1] = torch.randn_like(kc[:, :, S - 1])
+    graph.replay()
+    torch.cuda.synchronize()
+    a_after, b_after = index.a.clone(), index.b.clone()
+    expect = step()
+    assert torch.equal(index.a, a_after) and torch.equal(index.b, b_after)  # the replay updated the index
+    assert torch.equal(captured[0], expect[0]) and torch.equal(captured[1], expect[1])
+    assert not torch.equal(captured[0], eager[0])
+
+
+@needs_triton
+@pytest.mark.slow
+def test_bench_key_index_cpu_smoke(tmp_path):
+    """scripts/bench_decode_attention.py --index runs (tiny shape through the interpreter without CUDA) and
+    writes every column of its JSON: timings, recalls, the step against the dense columns."""
+    import json
+
+    from script_loader import load_script
+
+    bench = load_script("bench_decode_attention")
+    assert bench.main(["--index", "--index-margins", "8", "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "bench_key_index.json").read_text())["rows"][0]
+    k = row["k"]
+    for kind in INDEX_KINDS:
+        assert row[f"retrieval_k{k}_{kind}_m8_ms"] > 0 and 0 <= row[f"retrieval_k{k}_{kind}_m8_recall"] <= 1
+        assert row[f"step_{kind}_m8_ms"] > 0 and row[f"update_{kind}_ms"] > 0
+        assert row[f"grouped_k{k}_{kind}_m8_recall"] <= 1
+    assert row["retrieving_rows"] > 0 and row["fastest_dense_ms"] > 0 and row["step_exact_ms"] > 0
