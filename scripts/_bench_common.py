@@ -202,6 +202,16 @@ def capture_graph(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     return graph, out
 
 
+def call_sync_free(fn: Callable[[], T]) -> T:
+    """``fn()`` under ``torch.cuda.set_sync_debug_mode("error")``: a host synchronisation in it raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def time_calls(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     """Median ms of ``reps`` calls after one warm-up, for calls of seconds (a whole-model prefill),
     where do_bench's own estimate and warm-up calls would multiply the run time."""

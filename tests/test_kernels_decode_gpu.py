@@ -295,12 +295,7 @@ def _with_sets(ops, x):
 def test_gpu_step_is_sync_free_and_graph_capturable(ops, anchor_sets):
     x = _with_sets(ops, _step_inputs())
     eager = _step(ops, x, anchor_sets)  # compiles / warms up
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _step(ops, x, anchor_sets)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    common.call_sync_free(lambda: _step(ops, x, anchor_sets))
     static = {key: (v.clone() if isinstance(v, torch.Tensor) else v) for key, v in x.items()}
     graph, captured = common.capture_graph(lambda: _step(ops, static, anchor_sets))
     # new query, replay: equals an eager step on the same inputs
@@ -415,12 +410,7 @@ def test_gpu_grouped_launchers_sync_free_and_graph_capturable():
         return a, b, c
 
     eager = step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    common.call_sync_free(step)
     graph, captured = common.capture_graph(step)
     q.copy_(torch.randn_like(q))
     graph.replay()
