@@ -6,16 +6,20 @@ mask built by the registered mask function (``sdpa_mask``: a bool ``[B, 1, Lq, L
 or a StaticCache, ``Lk`` is not the sequence length: the mask row of the last query says which
 slots are real. Real tokens of a sequence are contiguous: real index ``j`` sits in slot
 ``pad + j``. Everything here is tensor arithmetic without host synchronisation, except the
-optional contiguity check.
+contiguity check (:func:`check_layout`), which a patched ``generate()`` defers to its stop check.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-__all__ = ["SequenceGeometry", "check_layout", "geometry_from_mask"]
+__all__ = ["DeferredLayoutCheck", "SequenceGeometry", "check_layout", "deferred_layout_checks", "geometry_from_mask",
+           "raise_if_broken"]
 
 
 @dataclass
@@ -77,13 +81,61 @@ def geometry_from_mask(
     return SequenceGeometry(pad, t_last, t_last - q_len)
 
 
+class DeferredLayoutCheck:
+    """The layout checks of one ``generate()``'s decode steps, kept on the device until the loop
+    reads the device anyway (see :func:`deferred_layout_checks`).
+
+    ``active`` turns deferral on (the loop's stop check does so once its prefill has run, so a
+    prefill is always checked at once); :meth:`pending` hands the broken rows collected so far to
+    the reader, which passes what it read to :func:`raise_if_broken`.
+    """
+
+    def __init__(self):
+        self.active = False
+        self._broken: torch.Tensor | None = None  # [B] bool: the rows some deferred step found broken
+
+    def add(self, broken: torch.Tensor) -> None:
+        """Keep the rows ``broken`` (``[B]`` bool) of one step; no host read."""
+        if self._broken is not None and self._broken.shape != broken.shape:
+            raise_if_broken(self._broken.tolist())  # another batch: settle the earlier one first
+            self._broken = None
+        self._broken = broken if self._broken is None else self._broken | broken
+
+    def pending(self) -> torch.Tensor | None:
+        """The rows collected since the last call (``[B]`` bool, or ``None``), forgotten here."""
+        broken, self._broken = self._broken, None
+        return broken
+
+
+_DEFERRED: ContextVar[DeferredLayoutCheck | None] = ContextVar("prhs_deferred_layout", default=None)
+
+
+@contextmanager
+def deferred_layout_checks() -> Iterator[DeferredLayoutCheck]:
+    """For the block (one ``generate()`` in this thread): once the returned collector is
+    ``active``, :func:`check_layout` keeps a decode step's result on the device for the loop to read
+    at its next stop check instead of reading it at once."""
+    collector = DeferredLayoutCheck()
+    token = _DEFERRED.set(collector)
+    try:
+        yield collector
+    finally:
+        _DEFERRED.reset(token)
+
+
 def check_layout(mask: torch.Tensor | None, geom: SequenceGeometry, last_query_slot: int | None) -> None:
     """Raise ``ValueError`` unless every sequence is one contiguous run of cache slots ending at
-    the last query (left padding, as ``generate()`` does). It synchronises: eager only.
+    the last query (left padding, as ``generate()`` does). Eager only.
 
     ``last_query_slot`` is the cache slot of the forward's last query row (``cached tokens +
     Lq - 1``), or ``None`` where it is not known. Right padding fails here: its last query row
     is a pad, whose mask row ends before it; so does a decode token that lands after a gap.
+
+    When it is raised: at once (a host read) for a prefill and for every forward outside a
+    patched ``generate()``'s sync-free loop; a decode step inside that loop
+    (:func:`deferred_layout_checks`) leaves its result on the device, and the error is raised at the
+    loop's next stop check (at most ``generation.stop_check_every`` steps later) or at the end of
+    ``generate()``, naming the same rows.
     """
     if mask is None:
         return
@@ -95,8 +147,18 @@ def check_layout(mask: torch.Tensor | None, geom: SequenceGeometry, last_query_s
     broken = real & (last - geom.pad + 1 != geom.t_last)
     if last_query_slot is not None:
         broken |= real & (last != last_query_slot)
+    collector = _DEFERRED.get()
+    if collector is not None and collector.active and mask.shape[-2] == 1 and last_query_slot:
+        collector.add(broken)  # a decode step inside the sync-free loop: read at its next stop check
+        return
     if bool(broken.any()):
-        rows = broken.nonzero().flatten().tolist()
+        raise_if_broken(broken.tolist())
+
+
+def raise_if_broken(broken: list[bool]) -> None:
+    """Raise the layout ``ValueError`` naming the rows that are ``True`` in ``broken`` (read on the host)."""
+    rows = [i for i, b in enumerate(broken) if b]
+    if rows:
         raise ValueError(
             "PrHS needs each sequence's real tokens to be one contiguous run of cache slots that ends "
             f"at the newest token (left padding, as generate() does); sequence(s) {rows} of this batch "

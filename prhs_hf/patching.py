@@ -4,30 +4,40 @@ Patching selects the ``"prhs"`` attention implementation (registered with transf
 ``AttentionInterface`` and ``AttentionMaskInterface``), attaches a :class:`~prhs_hf.layer.PrHSLayer`
 to every attention module, adds one forward pre-hook per decoder layer (the PSAW/ETF prefill
 plan), wraps ``q_proj``/``o_proj``/``mlp`` of ETF layers so frozen rows are not computed, registers
-the hooks a selector asks for (``selector.attach(layers, runtime)``: EarlySelectKV's taps), and lets beam
-search reorder the CIS state. Unpatching removes all of it and restores the original
+the hooks a selector asks for (``selector.attach(layers, runtime)``: EarlySelectKV's taps), lets beam
+search reorder the CIS state, and wraps the model's ``generate()`` in the sync-free decode loop
+(:func:`generate_without_step_reads`). Unpatching removes all of it and restores the original
 attention implementation; patching twice replaces the first patch, and leaving the `with` block of the
 second puts the first back (nested blocks nest).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+import inspect
+import threading
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.generation import utils as generation_utils
 
 from . import attention
 from .config import PrHSConfig, load_config
 from .families import check_model, decoder_layers
+from .geometry import DeferredLayoutCheck, deferred_layout_checks, raise_if_broken
 from .layer import install_row_skip, remove_row_skip
 from .runtime import PrHSRuntime
 from .telemetry_counters import TelemetryReport
 
-__all__ = ["PatchHandle", "patch", "unpatch", "is_patched", "telemetry", "reset", "local_heads", "RUNTIME_ATTRIBUTE"]
+__all__ = ["PatchHandle", "PeriodicStopCheck", "patch", "unpatch", "is_patched", "telemetry", "reset", "local_heads",
+           "generate_without_step_reads", "RUNTIME_ATTRIBUTE"]
 
 SUPPORTED_CACHES = (DynamicCache, StaticCache)
 RUNTIME_ATTRIBUTE = "_prhs_runtime"
@@ -114,6 +124,222 @@ def _deepcopy_patched(model: nn.Module):
         return twin
 
     return deepcopy_model
+
+
+# ------------------------------------------------------------------------------------ the generate() loop
+
+
+def _rng_state(device: torch.device) -> torch.Tensor | None:
+    """The default generator's state of ``device`` (a host copy: no device read), or ``None``."""
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    module = getattr(torch, device.type, None)
+    getter = getattr(module, "get_rng_state", None)
+    return None if getter is None else getter(device)
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor | None) -> None:
+    if state is None:
+        return
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        getattr(torch, device.type).set_rng_state(state, device)
+
+
+def _rollback_supported(cache: Any) -> bool:
+    """Whether :func:`_roll_back` undoes steps of ``cache`` exactly: none, or every layer a plain
+    ``DynamicLayer`` (cropped) or ``StaticLayer`` (its end moved back, the slots zeroed)."""
+    return cache is None or all(type(layer) in (DynamicLayer, StaticLayer) for layer in getattr(cache, "layers", [None]))
+
+
+def _roll_back(cache: Any, steps: int, cached: int) -> None:
+    """Remove the last ``steps`` of the ``cached`` tokens of ``cache`` (host ints: no device read)."""
+    for layer in cache.layers:
+        if type(layer) is StaticLayer:
+            if layer.is_initialized:  # as the slots were before those steps: zero, past the end
+                layer.cumulative_length.sub_(steps)
+                layer.keys[:, :, cached - steps:cached].zero_()
+                layer.values[:, :, cached - steps:cached].zero_()
+        else:
+            layer.crop(-steps)
+
+
+class PeriodicStopCheck(generation_utils.StopCheck):
+    """transformers' stop check of greedy and sampling ``generate()`` that reads the device's
+    "all sequences finished" flag once every ``every`` steps instead of at each one.
+
+    Each step's flag stays on the device (with a host copy of the RNG state after its draw); every
+    ``every``-th step, and wherever the next forward would not fit in a ``StaticCache``, one host
+    read takes the flags together with the deferred layout checks (:class:`DeferredLayoutCheck`,
+    whose error it raises). The loop stops at the first read that finds a finished step, or where
+    the host knows it ends (``max_length``: never later). :meth:`finish` reads what is left and
+    undoes the steps after the first finished one: transformers drops their tokens, scores, logits,
+    attentions and hidden states, and this check removes their cache entries and puts the RNG state
+    back, so ``generate()`` returns what the check at every step returns.
+    """
+
+    def __init__(self, every: int, input_ids: torch.Tensor, max_length: int | None, cache: Any,
+                 layout: DeferredLayoutCheck):
+        super().__init__(None)
+        self.every = every
+        self.max_length = max_length
+        self.cache = cache
+        room = cache.get_max_length() if isinstance(cache, StaticCache) else None
+        self.room = room if isinstance(room, int) and room > 0 else None
+        self.layout = layout
+        layout.active = True  # the prefill has run (checked at once): the decode steps defer
+        self.device = input_ids.device
+        self.flags: list[torch.Tensor] = []  # this window's "all finished" flags, on the device
+        self.rng: list[torch.Tensor | None] = []  # the RNG state after each of those steps
+        self.length = input_ids.shape[1]
+        self.undo = 0
+        self.stopped = False
+
+    def __call__(self, unfinished_sequences: torch.Tensor, tokens: torch.Tensor, length: int) -> bool:
+        self.flags.append(unfinished_sequences.max() == 0)
+        self.rng.append(_rng_state(self.device))
+        self.length = length
+        if self.max_length is not None and length >= self.max_length:
+            return True  # the host knows the loop ends here; finish() reads the flags
+        if len(self.flags) >= self.every or (self.room is not None and length >= self.room):
+            return self._read()
+        return False
+
+    def _read(self) -> bool:
+        """One host read of the window's flags and the pending layout checks; whether a step finished."""
+        n = len(self.flags)
+        broken = self.layout.pending()
+        parts = ([torch.stack(self.flags)] if n else []) + ([broken] if broken is not None else [])
+        values = torch.cat(parts).tolist() if parts else []
+        raise_if_broken(values[n:])
+        finished, states = values[:n], self.rng
+        self.flags, self.rng = [], []
+        if True not in finished:
+            return False
+        first = finished.index(True)
+        self.undo = n - 1 - first
+        if self.undo:
+            _set_rng_state(self.device, states[first])
+        self.stopped = True
+        return True
+
+    def finish(self) -> int:
+        if not self.stopped:
+            self._read()
+        self.layout.active = False
+        if self.undo and self.cache is not None:
+            _roll_back(self.cache, self.undo, self.length - 1)
+        return self.undo
+
+
+class _LoopPlan:
+    """What one patched ``generate()`` offers transformers' ``_sample``: a :class:`PeriodicStopCheck`."""
+
+    def __init__(self, every: int, layout: DeferredLayoutCheck):
+        self.every = every
+        self.layout = layout
+        self.offered = False
+        self.claimed = False
+
+
+_PLAN: ContextVar[_LoopPlan | None] = ContextVar("prhs_generate_loop", default=None)
+_DEFERRED_STOP_CHECK = getattr(generation_utils, "DeferredStopCheck", None)
+
+
+if _DEFERRED_STOP_CHECK is not None:
+
+    class _StopCheckSwitch(_DEFERRED_STOP_CHECK):
+        """Stands for transformers' ``DeferredStopCheck`` (the name ``_sample`` looks up) while a
+        patched ``generate()`` runs: the first ``_sample`` of that call (not an assistant's) whose
+        steps can be undone exactly gets a :class:`PeriodicStopCheck`; every other caller, in any
+        thread, gets transformers' own."""
+
+        @staticmethod
+        def is_supported(device, cache, cache_is_returned, is_assistant) -> bool:
+            plan = _PLAN.get()
+            if plan is not None and not plan.claimed and not is_assistant and _rollback_supported(cache):
+                plan.offered = True
+                return True
+            return _DEFERRED_STOP_CHECK.is_supported(device, cache, cache_is_returned, is_assistant)
+
+        def __new__(cls, input_ids, max_length, cache, cache_is_returned, streamer=None):
+            plan = _PLAN.get()
+            if plan is not None and plan.offered and not plan.claimed:
+                plan.claimed = True
+                return PeriodicStopCheck(plan.every, input_ids, max_length, cache, plan.layout)
+            return _DEFERRED_STOP_CHECK(input_ids, max_length, cache, cache_is_returned, streamer)
+
+
+_SWITCH_LOCK = threading.Lock()
+_switch_users = 0
+
+
+@contextlib.contextmanager
+def _stop_check_switch() -> Iterator[None]:
+    """Put :class:`_StopCheckSwitch` in transformers' place for the block (counted across threads:
+    the last block to leave puts transformers' class back)."""
+    global _switch_users
+    with _SWITCH_LOCK:
+        if _switch_users == 0:
+            generation_utils.DeferredStopCheck = _StopCheckSwitch
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _SWITCH_LOCK:
+            _switch_users -= 1
+            if _switch_users == 0 and generation_utils.DeferredStopCheck is _StopCheckSwitch:
+                generation_utils.DeferredStopCheck = _DEFERRED_STOP_CHECK
+
+
+def _synced_gpus(model: nn.Module, synced_gpus: bool | None) -> bool:
+    """``generate()``'s ``synced_gpus`` as it will resolve it (DeepSpeed ZeRO-3 / FSDP over several ranks)."""
+    if synced_gpus is not None:
+        return bool(synced_gpus)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and torch.distributed.get_world_size() > 1
+
+
+def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate: Callable) -> Callable:
+    """``generate`` (the model's ``generate()``) in the decode loop of ``generation.stop_check_every``.
+
+    With ``stop_check_every`` 1 it is ``generate`` itself. Otherwise, for any decoding mode but a
+    ``custom_generate``: the decode steps' attention masks read the batch's padding once
+    (:func:`prhs_hf.attention.decode_padding_read_once`; the ``prhs`` and ``sdpa_gqa`` masks, so not
+    a dense config's model that keeps transformers' ``sdpa``), and greedy and sampling read the
+    stop flag every N steps (:class:`PeriodicStopCheck`), with the decode steps' layout checks
+    deferred to that read. Greedy and sampling check every step instead with a ``streamer`` (it
+    needs each token on the host), under ``synced_gpus``, for an assistant model's own loop, and
+    with a cache whose steps cannot be undone exactly (sliding-window, quantized or offloaded
+    layers); beam search and assisted generation keep transformers' stop checks.
+    """
+    signature = inspect.signature(generate)
+
+    @functools.wraps(generate)
+    def generate_with_loop(*args, **kwargs):
+        every = runtime.resolved.config.generation.stop_check_every
+        given = signature.bind_partial(*args, **kwargs).arguments
+        if every == 1 or given.get("custom_generate") is not None:
+            return generate(*args, **kwargs)
+        periodic = (_DEFERRED_STOP_CHECK is not None and given.get("streamer") is None
+                    and not _synced_gpus(model, given.get("synced_gpus")))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(attention.decode_padding_read_once(model))
+            layout = stack.enter_context(deferred_layout_checks())
+            if periodic:
+                stack.enter_context(_stop_check_switch())
+            token = _PLAN.set(_LoopPlan(every, layout) if periodic else None)
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                _PLAN.reset(token)
+
+    return generate_with_loop
 
 
 def _execution_device(module: nn.Module, hidden: torch.Tensor) -> torch.device:
@@ -219,6 +445,9 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
 
     model._reorder_cache = reorder_cache
     model.__deepcopy__ = _deepcopy_patched(model)  # copy.deepcopy looks it up on the instance
+    runtime.own_generate = model.__dict__.get("generate")  # a generate() set on the instance, put back on unpatch
+    if hasattr(model, "generate"):
+        model.generate = generate_without_step_reads(model, runtime, model.generate)
     setattr(model, RUNTIME_ATTRIBUTE, runtime)
 
 
@@ -235,6 +464,9 @@ def _uninstall(model: nn.Module) -> PrHSRuntime | None:
         decoder_layer.self_attn.__dict__.pop("_prhs_layer", None)
     model.__dict__.pop("_reorder_cache", None)
     model.__dict__.pop("__deepcopy__", None)
+    model.__dict__.pop("generate", None)
+    if getattr(runtime, "own_generate", None) is not None:
+        model.generate = runtime.own_generate
     if model.config._attn_implementation != runtime.original_attn_implementation:
         model.set_attn_implementation(runtime.original_attn_implementation)
     return runtime
