@@ -59,6 +59,10 @@ def prhs_attention_forward(
     layer = getattr(module, "_prhs_layer", None)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if layer.runtime.dense_step and kwargs.get("sliding_window") is None:
+        # a decode step the policy sends to dense with nothing else to do: the fair dense attention,
+        # at the host cost of the unpatched "sdpa_gqa" (runtime.PrHSRuntime.begin_forward)
+        return gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     return layer.attend(module, query, key, value, attention_mask, dropout, scaling, kwargs)
 
 

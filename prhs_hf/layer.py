@@ -22,9 +22,51 @@ from .decode import DecodeParams, window_decode_step
 from .geometry import SequenceGeometry
 from .kernels.prefill_plan import PrefillPlan
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
+from .selectors.cis import CISSelector
 from .selectors.set_steps import attend_with_tail, visible_probabilities
 
-__all__ = ["PrHSLayer", "PrefillPlan", "install_row_skip", "remove_row_skip"]
+__all__ = ["PrHSLayer", "PrefillPlan", "StepGraph", "install_row_skip", "remove_row_skip"]
+
+
+class StepGraph:
+    """One layer's sparse decode step as a CUDA graph, replayed while what it bakes in (``key``:
+    the cache buffers, the geometry and CIS state buffers, the shapes) stays the same.
+
+    At a new key the step runs eagerly once (Triton compiles and tunes its kernels outside any
+    capture; the step's real result), and is captured at the next step with that key and replayed
+    from then on, the query copied into the graph's input first. A capture executes nothing: the
+    first replay after it computes that step. The graph's output is overwritten by the next replay
+    (the layer's output projection reads it before then).
+    """
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.graph = None
+        self.q: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+
+    def run(self, key: tuple, step: Callable[[torch.Tensor], torch.Tensor], q: torch.Tensor, pool) -> torch.Tensor:
+        """``step(q)`` (``q [B, Hq, D]``): eager at a new ``key``, else captured once and replayed."""
+        if key != self.key:
+            self.key, self.graph, self.q, self.out = key, None, None, None
+            return step(q)
+        if self.graph is None:
+            self.q = q.clone()
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream(q.device)
+            side.wait_stream(torch.cuda.current_stream(q.device))
+            with torch.cuda.stream(side):  # torch.cuda.graph without its gc.collect() per capture
+                graph.capture_begin(pool=pool)
+                try:
+                    self.out = step(self.q)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(q.device).wait_stream(side)
+            self.graph = graph
+        else:
+            self.q.copy_(q)
+        self.graph.replay()
+        return self.out
 
 
 class PrHSLayer:
@@ -57,6 +99,7 @@ class PrHSLayer:
             window_fraction=self.psaw_fraction if self.window_decode else None,
         )
         self.plan: PrefillPlan | None = None
+        self.graphs = StepGraph()  # backend.eager_step: graphs (CUDA)
 
     # ------------------------------------------------------------------ prefill
 
@@ -119,16 +162,17 @@ class PrHSLayer:
         geom = self.runtime.geometry_on(query.device)
         telemetry = self.runtime.telemetry
         q = query[:, :, 0, :]
-        selector = self.runtime.selector
         sparse = self.runtime.sparse_decode  # the policy's decision for this forward
-        if selector is not None and sparse:
+        if self.runtime.selector is not None and sparse:
             ops = self.runtime.ops_for(query.device)  # one table for the selection and the attention
-            sel = selector.select(self.index, q, key, value, geom, self.decode_params, scaling, ops)
-            attend = ops.sparse_decode_attention if sel.idx.shape[1] == q.shape[1] else ops.sparse_decode_attention_grouped
-            if sel.tail is None:
-                out = attend(q, key, value, geom.pad, sel.idx, sel.count, scaling)
-            else:  # a synthetic tail pair beside the indices (CertKV): exact PyTorch softmax
-                out = attend_with_tail(q, key, value, geom.pad, sel.idx, sel.tail, scaling)
+            k_all, v_all = self._whole_buffers(key, value)
+            if telemetry is None and self.runtime.step_graphs and k_all is not key and query.device.type == "cuda":
+                graph_key = self._graph_key(q, k_all, v_all, geom, ops, scaling)
+                if graph_key is not None:
+                    out = self.graphs.run(graph_key, lambda x: self._sparse_step(x, k_all, v_all, geom, scaling, ops)[0],
+                                          q, self.runtime.graph_pool(query.device))
+                    return out[:, None], None
+            out, sel = self._sparse_step(q, k_all, v_all, geom, scaling, ops)
             if telemetry is not None:
                 sel = sel.per_query_head(q.shape[1])
                 telemetry.record_decode(self.index, geom.t_last, sel.count, sel.retrieved, sel.active)
@@ -145,6 +189,42 @@ class PrHSLayer:
             return out[:, None].contiguous(), None
         self.record_dense_decode(geom, query.shape[1])
         return self._dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+    def _sparse_step(self, q, key, value, geom: SequenceGeometry, scaling: float, ops):
+        """The selection and the sparse attention of one decode step: ``(out [B, Hq, D], selection)``.
+        ``key``/``value`` are the cache's valid views or its whole buffers (:meth:`_whole_buffers`):
+        every op reads slots by the geometry, never past a sequence's valid length."""
+        sel = self.runtime.selector.select(self.index, q, key, value, geom, self.decode_params, scaling, ops)
+        if sel.tail is not None:  # a synthetic tail pair beside the indices (CertKV): exact PyTorch softmax
+            return attend_with_tail(q, key, value, geom.pad, sel.idx, sel.tail, scaling), sel
+        attend = ops.sparse_decode_attention if sel.idx.shape[1] == q.shape[1] else ops.sparse_decode_attention_grouped
+        return attend(q, key, value, geom.pad, sel.idx, sel.count, scaling), sel
+
+    def _whole_buffers(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole buffers of this layer's :class:`~prhs_hf.runtime.BufferedLayer` whose valid views
+        ``key``/``value`` are (``backend.eager_step`` buffered or graphs), else ``key``/``value``: a
+        sparse step on them has fixed addresses while the capacity lasts (what a CUDA graph needs)."""
+        layers = self.runtime.kv_buffers
+        if layers is None or self.index >= len(layers):
+            return key, value
+        whole = getattr(layers[self.index], "whole_buffers", None)
+        if whole is None or whole[0].data_ptr() != key.data_ptr() or whole[0].shape[:2] != key.shape[:2]:
+            return key, value
+        return whole
+
+    def _graph_key(self, q, key, value, geom: SequenceGeometry, ops, scaling: float) -> tuple | None:
+        """What a CUDA graph of this layer's sparse step bakes in (addresses and shapes of every
+        tensor it reads or writes), or None where the step cannot be captured: a selector other than
+        plain CIS (CIS + tail allocates its buffers in the step; the baselines read the host), or a layer
+        whose geometry is a copy made for it (``device_map``)."""
+        selector = self.runtime.selector
+        if type(selector) is not CISSelector or selector.tail_slot or geom is not self.runtime.geometry:
+            return None
+        device, local = selector._slot[self.index]
+        state = selector.states[device]
+        return (key.data_ptr(), value.data_ptr(), tuple(key.shape), tuple(q.shape), q.dtype, q.device,
+                geom.pad.data_ptr(), state.anchor_q.data_ptr(), state.anchor_idx.data_ptr(), state.step.data_ptr(),
+                local, ops.name, scaling)
 
     def record_dense_decode(self, geom: SequenceGeometry, heads: int) -> None:
         """Telemetry of a decode step that attends to every token (no-op with telemetry off)."""

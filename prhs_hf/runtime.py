@@ -4,11 +4,14 @@ state of each generation, which lives on that generation's cache (:class:`CallSt
 from __future__ import annotations
 
 import copy
+import functools
+import math
 import threading
 from typing import Any, Callable
 
 import torch
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicLayer
 
 from .backends import dense_prefill_function, pick_decode_ops, prefill_function
 from .config import ResolvedConfig
@@ -20,7 +23,7 @@ from .selectors import make_selector
 from .selectors.base import export_call_state, import_call_state
 from .telemetry_counters import Telemetry
 
-__all__ = ["CallState", "PrHSRuntime", "CALL_STATE_ATTRIBUTE"]
+__all__ = ["BufferedLayer", "CallState", "PrHSRuntime", "CALL_STATE_ATTRIBUTE", "buffer_cache"]
 
 CALL_STATE_ATTRIBUTE = "_prhs_call_state"
 """The cache attribute that holds the :class:`CallState` of the generation that fills the cache."""
@@ -94,6 +97,18 @@ class PrHSRuntime:
         self.sparse_decode = True
         self.sparse_prefill = True
         self._cost_models: dict[str, object] = {}  # device type -> its cost model (None: auto is sparse)
+        # backend.eager_step: a DynamicCache's layers become BufferedLayers ("buffered", "graphs"),
+        # whose whole buffers the sparse step reads (kv_buffers: this forward's cache layers)
+        backend = resolved.config.backend
+        self.kv_growth = backend.kv_growth if backend.eager_step != "plain" else None
+        self.step_graphs = backend.eager_step == "graphs"
+        self.kv_buffers: list | None = None
+        self._graph_pools: dict[torch.device, Any] = {}
+        # an eager decode step that the policy sends to dense with nothing else to do (no telemetry,
+        # no PSAW window): every layer calls the fair dense attention at once (prhs_attention_forward)
+        self.dense_step = False
+        self._never_sparse = self.selector is None and not any(layer.window_decode for layer in self.layers)
+        self._taps = getattr(self.selector, "attach", None) is not None  # hooks that read the geometry
 
     def begin_forward(self, hidden_states: torch.Tensor, kwargs: dict) -> None:
         """The first decoder layer's pre-hook: this forward's geometry, computed once for all layers.
@@ -110,7 +125,8 @@ class PrHSRuntime:
         device = hidden_states.device
         mask = kwargs.get("attention_mask")
         cached = _cached_tokens(cache)  # None only under torch.compile with a StaticCache
-        if not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
             _check_room(cache, cached, q_len)
         if self.passthrough and self.telemetry is None:
             return  # the model's own attention runs every layer: nothing of this forward is needed
@@ -119,13 +135,21 @@ class PrHSRuntime:
                 f"PrHS reads each sequence's geometry off an SDPA or eager attention mask; this forward's is a "
                 f"{type(mask).__name__} (flex_attention): patch a model with attn_implementation 'sdpa' or 'eager'"
             )
-        kv_len = mask.shape[-1] if mask is not None else q_len + (cached or 0)
-        geom = geometry_from_mask(mask, batch, q_len, kv_len, device)
-        if not torch.compiler.is_compiling():
-            check_layout(mask, geom, None if cached is None else cached + q_len - 1)
+        if not compiling:
             self._decoding = q_len == 1 and cached > 0
             self._bind(cache)
             self._decide(cache, cached, q_len, hidden_states)
+            self.kv_buffers = buffer_cache(cache, self.kv_growth) if self.kv_growth is not None else None
+            # a dense decode step needs no geometry: SDPA reads the mask, and the layout check guards
+            # only the sparse steps' reading of slots (a prefill and every sparse step still check it)
+            self.dense_step = self._decoding and self.telemetry is None and not self._taps and (
+                not self.sparse_decode or self._never_sparse)
+            if self.dense_step:
+                return
+        kv_len = mask.shape[-1] if mask is not None else q_len + (cached or 0)
+        geom = geometry_from_mask(mask, batch, q_len, kv_len, device)
+        if not compiling:
+            check_layout(mask, geom, None if cached is None else cached + q_len - 1)
         if not self.is_decoding(q_len):
             self.prepare(device, batch, hidden_states.dtype)
         self._store_geometry(geom)
@@ -179,7 +203,9 @@ class PrHSRuntime:
                 rows=self.num_kv_heads if grouped else self.num_heads, head_dim=self.head_dim,
                 itemsize=hidden_states.element_size(), index_set=self.resolved.index_capacity,
             )
-            compiled = not self._decoding and isinstance(cache, StaticCache)
+            # a compiled step, or an eager one whose sparse layers replay CUDA graphs: few host launches
+            compiled = (not self._decoding and isinstance(cache, StaticCache)) or (
+                self.step_graphs and hidden_states.device.type == "cuda" and isinstance(cache, DynamicCache))
             self.sparse_decode = model is None or model.sparse_decode_wins(shape, compiled)
 
     def geometry_on(self, device: torch.device) -> SequenceGeometry:
@@ -228,6 +254,13 @@ class PrHSRuntime:
         if device not in self._ops:
             self._ops[device] = pick_decode_ops(self.resolved.config.backend.decode, device)
         return self._ops[device]
+
+    def graph_pool(self, device: torch.device):
+        """The memory pool that every layer's :class:`~prhs_hf.layer.StepGraph` on ``device`` captures
+        into (one per device: the layers' graphs replay one after the other on one stream)."""
+        if device not in self._graph_pools:
+            self._graph_pools[device] = torch.cuda.graph_pool_handle()
+        return self._graph_pools[device]
 
     def prefill_function(self, device: torch.device, dtype: torch.dtype) -> Callable:
         """The sparse prefill attention for attention in ``dtype`` on ``device`` (chosen once for each)."""
@@ -284,3 +317,135 @@ def _cached_tokens(cache) -> int | None:
             return None
         n = int(n)
     return n
+
+
+class BufferedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in buffers of ``[B, H, capacity, D]`` that grow
+    by ``growth`` (geometrically: amortised O(1) per token), so a decode step writes its token in
+    place instead of copying the whole cache as ``torch.cat`` does (``backend.eager_step``).
+
+    Users and transformers see a ``DynamicLayer``: ``keys``/``values`` are the valid views
+    ``buffer[:, :, :n]`` (what ``update`` returns), ``get_seq_length``, ``crop``, beam reordering,
+    ``batch_repeat_interleave``/``batch_select_indices``, deepcopy and pickling behave as
+    ``DynamicLayer``'s. Assigning ``keys``/``values`` (what those methods do) copies into the
+    buffer where the tensor fits (same batch, heads, head size, dtype and device; a prefix view of
+    the buffer itself, a crop, copies nothing), so a reorder keeps the buffer's address; otherwise
+    the tensor moves into a new buffer. The slots past ``n`` hold stale or uninitialised values:
+    only the sparse decode step reads the whole buffer (:attr:`buffers`), and it reads slots by each
+    sequence's geometry, never past its valid length.
+    """
+
+    #: what a new buffer's slots hold before they are written (None: uninitialised; tests fill NaN
+    #: to prove that no attention path reads past the valid length)
+    fill: float | None = None
+
+    def __init__(self, growth: float = 1.25):
+        self.growth = growth
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._n = [0, 0]  # valid tokens of the keys and of the values (crop assigns them one by one)
+        self._empty: torch.Tensor | None = None
+        super().__init__()
+
+    @classmethod
+    def from_layer(cls, layer: DynamicLayer, growth: float) -> "BufferedLayer":
+        """A buffered twin of ``layer`` holding its tokens."""
+        twin = cls(growth)
+        if layer.is_initialized:
+            twin.dtype, twin.device, twin.is_initialized = layer.dtype, layer.device, True
+            twin._empty = torch.empty(0, dtype=layer.dtype, device=layer.device)
+            twin.keys, twin.values = layer.keys, layer.values
+        return twin
+
+    def _view(self, buffer: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        if buffer is None:
+            return self._empty  # None before lazy initialisation, an empty tensor after (as DynamicLayer)
+        return buffer[:, :, :n]
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._view(self._k, self._n[0])
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._k = self._adopt(self._k, value, 0)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._view(self._v, self._n[1])
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._v = self._adopt(self._v, value, 1)
+
+    @property
+    def whole_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(keys, values)`` of the whole capacity, or None before the first token."""
+        return None if self._k is None else (self._k, self._v)
+
+    def _capacity(self, tokens: int) -> int:
+        return max(tokens, 128 * math.ceil(self.growth * tokens / 128))
+
+    def _allocate(self, like: torch.Tensor, tokens: int) -> torch.Tensor:
+        shape = (*like.shape[:2], self._capacity(tokens), like.shape[-1])
+        if self.fill is None:
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+        return torch.full(shape, self.fill, dtype=like.dtype, device=like.device)
+
+    def _adopt(self, buffer: torch.Tensor | None, value: torch.Tensor | None, which: int) -> torch.Tensor | None:
+        """The buffer that holds ``value`` (assigned to ``keys``, ``which`` 0, or ``values``, 1) as its valid part."""
+        if value is None or value.dim() != 4 or value.shape[-2] == 0:
+            self._n[which] = 0
+            if value is not None:
+                self._empty = value if value.numel() == 0 else self._empty
+            return None
+        n = value.shape[-2]
+        fits = (buffer is not None and buffer.shape[:2] == value.shape[:2] and buffer.shape[-1] == value.shape[-1]
+                and n <= buffer.shape[-2] and buffer.dtype == value.dtype and buffer.device == value.device)
+        if not fits:
+            buffer = self._allocate(value, n)
+        if not (value.data_ptr() == buffer.data_ptr() and value.stride() == buffer.stride()):
+            buffer[:, :, :n].copy_(value)
+        self._n[which] = n
+        return buffer
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new tokens after the valid ones (growing the buffers when they are full);
+        returns the valid views, as ``DynamicLayer.update`` returns its concatenation."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, new = self._n[0], key_states.shape[-2]
+        k = self._k
+        if k is None or self._v is None or n + new > min(k.shape[-2], self._v.shape[-2]):
+            grown_k, grown_v = self._allocate(key_states, n + new), self._allocate(value_states, n + new)
+            if n:
+                grown_k[:, :, :n].copy_(k[:, :, :n])
+                grown_v[:, :, :n].copy_(self._v[:, :, :n])
+            self._k, self._v = grown_k, grown_v
+        self._k[:, :, n : n + new].copy_(key_states)
+        self._v[:, :, n : n + new].copy_(value_states)
+        self._n = [n + new, n + new]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._n[0]
+
+
+def buffer_cache(cache, growth: float) -> list | None:
+    """Make the ``DynamicLayer``s of the ``DynamicCache`` ``cache`` :class:`BufferedLayer`s of
+    ``growth`` in place (their tokens kept; the layers it creates later too) and return its layer
+    list; ``None`` for any other cache (a StaticCache, sliding-window or offloaded layers stay as they are)."""
+    if not isinstance(cache, DynamicCache) or getattr(cache, "offloading", False):
+        return None
+    layers = cache.layers
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer:
+            layers[i] = BufferedLayer.from_layer(layer, growth)
+    if cache.layer_class_to_replicate is DynamicLayer:
+        cache.layer_class_to_replicate = functools.partial(BufferedLayer, growth)
+    return layers

@@ -1,0 +1,290 @@
+"""The eager decode step's host cost and ``backend.eager_step`` (prhs_hf/runtime.py, prhs_hf/layer.py).
+
+- :class:`~prhs_hf.runtime.BufferedLayer` keeps ``DynamicLayer``'s contract (valid views, length,
+  crop, beam reorder, batch repeat/select, deepcopy, pickle) and grows geometrically;
+- a sparse step on the whole buffers (``buffered``/``graphs``; on the CPU no capture) gives the
+  tokens and logits of the plain ``DynamicCache`` bit for bit through ``model.generate`` with the
+  buffers' unwritten slots full of NaN (so no path reads past a sequence's valid length): per-head
+  and group selection, padding, beams, sampling, a continuation from the cache;
+- a decode step the policy sends to dense costs the ops of the unpatched ``sdpa_gqa`` per layer;
+- on CUDA (``gpu``): a replayed CUDA graph equals the uncaptured step bit for bit, and a step
+  launches fewer kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+import prhs_hf
+from prhs_hf import attention
+from prhs_hf.runtime import BufferedLayer, buffer_cache
+from prhs_hf.selectors.cis import CISSelector
+from conftest import triton_available
+from tiny_models import padded_batch, tiny_model
+
+#: CIS far below the prompts (4 + 8 + 16 keys), blocks of 4, τ 0.5: rows retrieve and share
+SPARSE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4, "tau": 0.5},
+          "backend": {"prefill": "torch", "decode": "torch"}, "policy": {"decode": "sparse", "prefill": "sparse"}}
+
+
+@pytest.fixture(autouse=True)
+def _nan_slots(monkeypatch):
+    """Unwritten buffer slots hold NaN: any read past a valid length shows in the logits."""
+    monkeypatch.setattr(BufferedLayer, "fill", float("nan"))
+    torch.set_num_threads(1)
+
+
+def _kv(batch=2, heads=2, n=5, dim=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, heads, n, dim, generator=g), torch.randn(batch, heads, n, dim, generator=g)
+
+
+def _twins():
+    plain, buffered = DynamicLayer(), BufferedLayer(growth=1.5)
+    return plain, buffered
+
+
+def _same(plain: DynamicLayer, buffered: BufferedLayer) -> None:
+    assert buffered.get_seq_length() == plain.get_seq_length()
+    assert torch.equal(buffered.keys, plain.keys) and torch.equal(buffered.values, plain.values)
+
+
+def test_buffered_layer_update_returns_the_valid_views_and_grows_geometrically():
+    plain, buffered = _twins()
+    assert buffered.keys is None and buffered.get_seq_length() == 0
+    k, v = _kv(n=300)
+    pk, pv = plain.update(k, v)
+    bk, bv = buffered.update(k, v)
+    assert torch.equal(bk, pk) and torch.equal(bv, pv)
+    allocations = {buffered.whole_buffers[0].data_ptr()}
+    for i in range(700):
+        k, v = _kv(n=1, seed=i + 1)
+        pk, pv = plain.update(k, v)
+        bk, bv = buffered.update(k, v)
+        assert torch.equal(bk, pk) and torch.equal(bv, pv)
+        allocations.add(buffered.whole_buffers[0].data_ptr())
+    _same(plain, buffered)
+    capacity = buffered.whole_buffers[0].shape[2]
+    assert 1000 <= capacity <= 1.5 * 1000 + 128
+    assert len(allocations) <= 4  # 300 -> 512 -> 768 -> 1152: geometric, not one per token
+    assert plain.get_mask_sizes(1) == buffered.get_mask_sizes(1)
+
+
+def test_buffered_layer_keeps_dynamic_layer_semantics():
+    plain, buffered = _twins()
+    k, v = _kv(batch=3, n=20)
+    plain.update(k, v)
+    buffered.update(k, v)
+    address = buffered.whole_buffers[0].data_ptr()
+    beams = torch.tensor([2, 0, 0])
+    plain.reorder_cache(beams)
+    buffered.reorder_cache(beams)
+    _same(plain, buffered)
+    assert buffered.whole_buffers[0].data_ptr() == address  # a reorder copies into the same buffer
+    plain.crop(-4)
+    buffered.crop(-4)
+    _same(plain, buffered)
+    assert buffered.whole_buffers[0].data_ptr() == address
+    for layer in (plain, buffered):
+        layer.update(*_kv(batch=3, n=2, seed=7))
+    _same(plain, buffered)
+    twin = copy.deepcopy(buffered)
+    _same(plain, twin)
+    assert twin.whole_buffers[0].data_ptr() != address
+    _same(plain, pickle.loads(pickle.dumps(buffered)))
+    for layer in (plain, buffered):
+        layer.batch_repeat_interleave(2)
+    _same(plain, buffered)
+    for layer in (plain, buffered):
+        layer.batch_select_indices(torch.tensor([1, 4]))
+    _same(plain, buffered)
+    for layer in (plain, buffered):
+        layer.update(*_kv(batch=2, n=1, seed=9))
+    _same(plain, buffered)
+
+
+def test_buffer_cache_converts_dynamic_layers_and_the_ones_made_later():
+    model = tiny_model("llama", layers=2)
+    with_config = DynamicCache(config=model.config)
+    layers = buffer_cache(with_config, 1.25)
+    assert layers is with_config.layers and all(type(x) is BufferedLayer for x in layers)
+    lazy = DynamicCache()
+    buffer_cache(lazy, 1.25)
+    ids, mask = padded_batch([9, 12])
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=lazy)
+    assert len(lazy.layers) == 2 and all(type(x) is BufferedLayer for x in lazy.layers)
+    assert buffer_cache(transformers.StaticCache(config=model.config, max_cache_len=32), 1.25) is None
+
+
+def _generate(model, config, step, ids, mask, **kwargs):
+    """``generate`` under ``config`` with ``backend.eager_step: step``: tokens and logits."""
+    overrides = {"backend": {**config.get("backend", {}), "eager_step": step}}
+    with prhs_hf.patch(model, config, overrides):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out
+
+
+def _assert_same(a, b) -> None:
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("selection", ["head", "group"])
+@pytest.mark.parametrize("step", ["buffered", "graphs"])
+def test_sparse_step_on_whole_buffers_equals_the_plain_cache(selection, step, monkeypatch):
+    model = tiny_model("llama", layers=2)
+    config = {**SPARSE, "cis": {**SPARSE["cis"], "selection": selection}}
+    ids, mask = padded_batch([40, 55, 31], seed=1)  # left padding
+    plain = _generate(model, config, "plain", ids, mask, do_sample=False)
+    slack = []  # slots past the valid length that each step's selection was given
+    select = CISSelector.select
+
+    def spy(self, layer, q, k_cache, v_cache, geom, *args):
+        slack.append(k_cache.shape[2] - int(geom.pad[0] + geom.t_last[0]))
+        return select(self, layer, q, k_cache, v_cache, geom, *args)
+
+    monkeypatch.setattr(CISSelector, "select", spy)
+    _assert_same(plain, _generate(model, config, step, ids, mask, do_sample=False))
+    assert not torch.isnan(torch.stack(plain.logits)).any()
+    assert slack and min(slack) > 0  # the whole buffers, NaN past the valid slots
+
+
+def test_whole_buffers_beams_sampling_and_continuation_equal_the_plain_cache():
+    model = tiny_model("qwen2", layers=2)
+    ids, mask = padded_batch([44, 37], seed=2)
+    for kwargs in (dict(num_beams=3, do_sample=False), dict(do_sample=True, top_k=20, num_return_sequences=2)):
+        _assert_same(_generate(model, SPARSE, "plain", ids, mask, **kwargs),
+                     _generate(model, SPARSE, "buffered", ids, mask, **kwargs))
+    results = []
+    for step in ("plain", "buffered"):
+        with prhs_hf.patch(model, SPARSE, {"backend": {**SPARSE["backend"], "eager_step": step}}):
+            cache = DynamicCache(config=model.config)
+            with torch.no_grad():
+                first = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5,
+                                       min_new_tokens=5, do_sample=False, pad_token_id=0)
+                more = torch.cat([first, torch.tensor([[5, 6, 7]] * 2)], dim=1)
+                second = model.generate(more, attention_mask=torch.cat([mask, torch.ones(2, 8, dtype=mask.dtype)], 1),
+                                        past_key_values=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                                        pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            assert (type(cache.layers[0]) is BufferedLayer) == (step == "buffered")
+            results.append(second)
+    _assert_same(*results)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton on CUDA or TRITON_INTERPRET=1")
+def test_triton_kernels_on_whole_buffers_equal_the_plain_cache():
+    model = tiny_model("llama", layers=1)
+    config = {**SPARSE, "backend": {"prefill": "torch", "decode": "triton"}}
+    ids, mask = padded_batch([40, 29], seed=3)
+    _assert_same(_generate(model, config, "plain", ids, mask, do_sample=False),
+                 _generate(model, config, "buffered", ids, mask, do_sample=False))
+
+
+def _ops_per_step(model, layers_ids_mask) -> int:
+    """Top-level PyTorch ops of one eager decode forward."""
+    ids, mask = layers_ids_mask
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        step = ids[:, -1:]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(step, attention_mask=mask, past_key_values=cache)
+    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+
+
+def test_a_dense_decode_step_costs_the_ops_of_sdpa_gqa():
+    """The policy's dense step adds no op per layer and none per forward to the unpatched sdpa_gqa."""
+    inputs = padded_batch([20, 16])
+    for layers in (2, 4):
+        model = tiny_model("llama", layers=layers)
+        attention.register()
+        model.set_attn_implementation("sdpa_gqa")
+        dense = _ops_per_step(model, inputs)
+        model.set_attn_implementation("sdpa")
+        with prhs_hf.patch(model, "cis", {"policy": {"decode": "dense", "prefill": "dense"}}):
+            assert _ops_per_step(model, inputs) == dense
+            assert model._prhs_runtime.dense_step
+
+
+def test_a_dense_decode_step_gives_sdpa_gqa_tokens_and_logits():
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([30, 22])
+    attention.register()
+    model.set_attn_implementation("sdpa_gqa")
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    model.set_attn_implementation("sdpa")
+    with prhs_hf.patch(model, "cis", {"policy": {"decode": "dense", "prefill": "dense"}}):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)
+    _assert_same(ref, out)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _cuda_model(layers: int = 2):
+    model = tiny_model("llama", layers=layers, dtype=torch.bfloat16).cuda()
+    ids, mask = padded_batch([300, 260], device="cuda")
+    return model, ids, mask
+
+
+GPU_SPARSE = {"budget": {"sink": 4, "local": 16, "topk": 32}, "cis": {"block_size": 4, "tau": 0.5},
+              "backend": {"prefill": "auto", "decode": "triton"}, "policy": {"decode": "sparse", "prefill": "sparse"}}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("selection", ["head", "group"])
+def test_graph_replay_equals_the_uncaptured_step_bit_for_bit(selection, monkeypatch):
+    monkeypatch.setattr(BufferedLayer, "fill", None)
+    model, ids, mask = _cuda_model()
+    config = {**GPU_SPARSE, "cis": {**GPU_SPARSE["cis"], "selection": selection}}
+    buffered = _generate(model, config, "buffered", ids, mask, do_sample=False, max_length=None)
+    graphs = _generate(model, config, "graphs", ids, mask, do_sample=False, max_length=None)
+    _assert_same(buffered, graphs)
+    with prhs_hf.patch(model, config, {"backend": {**config["backend"], "eager_step": "graphs"}}) as handle:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0, do_sample=False)
+        assert all(layer.graphs.graph is not None for layer in handle.runtime.layers)  # captured and replayed
+
+
+def _launches_per_step(model, ids, mask) -> int:
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        token = ids[:, -1:]
+        for _ in range(3):  # the eager step at a new key, the capture, a replay
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+            model(token, attention_mask=mask, past_key_values=cache)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(token, attention_mask=mask, past_key_values=cache)
+            torch.cuda.synchronize()
+    names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
+    return sum(1 for e in prof.events() if e.name in names)
+
+
+@pytest.mark.gpu
+def test_graphs_launch_fewer_kernels_per_step():
+    model, ids, mask = _cuda_model(layers=4)
+    counts = {}
+    for step in ("buffered", "graphs"):
+        with prhs_hf.patch(model, GPU_SPARSE, {"backend": {**GPU_SPARSE["backend"], "eager_step": step}}):
+            counts[step] = _launches_per_step(model, ids, mask)
+    assert counts["graphs"] < counts["buffered"] - 4 * 3, counts  # several launches per layer become one
