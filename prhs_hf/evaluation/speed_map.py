@@ -207,9 +207,15 @@ def prhs_config(name: str, telemetry: bool = False) -> tuple[str, dict[str, Any]
     """``(config, overrides)`` of a PrHS entry of ``--configs``: a shipped name, a named config of the
     result tables (:func:`~prhs_hf.evaluation.accuracy.configs.load_any_config`) or a YAML path, with
     ``/sparse``, ``/dense`` or ``/auto`` appended to force ``policy.decode`` and ``policy.prefill``
-    (``cis/sparse``: the shipped ``cis`` on every forward, the measurement the policy is fitted to)."""
+    (``cis/sparse``: the shipped ``cis`` on every forward, the measurement the policy is fitted to), and
+    ``+buffered`` or ``+graphs`` last to set ``backend.eager_step`` (``cis/sparse+graphs``)."""
+    name, _, step = name.partition("+")
     base, _, policy = name.partition("/") if not Path(name).suffix else (name, "", "")
     overrides: dict[str, Any] = {"telemetry": {"enabled": True}} if telemetry else {}
+    if step:
+        if step not in ("plain", "buffered", "graphs"):
+            raise ValueError(f"--configs: {name}+{step}: the part after '+' is backend.eager_step: plain, buffered or graphs")
+        overrides["backend"] = {"eager_step": step}
     if policy:
         if policy not in ("auto", "sparse", "dense"):
             raise ValueError(f"--configs: {name!r}: the part after '/' is a policy: auto, sparse or dense")
