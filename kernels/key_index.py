@@ -97,6 +97,17 @@ def _check_kind(kind: str, head_dim: int, page: int) -> None:
         raise ValueError(f"pages key index: page={page}; expected a power of two >= 1")
 
 
+def _check_index(index: KeyIndex, head_dim: int) -> None:
+    """Raise unless ``index`` is a key index of its kind for keys of ``head_dim`` channels."""
+    _check_kind(index.kind, head_dim, index.page)
+    if index.kind != "pages" and index.page != 1:
+        raise ValueError(f"{index.kind} key index: page={index.page}; expected 1 (pages are the 'pages' kind's)")
+    width = head_dim // 2 if index.kind == "int4" else head_dim
+    if index.a.dim() != 4 or index.a.shape[-1] != width:
+        raise ValueError(f"{index.kind} key index: a of shape {tuple(index.a.shape)}; expected [B, Hkv, slots, {width}]"
+                         f" for head_dim {head_dim} (allocate_key_index makes one)")
+
+
 def index_bytes_per_slot(kind: str, head_dim: int, dtype: torch.dtype, page: int) -> float:
     """Bytes of the key index per KV head and cache slot (the cache itself: ``head_dim`` x the
     dtype's size)."""
@@ -181,6 +192,7 @@ def write_key_index_reference(index: KeyIndex, k_cache: torch.Tensor, start: int
     """Write, in place, the index entries of cache slots ``[start, end)`` from ``k_cache
     [B, Hkv, S, D]`` (a prefill or a chunk of one). ``pages``: every page that overlaps
     ``[start, end)`` is recomputed from all its slots ``< end``."""
+    _check_index(index, k_cache.shape[-1])
     start, end = max(int(start), 0), min(int(end), k_cache.shape[2])
     if start >= end:
         return
@@ -201,6 +213,7 @@ def update_key_index_reference(index: KeyIndex, k_cache: torch.Tensor, slot: tor
     from ``k_cache [B, Hkv, S, D]`` (a decode step's new key). ``pages``: the page of that slot is
     recomputed from its slots ``<= slot[b]``. Graph-safe: no host sync, fixed shapes."""
     B, H, S, D = k_cache.shape
+    _check_index(index, D)
     dev = k_cache.device
     bi = torch.arange(B, device=dev)[:, None]
     hi = torch.arange(H, device=dev)[None, :]
@@ -268,7 +281,7 @@ def topk_retrieval_indexed_reference(q: torch.Tensor, k_cache: torch.Tensor, ind
         ``[B, H, k]`` int32 real indices, best exact score first, ties lower index first, ``-1``
         padded (also where the candidates are fewer than ``k``: pages cut by the region's ends).
     """
-    _check_kind(index.kind, q.shape[-1], index.page)
+    _check_index(index, q.shape[-1])
     B, Hq, D = q.shape
     S = k_cache.shape[2]
     n_cand = candidate_count(k, margin, index.page)
@@ -461,7 +474,7 @@ def _write(index: KeyIndex, k_cache: torch.Tensor, start: int, end: int, slot: t
     """Launch the write (``slot`` None: slots ``[start, end)``) or the update (``slot [B]``)."""
     require_triton(k_cache, index.a)
     B, H, S, D = k_cache.shape
-    _check_kind(index.kind, D, index.page)
+    _check_index(index, D)
     kind = _KFMT[index.kind]
     if k_cache.stride(-1) != 1:
         k_cache = k_cache.contiguous()
@@ -509,7 +522,7 @@ def topk_retrieval_indexed(q: torch.Tensor, k_cache: torch.Tensor, index: KeyInd
     require_triton(q, k_cache, index.a)
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    _check_kind(index.kind, D, index.page)
+    _check_index(index, D)
     n_cand = candidate_count(k, margin, index.page)
     tokens = n_cand * index.page
     if tokens > RERANK_MAX:

@@ -259,6 +259,10 @@ def test_sizes_and_bad_input():
     with pytest.raises(ValueError, match="power of two"):
         allocate_key_index("pages", 1, 1, 4, 32, torch.bfloat16, "cpu", page=6)
     index = allocate_key_index("fp8", 1, 1, 4, 32, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="expected 1"):  # a page size on a kind without pages
+        update_key_index_reference(index._replace(page=8), torch.zeros(1, 1, 4, 32), i32([0]))
+    with pytest.raises(ValueError, match="head_dim 64"):  # an index for other keys
+        write_key_index_reference(index, torch.zeros(1, 1, 4, 64), 0, 4)
     with pytest.raises(ValueError, match="margin"):
         topk_retrieval_indexed_reference(torch.zeros(1, 1, 32), torch.zeros(1, 1, 4, 32), index, i32([0]), i32([0]),
                                          i32([4]), torch.ones(1, 1, dtype=torch.bool), 2, -1, 1.0, False)
@@ -511,6 +515,37 @@ def test_indexed_kernel_errors():
     assert (topk_retrieval_indexed(*_on(q, kc), index, *_on(pad, lo, hi, r), 0, 5, 1.0, False).shape == (1, 2, 0))
 
 
+@needs_triton
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_key_index_ops_compile_fullgraph(kind):
+    """TRITON_OPS' key-index ops under torch.compile (fullgraph): the update mutates the index in
+    place (a view of a per-layer state buffer, as the selector holds it) and the retrieval reads
+    it, with the eager results."""
+    q, kc, pad, lo, hi, g = retrieval_case(2, 4, 2, 32, 40, [0, 3], 90, torch.bfloat16)
+    lo[1], hi[1] = 2, 30
+    retrieve = flags(2, 4, g)
+    layers = [allocate_key_index(kind, 2, 2, 40, 32, kc.dtype, DEV, page=8) for _ in range(2)]
+    state_a, state_b = torch.stack([x.a for x in layers]), torch.stack([x.b for x in layers])  # [L, ...]
+    view = KeyIndex(kind, state_a[1], state_b[1], layers[1].page)
+    TRITON_OPS.write_key_index(view, kc.to(DEV), 0, 36)
+    slot = i32([36, 38]).to(DEV)
+
+    def step(q, kc, pad, lo, hi, retrieve, slot):
+        TRITON_OPS.update_key_index(view, kc, slot)
+        return TRITON_OPS.topk_retrieval_indexed(q, kc, view, pad, lo, hi, retrieve, 5, 3, 0.3, False)
+
+    args = [x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve, slot)]
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+    got_a, got_b = state_a.clone(), state_b.clone()
+    ref = build(kind, kc, page=8, upto=36)
+    update_key_index_reference(ref, kc, slot.cpu())
+    assert torch.equal(got_a[1].cpu(), ref.a) and torch.equal(got_b[1].cpu(), ref.b)
+    assert (got_a[0] == 0).all()  # the other layer untouched
+    assert torch.equal(compiled, step(*args))
+    assert torch.equal(compiled.cpu(), topk_retrieval_indexed_reference(q, kc, ref, pad, lo, hi, retrieve, 5, 3, 0.3,
+                                                                         False))
+
+
 _SM90_CHECK = r"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -676,12 +711,7 @@ def test_gpu_update_and_retrieval_sync_free_and_graph_capturable(kind):
                 topk_retrieval_indexed(q, kc, index, pad, lo, hi, r_group, 512, 256, scale, True))
 
     eager = step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    common.call_sync_free(step)
     graph, captured = common.capture_graph(step)
     q.copy_(torch.randn_like(q))
     kc[:, :, S - 1] = torch.randn_like(kc[:, :, S - 1])
