@@ -202,8 +202,8 @@ class PeriodicStopCheck(generation_utils.StopCheck):
         self.length = length
         if self.max_length is not None and length >= self.max_length:
             return True  # the host knows the loop ends here; finish() reads the flags
-        if len(self.flags) >= self.every or (self.room is not None and length >= self.room):
-            return self._read()
+        if len(self.flags) >= self.every or (self.room is not None and length > self.room):
+            return self._read()  # (the next forward writes slot length - 1: past a StaticCache's room it raises)
         return False
 
     def _read(self) -> bool:

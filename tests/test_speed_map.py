@@ -97,10 +97,10 @@ def test_cells_over_the_free_memory_are_skipped_not_run(tmp_path, capsys) -> Non
 def test_an_oom_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch) -> None:
     measure = sm.measure
 
-    def failing(target, mode, batch, length, config, args):
+    def failing(target, mode, batch, length, config, args, *loop):
         if config == "cis":
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
-        return measure(target, mode, batch, length, config, args)
+        return measure(target, mode, batch, length, config, args, *loop)
 
     monkeypatch.setattr(sm, "measure", failing)
     rows = _bench(tmp_path, "--quick", "--modes", "static", "--batches", "2", "--configs", "sdpa_gqa,cis")["rows"]

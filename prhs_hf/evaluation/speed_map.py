@@ -12,6 +12,15 @@ mode (``fastest_dense``). Cells whose KV cache + prefill activation would exceed
 memory are skipped (``memory``), OOMs recorded (``oom``); ``--deadline-s`` stops starting cells. The
 JSON is rewritten after every cell, the heat map PNG drawn at the end. (``scripts/_bench_common.py``
 is not importable from an installed package: the little it would give here is re-implemented.)
+
+``--stop-check-every N[,M]``: the decode loop of every row (``generation.stop_check_every``,
+:mod:`prhs_hf.patching`), recorded in each row and part of its cell: speedups compare rows of the same
+loop. With ``N`` > 1 the dense baselines run in the same sync-free loop as the PrHS rows: the model
+patched with a dense config (``{generation: {stop_check_every: N}}``), which keeps its own
+``sdpa`` / ``sdpa_gqa`` attention and adds only the loop, the fastest dense ``generate()`` a user can
+have (``sdpa`` keeps transformers' mask builder, which reads the padding at every step; ``sdpa_gqa``'s
+reads it once). With ``1`` they are the unpatched model (transformers' own loop) and the PrHS rows
+check every step too.
 """
 
 from __future__ import annotations
@@ -95,21 +104,23 @@ class Deadline:
         return self.seconds is not None and self.clock() - self.start >= self.seconds
 
 
-def plan_cells(batches: list[int], lengths: list[int], modes: list[str],
-               configs: list[str]) -> list[tuple[str, int, int, str]]:
-    """(mode, B, L, config) in run order: cheapest B·L first, both modes, dense baselines first in a cell."""
+def plan_cells(batches: list[int], lengths: list[int], modes: list[str], configs: list[str],
+               loops: Optional[list[int]] = None) -> list[tuple[str, int, int, str, Optional[int]]]:
+    """(mode, B, L, config, stop_check_every) in run order: cheapest B·L first, both modes, each loop
+    (``loops``; ``None``: each config's own), dense baselines first in a cell."""
     cells = sorted(((b, n) for b in batches for n in lengths), key=lambda c: (c[0] * c[1], c[1]))
     ordered = [c for c in configs if c in DENSE_CONFIGS] + [c for c in configs if c not in DENSE_CONFIGS]
-    return [(m, b, n, c) for b, n in cells for m in modes for c in ordered]
+    return [(m, b, n, c, e) for b, n in cells for m in modes for e in (loops or [None]) for c in ordered]
 
 
 def _key(row: dict[str, Any]) -> tuple:
-    return row["model"], row["prompts"], row["mode"], row["batch"], row["length"]
+    return row["model"], row["prompts"], row["mode"], row["batch"], row["length"], row.get("stop_check_every")
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
     """Set ``fastest_dense`` and ``speedup_vs_fastest_dense`` (its ms/step over the row's) on every
-    measured row, against the dense row with the fewest ms/step of the same model, prompts, mode, B, L."""
+    measured row, against the dense row with the fewest ms/step of the same model, prompts, mode, B, L
+    and decode loop (``stop_check_every``)."""
     best: dict[tuple, dict[str, Any]] = {}
     for r in rows:
         if r["config"] in DENSE_CONFIGS and r["status"] == "ok":
@@ -223,8 +234,9 @@ def prhs_config(name: str, telemetry: bool = False) -> tuple[str, dict[str, Any]
     return base, overrides
 
 
-def _select(model: Any, name: str, telemetry: bool) -> None:
-    """Put the model in config ``name``: a dense attention implementation, or ``prhs_hf.patch``."""
+def _select(model: Any, name: str, telemetry: bool, stop_check_every: Optional[int] = None) -> None:
+    """Put the model in config ``name`` and decode loop ``stop_check_every`` (see the module
+    docstring; ``None``: the unpatched dense baselines, the PrHS config's own loop)."""
     import prhs_hf
     from prhs_hf import attention
     from prhs_hf.evaluation.accuracy.configs import load_any_config
@@ -232,8 +244,12 @@ def _select(model: Any, name: str, telemetry: bool) -> None:
     prhs_hf.unpatch(model)
     attention.register()
     model.set_attn_implementation(DENSE_CONFIGS.get(name, "sdpa"))
+    loop = {} if stop_check_every is None else {"generation": {"stop_check_every": stop_check_every}}
     if name not in DENSE_CONFIGS:
-        prhs_hf.patch(model, load_any_config(*prhs_config(name, telemetry)))
+        config = load_any_config(*prhs_config(name, telemetry))
+        prhs_hf.patch(model, config, overrides=loop)
+    elif stop_check_every not in (None, 1):
+        prhs_hf.patch(model, loop)  # dense: the model's own attention, in the patched loop
 
 
 def _fresh_compile(model: Any) -> None:
@@ -245,7 +261,8 @@ def _fresh_compile(model: Any) -> None:
         model.__dict__.pop(attr, None)
 
 
-def measure(target: Target, mode: str, batch: int, length: int, config: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure(target: Target, mode: str, batch: int, length: int, config: str, args: argparse.Namespace,
+            stop_check_every: Optional[int] = None) -> dict[str, Any]:
     """One row's measurements: warm-up, then the timed ``generate()`` (see the module docstring)."""
     import torch
     import transformers
@@ -269,7 +286,7 @@ def measure(target: Target, mode: str, batch: int, length: int, config: str, arg
         with torch.no_grad():
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, **base, **extra)
 
-    _select(model, config, args.telemetry)
+    _select(model, config, args.telemetry, stop_check_every)
     if mode == "static":
         _fresh_compile(model)
     start = time.perf_counter()
@@ -313,7 +330,7 @@ def _free_bytes(device: Any) -> Optional[int]:
 
 
 def _cell(target: Target, mode: str, batch: int, length: int, config: str, args: argparse.Namespace,
-          free: Optional[int]) -> dict[str, Any]:
+          free: Optional[int], stop_check_every: Optional[int] = None) -> dict[str, Any]:
     """One row: the positions and memory checks, then :func:`measure` (an OOM is caught and recorded)."""
     import torch
 
@@ -325,7 +342,7 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
         prompt_len = target.max_positions - args.n2 if length <= target.max_positions else 0
     row: dict[str, Any] = {"model": target.name, "weights": target.weights, "prompts": target.prompts,
                            "layers": cfg.num_hidden_layers, "mode": mode, "batch": batch, "length": length,
-                           "prompt_len": prompt_len, "config": config,
+                           "prompt_len": prompt_len, "config": config, "stop_check_every": stop_check_every,
                            "kind": "dense" if config in DENSE_CONFIGS else "prhs", "new_tokens": [args.n1, args.n2]}
     if prompt_len <= 0:
         return {**row, "status": "positions", "error": f"L + {args.n2} > max_position_embeddings {target.max_positions}"}
@@ -341,7 +358,7 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
         return {**row, "status": "memory"}
     error = None
     try:
-        row.update(measure(target, mode, batch, prompt_len, config, args), status="ok")
+        row.update(measure(target, mode, batch, prompt_len, config, args, stop_check_every), status="ok")
     except Exception as exc:  # noqa: BLE001 - a failing cell is recorded, the map goes on
         oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
         error = ("oom" if oom else "error", f"{type(exc).__name__}: {exc}"[:300])
@@ -358,12 +375,14 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width text table."""
-    head = (f"{'model':<22} {'mode':<6} {'B':>3} {'L':>7} {'config':<16} {'ms/step':>9} {'speedup':>8} "
+    head = (f"{'model':<22} {'mode':<6} {'N':>4} {'B':>3} {'L':>7} {'config':<16} {'ms/step':>9} {'speedup':>8} "
             f"{'fastest dense':<13} {'rho_hat':>7}  status")
     lines = [head, "-" * len(head)]
     for r in rows:
         ms, sp, rho = r.get("ms_per_step"), r.get("speedup_vs_fastest_dense"), r.get("rho_hat")
-        lines.append(f"{r['model'][:22]:<22} {r['mode']:<6} {r['batch']:>3} {r['length']:>7} {r['config'][:16]:<16} "
+        every = r.get("stop_check_every")
+        lines.append(f"{r['model'][:22]:<22} {r['mode']:<6} {'' if every is None else every:>4} {r['batch']:>3} "
+                     f"{r['length']:>7} {r['config'][:16]:<16} "
                      f"{'' if ms is None else f'{ms:.2f}':>9} {'' if sp is None else f'{sp:.2f}x':>8} "
                      f"{r.get('fastest_dense') or '':<13} {'' if rho is None else f'{100 * rho:.1f}%':>7}  {r['status']}")
     return "\n".join(lines)
@@ -381,7 +400,7 @@ def draw_heatmap(rows: list[dict[str, Any]], png: Path) -> Optional[str]:
         import numpy as np
     except ImportError:
         return f"matplotlib is not installed: {png.name} not drawn (pip install matplotlib; then prhs-hf bench --replot)"
-    groups = list(dict.fromkeys((r["model"], r["prompts"], r["mode"]) for r in rows))
+    groups = list(dict.fromkeys((r["model"], r["prompts"], r["mode"], r.get("stop_check_every")) for r in rows))
     configs = list(dict.fromkeys(r["config"] for r in rows))
     speed = [r["speedup_vs_fastest_dense"] for r in rows if r.get("speedup_vs_fastest_dense")]
     span = max([abs(math.log2(s)) for s in speed] + [0.25])
@@ -390,8 +409,8 @@ def draw_heatmap(rows: list[dict[str, Any]], png: Path) -> Optional[str]:
     size = (1.8 + (0.55 * len(ls_all) + 0.6) * len(configs), 0.6 + (0.42 * len(bs_all) + 0.9) * len(groups))
     fig, axes = plt.subplots(len(groups), len(configs), squeeze=False, layout="constrained", figsize=size)
     image = None
-    for i, (model, prompts, mode) in enumerate(groups):
-        mine = [r for r in rows if (r["model"], r["prompts"], r["mode"]) == (model, prompts, mode)]
+    for i, (model, prompts, mode, every) in enumerate(groups):
+        mine = [r for r in rows if (r["model"], r["prompts"], r["mode"], r.get("stop_check_every")) == (model, prompts, mode, every)]
         title = model + ("" if prompts == "random ids" else f" ({prompts})")
         bs, ls = sorted({r["batch"] for r in mine}), sorted({r["length"] for r in mine})
         for j, config in enumerate(configs):
@@ -406,7 +425,7 @@ def draw_heatmap(rows: list[dict[str, Any]], png: Path) -> Optional[str]:
             image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=-span, vmax=span, aspect="auto")
             ax.set_xticks(range(len(ls)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in ls], fontsize=7)
             ax.set_yticks(range(len(bs)), [str(b) for b in bs], fontsize=7)
-            ax.set_title(f"{title}\n{mode} · {config}", fontsize=8)
+            ax.set_title(f"{title}\n{mode}{'' if every is None else f' · N {every}'} · {config}", fontsize=8)
             ax.set_xlabel("L", fontsize=7)
             ax.set_ylabel("B", fontsize=7)
     ticks = [t for t in range(-int(span) - 1, int(span) + 2) if abs(t) <= span] or [0]
@@ -438,6 +457,10 @@ def add_arguments(parser: argparse.ArgumentParser, default_config: str) -> None:
     a("--timing", choices=("stamps", "calls"), default="stamps",
       help="stamps: clock read after new tokens N1 and N2 of one generate(); calls: two generate() calls "
            "(default %(default)s)")
+    a("--stop-check-every", default=None,
+      help="comma list of N: the decode loop reads the all-finished flag every N steps (generation.stop_check_every; "
+           "1: every step, transformers' loop); dense baselines run in the same loop (default: each config's own, "
+           "the unpatched loop for the dense baselines)")
     a("--prefill-chunk", type=int, default=None,
       help="prefill in chunks of this many tokens (generate's prefill_chunk_size): long batched prompts fit")
     a("--deadline-s", type=float, default=None, help="start no cell after this many seconds (rest: 'not run: deadline')")
@@ -458,6 +481,15 @@ def _resolve(args: argparse.Namespace) -> None:
     args.n1, args.n2 = args.n1 or quick.get("n1", N1), args.n2 or quick.get("n2", N2)
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.config_list = [c.strip() for c in args.configs.split(",") if c.strip()]
+    args.loop_list = None
+    if args.stop_check_every is not None:
+        from prhs_hf.config import MAX_STOP_CHECK_EVERY
+
+        tokens = [t.strip() for t in args.stop_check_every.split(",") if t.strip()]
+        if not tokens or any(not t.isdigit() or not 1 <= int(t) <= MAX_STOP_CHECK_EVERY for t in tokens):
+            raise ValueError(f"--stop-check-every: {args.stop_check_every!r}; allowed a comma list of ints in "
+                             f"[1, {MAX_STOP_CHECK_EVERY}]")
+        args.loop_list = list(dict.fromkeys(int(t) for t in tokens))
     if not 1 <= args.n1 < args.n2:
         raise ValueError(f"--n1/--n2: need 1 <= N1 < N2, got {args.n1}, {args.n2}")
     if not args.mode_list or set(args.mode_list) - set(MODES.split(",")):
@@ -484,10 +516,18 @@ def _command(args: argparse.Namespace) -> str:
              *([f"--prompts {args.prompts}"] if args.prompts else []), f"--batches {','.join(map(str, args.batch_list))}",
              f"--lengths {','.join(map(str, args.length_list))}", f"--modes {','.join(args.mode_list)}",
              f"--configs {','.join(args.config_list)}", f"--n1 {args.n1} --n2 {args.n2} --timing {args.timing}",
+             *([f"--stop-check-every {','.join(map(str, args.loop_list))}"] if args.loop_list else []),
              *([f"--deadline-s {args.deadline_s:g}"] if args.deadline_s is not None else []),
              *([f"--prefill-chunk {args.prefill_chunk}"] if args.prefill_chunk else []),
              f"--out {args.out}", *(f"--{f}" for f in ("resume", "telemetry") if getattr(args, f))]
     return " ".join(parts)
+
+
+def _planned_key(row: dict[str, Any]) -> tuple:
+    """A row's place in a run's plan: (model, prompts, mode, B, L, config, stop_check_every) as
+    :func:`main` builds it from :func:`plan_cells`."""
+    model, prompts, mode, batch, length, every = _key(row)
+    return model, prompts, mode, batch, length, row["config"], every
 
 
 def _write(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
@@ -517,7 +557,7 @@ def _meta(args: argparse.Namespace, device: Any, earlier: dict[str, Any]) -> dic
             "git_commit": os.environ.get("PRHS_GIT_COMMIT"),
             "timing": f"{args.timing}: ms/step = (t(N2) - t(N1)) / (N2 - N1), N1 {args.n1}, N2 {args.n2}",
             "speedup": "fastest_dense's ms/step / the row's; fastest of sdpa and sdpa_gqa of the same model, "
-                       "prompts, mode, B and L"}
+                       "prompts, mode, B, L and stop_check_every (the decode loop)"}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -541,27 +581,27 @@ def main(args: argparse.Namespace) -> int:
             load_any_config(*prhs_config(name))  # a wrong name fails now, not after the first cells
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, weights, prompts = _identity(args)
-    plan = plan_cells(args.batch_list, args.length_list, args.mode_list, args.config_list)
+    plan = plan_cells(args.batch_list, args.length_list, args.mode_list, args.config_list, args.loop_list)
     planned = {(model, prompts, *cell) for cell in plan}
     earlier = json.loads(out.read_text()) if args.resume and out.is_file() else {}
-    rows = [r for r in earlier.get("rows", []) if r["status"] in KEPT or (*_key(r), r["config"]) not in planned]
-    done = {(*_key(r), r["config"]) for r in rows}
+    rows = [r for r in earlier.get("rows", []) if r["status"] in KEPT or _planned_key(r) not in planned]
+    done = {_planned_key(r) for r in rows}
     meta, deadline, target = _meta(args, device, earlier), Deadline(args.deadline_s), None
     bar = tqdm([c for c in plan if (model, prompts, *c) not in done], desc="speed map", unit="cell",
                file=sys.stderr, mininterval=1.0)
-    for mode, batch, length, config in bar:
+    for mode, batch, length, config, every in bar:
         if deadline.passed():
             row = {"model": model, "weights": weights, "prompts": prompts, "mode": mode, "batch": batch,
-                   "length": length, "config": config, "status": "not run: deadline"}
+                   "length": length, "config": config, "stop_check_every": every, "status": "not run: deadline"}
         else:
             if target is None:
                 target = load_target(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
             free = int(args.assume_free_gib * 2**30) if args.assume_free_gib is not None else _free_bytes(device)
-            row = _cell(target, mode, batch, length, config, args, free)
+            row = _cell(target, mode, batch, length, config, args, free, every)
         rows.append(row)
         _write(out, meta, rows)
         ms = row.get("ms_per_step")
-        bar.write(f"{mode} B{batch} L{length} {config}: " + (f"{ms:.2f} ms/step" if ms is not None else row["status"])
+        bar.write(f"{mode}{'' if every is None else f' N{every}'} B{batch} L{length} {config}: " + (f"{ms:.2f} ms/step" if ms is not None else row["status"])
                   + (f" ({row['error'][:160]})" if row.get("error") else ""))
     if target is not None:
         prhs_hf.unpatch(target.model)
