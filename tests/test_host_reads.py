@@ -21,14 +21,6 @@ BACKENDS = {"backend": {"prefill": "torch", "decode": "torch"}}
 NEW = 12
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _reads(model, every: int, new: int = NEW, **kw) -> "probe.HostReadRecorder":
     """Record a greedy generate() of a left-padded batch (a padded batch: its masks are built each step)."""
     ids, mask = padded_batch([150, 141])
