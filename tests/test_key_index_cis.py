@@ -267,3 +267,21 @@ def test_triton_index_ops_give_the_reference_tokens(selection):
         config = _config("fp8", margin=8, selection=selection, backend={"prefill": "torch", "decode": backend})
         runs.append(_generate(model, config, ids, mask, new=8).sequences)
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("selection", ["head", "group"])
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_gpu_covering_margin_gives_the_tokens_of_no_index(kind, selection):
+    """On CUDA in bf16 with the Triton ops, eager and compiled (StaticCache, CUDA graphs): a covering
+    margin gives the exact retrieval's tokens."""
+    model = _model().to("cuda", torch.bfloat16)
+    ids, mask = padded_batch([300, 220], device="cuda")
+    backend = {"prefill": "auto", "decode": "triton"}
+    eager, compiled = {}, {}
+    for index in ("none", kind):
+        config = _config(index, selection=selection, backend=backend)
+        eager[index] = _generate(model, config, ids, mask, new=16).sequences
+        compiled[index] = _generate(model, config, ids, mask, new=16, cache_implementation="static").sequences
+    assert torch.equal(eager[kind], eager["none"])
+    assert torch.equal(compiled[kind], compiled["none"])  # compiled vs compiled: the same dense numerics
