@@ -172,6 +172,15 @@ def test_steps_the_policy_runs_dense_are_caught_up(monkeypatch, cache_implementa
     _assert_index_current(model, runs[1].past_key_values)
 
 
+def test_early_select_cis_with_a_covering_index_gives_its_tokens_without():
+    """ES-CIS (no side stream) selects layer ℓ+1 at layer ℓ+1 itself, after its key is written: the
+    index is updated first there too."""
+    model = _model()
+    ids, mask = padded_batch([70, 52])
+    runs = [_generate(model, _config(kind, early_select={"tap": "mid"}), ids, mask).sequences for kind in ("none", "fp8")]
+    assert torch.equal(runs[1], runs[0])
+
+
 def test_a_deepcopied_cache_continues_identically():
     """Mid-generation copies of a cache carry their index: continuations from the copy and from the
     original, with unrelated calls in between, are the same (margin 0: the index decides)."""
