@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from .topk_retrieval import _group_scores, _retrieve, _topk_of_scores
+from .topk_retrieval import _dot, _group_scores, _retrieve, _topk_of_scores
 from .topk_select import _orderable_key
 from .triton_support import gqa_group, interpreting, next_pow2, require_triton, tl, triton
 
@@ -453,11 +453,7 @@ def _rerank_kernel(
             valid = (pg >= 0) & (real >= lo) & (real < hi)
             kt = tl.load(k_base + (pad + real).to(tl.int64)[None, :] * stride_ks + offs_d[:, None],
                          mask=valid[None, :] & dmask[:, None], other=0.0)  # [BLOCK_D, BLOCK_C]
-            if IEEE:
-                s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-            else:
-                s = tl.dot(q, kt)
-            s = (s * scale).to(tl.float32)
+            s = (_dot(q, kt, IEEE) * scale).to(tl.float32)
             s = tl.max(tl.where(mrow[:, None], s, float("-inf")), axis=0)
             packed = (_orderable_key(s).to(tl.int64) << 32) | (2147483647 - real).to(tl.int64)
             tl.store(scr + c, tl.where(valid, packed, -9223372036854775808))
