@@ -172,7 +172,8 @@ def dequantize_key_index(index: KeyIndex) -> torch.Tensor:
     raise ValueError(f"dequantize_key_index: kind {index.kind!r} has no codes; expected 'fp8' or 'int4'")
 
 
-def _page_bounds(k_cache: torch.Tensor, p0: int, p1: int, page: int, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _page_bounds(k_cache: torch.Tensor, p0: int, p1: int, page: int,
+                 last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(max, min)`` of pages ``[p0, p1)`` of ``k_cache [B, Hkv, S, D]`` over their
     slots ``<= last`` (``last`` broadcasting to ``[B, 1, pages, page]``): ``[B, Hkv, pages, D]``."""
     B, H, S, D = k_cache.shape
@@ -407,8 +408,8 @@ def _rerank_kernel(
     Q, K, CAND, FLAG, OUT, SCR, PAD, LO, HI,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, scale, S, KOUT, NC,
     H: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUPED: tl.constexpr, PAGED: tl.constexpr,
-    PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, C_PAD: tl.constexpr,
-    IEEE: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    C_PAD: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Stage 2 of one row (``b * H + r``): its NC candidates (real indices, or PAGED: pages of PAGE slots)
     scored exactly on the keys of K and the KOUT best written to OUT, best first, ties lower index
