@@ -363,8 +363,10 @@ def patch(
 
     Supported: the families in :data:`prhs_hf.families.SUPPORTED_FAMILIES`, fp16/bf16/fp32,
     ``DynamicCache`` and ``StaticCache``, left padding. Patching a patched model replaces its
-    patch (and a ``with`` block around the new one restores it on exit). Returns a
-    :class:`PatchHandle` (a context manager).
+    patch (and a ``with`` block around the new one restores it on exit). The model's ``generate()``
+    then runs the decode loop of ``generation.stop_check_every`` (:func:`generate_without_step_reads`:
+    the device read every N steps, not at each; the same output). Returns a :class:`PatchHandle`
+    (a context manager).
     """
     cfg = load_config(config, overrides)
     check_model(model)
