@@ -27,7 +27,7 @@ from prhs_hf import attention
 from prhs_hf.runtime import BufferedLayer, buffer_cache
 from prhs_hf.selectors.cis import CISSelector
 from conftest import triton_available
-from tiny_models import padded_batch, tiny_model
+from tiny_models import FAMILIES, padded_batch, tiny_model
 
 #: CIS far below the prompts (4 + 8 + 16 keys), blocks of 4, τ 0.5: rows retrieve and share
 SPARSE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4, "tau": 0.5},
@@ -159,6 +159,14 @@ def test_sparse_step_on_whole_buffers_equals_the_plain_cache(selection, step, mo
     _assert_same(plain, _generate(model, config, step, ids, mask, do_sample=False))
     assert not torch.isnan(torch.stack(plain.logits)).any()
     assert slack and min(slack) > 0  # the whole buffers, NaN past the valid slots
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_decodes_on_whole_buffers_as_on_the_plain_cache(family):
+    model = tiny_model(family, layers=2)
+    ids, mask = padded_batch([36, 30], seed=4)
+    _assert_same(_generate(model, SPARSE, "plain", ids, mask, do_sample=False),
+                 _generate(model, SPARSE, "buffered", ids, mask, do_sample=False))
 
 
 def test_whole_buffers_beams_sampling_and_continuation_equal_the_plain_cache():
