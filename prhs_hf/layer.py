@@ -32,9 +32,10 @@ class StepGraph:
     """One layer's sparse decode step as a CUDA graph, replayed while what it bakes in (``key``:
     the cache buffers, the geometry and CIS state buffers, the shapes) stays the same.
 
-    At a new key the step runs eagerly once (Triton compiles and tunes its kernels outside any
-    capture; the step's real result), and is captured at the next step with that key and replayed
-    from then on, the query copied into the graph's input first. A capture executes nothing: the
+    At a new key the step runs eagerly once on a copy of the query that becomes the graph's input
+    (Triton compiles and tunes its kernels for these very tensors outside any capture; the step's
+    real result), and is captured at the next step with that key and replayed from then on, the
+    query copied into the graph's input first. A capture executes nothing: the
     first replay after it computes that step. The graph's output is overwritten by the next replay
     (the layer's output projection reads it before then).
     """
@@ -47,11 +48,12 @@ class StepGraph:
 
     def run(self, key: tuple, step: Callable[[torch.Tensor], torch.Tensor], q: torch.Tensor, pool) -> torch.Tensor:
         """``step(q)`` (``q [B, Hq, D]``): eager at a new ``key``, else captured once and replayed."""
-        if key != self.key:
-            self.key, self.graph, self.q, self.out = key, None, None, None
-            return step(q)
-        if self.graph is None:
+        if key != self.key:  # eager, on the input buffer the capture will read (the same specialisation)
+            self.key, self.graph, self.out = key, None, None
             self.q = q.clone()
+            return step(self.q)
+        self.q.copy_(q)
+        if self.graph is None:
             graph = torch.cuda.CUDAGraph()
             side = torch.cuda.Stream(q.device)
             side.wait_stream(torch.cuda.current_stream(q.device))
@@ -63,8 +65,6 @@ class StepGraph:
                     graph.capture_end()
             torch.cuda.current_stream(q.device).wait_stream(side)
             self.graph = graph
-        else:
-            self.q.copy_(q)
         self.graph.replay()
         return self.out
 
