@@ -243,6 +243,16 @@ def test_a_dense_decode_step_gives_sdpa_gqa_tokens_and_logits():
     _assert_same(ref, out)
 
 
+def test_the_bench_selects_the_eager_step_by_a_plus_suffix():
+    from prhs_hf.evaluation.speed_map import prhs_config
+
+    assert prhs_config("cis/sparse+graphs") == (
+        "cis", {"backend": {"eager_step": "graphs"}, "policy": {"decode": "sparse", "prefill": "sparse"}})
+    assert prhs_config("cis_longbench+buffered") == ("cis_longbench", {"backend": {"eager_step": "buffered"}})
+    with pytest.raises(ValueError, match="eager_step"):
+        prhs_config("cis+fast")
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
@@ -296,3 +306,4 @@ def test_graphs_launch_fewer_kernels_per_step():
         with prhs_hf.patch(model, GPU_SPARSE, {"backend": {**GPU_SPARSE["backend"], "eager_step": step}}):
             counts[step] = _launches_per_step(model, ids, mask)
     assert counts["graphs"] < counts["buffered"] - 4 * 3, counts  # several launches per layer become one
+
