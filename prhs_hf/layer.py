@@ -22,7 +22,6 @@ from .decode import DecodeParams, window_decode_step
 from .geometry import SequenceGeometry
 from .kernels.prefill_plan import PrefillPlan
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
-from .selectors.cis import CISSelector
 from .selectors.set_steps import attend_with_tail, visible_probabilities
 
 __all__ = ["PrHSLayer", "PrefillPlan", "StepGraph", "install_row_skip", "remove_row_skip"]
@@ -166,7 +165,7 @@ class PrHSLayer:
         if self.runtime.selector is not None and sparse:
             ops = self.runtime.ops_for(query.device)  # one table for the selection and the attention
             k_all, v_all = self._whole_buffers(key, value)
-            if telemetry is None and self.runtime.step_graphs and k_all is not key and query.device.type == "cuda":
+            if self.runtime.graphed and k_all is not key and query.device.type == "cuda":
                 graph_key = self._graph_key(q, k_all, v_all, geom, ops, scaling)
                 if graph_key is not None:
                     out = self.graphs.run(graph_key, lambda x: self._sparse_step(x, k_all, v_all, geom, scaling, ops)[0],
@@ -213,12 +212,11 @@ class PrHSLayer:
         return whole
 
     def _graph_key(self, q, key, value, geom: SequenceGeometry, ops, scaling: float) -> tuple | None:
-        """What a CUDA graph of this layer's sparse step bakes in (addresses and shapes of every
-        tensor it reads or writes), or None where the step cannot be captured: a selector other than
-        plain CIS (CIS + tail allocates its buffers in the step; the baselines read the host), or a layer
-        whose geometry is a copy made for it (``device_map``)."""
+        """What a CUDA graph of this layer's sparse CIS step (``runtime.graphed``) bakes in (addresses
+        and shapes of every tensor it reads or writes), or None where the layer's geometry is a copy
+        made for it (``device_map``): it is not captured."""
         selector = self.runtime.selector
-        if type(selector) is not CISSelector or selector.tail_slot or geom is not self.runtime.geometry:
+        if geom is not self.runtime.geometry:
             return None
         device, local = selector._slot[self.index]
         state = selector.states[device]

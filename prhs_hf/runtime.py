@@ -19,7 +19,7 @@ from .geometry import SequenceGeometry, check_layout, geometry_from_mask
 from .kernels.decode_ops import DecodeOps
 from .layer import PrHSLayer
 from .policy import DecodeShape, cost_model_for
-from .selectors import make_selector
+from .selectors import CISSelector, make_selector
 from .selectors.base import export_call_state, import_call_state
 from .telemetry_counters import Telemetry
 
@@ -101,7 +101,10 @@ class PrHSRuntime:
         # whose whole buffers the sparse step reads (kv_buffers: this forward's cache layers)
         backend = resolved.config.backend
         self.kv_growth = backend.kv_growth if backend.eager_step != "plain" else None
-        self.step_graphs = backend.eager_step == "graphs"
+        # the sparse steps PrHSLayer captures as CUDA graphs: plain CIS (its tail slot allocates in the
+        # step; the baselines read the host) with telemetry off
+        self.graphed = (backend.eager_step == "graphs" and self.telemetry is None
+                        and type(self.selector) is CISSelector and not self.selector.tail_slot)
         self.kv_buffers: list | None = None
         self._graph_pools: dict[torch.device, Any] = {}
         # an eager decode step that the policy sends to dense with nothing else to do (no telemetry,
@@ -205,7 +208,7 @@ class PrHSRuntime:
             )
             # a compiled step, or an eager one whose sparse layers replay CUDA graphs: few host launches
             compiled = (not self._decoding and isinstance(cache, StaticCache)) or (
-                self.step_graphs and hidden_states.device.type == "cuda" and isinstance(cache, DynamicCache))
+                self.graphed and hidden_states.device.type == "cuda" and isinstance(cache, DynamicCache))
             self.sparse_decode = model is None or model.sparse_decode_wins(shape, compiled)
 
     def geometry_on(self, device: torch.device) -> SequenceGeometry:

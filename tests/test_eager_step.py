@@ -253,6 +253,14 @@ def test_the_bench_selects_the_eager_step_by_a_plus_suffix():
         prhs_config("cis+fast")
 
 
+def test_graphs_capture_plain_cis_without_telemetry_only():
+    model = tiny_model("llama", layers=2)
+    graphs = {"backend": {"eager_step": "graphs"}}
+    for overrides, graphed in ((graphs, True), ({**graphs, "telemetry": {"enabled": True}}, False),
+                               ({**graphs, "cis": {"tail_slot": True}}, False), ({}, False)):
+        with prhs_hf.patch(model, "cis", overrides) as handle:
+            assert handle.runtime.graphed is graphed, overrides
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
