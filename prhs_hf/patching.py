@@ -33,7 +33,7 @@ from .config import PrHSConfig, load_config
 from .families import check_model, decoder_layers
 from .geometry import DeferredLayoutCheck, deferred_layout_checks, raise_if_broken
 from .layer import install_row_skip, remove_row_skip
-from .runtime import PrHSRuntime
+from .runtime import BufferedLayer, PrHSRuntime
 from .telemetry_counters import TelemetryReport
 
 __all__ = ["PatchHandle", "PeriodicStopCheck", "patch", "unpatch", "is_patched", "telemetry", "reset", "local_heads",
@@ -149,8 +149,9 @@ def _set_rng_state(device: torch.device, state: torch.Tensor | None) -> None:
 
 def _rollback_supported(cache: Any) -> bool:
     """Whether :func:`_roll_back` undoes steps of ``cache`` exactly: none, or every layer a plain
-    ``DynamicLayer`` (cropped) or ``StaticLayer`` (its end moved back, the slots zeroed)."""
-    return cache is None or all(type(layer) in (DynamicLayer, StaticLayer) for layer in getattr(cache, "layers", [None]))
+    ``DynamicLayer`` or ``BufferedLayer`` (cropped) or ``StaticLayer`` (its end moved back, the slots zeroed)."""
+    return cache is None or all(type(layer) in (DynamicLayer, BufferedLayer, StaticLayer)
+                                for layer in getattr(cache, "layers", [None]))
 
 
 def _roll_back(cache: Any, steps: int, cached: int) -> None:

@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 import prhs_hf
 from prhs_hf import attention
+from prhs_hf.patching import _rollback_supported
 from prhs_hf.runtime import BufferedLayer, buffer_cache
 from prhs_hf.selectors.cis import CISSelector
 from conftest import triton_available
@@ -260,6 +261,26 @@ def test_graphs_capture_plain_cis_without_telemetry_only():
                                ({**graphs, "cis": {"tail_slot": True}}, False), ({}, False)):
         with prhs_hf.patch(model, "cis", overrides) as handle:
             assert handle.runtime.graphed is graphed, overrides
+
+def test_a_stop_found_late_rolls_a_buffered_cache_back_as_a_plain_one():
+    """generate()'s periodic stop check crops the steps after an EOS it reads late: on BufferedLayers too."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([40, 33], seed=5)
+    probe = _generate(model, SPARSE, "plain", ids, mask, do_sample=False).sequences[:, ids.shape[1]:]
+    eos = int(probe[0, 2])  # the first sequence ends at its third new token, between two stop checks
+    lengths, outs = [], []
+    for step in ("plain", "buffered"):
+        with prhs_hf.patch(model, SPARSE, {"backend": {**SPARSE["backend"], "eager_step": step}}):
+            cache = DynamicCache(config=model.config)
+            if step == "buffered":
+                buffer_cache(cache, 1.25)
+                assert _rollback_supported(cache)  # the loop may check every few steps and crop after
+            with torch.no_grad():
+                outs.append(model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+                                           eos_token_id=eos, pad_token_id=0, do_sample=False))
+            lengths.append(cache.get_seq_length())
+            assert (type(cache.layers[0]) is BufferedLayer) == (step == "buffered")
+    assert torch.equal(outs[0], outs[1]) and lengths[0] == lengths[1]
 
 # ---------------------------------------------------------------------------------------------- GPU
 
