@@ -127,7 +127,9 @@ class CISConfig:
     # retrieval scores first; its best k + rerank_margin candidates are then re-ranked exactly on the
     # cache's keys. "none": every retrieval scores the cache itself (bit-identical to no index)
     index: str = "none"
-    rerank_margin: int = 64  # m: candidates beyond k re-ranked exactly (pages: rounded up to whole pages)
+    # m: candidates beyond k re-ranked exactly (pages: rounded up to whole pages); 128 keeps fp8 and int4
+    # within the top-k of the exact retrieval (docs/results/selection_quality_key_index.md)
+    rerank_margin: int = 128
     index_page: int = 16  # index: pages, tokens per page (a power of two in [4, 128])
 
 

@@ -535,7 +535,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         lines.append(f"- **{r['variant']}**: {settings or '—'}{'; ' + r['note'] if r['note'] else ''}")
     lines += fidelity_lines(rows)
     lines += key_index_lines(rows)
-    lines += ["", "Targets:", "", *targets(rows), "",
+    met = targets(rows)
+    lines += [*(["", "Targets:", "", *met] if met else []), "",
               "Definitions: ρ̂ retrievals per (head, layer, sparse step); KV/step keys attended per head and "
               "layer; β_emp = τ*_N − τ_S against the budget-matched top-N oracle of full attention (N = |S|); "
               "overlap with the oracle set and with the smallest set holding half the mass; relative errors "
