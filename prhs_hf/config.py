@@ -587,6 +587,10 @@ def _check_sizes(config: PrHSConfig) -> None:
             raise ConfigError(f"cis.index: {cis.index} cannot run with early_select.side_stream: true (the side "
                               f"stream's selection starts before the step's key is in the cache, so the index could "
                               f"not be updated first); set cis.index: none or early_select.side_stream: false")
+        if config.backend.eager_step == "graphs":
+            raise ConfigError(f"cis.index: {cis.index} cannot run with backend.eager_step: graphs (an eager step "
+                              f"finds the new key's slot in a buffered cache on the host, which a captured step "
+                              f"cannot); set cis.index: none or backend.eager_step: plain or buffered")
     if es.enabled and not (config.baseline.name == "quest" or (config.baseline.name is None and cis.enabled)):
         selector = f"baseline.name: {config.baseline.name}" if config.baseline.name else "no selector (cis is off)"
         raise ConfigError(f"early_select: applies to {' or '.join(EARLY_SELECT_APPLIES_TO)}; this config has "

@@ -420,6 +420,7 @@ def test_config_index_kinds_are_the_kernels_kinds():
         ({"cis": {"index": "fp8"}, "baseline": {"name": "quest"}}, r"applies to CIS .*baseline\.name: quest"),
         ({"cis": {"index": "int4", "enabled": False}}, r"applies to CIS; this config has cis\.enabled: false"),
         ({"cis": {"index": "pages"}, "early_select": {"side_stream": True}}, r"pages cannot run with early_select\.side_stream"),
+        ({"cis": {"index": "fp8"}, "backend": {"eager_step": "graphs"}}, r"fp8 cannot run with backend\.eager_step: graphs"),
     ],
 )
 def test_key_index_is_refused_where_cis_does_not_retrieve_with_it(data, text):
