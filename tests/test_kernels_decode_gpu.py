@@ -231,8 +231,6 @@ def test_gpu_dilate_compose_and_record(step):
     assert torch.equal(state[1], want_state[1]) and torch.equal(state[2], want_state[2])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("B,Hkv,D", [(16, 32, 128), (16, 8, 128), (8, 8, 64), (8, 8, 256), (8, 8, 80)])
 def _attention_case(dtype, B, Hq, Hkv, D, cap, seed, lists):
     """Attention inputs over a 16k cache: ``lists`` sorted index lists per sequence (``Hq`` per head,
     ``Hkv`` group-shared), counts 0 .. cap (list (0, 0) empty), and the scale."""
@@ -249,6 +247,8 @@ def _attention_case(dtype, B, Hq, Hkv, D, cap, seed, lists):
     return q, kc, vc, pad, idx, count, 1 / math.sqrt(D)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,Hkv,D", [(16, 32, 128), (16, 8, 128), (8, 8, 64), (8, 8, 256), (8, 8, 80)])
 def test_gpu_attention(dtype, B, Hkv, D):
     q, kc, vc, pad, idx, count, scale = _attention_case(dtype, B, 32, Hkv, D, 2048, seed=5, lists=32)
     ref = sparse_decode_attention_reference(q, kc, vc, pad, idx, count, scale)

@@ -219,3 +219,15 @@ def test_the_deprecated_fetch_alias_is_the_hub_fetcher() -> None:
     import prhs_hf.hub.fetch as fetch
 
     assert alias.load_model is fetch.load_model
+
+
+def test_parametrize_marks_sit_on_test_functions() -> None:
+    """A ``pytest.mark.parametrize`` on a helper is lost: the test below it then asks for its
+    parameters as fixtures and errors at setup (only where it runs: GPU tests run on the device)."""
+    misplaced = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("test"):
+                if any("parametrize" in ast.unparse(d) for d in node.decorator_list):
+                    misplaced.append(f"{path.name}:{node.lineno} {node.name}")
+    assert misplaced == []
