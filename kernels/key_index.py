@@ -139,18 +139,24 @@ def allocate_key_index(kind: str, batch: int, kv_heads: int, slots: int, head_di
 # ----------------------------------------------------------------------------- references
 
 
+def _true_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded on every device, as the kernels' ``div_rn``: PyTorch's CUDA
+    division by a Python scalar multiplies by its rounded reciprocal instead (1 ulp off at times)."""
+    return x / torch.full_like(x, divisor)
+
+
 def _quantize(kind: str, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(a, b)`` entries of ``keys [..., D]`` for ``fp8`` / ``int4`` (module docstring)."""
     kf = keys.float()
     if kind == "fp8":
         amax = kf.abs().amax(dim=-1)
-        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        s = torch.where(amax > 0, _true_div(amax, FP8_MAX), torch.ones_like(amax))
         codes = (kf / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return codes.view(torch.uint8), s
     D = kf.shape[-1]
     grouped = kf.reshape(*kf.shape[:-1], D // INT4_GROUP, INT4_GROUP)
     amax = grouped.abs().amax(dim=-1)
-    s = torch.where(amax > 0, amax / INT4_MAX, torch.ones_like(amax))
+    s = torch.where(amax > 0, _true_div(amax, INT4_MAX), torch.ones_like(amax))
     codes = torch.floor(grouped / s.unsqueeze(-1) + 0.5).clamp(-INT4_MAX, INT4_MAX).to(torch.int32)
     codes = codes.reshape(*kf.shape[:-1], D // 2, 2) & 15
     return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8), s
