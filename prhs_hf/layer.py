@@ -45,9 +45,14 @@ class StepGraph:
         self.q: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
 
-    def run(self, key: tuple, step: Callable[[torch.Tensor], torch.Tensor], q: torch.Tensor, pool) -> torch.Tensor:
-        """``step(q)`` (``q [B, Hq, D]``): eager at a new ``key``, else captured once and replayed."""
+    def run(self, key: tuple, step: Callable[[torch.Tensor], torch.Tensor], q: torch.Tensor, pool,
+            retired: list) -> torch.Tensor:
+        """``step(q)`` (``q [B, Hq, D]``): eager at a new ``key``, else captured once into ``pool`` and
+        replayed. A graph that a new key replaces goes to ``retired``, never replayed again but kept:
+        the pool's other graphs may capture anew only while it holds a graph (its use count above 0)."""
         if key != self.key:  # eager, on the input buffer the capture will read (the same specialisation)
+            if self.graph is not None:
+                retired.append(self.graph)
             self.key, self.graph, self.out = key, None, None
             self.q = q.clone()
             return step(self.q)
@@ -169,7 +174,7 @@ class PrHSLayer:
                 graph_key = self._graph_key(q, k_all, v_all, geom, ops, scaling)
                 if graph_key is not None:
                     out = self.graphs.run(graph_key, lambda x: self._sparse_step(x, k_all, v_all, geom, scaling, ops)[0],
-                                          q, self.runtime.graph_pool(query.device))
+                                          q, self.runtime.graph_pool(query.device), self.runtime.retired_graphs)
                     return out[:, None], None
             out, sel = self._sparse_step(q, k_all, v_all, geom, scaling, ops)
             if telemetry is not None:

@@ -17,7 +17,7 @@ from .backends import dense_prefill_function, pick_decode_ops, prefill_function
 from .config import ResolvedConfig
 from .geometry import SequenceGeometry, check_layout, geometry_from_mask
 from .kernels.decode_ops import DecodeOps
-from .layer import PrHSLayer
+from .layer import PrHSLayer, StepGraph
 from .policy import DecodeShape, cost_model_for
 from .selectors import CISSelector, make_selector
 from .selectors.base import export_call_state, import_call_state
@@ -107,6 +107,7 @@ class PrHSRuntime:
                         and type(self.selector) is CISSelector and not self.selector.tail_slot)
         self.kv_buffers: list | None = None
         self._graph_pools: dict[torch.device, Any] = {}
+        self.retired_graphs: list = []  # StepGraph.run: replaced graphs, kept until the next prefill
         # an eager decode step that the policy sends to dense with nothing else to do (no telemetry,
         # no PSAW window): every layer calls the fair dense attention at once (prhs_attention_forward)
         self.dense_step = False
@@ -248,6 +249,10 @@ class PrHSRuntime:
             self.prefill_function(device, dtype)
         if self.telemetry is not None:
             self.telemetry.prepare(device, batch)
+        if self.graphed:  # the graphs of the last generation go with their pool; new ones take a new pool
+            for layer in self.layers:
+                layer.graphs = StepGraph()
+            self._graph_pools, self.retired_graphs = {}, []
 
     def ops_for(self, device: torch.device) -> DecodeOps:
         """The decode ops table of ``device``, picked by ``backend.decode`` the first time the device

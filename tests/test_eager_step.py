@@ -349,3 +349,55 @@ def test_graphs_launch_fewer_kernels_per_step():
             counts[step] = _launches_per_step(model, ids, mask)
     assert counts["graphs"] < counts["buffered"] - 4 * 3, counts  # several launches per layer become one
 
+
+
+class _PoolModel:
+    """The caching allocator's rule for shared graph pools, as its internal assert states it: a
+    capture may join an existing pool only while a graph still holds it (use count above 0)."""
+
+    def __init__(self):
+        self.use = {}
+
+    def graph_class(self):
+        model = self
+
+        class Graph:
+            def capture_begin(self, pool):
+                if pool in model.use:
+                    assert model.use[pool] > 0, "it->second->use_count > 0 INTERNAL ASSERT FAILED"
+                    model.use[pool] += 1
+                else:
+                    model.use[pool] = 1
+                self.pool = pool
+
+            def capture_end(self):
+                pass
+
+            def replay(self):
+                pass
+
+            def __del__(self):
+                if hasattr(self, "pool"):
+                    model.use[self.pool] -= 1
+
+        return Graph
+
+
+def test_step_graphs_keep_a_shared_pool_alive_across_new_keys(monkeypatch):
+    """Every layer's graph is replaced at once when the buffers grow (a new key): the replaced graphs
+    are retired, not dropped, so that the next captures into the same pool find it held."""
+    import contextlib
+
+    from prhs_hf.layer import StepGraph
+
+    pools = _PoolModel()
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", pools.graph_class())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: type("S", (), {"wait_stream": lambda *a: None})())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"wait_stream": lambda *a: None})())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    layers, retired, q = [StepGraph() for _ in range(3)], [], torch.zeros(1, 2, 4)
+    for key in ("capacity 1", "capacity 2"):
+        for _ in range(3):  # eager at the new key, then captured, then replayed
+            for graphs in layers:
+                graphs.run(key, lambda x: x + 1, q, "pool", retired)
+    assert pools.use["pool"] == 6 and len(retired) == 3
