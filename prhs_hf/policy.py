@@ -14,7 +14,8 @@ The model, per layer and decode step, with ``itemsize`` bytes per element:
 - PrHS reads the selected keys and values of each selecting row (a query head, or a KV head
   with ``cis.selection: group``), ``B · rows · min(n, L) · D · 2 · itemsize`` with ``n`` the
   largest index set, plus, for a retrieval, every key of the retrieving KV groups
-  (``retrieval_rate · B · Hkv · L · D · itemsize``), plus the selection's own work
+  (``retrieval_rate · B · Hkv · L · D · itemsize``; with a key index, its entry per key instead of
+  ``D · itemsize`` plus the exact re-read of ``top-k + margin`` keys per row), plus the selection's own work
   ``overhead_us + per_key_ns · B · rows · n`` (its launches, on the host in eager mode, and the
   matching, top-k and composition of every row's set);
 - sparse runs where its time is below ``margin`` times dense's, both at ``bandwidth_gbs``.
@@ -49,6 +50,10 @@ class DecodeShape:
     head_dim: int
     itemsize: int
     index_set: int  # the largest set a row attends to (sink + local + top-k + dilation)
+    # with a key index (cis.index): the bytes a retrieval reads per key of its KV group (the index's
+    # entry instead of the key), and the keys per retrieving row it re-reads exactly (top-k + margin)
+    scored_key_bytes: float | None = None
+    reranked: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,9 @@ class CostModel:
         token_bytes = s.head_dim * s.itemsize  # one key (or one value) of one head
         dense = s.batch * s.kv_heads * s.context * 2 * token_bytes / per_us
         gathered = s.batch * s.rows * min(s.index_set, s.context) * 2 * token_bytes
-        scored = self.retrieval_rate * s.batch * s.kv_heads * s.context * token_bytes
+        key_bytes = token_bytes if s.scored_key_bytes is None else s.scored_key_bytes
+        scored = self.retrieval_rate * s.batch * (
+            s.kv_heads * s.context * key_bytes + s.rows * min(s.reranked, s.context) * token_bytes)
         launches = self.compiled_overhead_us if compiled else self.eager_overhead_us
         overhead = launches + self.per_key_ns * 1e-3 * s.batch * s.rows * s.index_set
         return dense, overhead + (gathered + scored) / per_us

@@ -17,6 +17,7 @@ from .backends import dense_prefill_function, pick_decode_ops, prefill_function
 from .config import ResolvedConfig
 from .geometry import SequenceGeometry, check_layout, geometry_from_mask
 from .kernels.decode_ops import DecodeOps
+from .kernels.key_index import index_bytes_per_slot
 from .layer import PrHSLayer, StepGraph
 from .policy import DecodeShape, cost_model_for
 from .selectors import CISSelector, make_selector
@@ -206,6 +207,7 @@ class PrHSRuntime:
                 batch=hidden_states.shape[0], context=cached + q_len, kv_heads=self.num_kv_heads,
                 rows=self.num_kv_heads if grouped else self.num_heads, head_dim=self.head_dim,
                 itemsize=hidden_states.element_size(), index_set=self.resolved.index_capacity,
+                **self._key_index_cost(hidden_states.dtype),
             )
             # a compiled step, or an eager one whose sparse layers replay CUDA graphs: few host launches
             compiled = (not self._decoding and isinstance(cache, StaticCache)) or (
@@ -219,6 +221,17 @@ class PrHSRuntime:
         if geom is None or geom.pad.device == device:
             return geom
         return SequenceGeometry(*(x.to(device, non_blocking=True) for x in geom.tensors()))
+
+    def _key_index_cost(self, dtype: torch.dtype) -> dict:
+        """The retrieval's reads with a key index (``cis.index``), as :class:`DecodeShape` fields."""
+        c = self.resolved.config
+        if self.selector is None or c.cis.index == "none":
+            return {}
+        try:
+            per_slot = index_bytes_per_slot(c.cis.index, self.head_dim, dtype, c.cis.index_page)
+        except ValueError:  # an index the head size cannot take: the selector's prefill says so (cis.index)
+            return {}
+        return {"scored_key_bytes": per_slot, "reranked": c.budget.topk + c.cis.rerank_margin}
 
     def is_decoding(self, q_len: int) -> bool:
         """Whether the current forward (of ``q_len`` query rows) is a decode step (see :meth:`begin_forward`)."""

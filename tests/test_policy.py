@@ -29,6 +29,28 @@ def test_the_cost_model_goes_dense_where_the_set_is_every_token_and_on_short_con
     assert H200.sparse_decode_wins(_shape(4, 65536), compiled=True)
 
 
+def test_a_key_index_lowers_the_retrieval_cost_so_sparse_wins_no_later():
+    fp8 = dict(scored_key_bytes=132.0, reranked=216)  # D = 128: the fp8 entry, top-k + margin re-read
+    for batch in (1, 8):
+        lengths = [int(1024 * 1.25 ** n) for n in range(40)]
+        exact = next(L for L in lengths if H200.sparse_decode_wins(_shape(batch, L), compiled=True))
+        indexed = next(L for L in lengths if H200.sparse_decode_wins(_shape(batch, L, **fp8), compiled=True))
+        assert indexed < exact
+    for L in (16384, 65536, 131072):
+        assert H200.decode_times_us(_shape(1, L, **fp8), True)[1] < H200.decode_times_us(_shape(1, L), True)[1]
+
+
+def test_the_runtime_prices_the_configs_key_index():
+    model = tiny_model("llama")
+    handle = prhs_hf.patch(model, {**SPARSE, "cis": {**SPARSE["cis"], "index": "fp8", "rerank_margin": 8}})
+    runtime = handle.runtime
+    cost = runtime._key_index_cost(torch.bfloat16)
+    assert cost == {"scored_key_bytes": runtime.head_dim + 4, "reranked": 16 + 8}
+    prhs_hf.unpatch(model)
+    handle = prhs_hf.patch(model, SPARSE)
+    assert handle.runtime._key_index_cost(torch.bfloat16) == {}
+
+
 def test_the_eager_overhead_needs_a_longer_context_than_the_compiled_step():
     crossover = {}
     for compiled in (False, True):
