@@ -180,11 +180,11 @@ class CISSelector:
         slots = keys[self.num_layers - 1].shape[2]
         start = slots - q_len if geom is None else int((geom.pad + geom.q_start).max())
         end = start + q_len
+        ops = {device: pick_decode_ops(self.decode_backend, device) for device in self.states}  # once per device
         for layer, key in keys.items():
             device, local = self._slot[layer]
             state = self.states[device]
-            ops = pick_decode_ops(self.decode_backend, device)
-            ops.write_key_index(state.key_index(local, key.shape[2]), key, min(state.index_end, start), end)
+            ops[device].write_key_index(state.key_index(local, key.shape[2]), key, min(state.index_end, start), end)
         for state in self.states.values():
             state.index_end = end
 
