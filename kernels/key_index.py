@@ -27,9 +27,11 @@ Stage 1 scores: fp8 ``scale * (q . code) * s_slot``; int4 ``scale * q . (code * 
 the Quest bound ``scale * sum_d max(q_d * max_d, q_d * min_d)``, computed as
 ``scale * (q+ . max + q- . min)`` (``q+ = max(q, 0)``, ``q- = min(q, 0)``: the same value, two
 dot products), every token of a page getting its page's bound; the best
-``ceil((k + margin) / page)`` pages are taken and all their tokens inside the region are the
-candidates. Grouped rows (``grouped=True``, one per KV head) rank by the maximum over the
-group's heads in both stages, as :func:`~.topk_retrieval.topk_retrieval_grouped_reference`.
+``ceil((k + margin + 2 * (page - 1)) / page)`` pages are taken (:func:`candidate_count`) and all
+their tokens inside the region are the candidates: at least ``k + margin`` of them, or the whole
+region, even where the two pages cut by the region's ends hold one token of it each. Grouped rows
+(``grouped=True``, one per KV head) rank by the maximum over the group's heads in both stages, as
+:func:`~.topk_retrieval.topk_retrieval_grouped_reference`.
 When ``k + margin`` covers the whole region the result equals the exact top-k bit for bit.
 
 Layout as :mod:`.topk_retrieval` (Triton tutorial 06): kernels, launchers and the PyTorch
@@ -72,8 +74,8 @@ INT4_GROUP = 32
 FP8_MAX = 448.0
 #: Largest int4 code (symmetric: codes in [-7, 7]).
 INT4_MAX = 7.0
-#: Most stage-1 candidate tokens per row (``k + margin``, rounded up to whole pages) the re-rank
-#: sorts in one program's registers.
+#: Most stage-1 candidate tokens per row (``k + margin``; pages: the tokens of
+#: :func:`candidate_count` pages) the re-rank sorts in one program's registers.
 RERANK_MAX = 8192
 #: The score kernel's key format of each kind (topk_retrieval._score_tile).
 _KFMT = {"fp8": 1, "int4": 2, "pages": 3}
@@ -268,10 +270,13 @@ def page_region(pad: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, slots: in
 
 
 def candidate_count(k: int, margin: int, page: int) -> int:
-    """Stage 1 candidates per row: ``k + margin`` tokens, or the pages that hold as many."""
+    """Stage 1 candidates per row: ``k + margin`` tokens (``page`` 1), or enough pages that their
+    tokens inside the region number at least ``k + margin`` (or the whole region) wherever it starts
+    and ends, ``ceil((k + margin + 2 * (page - 1)) / page)``: the region's first and last pages may
+    each hold as few as one of its tokens."""
     if int(k) < 0 or int(margin) < 0:
         raise ValueError(f"topk_retrieval_indexed: k={k}, margin={margin}; expected both >= 0")
-    return math.ceil((int(k) + int(margin)) / int(page))
+    return math.ceil((int(k) + int(margin) + 2 * (int(page) - 1)) / int(page))
 
 
 def topk_retrieval_indexed_reference(q: torch.Tensor, k_cache: torch.Tensor, index: KeyIndex, pad: torch.Tensor,
@@ -282,11 +287,12 @@ def topk_retrieval_indexed_reference(q: torch.Tensor, k_cache: torch.Tensor, ind
     Args as :func:`~.topk_retrieval.topk_retrieval_reference` (``grouped=True``: as
     :func:`~.topk_retrieval.topk_retrieval_grouped_reference`, ``retrieve [B, Hkv]``), plus
     ``index`` (this layer's :class:`KeyIndex`, written for every slot the region reads) and
-    ``margin`` (stage 1 keeps ``k + margin`` candidates).
+    ``margin`` (stage 1 keeps ``k + margin`` candidates; pages: :func:`candidate_count` pages,
+    whose tokens inside the region are at least as many, or the whole region).
 
     Returns:
         ``[B, H, k]`` int32 real indices, best exact score first, ties lower index first, ``-1``
-        padded (also where the candidates are fewer than ``k``: pages cut by the region's ends).
+        padded: a retrieving row holds ``min(k, region)`` indices.
     """
     _check_index(index, q.shape[-1])
     B, Hq, D = q.shape
@@ -519,9 +525,9 @@ def topk_retrieval_indexed(q: torch.Tensor, k_cache: torch.Tensor, index: KeyInd
     """Triton :func:`topk_retrieval_indexed_reference` (no host sync, grids from shapes only).
 
     Stage 1 is :func:`~.topk_retrieval.topk_retrieval`'s score launch on the index (its key format)
-    and its select of the ``k + margin`` best (pages: of ``ceil((k + margin) / page)`` pages);
-    stage 2 one launch of the re-rank, a program per row. ``k + margin`` rounded up to whole pages
-    must be at most :data:`RERANK_MAX` (the candidates are sorted in registers)."""
+    and its select of the ``k + margin`` best (pages: of :func:`candidate_count` pages); stage 2 one
+    launch of the re-rank, a program per row. The candidate tokens, ``k + margin`` (pages: the
+    tokens of those pages), must be at most :data:`RERANK_MAX` (they are sorted in registers)."""
     require_triton(q, k_cache, index.a)
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -529,8 +535,10 @@ def topk_retrieval_indexed(q: torch.Tensor, k_cache: torch.Tensor, index: KeyInd
     n_cand = candidate_count(k, margin, index.page)
     tokens = n_cand * index.page
     if tokens > RERANK_MAX:
-        raise ValueError(f"topk_retrieval_indexed: k + margin = {int(k) + int(margin)} (rounded up to pages of "
-                         f"{index.page}: {tokens}) exceeds RERANK_MAX = {RERANK_MAX}")
+        paged = (f" (pages of {index.page}: {n_cand} pages, room for the region's cut end pages included, "
+                 f"{tokens} tokens)" if index.page > 1 else "")
+        raise ValueError(f"topk_retrieval_indexed: k + margin = {int(k) + int(margin)}{paged} exceeds "
+                         f"RERANK_MAX = {RERANK_MAX} candidate tokens")
     group = gqa_group(Hq, Hkv)
     H = Hkv if grouped else Hq
     k = int(k)

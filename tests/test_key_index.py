@@ -4,7 +4,8 @@
   fp8 / int4 codes and scales, page min/max over the written slots only, write vs update,
   the two-stage retrieval (exact top-k when ``k + margin`` covers the region, else the exact
   re-rank of the stage-1 candidates), per-head and grouped, left padding, empty regions, ``k``
-  larger than the region, rows not retrieving;
+  larger than the region, rows not retrieving, pages cut by the region's ends (still ``min(k,
+  region)`` indices at small margins);
 * ``decode_ops.cis_select`` with and without a key index;
 * each Triton launcher against its reference (``TRITON_INTERPRET=1`` on the CPU, or CUDA), and
   ``gpu``-marked tests at realistic sizes.
@@ -14,6 +15,7 @@ Run on a CPU: ``TRITON_INTERPRET=1 pytest tests/test_key_index.py``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -108,7 +110,9 @@ def naive_indexed(kind, q, kc, index, pad, lo, hi, retrieve, k, margin, scale, g
     G = Hq // Hkv
     H = Hkv if grouped else Hq
     out = torch.full((B, H, k), -1, dtype=I32)
-    n_cand = math.ceil((k + margin) / (page if kind == "pages" else 1))
+    n_cand = k + margin
+    if kind == "pages":  # the fewest pages that hold k + margin region tokens even if two (cut) hold one each
+        n_cand = next(n for n in itertools.count() if n * page - 2 * (page - 1) >= k + margin)
     for b in range(B):
         region = [j for j in range(max(int(lo[b]), 0), int(hi[b])) if int(pad[b]) + j < S]
         for r in range(H):
@@ -345,6 +349,50 @@ def test_indexed_reference_random_data_subset_consistent():
                 assert exact == sorted(exact, reverse=True)
 
 
+def cut_pages_case(seed):
+    """Pages of constant keys (every slot of a page, pads included, holds its page's vector), so the
+    pages index ranks exactly as the keys do; integer data (exact scores). Regions start and end
+    inside pages, and the pages they cut score best, so a stage 1 of ``ceil((k + margin) / page)``
+    pages finds fewer than ``k`` tokens inside the region. Sequence 2's region is 5 tokens across two
+    cut pages; 3's starts at a page boundary past its pads and ends inside a page."""
+    page, S, D = 8, 70, 32
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(1, 3, (4, 4, D), generator=g).float()  # positive: a larger key channel scores higher
+    pages = torch.randint(-2, 3, (4, 2, -(-S // page), D), generator=g).float()
+    pad, lo = i32([0, 5, 3, 6]), i32([7, 2, 3, 2])
+    hi = i32([57, S - 5 - 9, 8, 50])  # sequence 0: one token of each cut page inside the region
+    for b in range(4):  # the cut pages (first and last of the region) score best
+        first, last = (int(pad[b]) + int(lo[b])) // page, (int(pad[b]) + int(hi[b]) - 1) // page
+        pages[b, :, first] += 6
+        pages[b, :, last] += 5
+    kc = pages.repeat_interleave(page, dim=2)[:, :, :S].contiguous()
+    return q, kc, build("pages", kc, page=page), pad, lo, hi, g
+
+
+def _assert_full_exact_top_k(out, q, kc, pad, lo, hi, retrieve, k, grouped):
+    """Every retrieving row returns ``min(k, region)`` indices, the exact top-k; the others all -1."""
+    exact = (topk_retrieval_grouped_reference if grouped else topk_retrieval_reference)(
+        q, kc, pad, lo, hi, retrieve, k, 0.5)
+    region = (hi - lo.clamp_min(0)).clamp_min(0)
+    found = (out >= 0).sum(-1)
+    want = torch.where(retrieve, region.clamp_max(k)[:, None], 0)
+    assert torch.equal(found, want), (k, found.tolist(), want.tolist())
+    assert torch.equal(out, exact), k
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("margin", [0, 1, 3, 7, 9, 13])
+def test_indexed_reference_pages_cut_by_the_region_still_give_k(grouped, margin):
+    """Small margins (below two pages) on a region whose end pages are cut and rank first: stage 1
+    takes enough pages that the candidates inside the region cover ``k + margin`` (or the region), so
+    every row gets ``min(k, region)`` indices, the exact top-k where the index ranks as the keys."""
+    q, kc, index, pad, lo, hi, g = cut_pages_case(90 + margin)
+    retrieve = flags(4, 2 if grouped else 4, g)
+    for k in (1, 3, 4, 5, 8, 12, 40):
+        out = topk_retrieval_indexed_reference(q, kc, index, pad, lo, hi, retrieve, k, margin, 0.5, grouped)
+        _assert_full_exact_top_k(out, q, kc, pad, lo, hi, retrieve, k, grouped)
+
+
 # ----------------------------------------------------------------------------- decode_ops
 
 
@@ -504,6 +552,19 @@ def test_indexed_kernel_radix8_candidates_and_ties(kind):
 
 
 @needs_triton
+@pytest.mark.parametrize("grouped", [False, True])
+def test_indexed_kernel_pages_cut_by_the_region_still_give_k(grouped):
+    """The kernel path of :func:`test_indexed_reference_pages_cut_by_the_region_still_give_k`: the same
+    page count in stage 1, so ``min(k, region)`` indices per row, equal to the reference's."""
+    for margin in (0, 3, 13):
+        q, kc, index, pad, lo, hi, g = cut_pages_case(90 + margin)
+        retrieve = flags(4, 2 if grouped else 4, g)
+        for k in (1, 3, 5, 12, 40):
+            out = _check_indexed(q, kc, index, pad, lo, hi, retrieve, k, margin, 0.5, grouped)
+            _assert_full_exact_top_k(out, q, kc, pad, lo, hi, retrieve, k, grouped)
+
+
+@needs_triton
 def test_indexed_kernel_errors():
     from prhs_hf.kernels.key_index import RERANK_MAX, topk_retrieval_indexed
 
@@ -512,6 +573,10 @@ def test_indexed_kernel_errors():
     r = torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="RERANK_MAX"):
         topk_retrieval_indexed(*_on(q, kc), index, *_on(pad, lo, hi, r), RERANK_MAX, 1, 1.0, False)
+    # k + margin fits in whole pages (1023 of 8), not with room for the region's cut end pages
+    with pytest.raises(ValueError, match=rf"k \+ margin = {RERANK_MAX - 13} \(pages of 8: 1025 pages, .* 8200 tokens\)"
+                                         rf" exceeds RERANK_MAX = {RERANK_MAX}"):
+        topk_retrieval_indexed(*_on(q, kc), index, *_on(pad, lo, hi, r), RERANK_MAX - 20, 7, 1.0, False)
     assert (topk_retrieval_indexed(*_on(q, kc), index, *_on(pad, lo, hi, r), 0, 5, 1.0, False).shape == (1, 2, 0))
 
 
