@@ -118,7 +118,7 @@ def index_bytes_per_slot(kind: str, head_dim: int, dtype: torch.dtype, page: int
         return float(head_dim + 4)
     if kind == "int4":
         return head_dim / 2 + 4 * head_dim / INT4_GROUP
-    return 2 * head_dim * torch.empty((), dtype=dtype).element_size() / page
+    return 2 * head_dim * dtype.itemsize / page
 
 
 def allocate_key_index(kind: str, batch: int, kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype,

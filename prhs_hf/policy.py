@@ -15,7 +15,8 @@ The model, per layer and decode step, with ``itemsize`` bytes per element:
   with ``cis.selection: group``), ``B · rows · min(n, L) · D · 2 · itemsize`` with ``n`` the
   largest index set, plus, for a retrieval, every key of the retrieving KV groups
   (``retrieval_rate · B · Hkv · L · D · itemsize``; with a key index, its entry per key instead of
-  ``D · itemsize`` plus the exact re-read of ``top-k + margin`` keys per row), plus the selection's own work
+  ``D · itemsize`` plus the exact re-read of ``top-k + margin`` keys per row, ``pages``: the tokens of
+  the candidate pages), plus the selection's own work
   ``overhead_us + per_key_ns · B · rows · n`` (its launches, on the host in eager mode, and the
   matching, top-k and composition of every row's set);
 - sparse runs where its time is below ``margin`` times dense's, both at ``bandwidth_gbs``.
@@ -51,7 +52,8 @@ class DecodeShape:
     itemsize: int
     index_set: int  # the largest set a row attends to (sink + local + top-k + dilation)
     # with a key index (cis.index): the bytes a retrieval reads per key of its KV group (the index's
-    # entry instead of the key), and the keys per retrieving row it re-reads exactly (top-k + margin)
+    # entry instead of the key), and the keys per retrieving row it re-reads exactly (top-k + margin;
+    # pages: the tokens of the candidate pages, key_index.candidate_count)
     scored_key_bytes: float | None = None
     reranked: int = 0
 

@@ -17,7 +17,7 @@ from .backends import dense_prefill_function, pick_decode_ops, prefill_function
 from .config import ResolvedConfig
 from .geometry import SequenceGeometry, check_layout, geometry_from_mask
 from .kernels.decode_ops import DecodeOps
-from .kernels.key_index import index_bytes_per_slot
+from .kernels.key_index import candidate_count, index_bytes_per_slot
 from .layer import PrHSLayer, StepGraph
 from .policy import DecodeShape, cost_model_for
 from .selectors import CISSelector, make_selector
@@ -223,15 +223,20 @@ class PrHSRuntime:
         return SequenceGeometry(*(x.to(device, non_blocking=True) for x in geom.tensors()))
 
     def _key_index_cost(self, dtype: torch.dtype) -> dict:
-        """The retrieval's reads with a key index (``cis.index``), as :class:`DecodeShape` fields."""
+        """The retrieval's reads with a key index (``cis.index``), as :class:`DecodeShape` fields: the
+        index's bytes per key and the candidate tokens a retrieving row re-reads exactly (``top-k +
+        margin``; pages: the tokens of the candidate pages). A few host operations, once per eager
+        forward that the policy decides (not per layer), so it is not kept."""
         c = self.resolved.config
         if self.selector is None or c.cis.index == "none":
             return {}
+        page = c.cis.index_page if c.cis.index == "pages" else 1
         try:
-            per_slot = index_bytes_per_slot(c.cis.index, self.head_dim, dtype, c.cis.index_page)
+            per_slot = index_bytes_per_slot(c.cis.index, self.head_dim, dtype, page)
         except ValueError:  # an index the head size cannot take: the selector's prefill says so (cis.index)
             return {}
-        return {"scored_key_bytes": per_slot, "reranked": c.budget.topk + c.cis.rerank_margin}
+        reranked = candidate_count(c.budget.topk, c.cis.rerank_margin, page) * page
+        return {"scored_key_bytes": per_slot, "reranked": reranked}
 
     def is_decoding(self, q_len: int) -> bool:
         """Whether the current forward (of ``q_len`` query rows) is a decode step (see :meth:`begin_forward`)."""

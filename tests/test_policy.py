@@ -47,6 +47,13 @@ def test_the_runtime_prices_the_configs_key_index():
     cost = runtime._key_index_cost(torch.bfloat16)
     assert cost == {"scored_key_bytes": runtime.head_dim + 4, "reranked": 16 + 8}
     prhs_hf.unpatch(model)
+    # pages: the re-rank reads every token of its candidate pages, room for the region's cut end pages included
+    handle = prhs_hf.patch(model, {**SPARSE, "cis": {**SPARSE["cis"], "index": "pages", "index_page": 4,
+                                                     "rerank_margin": 8}})
+    cost = handle.runtime._key_index_cost(torch.bfloat16)
+    pages = 8  # ceil((16 + 8 + 2 * 3) / 4)
+    assert cost == {"scored_key_bytes": 2 * runtime.head_dim * 2 / 4, "reranked": pages * 4}
+    prhs_hf.unpatch(model)
     handle = prhs_hf.patch(model, SPARSE)
     assert handle.runtime._key_index_cost(torch.bfloat16) == {}
 
