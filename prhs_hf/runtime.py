@@ -73,7 +73,7 @@ class PrHSRuntime:
         self.telemetry = Telemetry(resolved.num_layers, num_heads, c.telemetry.oracle, num_kv_heads) if c.telemetry.enabled else None
         self.layers = [PrHSLayer(self, i) for i in range(resolved.num_layers)]
         # the decode selector: a baseline that baseline.name names, else CIS if it is on, else none
-        self.selector = make_selector(resolved, num_heads)
+        self.selector = make_selector(resolved, num_heads, ops_for=self.ops_for)  # one ops table per device
         # a config that changes nothing keeps transformers' own dense path (the unpatched model's bits)
         self.passthrough = self.selector is None and not any(
             layer.plans_prefill or layer.window_decode for layer in self.layers
@@ -276,7 +276,8 @@ class PrHSRuntime:
         """The decode ops table of ``device``, picked by ``backend.decode`` the first time the device
         is seen (its first prefill; a layer that a ``device_map`` puts elsewhere, at its first step)
         and kept: a model moved by ``.to()`` gets its new device's. A layer's decode step looks it
-        up once and passes it to the selector and to the sparse attention."""
+        up once and passes it to the selector and to the sparse attention; CIS writes a prompt's key
+        index on it too (the selector holds this method)."""
         if device not in self._ops:
             self._ops[device] = pick_decode_ops(self.resolved.config.backend.decode, device)
         return self._ops[device]

@@ -96,6 +96,25 @@ def test_index_none_runs_no_index_op_and_keeps_no_index():
     assert torch.equal(out, plain)
 
 
+def test_the_prompts_index_is_written_on_the_runtimes_ops_table():
+    """The prompt's write runs on the table the runtime hands the layers' decode steps (``ops_for``), the
+    one home of the choice: every layer's prompt slots through it."""
+    model = _model()
+    ids, mask = padded_batch([70, 52])
+    prhs_hf.patch(model, _config("fp8", margin=8))
+    writes = []
+
+    def write(index, k_cache, start, end):
+        writes.append((start, end))
+        REFERENCE_OPS.write_key_index(index, k_cache, start, end)
+
+    model._prhs_runtime._ops[torch.device("cpu")] = dataclasses.replace(REFERENCE_OPS, write_key_index=write)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6, return_dict_in_generate=True)
+    assert writes == [(0, 70)] * 2  # the prompt's slots, once per layer; no step needed a catch-up write
+    _assert_index_current(model, out.past_key_values)
+
+
 @pytest.mark.parametrize("selection", ["head", "group", "group_mean"])
 @pytest.mark.parametrize("kind", INDEX_KINDS)
 def test_a_covering_margin_gives_the_tokens_of_no_index(kind, selection):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from ..config import ResolvedConfig
+from ..kernels.decode_ops import DecodeOps
 from ..kernels.compose_indices import dilated_set_size
 from .base import Selector
 from .certkv import CertKVSelector
@@ -53,14 +56,17 @@ SELECTORS: dict[str, Callable[[ResolvedConfig, int], Selector]] = {
 }
 
 
-def make_selector(resolved: ResolvedConfig, num_heads: int) -> Selector | None:
+def make_selector(resolved: ResolvedConfig, num_heads: int,
+                  ops_for: Callable[[torch.device], DecodeOps] | None = None) -> Selector | None:
     """The decode selector of a config: the baseline that ``baseline.name`` names (see
     :data:`SELECTORS`), else CIS when ``cis.enabled``, else ``None`` (decode stays dense, or the
     PSAW window). With an ``early_select`` section the selector (CIS or Quest) is wrapped in an
     :class:`EarlySelectSelector` (its taps are attached by :func:`prhs_hf.patch`). The decode ops
-    table of a step is an argument of ``select`` (the runtime's, picked per device)."""
+    table of a step is an argument of ``select`` (the runtime's, picked per device); ``ops_for``
+    (the runtime's :meth:`~prhs_hf.runtime.PrHSRuntime.ops_for`) gives CIS the same table for its
+    prompt's key index write (None: the PyTorch references); the baselines take none."""
     c = resolved.config
-    selector = _base_selector(resolved, num_heads)
+    selector = _base_selector(resolved, num_heads, ops_for)
     es = c.early_select
     if selector is None or not es.enabled:
         return selector
@@ -68,7 +74,8 @@ def make_selector(resolved: ResolvedConfig, num_heads: int) -> Selector | None:
                                side_stream=es.side_stream)
 
 
-def _base_selector(resolved: ResolvedConfig, num_heads: int) -> Selector | None:
+def _base_selector(resolved: ResolvedConfig, num_heads: int,
+                   ops_for: Callable[[torch.device], DecodeOps] | None) -> Selector | None:
     c = resolved.config
     name = c.baseline.name
     if name is None:
@@ -80,7 +87,7 @@ def _base_selector(resolved: ResolvedConfig, num_heads: int) -> Selector | None:
                            group_score="mean" if c.cis.selection == "group_mean" else "max",
                            keep_anchor_local=c.cis.keep_anchor_local, tail_slot=c.cis.tail_slot,
                            index=c.cis.index, rerank_margin=c.cis.rerank_margin, index_page=c.cis.index_page,
-                           decode_backend=c.backend.decode)
+                           ops_for=ops_for)
     try:
         factory = SELECTORS[name]
     except KeyError:

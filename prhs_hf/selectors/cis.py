@@ -38,21 +38,20 @@ The key index (``cis.index``: ``fp8``, ``int4`` or ``pages``; docs/notes/key_ind
 low-precision copy of every layer's keys in the :class:`CISState`, which a retrieval scores first;
 its best ``k + cis.rerank_margin`` candidates are re-ranked exactly on the cache's keys
 (``ops.topk_retrieval_indexed``). The prompt's entries are written when the prompt's last layer has
-been seen (``ops.write_key_index`` of the slots the prefill wrote, on the ops table of the device's
-``backend.decode``), the new key's at each decode step before the layer's selection
-(``ops.update_key_index``, graph-safe). An eager step first writes the slots of steps the selector
-did not see (a forward the policy ran dense); a dynamic cache that outgrows the index makes it
-grow ×1.5 (:meth:`CISState.grow_key_index`).
+been seen (``ops.write_key_index`` of the slots the prefill wrote, on the ops table the runtime picks
+for each device, the one its decode steps get), the new key's at each decode step before the
+layer's selection (``ops.update_key_index``, graph-safe). An eager step first writes the slots of
+steps the selector did not see (a forward the policy ran dense); a dynamic cache that outgrows the
+index makes it grow ×1.5 (:meth:`CISState.grow_key_index`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from .cis_state import CISState, KeyIndexSpec
-from ..backends import pick_decode_ops
 from ..decode import DecodeParams, DecodeSelection, StepFrame, step_frame
 from ..geometry import SequenceGeometry
 from ..kernels.compose_indices import SET_NONE
@@ -79,6 +78,11 @@ class CISStart(NamedTuple):
     forked: tuple | None
 
 
+def _reference_ops(device: torch.device) -> DecodeOps:
+    """The PyTorch references, on every device (a :class:`CISSelector` made without ``ops_for``)."""
+    return REFERENCE_OPS
+
+
 class CISSelector:
     """CIS for every layer of a model: the anchors in one :class:`CISState` per device (one for the
     whole model unless ``device_map`` splits it), set up at each prompt.
@@ -97,9 +101,10 @@ class CISSelector:
 
     ``index`` (``cis.index``): ``"none"`` (every retrieval scores the cache), or the key index kind
     that retrievals score first, re-ranking their best ``topk + rerank_margin`` candidates exactly
-    (``index_page``: tokens per page of ``"pages"``); see the module docstring. ``decode_backend``
-    (``backend.decode``) picks the ops table that writes the prompt's index entries, the one the
-    runtime picks for the device (a decode step runs on the table it is given).
+    (``index_page``: tokens per page of ``"pages"``); see the module docstring. ``ops_for`` gives the
+    ops table of a device that writes the prompt's index entries there: the runtime passes its own
+    (:meth:`~prhs_hf.runtime.PrHSRuntime.ops_for`, the table its decode steps hand :meth:`select`);
+    None: the PyTorch references, as :meth:`select`'s default.
     """
 
     CALL_STATE = ("states", "_slot", "_prompt_devices")
@@ -113,7 +118,7 @@ class CISSelector:
         index: str = "none",
         rerank_margin: int = 0,
         index_page: int = 16,
-        decode_backend: str = "auto",
+        ops_for: Callable[[torch.device], DecodeOps] | None = None,
     ):
         if index != "none" and index not in INDEX_KINDS:
             raise ValueError(f"cis.index: {index!r} is not allowed; allowed: none, {', '.join(INDEX_KINDS)}")
@@ -129,7 +134,7 @@ class CISSelector:
         self.index = index
         self.rerank_margin = rerank_margin
         self.index_page = index_page if index == "pages" else 1
-        self.decode_backend = decode_backend
+        self.ops_for = ops_for if ops_for is not None else _reference_ops
         # layer -> its key cache, kept from its prefill until the prompt's last layer writes the index
         self._prompt_keys: dict[int, torch.Tensor] = {}
         self.states: dict[torch.device, CISState] = {}
@@ -180,11 +185,11 @@ class CISSelector:
         slots = keys[self.num_layers - 1].shape[2]
         start = slots - q_len if geom is None else int((geom.pad + geom.q_start).max())
         end = start + q_len
-        ops = {device: pick_decode_ops(self.decode_backend, device) for device in self.states}  # once per device
         for layer, key in keys.items():
             device, local = self._slot[layer]
             state = self.states[device]
-            ops[device].write_key_index(state.key_index(local, key.shape[2]), key, min(state.index_end, start), end)
+            self.ops_for(device).write_key_index(state.key_index(local, key.shape[2]), key,
+                                                 min(state.index_end, start), end)
         for state in self.states.values():
             state.index_end = end
 
