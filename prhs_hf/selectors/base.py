@@ -6,7 +6,7 @@ attention over its set, the budget accounting and the telemetry are shared with 
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -14,7 +14,8 @@ from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
 from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
 
-__all__ = ["Selector", "export_call_state", "import_call_state"]
+__all__ = ["Selector", "StepMark", "UndoesSteps", "export_call_state", "import_call_state", "undo_period",
+           "undoes_steps"]
 
 
 class Selector(Protocol):
@@ -54,6 +55,51 @@ class Selector(Protocol):
 
     def reset(self) -> None:
         """Forget everything (a new prompt follows)."""
+
+
+class StepMark(NamedTuple):
+    """A selector's per-generation state after one forward, as :meth:`UndoesSteps.undo_to` puts it
+    back: ``state`` (the selector's own), and ``counter``, the selector's decode steps since the last
+    prefill (``[]`` int64 on the device) where it has an ``undo_period``, else None."""
+
+    state: Any
+    counter: torch.Tensor | None = None
+
+
+class UndoesSteps(Protocol):
+    """A selector that can undo its last decode steps exactly (the periodic stop check of
+    ``generation.stop_check_every`` runs steps past a generation's end and undoes them;
+    ``prhs_hf.patching.PeriodicStopCheck``). A selector without these methods makes ``generate()``
+    check the stop flags at every step.
+
+    The rule: after ``undo_to(mark_step())`` of the mark taken after a forward, every later step reads
+    the state that the same step reads with no forwards in between. State a later step never reads
+    (CIS's anchor slots past the count, an index entry past the cache's end) may differ.
+    """
+
+    undo_period: int | None
+    """None: any steps undo exactly. ``p``: not across a step that ends a block of ``p`` of the
+    selector's steps followed by another of its steps (CIS: that step clears the block's anchors and
+    the next one overwrites them); the stop check reads before that happens."""
+
+    def mark_step(self) -> StepMark:
+        """The state of the generation in progress, after the forward just run. Cheap, for every step
+        of the loop: no device->host read, device copies of the small tensors that change only."""
+
+    def undo_to(self, mark: StepMark) -> None:
+        """Put the state of the generation in progress back to ``mark`` (of this generation, taken
+        after a later forward than any prefill since)."""
+
+
+def undoes_steps(selector) -> bool:
+    """Whether ``selector`` (and every selector it wraps) implements :class:`UndoesSteps`."""
+    return all(callable(getattr(h, "mark_step", None)) and callable(getattr(h, "undo_to", None))
+               for h in _holders(selector))
+
+
+def undo_period(selector) -> int | None:
+    """``selector``'s :attr:`UndoesSteps.undo_period` (None where it has none)."""
+    return getattr(selector, "undo_period", None)
 
 
 def _holders(selector) -> list:

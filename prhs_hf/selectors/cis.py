@@ -51,6 +51,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .base import StepMark
 from .cis_state import CISState, KeyIndexSpec
 from ..decode import DecodeParams, DecodeSelection, StepFrame, step_frame
 from ..geometry import SequenceGeometry
@@ -382,6 +383,24 @@ class CISSelector:
         log_mass = torch.where(retrieved, own[2], torch.where(sel.best >= 0, shared[2], none))
         pick = retrieved[..., None]
         return (torch.where(pick, own[0], shared[0]), torch.where(pick, own[1], shared[1]), log_mass), stored
+
+    @property
+    def undo_period(self) -> int:
+        """An undo of decode steps is exact up to a block end followed by another step
+        (:meth:`CISState.mark`): the block size."""
+        return self.block_size
+
+    def mark_step(self) -> StepMark:
+        """Each device state's :meth:`CISState.mark`; the counter is layer 0's state's ``step``
+        (:class:`~prhs_hf.selectors.base.UndoesSteps`)."""
+        marks = {device: state.mark() for device, state in self.states.items()}
+        slot = self._slot.get(0)
+        return StepMark(marks, None if slot is None else marks[slot[0]][1])
+
+    def undo_to(self, mark: StepMark) -> None:
+        """Put every device state back to ``mark``."""
+        for device, kept in mark.state.items():
+            self.states[device].undo_to(kept)
 
     def index_nbytes(self) -> int:
         """Bytes the key index of the generation in progress holds on every device (0 without one)."""

@@ -175,6 +175,27 @@ class CISState:
         self.anchor_count.zero_()
         self.step.zero_()
 
+    def mark(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """What a decode step changes that a later step reads: copies of ``anchor_count`` and ``step``
+        (no host read), and ``index_end``; :meth:`undo_to` puts them back.
+
+        That is all of it within a block: a record writes each row's slot ``anchor_count`` or past
+        it, never a valid anchor (the first ``anchor_count``), and the same slot of the tail pairs;
+        a key index update writes the new key's slot (``pages``: its page, recomputed from the
+        cache's keys up to it), which the next step after the undo writes again. Not across a block's
+        last step followed by another step: that step clears the counts and the next one writes
+        slot 0 on, over anchors that the undone-to state counts (``CISSelector.undo_period``).
+        """
+        return self.anchor_count.clone(), self.step.clone(), self.index_end
+
+    def undo_to(self, mark: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+        """Put back the state :meth:`mark` took (in place: the addresses stay)."""
+        count, step, index_end = mark
+        self.anchor_count.copy_(count)
+        self.step.copy_(step)
+        self.index_end = index_end
+        self.index_gap = None
+
     def begin_step(self) -> None:
         """Open a decode step (once per forward, before any layer). The anchors of a block of ``s``
         steps are cleared by each layer's :meth:`record` at the block's last step (the contract of

@@ -48,14 +48,14 @@ class DirectReuseSelector(LayerStates):
         if st["anchor"].shape[-1] != k:
             raise ValueError(f"layer {layer}: budget.topk changed from {st['anchor'].shape[-1]} to {k} mid-generation")
         step = self.advance(layer)
-        if step % self.block_size == 0:
-            st["has"].zero_()
+        has = st["has"] & (step % self.block_size != 0)  # a new block has no anchors yet
         frame = step_frame(geom, params)
-        retrieve = frame.rows(H) & ~st["has"]
+        retrieve = frame.rows(H) & ~has
         fresh = retrieve_topk(q, k_cache, geom, frame, retrieve, k, scale)
-        reuse = st["has"] & frame.rows(H)
+        reuse = has & frame.rows(H)
+        # replaced, not written in place (LayerStates.mark_step keeps the tensors themselves)
         st["anchor"] = torch.where(retrieve[..., None], fresh, st["anchor"])
-        st["has"] |= retrieve
+        st["has"] = has | retrieve
         middle = torch.where(retrieve[..., None], fresh, torch.where(reuse[..., None], st["anchor"], -1))
         extra = self.expansion(frame, middle, reuse, params, k_cache.shape[-2])
         if extra is not None:

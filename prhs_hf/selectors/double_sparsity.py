@@ -40,6 +40,7 @@ from ..config import ConfigError, ResolvedConfig
 from ..decode import DecodeParams, DecodeSelection, layer_rows
 from ..geometry import SequenceGeometry
 from ..kernels.triton_support import gqa_group
+from .base import StepMark
 from .set_steps import compose, retrieve_topk, step_frame
 
 __all__ = [
@@ -318,6 +319,17 @@ class DoubleSparsitySelector:
         """Follow beam search: the label cache's batch rows, in place."""
         if self.cache is not None:
             self.cache.reorder(index)
+
+    undo_period = None
+
+    def mark_step(self) -> StepMark:
+        """Nothing to keep (:class:`~prhs_hf.selectors.base.UndoesSteps`): a decode step writes only
+        its own token's label row, from that token's key, which the step after an undo writes again;
+        rows past the cache's end are never read."""
+        return StepMark(None)
+
+    def undo_to(self, mark: StepMark) -> None:
+        """Nothing to put back (see :meth:`mark_step`)."""
 
     def reset(self) -> None:
         """Forget every layer's prompt (the buffers stay, so a compiled step keeps their addresses)."""

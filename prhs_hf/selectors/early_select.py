@@ -57,7 +57,7 @@ from ..geometry import SequenceGeometry
 from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
 from ..kernels.side_stream import drop_pending
 from .set_steps import compose, retrieve_topk, step_frame, to_real, visible_probabilities
-from .base import Selector
+from .base import Selector, StepMark, undo_period
 from .cis import CISSelector, CISStart
 
 __all__ = ["EarlySelectSelector", "QueryProjection", "TAPS", "low_rank_factors"]
@@ -235,6 +235,19 @@ class EarlySelectSelector:
     def reorder(self, index: torch.Tensor) -> None:
         """Follow beam search (the proxies are rebuilt every step)."""
         self.base.reorder(index)
+
+    @property
+    def undo_period(self) -> int | None:
+        """The wrapped selector's (the proxies are per step: nothing of this one's to undo)."""
+        return undo_period(self.base)
+
+    def mark_step(self) -> StepMark:
+        """The wrapped selector's mark (:class:`~prhs_hf.selectors.base.UndoesSteps`)."""
+        return self.base.mark_step()
+
+    def undo_to(self, mark: StepMark) -> None:
+        """Put the wrapped selector's state back to ``mark``."""
+        self.base.undo_to(mark)
 
     def reset(self) -> None:
         """Forget the wrapped selector's state, the proxies and the fidelity counters."""

@@ -115,7 +115,8 @@ class HShareSelector(LayerStates):
             if source is None or source["idx"].shape != st["idx"].shape:
                 raise RuntimeError(f"HShare: layer {layer} shares layer {rep_layer}'s indices, which it has not selected")
             fresh = source["idx"]
+        # replaced, not written in place (LayerStates.mark_step keeps the tensors themselves)
         st["idx"] = torch.where(refresh[:, None, None], fresh, st["idx"])
-        st["has"] |= refresh
+        st["has"] = st["has"] | refresh
         middle = torch.where(frame.active[:, None, None], st["idx"], -1)
         return compose(frame, middle, params, retrieved=retrieve)

@@ -20,6 +20,7 @@ import torch
 
 from ..decode import DecodeParams
 from ..kernels.compose_indices import compose_indices_reference
+from .base import StepMark
 from .set_steps import StepFrame
 from .direct_reuse import DirectReuseSelector
 
@@ -45,6 +46,17 @@ class RandomExpansionSelector(DirectReuseSelector):
         """Forget the state and restart the random stream from ``seed``."""
         super().reset()
         self._generators.clear()
+
+    def mark_step(self) -> StepMark:
+        """DirectReuse's mark and each random stream's position (a generator's state is host data)."""
+        return StepMark((super().mark_step(), {device: g.get_state() for device, g in self._generators.items()}))
+
+    def undo_to(self, mark: StepMark) -> None:
+        """Put the state and the random streams back to ``mark``."""
+        layers, streams = mark.state
+        super().undo_to(layers)
+        for device, position in streams.items():
+            self._generators[device].set_state(position)
 
     def expansion(
         self, frame: StepFrame, middle: torch.Tensor, reuse: torch.Tensor, params: DecodeParams, slots: int

@@ -17,6 +17,7 @@ from ..kernels.triton_support import gqa_group
 from ..kernels.compose_indices import compose_indices_reference
 from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
 from ..kernels.topk_retrieval import topk_retrieval_reference
+from .base import StepMark
 
 __all__ = [
     "StatelessSelector",
@@ -286,6 +287,11 @@ def grow_last(x: torch.Tensor, size: int, fill: float = 0.0) -> torch.Tensor:
     return torch.cat([x, x.new_full((*x.shape[:-1], extra), fill)], dim=-1)
 
 
+def _copy_dicts(held: dict) -> dict:
+    """``held`` and the dicts among its values, copied (the other values shared)."""
+    return {key: dict(value) if isinstance(value, dict) else value for key, value in held.items()}
+
+
 class StatelessSelector:
     """A selector that keeps nothing between steps: prefills, beam reorders and resets are no-ops.
     Subclasses define ``select`` only."""
@@ -302,6 +308,15 @@ class StatelessSelector:
 
     def reset(self) -> None:
         """Stateless."""
+
+    undo_period = None
+
+    def mark_step(self) -> StepMark:
+        """Nothing to keep (:class:`~prhs_hf.selectors.base.UndoesSteps`)."""
+        return StepMark(None)
+
+    def undo_to(self, mark: StepMark) -> None:
+        """Nothing to put back."""
 
 
 class TopKSelector(StatelessSelector):
@@ -331,7 +346,9 @@ class LayerStates:
     """Per-layer selector state: named ``[B, ...]`` tensors and a decode-step counter per layer.
 
     ``reorder`` follows beam search on every tensor's batch axis; ``reset`` forgets everything.
-    Selectors that keep state subclass it (``self.state[layer]`` is a dict of tensors).
+    Selectors that keep state subclass it (``self.state[layer]`` is a dict of tensors). A step
+    replaces a state tensor, never writes one in place, so that a mark of the state
+    (:meth:`mark_step`) is a copy of the dicts that hold them, not of the tensors.
     """
 
     CALL_STATE: tuple[str, ...] = ("state", "steps")
@@ -369,6 +386,20 @@ class LayerStates:
         """Follow beam search: batch row ``i`` becomes old row ``index[i]`` in every layer's state."""
         for layer, st in self.state.items():
             self.state[layer] = {name: x.index_select(0, index.to(x.device)) for name, x in st.items()}
+
+    undo_period = None
+
+    def mark_step(self) -> StepMark:
+        """Every ``CALL_STATE`` dict copied, and each dict it holds (a layer's tensors): the tensors
+        themselves are shared, as a step replaces them (:class:`~prhs_hf.selectors.base.UndoesSteps`)."""
+        return StepMark({name: _copy_dicts(getattr(self, name)) for name in self.CALL_STATE})
+
+    def undo_to(self, mark: StepMark) -> None:
+        """Put every ``CALL_STATE`` dict back to ``mark``'s, in place (the same dict objects)."""
+        for name, kept in mark.state.items():
+            held = getattr(self, name)
+            held.clear()
+            held.update(_copy_dicts(kept))
 
     def reset(self) -> None:
         """Forget every layer's state and step counter."""
