@@ -33,7 +33,8 @@ from .config import PrHSConfig, load_config
 from .families import check_model, decoder_layers
 from .geometry import DeferredLayoutCheck, deferred_layout_checks, raise_if_broken
 from .layer import install_row_skip, remove_row_skip
-from .runtime import BufferedLayer, PrHSRuntime
+from .runtime import BufferedLayer, PrHSRuntime, SelectorRollback
+from .selectors.base import undoes_steps
 from .telemetry_counters import TelemetryReport
 
 __all__ = ["PatchHandle", "PeriodicStopCheck", "patch", "unpatch", "is_patched", "telemetry", "reset", "local_heads",
@@ -147,9 +148,13 @@ def _set_rng_state(device: torch.device, state: torch.Tensor | None) -> None:
         getattr(torch, device.type).set_rng_state(state, device)
 
 
-def _rollback_supported(cache: Any) -> bool:
-    """Whether :func:`_roll_back` undoes steps of ``cache`` exactly: none, or every layer a plain
-    ``DynamicLayer`` or ``BufferedLayer`` (cropped) or ``StaticLayer`` (its end moved back, the slots zeroed)."""
+def _rollback_supported(cache: Any, runtime: PrHSRuntime | None = None) -> bool:
+    """Whether the steps of a generation on ``cache`` can be undone exactly: :func:`_roll_back` undoes
+    the cache's (none, or every layer a plain ``DynamicLayer`` or ``BufferedLayer`` (cropped) or
+    ``StaticLayer`` (its end moved back, the slots zeroed)), and ``runtime``'s selector, if any,
+    undoes its own (:class:`~prhs_hf.selectors.base.UndoesSteps`; :class:`~prhs_hf.runtime.SelectorRollback`)."""
+    if runtime is not None and runtime.selector is not None and not undoes_steps(runtime.selector):
+        return False
     return cache is None or all(type(layer) in (DynamicLayer, BufferedLayer, StaticLayer)
                                 for layer in getattr(cache, "layers", [None]))
 
@@ -170,18 +175,22 @@ class PeriodicStopCheck(generation_utils.StopCheck):
     """transformers' stop check of greedy and sampling ``generate()`` that reads the device's
     "all sequences finished" flag once every ``every`` steps instead of at each one.
 
-    Each step's flag stays on the device (with a host copy of the RNG state after its draw); every
-    ``every``-th step, and wherever the next forward would not fit in a ``StaticCache``, one host
-    read takes the flags together with the deferred layout checks (:class:`DeferredLayoutCheck`,
-    whose error it raises). The loop stops at the first read that finds a finished step, or where
-    the host knows it ends (``max_length``: never later). :meth:`finish` reads what is left and
-    undoes the steps after the first finished one: transformers drops their tokens, scores, logits,
-    attentions and hidden states, and this check removes their cache entries and puts the RNG state
-    back, so ``generate()`` returns what the check at every step returns.
+    Each step's flag stays on the device (with a host copy of the RNG state after its draw where
+    ``draws``: a sampling generation, or a model in train mode, whose dropout draws; and a mark of
+    the selector's state, ``rollback``); every ``every``-th step, wherever the next forward would not
+    fit in a ``StaticCache``, and where the selector could not undo a step past the next one exactly
+    (:meth:`SelectorRollback.mark`: CIS reads at the latest after a block's last step), one host read
+    takes the flags together with the deferred layout checks (:class:`DeferredLayoutCheck`, whose
+    error it raises) and the selector's step counters. The loop stops at the first read that finds
+    a finished step, or where the host knows it ends (``max_length``: never later). :meth:`finish`
+    reads what is left and undoes the steps after the first finished one: transformers drops their
+    tokens, scores, logits, attentions and hidden states, and this check removes their cache entries,
+    puts the selector's per-generation state and the RNG state back, so ``generate()`` returns, and
+    leaves on its cache for a continuation, what the check at every step does.
     """
 
     def __init__(self, every: int, input_ids: torch.Tensor, max_length: int | None, cache: Any,
-                 layout: DeferredLayoutCheck):
+                 layout: DeferredLayoutCheck, rollback: SelectorRollback | None = None, draws: bool = True):
         super().__init__(None)
         self.every = every
         self.max_length = max_length
@@ -192,35 +201,45 @@ class PeriodicStopCheck(generation_utils.StopCheck):
         layout.active = True  # the prefill has run (checked at once): the decode steps defer
         self.device = input_ids.device
         self.flags: list[torch.Tensor] = []  # this window's "all finished" flags, on the device
-        self.rng: list[torch.Tensor | None] = []  # the RNG state after each of those steps
+        self.draws = draws
+        self.rng: list[torch.Tensor | None] = []  # the RNG state after each of those steps (where it draws)
+        self.rollback = rollback
         self.length = input_ids.shape[1]
         self.undo = 0
         self.stopped = False
 
     def __call__(self, unfinished_sequences: torch.Tensor, tokens: torch.Tensor, length: int) -> bool:
         self.flags.append(unfinished_sequences.max() == 0)
-        self.rng.append(_rng_state(self.device))
+        if self.draws:
+            self.rng.append(_rng_state(self.device))
+        urgent = self.rollback is not None and self.rollback.mark()
         self.length = length
         if self.max_length is not None and length >= self.max_length:
             return True  # the host knows the loop ends here; finish() reads the flags
-        if len(self.flags) >= self.every or (self.room is not None and length > self.room):
+        if len(self.flags) >= self.every or urgent or (self.room is not None and length > self.room):
             return self._read()  # (the next forward writes slot length - 1: past a StaticCache's room it raises)
         return False
 
     def _read(self) -> bool:
-        """One host read of the window's flags and the pending layout checks; whether a step finished."""
+        """One host read of the window's flags, the selector's step counters and the pending layout
+        checks; whether a step finished."""
         n = len(self.flags)
         broken = self.layout.pending()
-        parts = ([torch.stack(self.flags)] if n else []) + ([broken] if broken is not None else [])
-        values = torch.cat(parts).tolist() if parts else []
-        raise_if_broken(values[n:])
-        finished, states = values[:n], self.rng
+        counters = None if self.rollback is None else self.rollback.counters()
+        k = 0 if counters is None else counters.shape[0]
+        parts = ([torch.stack(self.flags)] if n else []) + ([counters.to(self.device)] if k else []) + (
+            [broken] if broken is not None else [])
+        values = torch.cat(parts).tolist() if parts else []  # (bool flags with int64 counters: ints)
+        raise_if_broken(values[n + k:])
+        finished, states = [bool(v) for v in values[:n]], self.rng
         self.flags, self.rng = [], []
-        if True not in finished:
+        first = finished.index(True) if True in finished else None
+        if self.rollback is not None:
+            self.rollback.read(values[n:n + k], first)
+        if first is None:
             return False
-        first = finished.index(True)
         self.undo = n - 1 - first
-        if self.undo:
+        if self.undo and self.draws:
             _set_rng_state(self.device, states[first])
         self.stopped = True
         return True
@@ -231,15 +250,19 @@ class PeriodicStopCheck(generation_utils.StopCheck):
         self.layout.active = False
         if self.undo and self.cache is not None:
             _roll_back(self.cache, self.undo, self.length - 1)
+        if self.rollback is not None:
+            self.rollback.undo()
         return self.undo
 
 
 class _LoopPlan:
     """What one patched ``generate()`` offers transformers' ``_sample``: a :class:`PeriodicStopCheck`."""
 
-    def __init__(self, every: int, layout: DeferredLayoutCheck):
+    def __init__(self, every: int, layout: DeferredLayoutCheck, runtime: PrHSRuntime, draws: bool):
         self.every = every
         self.layout = layout
+        self.runtime = runtime
+        self.draws = draws  # the generation's steps draw from the RNG (sampling, dropout)
         self.offered = False
         self.claimed = False
 
@@ -253,13 +276,14 @@ if _DEFERRED_STOP_CHECK is not None:
     class _StopCheckSwitch(_DEFERRED_STOP_CHECK):
         """Stands for transformers' ``DeferredStopCheck`` (the name ``_sample`` looks up) while a
         patched ``generate()`` runs: the first ``_sample`` of that call (not an assistant's) whose
-        steps can be undone exactly gets a :class:`PeriodicStopCheck`; every other caller, in any
-        thread, gets transformers' own."""
+        steps can be undone exactly (the cache's and the selector's: :func:`_rollback_supported`)
+        gets a :class:`PeriodicStopCheck`; every other caller, in any thread, gets transformers' own."""
 
         @staticmethod
         def is_supported(device, cache, cache_is_returned, is_assistant) -> bool:
             plan = _PLAN.get()
-            if plan is not None and not plan.claimed and not is_assistant and _rollback_supported(cache):
+            if (plan is not None and not plan.claimed and not is_assistant
+                    and _rollback_supported(cache, plan.runtime)):
                 plan.offered = True
                 return True
             return _DEFERRED_STOP_CHECK.is_supported(device, cache, cache_is_returned, is_assistant)
@@ -268,7 +292,9 @@ if _DEFERRED_STOP_CHECK is not None:
             plan = _PLAN.get()
             if plan is not None and plan.offered and not plan.claimed:
                 plan.claimed = True
-                return PeriodicStopCheck(plan.every, input_ids, max_length, cache, plan.layout)
+                # (input_ids: the prompt, which the loop's first forward put in the cache)
+                rollback = SelectorRollback.of(plan.runtime, cache, input_ids.shape[1])
+                return PeriodicStopCheck(plan.every, input_ids, max_length, cache, plan.layout, rollback, plan.draws)
             return _DEFERRED_STOP_CHECK(input_ids, max_length, cache, cache_is_returned, streamer)
 
 
@@ -315,9 +341,11 @@ def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate
     a dense config's model that keeps transformers' ``sdpa``), and greedy and sampling read the
     stop flag every N steps (:class:`PeriodicStopCheck`), with the decode steps' layout checks
     deferred to that read. Greedy and sampling check every step instead with a ``streamer`` (it
-    needs each token on the host), under ``synced_gpus``, for an assistant model's own loop, and
-    with a cache whose steps cannot be undone exactly (sliding-window, quantized or offloaded
-    layers); beam search and assisted generation keep transformers' stop checks.
+    needs each token on the host), under ``synced_gpus``, for an assistant model's own loop, with a
+    cache whose steps cannot be undone exactly (sliding-window, quantized or offloaded layers), and
+    with a selector that cannot undo its own (one without
+    :class:`~prhs_hf.selectors.base.UndoesSteps`); beam search and assisted generation keep
+    transformers' stop checks.
     """
     signature = inspect.signature(generate)
 
@@ -334,13 +362,22 @@ def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate
             layout = stack.enter_context(deferred_layout_checks())
             if periodic:
                 stack.enter_context(_stop_check_switch())
-            token = _PLAN.set(_LoopPlan(every, layout) if periodic else None)
+            plan = _LoopPlan(every, layout, runtime, _draws(model, given)) if periodic else None
+            token = _PLAN.set(plan)
             try:
                 return generate(*args, **kwargs)
             finally:
                 _PLAN.reset(token)
 
     return generate_with_loop
+
+
+def _draws(model: nn.Module, given: dict[str, Any]) -> bool:
+    """Whether the decode steps of ``model.generate()`` called with ``given`` (its bound arguments)
+    draw from the RNG: a sampling generation (``do_sample`` as transformers resolves it, from the
+    call's arguments, its ``generation_config`` and the model's), or a model in train mode (dropout)."""
+    config, _ = model._prepare_generation_config(given.get("generation_config"), **given.get("kwargs", {}))
+    return bool(config.do_sample) or model.training
 
 
 def _execution_device(module: nn.Module, hidden: torch.Tensor) -> torch.device:

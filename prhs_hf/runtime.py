@@ -21,10 +21,10 @@ from .kernels.key_index import candidate_count, index_bytes_per_slot
 from .layer import PrHSLayer, StepGraph
 from .policy import DecodeShape, cost_model_for
 from .selectors import CISSelector, make_selector
-from .selectors.base import export_call_state, import_call_state
+from .selectors.base import StepMark, export_call_state, import_call_state, undo_period, undoes_steps
 from .telemetry_counters import Telemetry
 
-__all__ = ["BufferedLayer", "CallState", "PrHSRuntime", "CALL_STATE_ATTRIBUTE", "buffer_cache"]
+__all__ = ["BufferedLayer", "CallState", "PrHSRuntime", "SelectorRollback", "CALL_STATE_ATTRIBUTE", "buffer_cache"]
 
 CALL_STATE_ATTRIBUTE = "_prhs_call_state"
 """The cache attribute that holds the :class:`CallState` of the generation that fills the cache."""
@@ -38,18 +38,23 @@ class CallState:
     only what that cache's forwards left, whatever other ``generate()`` calls ran in between, and
     ``copy.deepcopy(cache)`` copies it with the cache (a prefix cache). ``runtime`` is the patch
     the state belongs to (never copied); ``prefilled``: a prefill of this cache ran under it.
+    Of the last eager forward over the cache (what :class:`SelectorRollback` reads):
+    ``sparse_decode``, the policy's decision (a compiled decode step that follows keeps it), and
+    ``prefill_end``, the cache's slots after the last prefill (None before any).
     """
 
     def __init__(self, runtime: "PrHSRuntime", fields: list[dict[str, Any]]):
         self.runtime = runtime
         self.fields = fields
         self.prefilled = False
+        self.sparse_decode = False
+        self.prefill_end: int | None = None
 
     def __deepcopy__(self, memo: dict) -> "CallState":
         if self.runtime.bound is self:  # the selector holds the live objects: take them first
             self.fields = export_call_state(self.runtime.selector)
         twin = CallState(self.runtime, copy.deepcopy(self.fields, memo))
-        twin.prefilled = self.prefilled
+        twin.prefilled, twin.sparse_decode, twin.prefill_end = self.prefilled, self.sparse_decode, self.prefill_end
         return twin
 
     def __reduce__(self):
@@ -144,6 +149,10 @@ class PrHSRuntime:
             self._decoding = q_len == 1 and cached > 0
             self._bind(cache)
             self._decide(cache, cached, q_len, hidden_states)
+            if self.bound is not None:  # the generation's record of this forward (SelectorRollback)
+                self.bound.sparse_decode = self.sparse_decode
+                if not self._decoding:
+                    self.bound.prefill_end = cached + q_len
             self.kv_buffers = buffer_cache(cache, self.kv_growth) if self.kv_growth is not None else None
             # a dense decode step needs no geometry: SDPA reads the mask, and the layout check guards
             # only the sparse steps' reading of slots (a prefill and every sparse step still check it)
@@ -173,11 +182,7 @@ class PrHSRuntime:
             call = CallState(self, copy.deepcopy(self._fresh_state))
             if cache is not None:
                 setattr(cache, CALL_STATE_ATTRIBUTE, call)
-        if call is not self.bound:
-            if self.bound is not None:
-                self.bound.fields = export_call_state(self.selector)
-            import_call_state(self.selector, call.fields)
-            self.bound = call
+        self._hold(call)
         if not self._decoding:
             call.prefilled = True
         elif not call.prefilled:
@@ -186,6 +191,14 @@ class PrHSRuntime:
                 "the unpatched model, by another patch, or by a copy of the model): run the prompt through "
                 "the patched model with this cache first, or start from input_ids alone"
             )
+
+    def _hold(self, call: CallState) -> None:
+        """Make ``call``'s state the selector's, keeping the state it held on its own :class:`CallState`."""
+        if call is not self.bound:
+            if self.bound is not None:
+                self.bound.fields = export_call_state(self.selector)
+            import_call_state(self.selector, call.fields)
+            self.bound = call
 
     def _decide(self, cache, cached: int, q_len: int, hidden_states: torch.Tensor) -> None:
         """Set :attr:`sparse_decode` and :attr:`sparse_prefill` for this eager forward (``policy``;
@@ -318,6 +331,96 @@ class PrHSRuntime:
             self.selector.reset()
         if self.telemetry is not None:
             self.telemetry.reset()
+
+
+class SelectorRollback:
+    """The selector's part of the periodic stop check (:class:`prhs_hf.patching.PeriodicStopCheck`)
+    in the generation that fills one cache: the selector's state after each forward of the window
+    (:meth:`~prhs_hf.selectors.base.UndoesSteps.mark_step`), from which :meth:`undo` puts back the
+    state after the first finished step, so that the cache's generation continues as after the
+    check at every step.
+
+    A selector with an ``undo_period`` ``p`` (CIS: its block size) undoes exactly only steps that hold
+    no step ending a block of ``p`` of its steps followed by another of its steps. :meth:`mark`
+    counts the selector's steps on the host (a decode forward runs the selector where the policy
+    decided sparse: ``CallState.sparse_decode``) and asks for the window to be read right after
+    such a step unless it is the window's first. The count is 0 after a prefill; where the
+    generation's first forward was not one (a continuation on a cache), the first mark asks for a
+    read, which takes the count off the device (the marks' counters ride along with every read,
+    which checks the host's count against them).
+    """
+
+    def __init__(self, runtime: PrHSRuntime, call: CallState, prompt_slots: int):
+        self.runtime = runtime
+        self.call = call
+        self.period = undo_period(runtime.selector)
+        # the selector's steps since the prefill, as the host knows them (None: not known)
+        self.counter: int | None = 0 if call.prefill_end == prompt_slots else None
+        self.marks: list[StepMark] = []  # after each forward of the window
+        self.stop: int | None = None  # the mark of the window's first finished step, once read
+        self._first = True
+
+    @classmethod
+    def of(cls, runtime: PrHSRuntime, cache, prompt_slots: int) -> "SelectorRollback | None":
+        """The rollback of ``cache``'s generation, whose prompt (the first forward of the loop) left
+        ``prompt_slots`` cache slots; None where there is no selector state to undo."""
+        call = None if cache is None else cache.__dict__.get(CALL_STATE_ATTRIBUTE)
+        if runtime.selector is None or call is None or call.runtime is not runtime:
+            return None
+        if not undoes_steps(runtime.selector):
+            raise RuntimeError(f"{type(runtime.selector).__name__} cannot undo decode steps: the loop must check "
+                               "every step (prhs_hf.patching._rollback_supported)")
+        return cls(runtime, call, prompt_slots)
+
+    def mark(self) -> bool:
+        """Keep the selector's state after the forward just run; whether the window must be read now
+        (an undo past this step would not be exact, or the host does not know the step count)."""
+        stepped = not self._first and self.call.sparse_decode  # every forward after the loop's first decodes
+        self._first = False
+        with self.runtime.forward_lock:
+            self.runtime._hold(self.call)
+            self.marks.append(self.runtime.selector.mark_step())
+        if self.period is None:
+            return False
+        if self.counter is None:
+            return True
+        if stepped:
+            self.counter += 1
+            return self.counter % self.period == 0 and len(self.marks) > 1
+        return False
+
+    def counters(self) -> torch.Tensor | None:
+        """The selector's step counters after each forward of the window (``[n]`` int64 on the
+        device, for the read), or None (no ``undo_period``)."""
+        if self.period is None or not self.marks:
+            return None
+        return torch.stack([m.counter for m in self.marks])
+
+    def read(self, counters: list[int], stop: int | None) -> None:
+        """After the read of the window: ``counters`` (what :meth:`counters` held, read), ``stop`` the
+        index of the first finished step (None: none; the marks are dropped). Raises where an undo to
+        ``stop`` would not be exact (the host's count of the selector's steps was wrong)."""
+        if counters:
+            if stop is not None:
+                for j in range(stop + 1, len(counters) - 1):
+                    if counters[j] % self.period == 0 and counters[j] != counters[j - 1] and counters[-1] != counters[j]:
+                        raise RuntimeError(
+                            f"PrHS: the stop check would undo decode steps across the end of a block of "
+                            f"{self.period} selector steps (counters {counters}); the selector state would not be "
+                            "the check at every step's. Set generation.stop_check_every: 1")
+            self.counter = counters[-1] if stop is None else counters[stop]
+        self.stop = stop
+        if stop is None:
+            self.marks = []
+
+    def undo(self) -> None:
+        """Put the selector's state back to the mark of the first finished step (after a :meth:`read`
+        that found one); the marks are dropped."""
+        if self.stop is not None and self.stop < len(self.marks) - 1:
+            with self.runtime.forward_lock:
+                self.runtime._hold(self.call)
+                self.runtime.selector.undo_to(self.marks[self.stop])
+        self.marks, self.stop = [], None
 
 
 def _check_room(cache, cached: int | None, q_len: int) -> None:
