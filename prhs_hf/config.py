@@ -260,10 +260,11 @@ class GenerationLoopConfig:
 
     ``stop_check_every``: greedy and sampling read the device's "all sequences finished" flag once
     every this many decode steps instead of at each one, so the host can queue steps ahead of the
-    GPU; the steps that ran past the real end are undone (tokens, scores, logits, cache), so
-    ``generate()`` returns what it returns with ``1`` (the check at every step, plain
-    transformers). Cases that cannot be undone exactly check every step (see
-    :func:`prhs_hf.patching.patch`).
+    GPU; the steps that ran past the real end are undone (tokens, scores, logits, cache, the
+    selector's per-generation state), so ``generate()`` returns, and leaves on its cache, what it
+    does with ``1`` (the check at every step, plain transformers). Cases that cannot be undone
+    exactly check every step (see :func:`prhs_hf.patching.generate_without_step_reads`); CIS reads at
+    the latest after a block's last step that a window would undo past.
     """
 
     stop_check_every: int = 8
