@@ -380,6 +380,28 @@ def _draws(model: nn.Module, given: dict[str, Any]) -> bool:
     return bool(config.do_sample) or model.training
 
 
+def prefill_eagerly(prefill: Callable) -> Callable:
+    """``prefill`` (transformers' ``GenerationMixin._prefill``) with a chunked prefill run eagerly.
+
+    With ``prefill_chunk_size`` and a compilable cache (``cache_implementation="static"``),
+    transformers runs every prompt chunk through the compiled forward too. A PrHS prefill sets up
+    what the decode steps read (the geometry buffers, the selector's state, CIS's key index); made
+    inside a CUDA-graphed forward (``mode="reduce-overhead"``, transformers' default), those tensors
+    would live in the graph's pool, and the next replay overwrites them ("accessing tensor output of
+    CUDAGraphs that has been overwritten"). So the chunks run eagerly, as an unchunked prefill
+    always does; the decode steps stay compiled.
+    """
+
+    @functools.wraps(prefill)
+    def prefill_chunks_eagerly(input_ids, generation_config, *args, **kwargs):
+        if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
+            generation_config = copy.copy(generation_config)
+            generation_config.disable_compile = True
+        return prefill(input_ids, generation_config, *args, **kwargs)
+
+    return prefill_chunks_eagerly
+
+
 def _execution_device(module: nn.Module, hidden: torch.Tensor) -> torch.device:
     """Where ``module`` runs: the execution device of accelerate's hook (a ``device_map``; it moves
     the inputs only after the forward pre-hooks), else where its input is."""
@@ -488,6 +510,9 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
     runtime.own_generate = model.__dict__.get("generate")  # a generate() set on the instance, put back on unpatch
     if hasattr(model, "generate"):
         model.generate = generate_without_step_reads(model, runtime, model.generate)
+    runtime.own_prefill = model.__dict__.get("_prefill")
+    if hasattr(model, "_prefill"):
+        model._prefill = prefill_eagerly(model._prefill)
     setattr(model, RUNTIME_ATTRIBUTE, runtime)
 
 
@@ -507,6 +532,9 @@ def _uninstall(model: nn.Module) -> PrHSRuntime | None:
     model.__dict__.pop("generate", None)
     if getattr(runtime, "own_generate", None) is not None:
         model.generate = runtime.own_generate
+    model.__dict__.pop("_prefill", None)
+    if getattr(runtime, "own_prefill", None) is not None:
+        model._prefill = runtime.own_prefill
     if model.config._attn_implementation != runtime.original_attn_implementation:
         model.set_attn_implementation(runtime.original_attn_implementation)
     return runtime

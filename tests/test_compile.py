@@ -166,3 +166,25 @@ def test_decode_step_replays_no_attribute_writes(monkeypatch):
         writes.append(list(replayed))
     assert writes[0], "the dense step replays transformers' own writes: the count sees them"
     assert writes[1] == writes[0], f"PrHS adds {sorted(set(writes[1]) - set(writes[0]))}"
+
+
+def test_chunked_prefill_of_a_compiled_static_generate_runs_eagerly():
+    """``generate(prefill_chunk_size=...)`` with a static cache: transformers runs the prompt chunks
+    through the compiled forward too. A PrHS prefill allocates what the decode steps read (geometry
+    buffers, CIS state); inside a CUDA-graphed forward those would live in the graph's pool and be
+    overwritten by the next replay (on the GPU: "accessing tensor output of CUDAGraphs that has been
+    overwritten"). So a patched model runs the chunks eagerly: one compiled graph (the decode step),
+    and the tokens of the unchunked generate()."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch([150, 110])
+    prhs_hf.patch(model, "configs/cis.yaml", overrides={**SMALL, "backend": {"decode": "torch", "prefill": "torch"}})
+    eager, _ = _generate(model, ids, mask, compiled=False)
+    torch._dynamo.reset()
+    counters.clear()
+    prhs_hf.reset(model)
+    chunked = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, prefill_chunk_size=64,
+                             cache_implementation="static", compile_config=_compile_config())
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # the decode step only
+    assert torch.equal(chunked, eager)
+    prhs_hf.unpatch(model)
+    assert "_prefill" not in model.__dict__
