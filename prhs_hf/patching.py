@@ -33,7 +33,7 @@ from .config import PrHSConfig, load_config
 from .families import check_model, decoder_layers
 from .geometry import DeferredLayoutCheck, deferred_layout_checks, raise_if_broken
 from .layer import install_row_skip, remove_row_skip
-from .runtime import BufferedLayer, PrHSRuntime, SelectorRollback
+from .runtime import BufferedLayer, PrHSRuntime, SelectorRollback, buffer_cache
 from .selectors.base import undoes_steps
 from .telemetry_counters import TelemetryReport
 
@@ -380,26 +380,32 @@ def _draws(model: nn.Module, given: dict[str, Any]) -> bool:
     return bool(config.do_sample) or model.training
 
 
-def prefill_eagerly(prefill: Callable) -> Callable:
-    """``prefill`` (transformers' ``GenerationMixin._prefill``) with a chunked prefill run eagerly.
+def prefill_for_patch(runtime: PrHSRuntime, prefill: Callable) -> Callable:
+    """``prefill`` (transformers' ``GenerationMixin._prefill``, which every decoding mode of
+    ``generate()`` runs first) as a patched model needs it:
 
-    With ``prefill_chunk_size`` and a compilable cache (``cache_implementation="static"``),
-    transformers runs every prompt chunk through the compiled forward too. A PrHS prefill sets up
-    what the decode steps read (the geometry buffers, the selector's state, CIS's key index); made
-    inside a CUDA-graphed forward (``mode="reduce-overhead"``, transformers' default), those tensors
-    would live in the graph's pool, and the next replay overwrites them ("accessing tensor output of
-    CUDAGraphs that has been overwritten"). So the chunks run eagerly, as an unchunked prefill
-    always does; the decode steps stay compiled.
+    - with ``backend.eager_step`` ``buffered`` or ``graphs``, a ``DynamicCache``'s buffers are made
+      for the call's ``max_length`` before the prompt is written (:func:`~prhs_hf.runtime.buffer_cache`'s
+      ``reserve``): no buffer grows or overshoots within the call, so its KV memory is dense's;
+    - a chunked prefill (``prefill_chunk_size``) with a compilable cache runs eagerly. transformers
+      runs the chunks through the compiled forward too; a PrHS prefill sets up what the decode steps
+      read (the geometry buffers, the selector's state, CIS's key index), and made inside a
+      CUDA-graphed forward (``mode="reduce-overhead"``, transformers' default) those tensors would
+      live in the graph's pool, where the next replay overwrites them ("accessing tensor output of
+      CUDAGraphs that has been overwritten"). An unchunked prefill is always eager; the decode steps
+      stay compiled.
     """
 
     @functools.wraps(prefill)
-    def prefill_chunks_eagerly(input_ids, generation_config, *args, **kwargs):
+    def prefill_patched(input_ids, generation_config, model_kwargs, *args, **kwargs):
+        if runtime.kv_growth is not None and generation_config.max_length:
+            buffer_cache(model_kwargs.get("past_key_values"), runtime.kv_growth, reserve=generation_config.max_length)
         if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
             generation_config = copy.copy(generation_config)
             generation_config.disable_compile = True
-        return prefill(input_ids, generation_config, *args, **kwargs)
+        return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
 
-    return prefill_chunks_eagerly
+    return prefill_patched
 
 
 def _execution_device(module: nn.Module, hidden: torch.Tensor) -> torch.device:
@@ -512,7 +518,7 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
         model.generate = generate_without_step_reads(model, runtime, model.generate)
     runtime.own_prefill = model.__dict__.get("_prefill")
     if hasattr(model, "_prefill"):
-        model._prefill = prefill_eagerly(model._prefill)
+        model._prefill = prefill_for_patch(runtime, model._prefill)
     setattr(model, RUNTIME_ATTRIBUTE, runtime)
 
 

@@ -469,8 +469,9 @@ class BufferedLayer(DynamicLayer):
     #: to prove that no attention path reads past the valid length)
     fill: float | None = None
 
-    def __init__(self, growth: float = 1.25):
+    def __init__(self, growth: float = 1.25, reserve: int = 0):
         self.growth = growth
+        self.reserve = reserve  # slots a new buffer takes at least (generate()'s max_length: no growth in one call)
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._n = [0, 0]  # valid tokens of the keys and of the values (crop assigns them one by one)
@@ -514,6 +515,8 @@ class BufferedLayer(DynamicLayer):
         return None if self._k is None else (self._k, self._v)
 
     def _capacity(self, tokens: int) -> int:
+        if tokens <= self.reserve:
+            return self.reserve
         return max(tokens, 128 * math.ceil(self.growth * tokens / 128))
 
     def _allocate(self, like: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -566,16 +569,27 @@ class BufferedLayer(DynamicLayer):
         return self._n[0]
 
 
-def buffer_cache(cache, growth: float) -> list | None:
+def buffer_cache(cache, growth: float, reserve: int | None = None) -> list | None:
     """Make the ``DynamicLayer``s of the ``DynamicCache`` ``cache`` :class:`BufferedLayer`s of
     ``growth`` in place (their tokens kept; the layers it creates later too) and return its layer
-    list; ``None`` for any other cache (a StaticCache, sliding-window or offloaded layers stay as they are)."""
+    list; ``None`` for any other cache (a StaticCache, sliding-window or offloaded layers stay as they are).
+
+    ``reserve`` (the slots one ``generate()`` fills: its ``max_length``) makes every buffer that is
+    allocated from now on, by these layers or later ones, hold at least that many slots: the call then
+    never grows a buffer (no copy, no ``growth`` overshoot: the memory of a static cache of that
+    length), while a later turn past it grows by ``growth``."""
     if not isinstance(cache, DynamicCache) or getattr(cache, "offloading", False):
         return None
     layers = cache.layers
     for i, layer in enumerate(layers):
         if type(layer) is DynamicLayer:
             layers[i] = BufferedLayer.from_layer(layer, growth)
-    if cache.layer_class_to_replicate is DynamicLayer:
-        cache.layer_class_to_replicate = functools.partial(BufferedLayer, growth)
+    made = cache.layer_class_to_replicate
+    if made is DynamicLayer or (isinstance(made, functools.partial) and made.func is BufferedLayer):
+        reserved = max(reserve or 0, made.keywords.get("reserve", 0) if made is not DynamicLayer else 0)
+        cache.layer_class_to_replicate = functools.partial(BufferedLayer, growth, reserve=reserved)
+    if reserve:
+        for layer in layers:
+            if type(layer) is BufferedLayer:
+                layer.reserve = max(layer.reserve, reserve)
     return layers

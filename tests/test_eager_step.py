@@ -401,3 +401,34 @@ def test_step_graphs_keep_a_shared_pool_alive_across_new_keys(monkeypatch):
             for graphs in layers:
                 graphs.run(key, lambda x: x + 1, q, "pool", retired)
     assert pools.use["pool"] == 6 and len(retired) == 3
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_generate_makes_the_buffers_for_its_max_length_once(chunk, monkeypatch):
+    """A patched generate() gives each BufferedLayer its max_length before the prompt is written:
+    one buffer per layer for the whole call (no growth copy, no growth overshoot), so its KV memory
+    is a static cache's of that length; a later turn past it grows the buffers again."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([40, 29], seed=5)
+    made = []
+    allocate = BufferedLayer._allocate
+
+    def spy(self, like, tokens):
+        buffer = allocate(self, like, tokens)
+        made.append(buffer.shape[-2])
+        return buffer
+
+    monkeypatch.setattr(BufferedLayer, "_allocate", spy)
+    with prhs_hf.patch(model, SPARSE, {"backend": {**SPARSE["backend"], "eager_step": "buffered"}}):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            first = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, min_new_tokens=6,
+                                   do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)
+        assert made == [40 + 6] * 4  # keys and values of two layers, at the call's max_length
+        assert all(layer.whole_buffers[0].shape[-2] == 46 for layer in cache.layers)
+        made.clear()
+        more = torch.cat([first, torch.tensor([[5, 6, 7]] * 2)], dim=1)
+        with torch.no_grad():
+            model.generate(more, attention_mask=torch.cat([mask, torch.ones(2, 9, dtype=mask.dtype)], 1),
+                           past_key_values=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert made == [49 + 4] * 4  # the second turn's max_length: one new buffer per layer again
