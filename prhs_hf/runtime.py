@@ -78,7 +78,8 @@ class PrHSRuntime:
         self.telemetry = Telemetry(resolved.num_layers, num_heads, c.telemetry.oracle, num_kv_heads) if c.telemetry.enabled else None
         self.layers = [PrHSLayer(self, i) for i in range(resolved.num_layers)]
         # the decode selector: a baseline that baseline.name names, else CIS if it is on, else none
-        self.selector = make_selector(resolved, num_heads, ops_for=self.ops_for)  # one ops table per device
+        self.selector = make_selector(resolved, num_heads, ops_for=self.ops_for,  # one ops table per device
+                                      last_query_slot=self.last_query_slot)
         # a config that changes nothing keeps transformers' own dense path (the unpatched model's bits)
         self.passthrough = self.selector is None and not any(
             layer.plans_prefill or layer.window_decode for layer in self.layers
@@ -90,6 +91,7 @@ class PrHSRuntime:
         # the current forward, set by begin_forward (the first decoder layer's pre-hook)
         self.geometry: SequenceGeometry | None = None
         self._decoding = False
+        self._last_query_slot: int | None = None  # last_query_slot()
         # the tensor parallel ranks' process group that telemetry(reduce=True) reduces over (patch sets it)
         self.reduce_group = None
         # the generation whose state the selector holds now, and the empty state a new one starts from
@@ -135,9 +137,11 @@ class PrHSRuntime:
         device = hidden_states.device
         mask = kwargs.get("attention_mask")
         cached = _cached_tokens(cache)  # None only under torch.compile with a StaticCache
+        last_query_slot = None if cached is None else cached + q_len - 1
         compiling = torch.compiler.is_compiling()
         if not compiling:
             _check_room(cache, cached, q_len)
+            self._last_query_slot = last_query_slot
         if self.passthrough and self.telemetry is None:
             return  # the model's own attention runs every layer: nothing of this forward is needed
         if mask is not None and not isinstance(mask, torch.Tensor):
@@ -163,7 +167,7 @@ class PrHSRuntime:
         kv_len = mask.shape[-1] if mask is not None else q_len + (cached or 0)
         geom = geometry_from_mask(mask, batch, q_len, kv_len, device)
         if not compiling:
-            check_layout(mask, geom, None if cached is None else cached + q_len - 1)
+            check_layout(mask, geom, last_query_slot)
         if not self.is_decoding(q_len):
             self.prepare(device, batch, hidden_states.dtype)
         self._store_geometry(geom)
@@ -250,6 +254,14 @@ class PrHSRuntime:
             return {}
         reranked = candidate_count(c.budget.topk, c.cis.rerank_margin, page) * page
         return {"scored_key_bytes": per_slot, "reranked": reranked}
+
+    def last_query_slot(self) -> int | None:
+        """The cache slot of the current eager forward's last query row, known on the host without a
+        read: the tokens the cache held before the forward plus its query rows, minus one (a decode
+        step's new key; :func:`~prhs_hf.geometry.check_layout` checks every sequence's last token
+        against it). None before the first eager forward; a forward under ``torch.compile`` leaves
+        the last eager forward's (a compiled step reads no host value)."""
+        return self._last_query_slot
 
     def is_decoding(self, q_len: int) -> bool:
         """Whether the current forward (of ``q_len`` query rows) is a decode step (see :meth:`begin_forward`)."""

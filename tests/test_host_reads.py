@@ -21,15 +21,20 @@ BACKENDS = {"backend": {"prefill": "torch", "decode": "torch"}}
 NEW = 12
 
 
-def _reads(model, every: int, new: int = NEW, **kw) -> "probe.HostReadRecorder":
-    """Record a greedy generate() of a left-padded batch (a padded batch: its masks are built each step)."""
+def _recorded_generate(model, new: int = NEW, **kw) -> "tuple[probe.HostReadRecorder, torch.Tensor]":
+    """Record a greedy generate() of a left-padded batch (a padded batch: its masks are built each step):
+    ``(the recorder, the tokens)``."""
     ids, mask = padded_batch([150, 141])
     recorder = probe.HostReadRecorder()
     with torch.no_grad(), recorder, recorder.watch(model):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              pad_token_id=0, **kw)
     assert out.shape[1] == ids.shape[1] + new and recorder.step == new
-    return recorder
+    return recorder, out
+
+
+def _reads(model, every: int, new: int = NEW, **kw) -> "probe.HostReadRecorder":
+    return _recorded_generate(model, new, **kw)[0]
 
 
 @pytest.mark.parametrize("config", ["cis_longbench", "cis", "dense"])
@@ -52,6 +57,24 @@ def test_a_patched_eager_decode_step_reads_the_device_zero_times(config):
     sites = " ".join(before["sites"])
     assert before["reads_per_step"] >= 2 and "generation/utils.py" in sites and "masking_utils.py" in sites
     assert ("prhs_hf/geometry.py" in sites) == (config != "dense")
+
+
+@pytest.mark.parametrize("index", ["fp8", "pages"])
+def test_an_eager_step_with_a_key_index_on_buffers_reads_the_device_zero_times(index):
+    """``cis.index`` on a buffered cache (whose buffers hold more slots than tokens): each step's index
+    update takes the new key's slot from the runtime's host count of the cached tokens, so the decode
+    steps between stop checks read nothing, as on a plain cache; the tokens are the plain cache's."""
+    model = tiny_model("llama", layers=2)
+    cis = {"index": index, "rerank_margin": 8}  # a margin below the middle: the index decides, a wrong slot shows
+    tokens = {}
+    for step in ("plain", "buffered"):
+        prhs_hf.patch(model, "cis", overrides={
+            "backend": {**BACKENDS["backend"], "eager_step": step}, "cis": cis, "policy": {"decode": "sparse"},
+            "budget": {"sink": 4, "local": 8, "topk": 16}, "generation": {"stop_check_every": 1024}})
+        reads, tokens[step] = _recorded_generate(model)
+        prhs_hf.unpatch(model)
+        assert reads.per_step(3, NEW - 1)["reads"] == 0, (step, reads.per_step(3, NEW - 1)["sites"])
+    assert torch.equal(tokens["plain"], tokens["buffered"])
 
 
 def test_the_stop_flag_is_read_once_every_n_steps():

@@ -166,14 +166,17 @@ def test_chunked_prefill_writes_every_chunk():
     _assert_index_current(model, out.past_key_values)
 
 
-@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
-def test_steps_the_policy_runs_dense_are_caught_up(monkeypatch, cache_implementation):
-    """A forward the policy runs dense never reaches the selector: the next sparse step writes its slots."""
+@pytest.mark.parametrize("cache_implementation,eager_step,index", [
+    ("dynamic", "plain", "pages"), ("static", "plain", "pages"), ("dynamic", "buffered", "fp8")])
+def test_steps_the_policy_runs_dense_are_caught_up(monkeypatch, cache_implementation, eager_step, index):
+    """A forward the policy runs dense never reaches the selector: the next sparse step writes its slots
+    up to the new key's, which a buffered cache's capacity does not tell (the runtime's host count; fp8,
+    one entry a slot: a slot left out shows, where a page's update would rewrite its neighbours)."""
     model = _model()
     ids, mask = padded_batch([70, 52])
     runs = []
-    for kind in ("none", "pages"):
-        prhs_hf.patch(model, _config(kind))
+    for kind in ("none", index):
+        prhs_hf.patch(model, _config(kind), {"backend": {**BASE["backend"], "eager_step": eager_step}})
         runtime = model._prhs_runtime
         decide, forwards = runtime._decide, []
 

@@ -57,16 +57,20 @@ SELECTORS: dict[str, Callable[[ResolvedConfig, int], Selector]] = {
 
 
 def make_selector(resolved: ResolvedConfig, num_heads: int,
-                  ops_for: Callable[[torch.device], DecodeOps] | None = None) -> Selector | None:
+                  ops_for: Callable[[torch.device], DecodeOps] | None = None,
+                  last_query_slot: Callable[[], int | None] | None = None) -> Selector | None:
     """The decode selector of a config: the baseline that ``baseline.name`` names (see
     :data:`SELECTORS`), else CIS when ``cis.enabled``, else ``None`` (decode stays dense, or the
     PSAW window). With an ``early_select`` section the selector (CIS or Quest) is wrapped in an
     :class:`EarlySelectSelector` (its taps are attached by :func:`prhs_hf.patch`). The decode ops
     table of a step is an argument of ``select`` (the runtime's, picked per device); ``ops_for``
     (the runtime's :meth:`~prhs_hf.runtime.PrHSRuntime.ops_for`) gives CIS the same table for its
-    prompt's key index write (None: the PyTorch references); the baselines take none."""
+    prompt's key index write (None: the PyTorch references); ``last_query_slot`` (the runtime's
+    :meth:`~prhs_hf.runtime.PrHSRuntime.last_query_slot`) gives CIS the slot of an eager decode
+    step's new key for its key index (None: read off the geometry where needed); the baselines take
+    neither."""
     c = resolved.config
-    selector = _base_selector(resolved, num_heads, ops_for)
+    selector = _base_selector(resolved, num_heads, ops_for, last_query_slot)
     es = c.early_select
     if selector is None or not es.enabled:
         return selector
@@ -75,7 +79,8 @@ def make_selector(resolved: ResolvedConfig, num_heads: int,
 
 
 def _base_selector(resolved: ResolvedConfig, num_heads: int,
-                   ops_for: Callable[[torch.device], DecodeOps] | None) -> Selector | None:
+                   ops_for: Callable[[torch.device], DecodeOps] | None,
+                   last_query_slot: Callable[[], int | None] | None) -> Selector | None:
     c = resolved.config
     name = c.baseline.name
     if name is None:
@@ -87,7 +92,7 @@ def _base_selector(resolved: ResolvedConfig, num_heads: int,
                            group_score="mean" if c.cis.selection == "group_mean" else "max",
                            keep_anchor_local=c.cis.keep_anchor_local, tail_slot=c.cis.tail_slot,
                            index=c.cis.index, rerank_margin=c.cis.rerank_margin, index_page=c.cis.index_page,
-                           ops_for=ops_for)
+                           ops_for=ops_for, last_query_slot=last_query_slot)
     try:
         factory = SELECTORS[name]
     except KeyError:

@@ -105,7 +105,11 @@ class CISSelector:
     (``index_page``: tokens per page of ``"pages"``); see the module docstring. ``ops_for`` gives the
     ops table of a device that writes the prompt's index entries there: the runtime passes its own
     (:meth:`~prhs_hf.runtime.PrHSRuntime.ops_for`, the table its decode steps hand :meth:`select`);
-    None: the PyTorch references, as :meth:`select`'s default.
+    None: the PyTorch references, as :meth:`select`'s default. ``last_query_slot`` gives the cache slot
+    of the current eager decode step's new key as the host knows it (the runtime passes its
+    :meth:`~prhs_hf.runtime.PrHSRuntime.last_query_slot`), so that the step's index update reads
+    nothing from the device whatever the cache's capacity; None (a selector driven without the
+    runtime): :meth:`_open_index_step` reads the slot off the geometry where it is not the cache's last.
     """
 
     CALL_STATE = ("states", "_slot", "_prompt_devices")
@@ -120,6 +124,7 @@ class CISSelector:
         rerank_margin: int = 0,
         index_page: int = 16,
         ops_for: Callable[[torch.device], DecodeOps] | None = None,
+        last_query_slot: Callable[[], int | None] | None = None,
     ):
         if index != "none" and index not in INDEX_KINDS:
             raise ValueError(f"cis.index: {index!r} is not allowed; allowed: none, {', '.join(INDEX_KINDS)}")
@@ -136,6 +141,7 @@ class CISSelector:
         self.rerank_margin = rerank_margin
         self.index_page = index_page if index == "pages" else 1
         self.ops_for = ops_for if ops_for is not None else _reference_ops
+        self.last_query_slot = last_query_slot
         # layer -> its key cache, kept from its prefill until the prompt's last layer writes the index
         self._prompt_keys: dict[int, torch.Tensor] = {}
         self.states: dict[torch.device, CISState] = {}
@@ -313,15 +319,18 @@ class CISSelector:
             state.index_end = 0
         state.grow_key_index(k_cache.shape[2])
 
-    @staticmethod
-    def _open_index_step(state: CISState, slots: int, geom: SequenceGeometry) -> None:
+    def _open_index_step(self, state: CISState, slots: int, geom: SequenceGeometry) -> None:
         """At an eager step's first layer: the slots its layers write before their update
         (``state.index_gap``: those after ``state.index_end`` and before the new key's, or None).
-        The new key is at the dynamic cache's last slot when the index is current up to it; elsewhere
-        (a static cache, steps the selector missed, a cropped cache) its slot is read (one sync)."""
-        newest = slots - 1
-        if newest != state.index_end:
-            newest = int((geom.pad + geom.t_last).max()) - 1
+        The new key's slot is the runtime's host count (:attr:`last_query_slot`: no read, whatever
+        the cache). Without it (a selector driven by hand) the key is taken to be at the cache's last
+        slot when the index is current up to it (a dynamic cache's steps); elsewhere (a static or
+        buffered cache, steps the selector missed, a cropped cache) its slot is read (one sync)."""
+        newest = None if self.last_query_slot is None else self.last_query_slot()
+        if newest is None:
+            newest = slots - 1
+            if newest != state.index_end:
+                newest = int((geom.pad + geom.t_last).max()) - 1
         state.index_gap = (state.index_end, newest) if newest > state.index_end else None
         state.index_end = newest + 1
 
