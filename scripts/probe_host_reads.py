@@ -16,7 +16,8 @@ Paths probed, on a tiny random llama (``tests/tiny_models.py`` shape, longer pro
 
 - ``eager``: ``model.generate()`` with a DynamicCache, unpatched (``sdpa``, ``sdpa_gqa``: transformers'
   own loop) and patched with the shipped ``dense`` (the model's SDPA in the patched loop),
-  ``cis_longbench`` and ``cis`` (``policy`` as shipped: ``auto``);
+  ``cis_longbench`` and ``cis`` (``policy`` as shipped: ``auto``), and ``cis_index_fp8`` (:data:`VARIANTS`:
+  ``cis`` with an fp8 key index on a buffered cache, whose capacity is not its token count);
 - ``static_compile``: ``cache_implementation="static"`` with transformers' compiled decode step
   (``aot_eager`` on the CPU, inductor on CUDA).
 
@@ -236,25 +237,34 @@ def probe_generate(model, ids, mask, new_tokens: int, path: str, device_type: st
 #: unpatched baselines: config name -> attention implementation (transformers' own loop)
 UNPATCHED = {"sdpa": "sdpa", "sdpa_gqa": "sdpa_gqa"}
 
+#: patched configs that are no shipped one: name -> (shipped config, overrides)
+VARIANTS = {
+    "cis_index_fp8": ("cis", {"cis": {"index": "fp8"}, "backend": {"eager_step": "buffered"}}),
+}
+
 
 def select(model, config: str, stop_check_every: int | None):
     """Put ``model`` in ``config``: an unpatched attention implementation (:data:`UNPATCHED`), or
-    ``prhs_hf.patch`` with a shipped config (``dense``: the model's own SDPA in the patched loop)
-    and ``generation.stop_check_every`` (``None``: the config's). Returns the patch handle or ``None``."""
+    ``prhs_hf.patch`` with a shipped config (``dense``: the model's own SDPA in the patched loop) or a
+    :data:`VARIANTS` one and ``generation.stop_check_every`` (``None``: the config's). Returns the
+    patch handle or ``None``."""
     prhs_hf.unpatch(model)
     prhs_hf.attention.register()
     model.set_attn_implementation(UNPATCHED.get(config, "sdpa"))
     if config in UNPATCHED:
         return None
-    overrides = {} if stop_check_every is None else {"generation": {"stop_check_every": stop_check_every}}
-    return prhs_hf.patch(model, config, overrides=overrides)
+    base, overrides = VARIANTS.get(config, (config, {}))
+    if stop_check_every is not None:
+        overrides = {**overrides, "generation": {"stop_check_every": stop_check_every}}
+    return prhs_hf.patch(model, base, overrides=overrides)
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--configs", default="sdpa,sdpa_gqa,dense,cis_longbench,cis",
-                        help="comma-separated: sdpa, sdpa_gqa (unpatched) or shipped configs (dense: the patched loop alone)")
+    parser.add_argument("--configs", default="sdpa,sdpa_gqa,dense,cis_longbench,cis,cis_index_fp8",
+                        help="comma-separated: sdpa, sdpa_gqa (unpatched), shipped configs (dense: the patched loop "
+                             f"alone) or {', '.join(VARIANTS)}")
     parser.add_argument("--paths", default="eager,static_compile")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=160, help="prompt tokens (left-padded batch: the rows differ by 8)")

@@ -132,12 +132,14 @@ def test_a_decode_step_after_a_gap_inside_generate_still_raises(every):
 
 def test_the_probe_writes_its_json(tmp_path):
     out = tmp_path / "probe.json"
-    probe.main(["--paths", "eager", "--configs", "sdpa,cis", "--new-tokens", "5", "--prompt", "40",
+    probe.main(["--paths", "eager", "--configs", "sdpa,cis,cis_index_fp8", "--new-tokens", "5", "--prompt", "40",
                 "--stop-check-every", "default,1", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["path"], r["config"], r["stop_check_every"]) for r in rows] == [
-        ("eager", "sdpa", None), ("eager", "cis", 8), ("eager", "cis", 1)]
+        ("eager", "sdpa", None), ("eager", "cis", 8), ("eager", "cis", 1), ("eager", "cis_index_fp8", 8),
+        ("eager", "cis_index_fp8", 1)]
     assert rows[0]["reads_per_step"] == 2 and rows[2]["reads_per_step"] == 3 and rows[1]["reads_per_step"] < 1
+    assert rows[3]["reads_per_step"] == rows[1]["reads_per_step"] and rows[4]["reads_per_step"] == 3
     assert all({"sites", "prefill_sites", "end_sites", "forwards"} <= set(r) for r in rows)
 
 
