@@ -160,10 +160,12 @@ class BackendConfig:
 
     prefill: str = "auto"
     decode: str = "auto"
-    # eager decode: "plain" (transformers' DynamicCache), "buffered" (K/V in buffers that grow by
-    # kv_growth: no copy of the cache per step), "graphs" (buffered, and each layer's sparse step
-    # replayed as a CUDA graph on CUDA); prhs_hf.runtime.BufferedLayer
-    eager_step: str = "plain"
+    # eager decode: "plain" (transformers' DynamicCache), "buffered" (K/V in buffers made for the
+    # generate() call's max_length, grown by kv_growth past it: no copy of the cache per step),
+    # "graphs" (buffered, and each layer's sparse CIS step replayed as a CUDA graph on CUDA), "auto"
+    # (graphs where the step can be captured: CIS without tail slot or key index, telemetry off;
+    # buffered elsewhere); prhs_hf.runtime.BufferedLayer, docs/notes/runtime_design.md
+    eager_step: str = "auto"
     kv_growth: float = 1.25
 
 
@@ -421,7 +423,7 @@ _RULES: dict[str, tuple] = {
     "etf.gamma": ("float", 0.0, MAX_EXPONENT, False, False),
     "backend.prefill": ("choice", PREFILL_BACKENDS),
     "backend.decode": ("choice", DECODE_BACKENDS),
-    "backend.eager_step": ("choice", ("plain", "buffered", "graphs")),
+    "backend.eager_step": ("choice", ("auto", "plain", "buffered", "graphs")),
     "backend.kv_growth": ("float", 1.0, 4.0, True, False),
     "policy.decode": ("choice", POLICIES),
     "policy.prefill": ("choice", POLICIES),

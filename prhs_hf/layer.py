@@ -206,10 +206,12 @@ class PrHSLayer:
 
     def _whole_buffers(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole buffers of this layer's :class:`~prhs_hf.runtime.BufferedLayer` whose valid views
-        ``key``/``value`` are (``backend.eager_step`` buffered or graphs), else ``key``/``value``: a
-        sparse step on them has fixed addresses while the capacity lasts (what a CUDA graph needs)."""
+        ``key``/``value`` are, for a step that CUDA graphs capture (``runtime.graphed``: CIS, which reads
+        slots by the geometry only), else ``key``/``value``: a sparse step on them has fixed addresses
+        while the capacity lasts (what a CUDA graph needs). Every other step gets the valid views: the
+        baselines, CIS's tail slot and the oracle telemetry read ``key.shape[-2]`` as the cache's length."""
         layers = self.runtime.kv_buffers
-        if layers is None or self.index >= len(layers):
+        if layers is None or not self.runtime.graphed or self.index >= len(layers):
             return key, value
         whole = getattr(layers[self.index], "whole_buffers", None)
         if whole is None or whole[0].data_ptr() != key.data_ptr() or whole[0].shape[:2] != key.shape[:2]:

@@ -105,14 +105,17 @@ class PrHSRuntime:
         self.sparse_decode = True
         self.sparse_prefill = True
         self._cost_models: dict[str, object] = {}  # device type -> its cost model (None: auto is sparse)
-        # backend.eager_step: a DynamicCache's layers become BufferedLayers ("buffered", "graphs"),
+        # backend.eager_step: a DynamicCache's layers become BufferedLayers (all but "plain"),
         # whose whole buffers the sparse step reads (kv_buffers: this forward's cache layers)
         backend = resolved.config.backend
         self.kv_growth = backend.kv_growth if backend.eager_step != "plain" else None
         # the sparse steps PrHSLayer captures as CUDA graphs: plain CIS (its tail slot allocates in the
-        # step; the baselines read the host) with telemetry off
-        self.graphed = (backend.eager_step == "graphs" and self.telemetry is None
-                        and type(self.selector) is CISSelector and not self.selector.tail_slot)
+        # step; the baselines read the host) with telemetry off; "auto" also leaves a key index's
+        # steps uncaptured (their index update finds the new key's slot on the host), which
+        # "graphs" refuses (config validation)
+        self.graphed = (backend.eager_step in ("graphs", "auto") and self.telemetry is None
+                        and type(self.selector) is CISSelector and not self.selector.tail_slot
+                        and (backend.eager_step == "graphs" or resolved.config.cis.index == "none"))
         self.kv_buffers: list | None = None
         self._graph_pools: dict[torch.device, Any] = {}
         self.retired_graphs: list = []  # StepGraph.run: replaced graphs, kept until the next prefill

@@ -79,7 +79,8 @@ def test_tau_above_one_is_exact_topk_attention_in_a_model():
     ids = torch.randint(1, 128, (2, 60))
     mask = torch.ones_like(ids)
     ids[0, :5], mask[0, :5] = 0, 0  # left padding: different t per sequence
-    prhs_hf.patch(model, {**SMALL, "cis": {"tau": 1.5, "block_size": 4}, "psaw": {"enabled": False}, "etf": {"enabled": False}})
+    prhs_hf.patch(model, {**SMALL, "cis": {"tau": 1.5, "block_size": 4}, "psaw": {"enabled": False}, "etf": {"enabled": False},
+                          "backend": {"eager_step": "plain"}})  # the recorded K/V are the cache's tokens (t from their length)
     rec = RecordingOps()
     model._prhs_runtime._ops[torch.device("cpu")] = rec
     with torch.no_grad():

@@ -159,7 +159,10 @@ def test_sparse_step_on_whole_buffers_equals_the_plain_cache(selection, step, mo
     monkeypatch.setattr(CISSelector, "select", spy)
     _assert_same(plain, _generate(model, config, step, ids, mask, do_sample=False))
     assert not torch.isnan(torch.stack(plain.logits)).any()
-    assert slack and min(slack) > 0  # the whole buffers, NaN past the valid slots
+    if step == "graphs":  # the step that graphs capture reads the whole buffers, NaN past the valid slots
+        assert slack and min(slack) > 0
+    else:  # buffered K/V, uncaptured: the valid views, as every selector is given
+        assert slack and set(slack) == {0}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -223,9 +226,14 @@ def test_a_dense_decode_step_costs_the_ops_of_sdpa_gqa():
         model.set_attn_implementation("sdpa_gqa")
         dense = _ops_per_step(model, inputs)
         model.set_attn_implementation("sdpa")
-        with prhs_hf.patch(model, "cis", {"policy": {"decode": "dense", "prefill": "dense"}}):
+        forced_dense = {"policy": {"decode": "dense", "prefill": "dense"}}
+        with prhs_hf.patch(model, "cis", {**forced_dense, "backend": {"eager_step": "plain"}}):
             assert _ops_per_step(model, inputs) == dense
             assert model._prhs_runtime.dense_step
+        with prhs_hf.patch(model, "cis", forced_dense):  # the default step: buffered K/V on the CPU
+            # the cache write in place (slices and copies of K and V, and the valid views) instead of one
+            # cat each: four more host ops per layer, none per forward; the copy of the whole cache is gone
+            assert _ops_per_step(model, inputs) == dense + 4 * layers
 
 
 def test_a_dense_decode_step_gives_sdpa_gqa_tokens_and_logits():
@@ -258,9 +266,30 @@ def test_graphs_capture_plain_cis_without_telemetry_only():
     model = tiny_model("llama", layers=2)
     graphs = {"backend": {"eager_step": "graphs"}}
     for overrides, graphed in ((graphs, True), ({**graphs, "telemetry": {"enabled": True}}, False),
-                               ({**graphs, "cis": {"tail_slot": True}}, False), ({}, False)):
+                               ({**graphs, "cis": {"tail_slot": True}}, False),
+                               ({"backend": {"eager_step": "buffered"}}, False),
+                               ({"backend": {"eager_step": "plain"}}, False)):
         with prhs_hf.patch(model, "cis", overrides) as handle:
             assert handle.runtime.graphed is graphed, overrides
+
+
+def test_the_default_eager_step_is_graphs_where_the_step_can_be_captured_else_buffered():
+    """``backend.eager_step: auto`` (the default): graphs for plain CIS, buffered K/V where the step cannot
+    be captured (a key index, which an explicit ``graphs`` refuses; telemetry; the baselines)."""
+    from prhs_hf.config import ConfigError
+
+    model = tiny_model("llama", layers=2)
+    for overrides, graphed in (({}, True), ({"cis": {"index": "fp8"}}, False),
+                               ({"telemetry": {"enabled": True}}, False)):
+        with prhs_hf.patch(model, "cis", overrides) as handle:
+            assert handle.config.backend.eager_step == "auto"
+            assert handle.runtime.graphed is graphed, overrides
+            assert handle.runtime.kv_growth == handle.config.backend.kv_growth  # buffered either way
+    with prhs_hf.patch(model, "configs/cis.yaml", {"baseline": {"name": "quest"}, "cis": {"enabled": False}}) as handle:
+        assert not handle.runtime.graphed and handle.runtime.kv_growth is not None
+    with pytest.raises(ConfigError, match="eager_step: graphs"):
+        prhs_hf.patch(model, "cis", {"cis": {"index": "fp8"}, "backend": {"eager_step": "graphs"}})
+    assert not prhs_hf.is_patched(model)
 
 def test_a_stop_found_late_rolls_a_buffered_cache_back_as_a_plain_one():
     """generate()'s periodic stop check crops the steps after an EOS it reads late: on BufferedLayers too."""
