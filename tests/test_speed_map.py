@@ -72,6 +72,21 @@ def test_speedup_is_against_the_faster_dense_of_the_same_cell_and_mode() -> None
     assert "2.50x" in sm.format_table(rows) and "memory" in sm.format_table(rows)
 
 
+def test_a_config_forced_dense_is_a_dense_baseline() -> None:
+    """PrHS's own dense path (a config forced dense, on the cache its eager step keeps) is a dense
+    baseline a user can pick: where it is the fastest dense row, speedups are against it."""
+    assert sm.is_dense_baseline("sdpa_gqa") and sm.is_dense_baseline("cis/dense+buffered")
+    assert sm.is_dense_baseline("cis_longbench/dense")
+    assert not any(sm.is_dense_baseline(c) for c in ("cis", "cis/sparse+graphs", "cis+buffered", "configs/x/dense.yaml"))
+    rows = [{"model": "m", "prompts": "p", "mode": "eager", "batch": 1, "length": 4096, "config": c, "status": "ok",
+             "ms_per_step": ms} for c, ms in (("sdpa_gqa", 30.0), ("cis/dense+buffered", 25.0), ("cis+graphs", 20.0))]
+    sm.add_speedups(rows)
+    assert [(r["fastest_dense"], r["speedup_vs_fastest_dense"]) for r in rows] == [
+        ("cis/dense+buffered", 25.0 / 30.0), ("cis/dense+buffered", 1.0), ("cis/dense+buffered", 1.25)]
+    assert [c for _, _, _, c, _ in sm.plan_cells([1], [4096], ["eager"], ["cis+graphs", "cis/dense+buffered", "sdpa"])] \
+        == ["cis/dense+buffered", "sdpa", "cis+graphs"]
+
+
 def test_memory_estimate_and_skip() -> None:
     shape = sm.SHAPES[sm.RANDOM_SHAPE]
     kw = dict(layers=32, kv_heads=8, head_dim=128, intermediate=shape["intermediate_size"], new_tokens=80, itemsize=2)

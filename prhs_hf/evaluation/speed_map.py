@@ -7,8 +7,9 @@ baselines, the unpatched model with ``attn_implementation="sdpa"`` or ``"sdpa_gq
 ``generate()`` of the cell's shapes, then the timed one of N2 new tokens (``min_new_tokens =
 max_new_tokens``): ms/step = (t(N2) - t(N1)) / (N2 - N1), the clock read (after a synchronise) by a
 logits processor after new tokens N1 and N2 (``--timing stamps``), or around two whole calls
-(``--timing calls``). ``speedup_vs_fastest_dense``: against the faster dense row of the same cell and
-mode (``fastest_dense``). Cells whose KV cache + prefill activation would exceed 90 % of the free GPU
+(``--timing calls``). ``speedup_vs_fastest_dense``: against the fastest dense row of the same cell and
+mode (``fastest_dense``): ``sdpa``, ``sdpa_gqa`` or a PrHS config forced dense (``cis/dense+buffered``),
+whichever ran. Cells whose KV cache + prefill activation would exceed 90 % of the free GPU
 memory are skipped (``memory``), OOMs recorded (``oom``); ``--deadline-s`` stops starting cells. The
 JSON is rewritten after every cell, the heat map PNG drawn at the end. (``scripts/_bench_common.py``
 is not importable from an installed package: the little it would give here is re-implemented.)
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 __all__ = ["DENSE_CONFIGS", "Deadline", "add_arguments", "add_speedups", "draw_heatmap", "estimate_bytes", "fits",
-           "format_table", "main", "parse_lengths", "plan_cells"]
+           "format_table", "is_dense_baseline", "main", "parse_lengths", "plan_cells"]
 
 #: dense config name -> the attention implementation the unpatched model runs with
 #: (``"sdpa_gqa"`` is :data:`prhs_hf.attention.GQA_SDPA_NAME`, registered by ``prhs_hf.attention.register``)
@@ -109,8 +110,18 @@ def plan_cells(batches: list[int], lengths: list[int], modes: list[str], configs
     """(mode, B, L, config, stop_check_every) in run order: cheapest B·L first, both modes, each loop
     (``loops``; ``None``: each config's own), dense baselines first in a cell."""
     cells = sorted(((b, n) for b in batches for n in lengths), key=lambda c: (c[0] * c[1], c[1]))
-    ordered = [c for c in configs if c in DENSE_CONFIGS] + [c for c in configs if c not in DENSE_CONFIGS]
+    ordered = [c for c in configs if is_dense_baseline(c)] + [c for c in configs if not is_dense_baseline(c)]
     return [(m, b, n, c, e) for b, n in cells for m in modes for e in (loops or [None]) for c in ordered]
+
+
+def is_dense_baseline(config: str) -> bool:
+    """Whether ``--configs`` entry ``config`` is a dense baseline: the unpatched model (``sdpa``,
+    ``sdpa_gqa``) or a PrHS config forced dense (``cis/dense``, ``cis/dense+buffered``: every forward on
+    the fair dense path, on the cache its eager step keeps), which a user can pick as well."""
+    if config in DENSE_CONFIGS:
+        return True
+    name = config.partition("+")[0]
+    return not Path(name).suffix and name.partition("/")[2] == "dense"
 
 
 def _key(row: dict[str, Any]) -> tuple:
@@ -119,11 +130,11 @@ def _key(row: dict[str, Any]) -> tuple:
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
     """Set ``fastest_dense`` and ``speedup_vs_fastest_dense`` (its ms/step over the row's) on every
-    measured row, against the dense row with the fewest ms/step of the same model, prompts, mode, B, L
-    and decode loop (``stop_check_every``)."""
+    measured row, against the dense row (:func:`is_dense_baseline`) with the fewest ms/step of the same
+    model, prompts, mode, B, L and decode loop (``stop_check_every``)."""
     best: dict[tuple, dict[str, Any]] = {}
     for r in rows:
-        if r["config"] in DENSE_CONFIGS and r["status"] == "ok":
+        if is_dense_baseline(r["config"]) and r["status"] == "ok":
             if _key(r) not in best or r["ms_per_step"] < best[_key(r)]["ms_per_step"]:
                 best[_key(r)] = r
     for r in rows:
@@ -343,7 +354,7 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
     row: dict[str, Any] = {"model": target.name, "weights": target.weights, "prompts": target.prompts,
                            "layers": cfg.num_hidden_layers, "mode": mode, "batch": batch, "length": length,
                            "prompt_len": prompt_len, "config": config, "stop_check_every": stop_check_every,
-                           "kind": "dense" if config in DENSE_CONFIGS else "prhs", "new_tokens": [args.n1, args.n2]}
+                           "kind": "dense" if is_dense_baseline(config) else "prhs", "new_tokens": [args.n1, args.n2]}
     if prompt_len <= 0:
         return {**row, "status": "positions", "error": f"L + {args.n2} > max_position_embeddings {target.max_positions}"}
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -556,7 +567,8 @@ def _meta(args: argparse.Namespace, device: Any, earlier: dict[str, Any]) -> dic
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": os.environ.get("PRHS_GIT_COMMIT"),
             "timing": f"{args.timing}: ms/step = (t(N2) - t(N1)) / (N2 - N1), N1 {args.n1}, N2 {args.n2}",
-            "speedup": "fastest_dense's ms/step / the row's; fastest of sdpa and sdpa_gqa of the same model, "
+            "speedup": "fastest_dense's ms/step / the row's; fastest of the dense rows (sdpa, sdpa_gqa, a config "
+                       "forced dense) of the same model, "
                        "prompts, mode, B, L and stop_check_every (the decode loop)"}
 
 
