@@ -343,6 +343,22 @@ def test_graph_replay_equals_the_uncaptured_step_bit_for_bit(selection):
 
 
 @pytest.mark.gpu
+def test_the_default_eager_step_captures_graphs_on_cuda_and_equals_the_plain_cache():
+    """``eager_step: auto`` (the default) on CUDA: plain CIS steps captured and replayed, the tokens and
+    logits of the plain cache; a key index runs buffered, uncaptured, with the tokens of its plain run."""
+    model, ids, mask = _cuda_model()
+    _assert_same(_generate(model, GPU_SPARSE, "plain", ids, mask, do_sample=False),
+                 _generate(model, GPU_SPARSE, "auto", ids, mask, do_sample=False))
+    with prhs_hf.patch(model, GPU_SPARSE) as handle:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0, do_sample=False)
+        assert all(layer.graphs.graph is not None for layer in handle.runtime.layers)
+    indexed = {**GPU_SPARSE, "cis": {**GPU_SPARSE["cis"], "index": "fp8"}}
+    _assert_same(_generate(model, indexed, "plain", ids, mask, do_sample=False),
+                 _generate(model, indexed, "auto", ids, mask, do_sample=False))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("selection", ["head", "group"])
 def test_triton_step_on_whole_buffers_equals_the_plain_cache_on_cuda(selection):
     model, ids, mask = _cuda_model()

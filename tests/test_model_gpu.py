@@ -90,6 +90,18 @@ def _generate_with_logits(model, ids, mask, config, **kw):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float(), report
 
 
+def _assert_same_until_a_near_tie(compiled, logits_c, eager, logits_e):
+    """Compiled and eager runs agree token for token, and their logits within float rounding at every
+    step up to and including the first where the tokens part (a near-tie)."""
+    scale = logits_e.abs().max()
+    steps = compiled.shape[1]
+    for b in range(compiled.shape[0]):
+        parted = (compiled[b] != eager[b]).nonzero()
+        last = int(parted[0]) if len(parted) else steps - 1
+        err = (logits_c[b, : last + 1] - logits_e[b, : last + 1]).abs().max()
+        assert err <= 1e-3 * scale, f"sequence {b}: logits differ by {err:.3g} (scale {scale:.3g}) before step {last}"
+
+
 def test_static_cache_compiled_decode_matches_eager():
     """generate() with a StaticCache, compiled as transformers does (inductor, CUDA graphs) with
     fullgraph=True: one graph, no break, CUDA graphs not skipped, and the same computation as eager PrHS.
@@ -115,13 +127,7 @@ def test_static_cache_compiled_decode_matches_eager():
     # and the graph is replayed as a CUDA graph: a skip would launch every kernel from Python
     assert not counters["inductor"]["cudagraph_skips"], "inductor skipped CUDA graphs (TORCH_LOGS=cudagraphs says why)"
     eager, logits_e, r_eager = _generate_with_logits(model, ids, mask, cfg, disable_compile=True)
-    scale = logits_e.abs().max()
-    steps = compiled.shape[1]
-    for b in range(compiled.shape[0]):
-        parted = (compiled[b] != eager[b]).nonzero()
-        last = int(parted[0]) if len(parted) else steps - 1
-        err = (logits_c[b, : last + 1] - logits_e[b, : last + 1]).abs().max()
-        assert err <= 1e-3 * scale, f"sequence {b}: logits differ by {err:.3g} (scale {scale:.3g}) before step {last}"
+    _assert_same_until_a_near_tie(compiled, logits_c, eager, logits_e)
     # telemetry accumulates on the device inside the compiled step too
     assert r_compiled.decode_steps == r_eager.decode_steps == 31
     assert r_compiled.sparse_sequence_steps > 0
@@ -149,3 +155,26 @@ def test_the_shipped_policy_goes_dense_on_a_short_context_and_equals_the_fair_de
     assert all(torch.equal(a, b) for a, b in zip(auto.logits, dense.logits))
     assert auto_stats.sparse_sequence_steps == 0 and sparse_stats.sparse_sequence_steps > 0
     assert any(not torch.equal(a, b) for a, b in zip(sparse.logits, dense.logits))
+
+
+def test_a_chunked_prefill_of_a_cuda_graphed_static_generate_runs():
+    """``generate(prefill_chunk_size=...)`` with a static cache and transformers' CUDA-graphed compile
+    (reduce-overhead): the prompt chunks run eagerly on a patched model, so what the prefill sets up
+    (geometry buffers, CIS state) lives outside the graphs' pool. On the H100 `prhs-hf bench --modes
+    static --prefill-chunk 16384` failed here with "accessing tensor output of CUDAGraphs that has been
+    overwritten"; now the compiled steps agree with the eager ones after the same chunked prefill."""
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = _model(torch.float32, head_dim=128)
+    ids, mask = padded_batch([900, 700], device="cuda")
+    cfg = {**CPE, "psaw": {"enabled": False}, "etf": {"enabled": False},
+           "backend": {"decode": "triton", "prefill": "triton"}, "policy": {"decode": "sparse", "prefill": "sparse"}}
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, logits_c, r_compiled = _generate_with_logits(
+        model, ids, mask, cfg, prefill_chunk_size=256, compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # the decode step; the chunks ran eagerly
+    eager, logits_e, _ = _generate_with_logits(model, ids, mask, cfg, prefill_chunk_size=256, disable_compile=True)
+    _assert_same_until_a_near_tie(compiled, logits_c, eager, logits_e)
+    assert r_compiled.sparse_sequence_steps > 0
