@@ -161,7 +161,8 @@ class BackendConfig:
     prefill: str = "auto"
     decode: str = "auto"
     # eager decode: "plain" (transformers' DynamicCache), "buffered" (K/V in buffers made for the
-    # generate() call's max_length, grown by kv_growth past it: no copy of the cache per step),
+    # generate() call's max_length where it is within kv_growth x the prompt, else grown by kv_growth:
+    # no copy of the cache per step),
     # "graphs" (buffered, and each layer's sparse CIS step replayed as a CUDA graph on CUDA), "auto"
     # (graphs where the step can be captured: CIS without tail slot or key index, telemetry off;
     # buffered elsewhere); prhs_hf.runtime.BufferedLayer, docs/notes/runtime_design.md

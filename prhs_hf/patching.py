@@ -384,9 +384,13 @@ def prefill_for_patch(runtime: PrHSRuntime, prefill: Callable) -> Callable:
     """``prefill`` (transformers' ``GenerationMixin._prefill``, which every decoding mode of
     ``generate()`` runs first) as a patched model needs it:
 
-    - with ``backend.eager_step`` ``buffered`` or ``graphs``, a ``DynamicCache``'s buffers are made
-      for the call's ``max_length`` before the prompt is written (:func:`~prhs_hf.runtime.buffer_cache`'s
-      ``reserve``): no buffer grows or overshoots within the call, so its KV memory is dense's;
+    - with a buffered eager step (``backend.eager_step`` other than ``plain``), a ``DynamicCache``'s
+      buffers are made for the call's ``max_length`` before the prompt is written
+      (:func:`~prhs_hf.runtime.buffer_cache`'s ``reserve``) where that is no more than the growth rule
+      would allocate for the prompt (``max_length <= kv_growth x prompt tokens``: a long prompt and a
+      short answer, the case where the cache's memory matters): no buffer then grows or overshoots
+      within the call. A ``max_length`` far past the prompt (a short chat prompt, a large
+      ``max_new_tokens``) is not reserved up front: the buffers grow with the tokens, as dense's cache;
     - a chunked prefill (``prefill_chunk_size``) with a compilable cache runs eagerly. transformers
       runs the chunks through the compiled forward too; a PrHS prefill sets up what the decode steps
       read (the geometry buffers, the selector's state, CIS's key index), and made inside a
@@ -398,8 +402,9 @@ def prefill_for_patch(runtime: PrHSRuntime, prefill: Callable) -> Callable:
 
     @functools.wraps(prefill)
     def prefill_patched(input_ids, generation_config, model_kwargs, *args, **kwargs):
-        if runtime.kv_growth is not None and generation_config.max_length:
-            buffer_cache(model_kwargs.get("past_key_values"), runtime.kv_growth, reserve=generation_config.max_length)
+        growth, length = runtime.kv_growth, generation_config.max_length
+        if growth is not None and length and length <= growth * input_ids.shape[-1]:
+            buffer_cache(model_kwargs.get("past_key_values"), growth, reserve=length)
         if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
             generation_config = copy.copy(generation_config)
             generation_config.disable_compile = True

@@ -450,9 +450,11 @@ def test_step_graphs_keep_a_shared_pool_alive_across_new_keys(monkeypatch):
 
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_generate_makes_the_buffers_for_its_max_length_once(chunk, monkeypatch):
-    """A patched generate() gives each BufferedLayer its max_length before the prompt is written:
-    one buffer per layer for the whole call (no growth copy, no growth overshoot), so its KV memory
-    is a static cache's of that length; a later turn past it grows the buffers again."""
+    """A patched generate() whose max_length is within the growth's slack of the prompt (a long prompt,
+    a short answer) gives each BufferedLayer its max_length before the prompt is written: one buffer per
+    layer for the whole call (no growth copy, no growth overshoot), the memory of a static cache of that
+    length; a later turn past it grows the buffers again, and a max_length far past the prompt is not
+    reserved up front (the buffers grow with the tokens)."""
     model = tiny_model("llama", layers=2)
     ids, mask = padded_batch([40, 29], seed=5)
     made = []
@@ -477,3 +479,9 @@ def test_generate_makes_the_buffers_for_its_max_length_once(chunk, monkeypatch):
             model.generate(more, attention_mask=torch.cat([mask, torch.ones(2, 9, dtype=mask.dtype)], 1),
                            past_key_values=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
         assert made == [49 + 4] * 4  # the second turn's max_length: one new buffer per layer again
+        made.clear()
+        with torch.no_grad():  # an answer longer than the growth's slack: no reservation, the buffers grow
+            model.generate(ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                           pad_token_id=0, prefill_chunk_size=chunk)
+        growth_rule = BufferedLayer(model._prhs_runtime.kv_growth)._capacity(40)  # the prompt's, not max_length 80
+        assert made == [growth_rule] * 4 and growth_rule != 80
