@@ -258,6 +258,7 @@ def test_the_bench_selects_the_eager_step_by_a_plus_suffix():
     assert prhs_config("cis/sparse+graphs") == (
         "cis", {"backend": {"eager_step": "graphs"}, "policy": {"decode": "sparse", "prefill": "sparse"}})
     assert prhs_config("cis_longbench+buffered") == ("cis_longbench", {"backend": {"eager_step": "buffered"}})
+    assert prhs_config("cis+plain") == ("cis", {"backend": {"eager_step": "plain"}})  # the default is auto
     with pytest.raises(ValueError, match="eager_step"):
         prhs_config("cis+fast")
 

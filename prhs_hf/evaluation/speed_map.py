@@ -230,13 +230,14 @@ def prhs_config(name: str, telemetry: bool = False) -> tuple[str, dict[str, Any]
     result tables (:func:`~prhs_hf.evaluation.accuracy.configs.load_any_config`) or a YAML path, with
     ``/sparse``, ``/dense`` or ``/auto`` appended to force ``policy.decode`` and ``policy.prefill``
     (``cis/sparse``: the shipped ``cis`` on every forward, the measurement the policy is fitted to), and
-    ``+buffered`` or ``+graphs`` last to set ``backend.eager_step`` (``cis/sparse+graphs``)."""
+    ``+plain``, ``+buffered``, ``+graphs`` or ``+auto`` last to set ``backend.eager_step`` (``cis/sparse+graphs``)."""
     name, _, step = name.partition("+")
     base, _, policy = name.partition("/") if not Path(name).suffix else (name, "", "")
     overrides: dict[str, Any] = {"telemetry": {"enabled": True}} if telemetry else {}
     if step:
-        if step not in ("plain", "buffered", "graphs"):
-            raise ValueError(f"--configs: {name}+{step}: the part after '+' is backend.eager_step: plain, buffered or graphs")
+        if step not in ("auto", "plain", "buffered", "graphs"):
+            raise ValueError(f"--configs: {name}+{step}: the part after '+' is backend.eager_step: auto, plain, "
+                             f"buffered or graphs")
         overrides["backend"] = {"eager_step": step}
     if policy:
         if policy not in ("auto", "sparse", "dense"):
@@ -462,7 +463,8 @@ def add_arguments(parser: argparse.ArgumentParser, default_config: str) -> None:
     a("--configs", default=f"sdpa,sdpa_gqa,{default_config},cis",
       help="comma list: sdpa, sdpa_gqa (dense baselines) and PrHS configs (shipped names, named configs of the "
            "result tables such as cis-s16, or YAML paths; "
-           "NAME/sparse or NAME/dense forces the policy) (default %(default)s)")
+           "NAME/sparse or NAME/dense forces the policy, a forced-dense one counting as a dense baseline; "
+           "NAME+plain|buffered|graphs sets backend.eager_step, default auto) (default %(default)s)")
     a("--n1", type=int, default=None, help=f"timing starts after this many new tokens (default {N1})")
     a("--n2", type=int, default=None, help=f"... and ends after this many (default {N2}); ms/step = Δt / (N2 - N1)")
     a("--timing", choices=("stamps", "calls"), default="stamps",
