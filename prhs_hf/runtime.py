@@ -600,10 +600,12 @@ def buffer_cache(cache, growth: float, reserve: int | None = None) -> list | Non
         if type(layer) is DynamicLayer:
             layers[i] = BufferedLayer.from_layer(layer, growth)
     made = cache.layer_class_to_replicate
-    if made is DynamicLayer or (isinstance(made, functools.partial) and made.func is BufferedLayer):
-        reserved = max(reserve or 0, made.keywords.get("reserve", 0) if made is not DynamicLayer else 0)
-        cache.layer_class_to_replicate = functools.partial(BufferedLayer, growth, reserve=reserved)
-    if reserve:
+    if made is DynamicLayer:
+        cache.layer_class_to_replicate = made = functools.partial(BufferedLayer, growth)
+    if reserve:  # (a generate()'s prefill; every other forward leaves the layers and the factory as they are)
+        if isinstance(made, functools.partial) and made.func is BufferedLayer:
+            kept = made.keywords.get("reserve", 0)
+            cache.layer_class_to_replicate = functools.partial(BufferedLayer, growth, reserve=max(reserve, kept))
         for layer in layers:
             if type(layer) is BufferedLayer:
                 layer.reserve = max(layer.reserve, reserve)
