@@ -120,8 +120,7 @@ def is_dense_baseline(config: str) -> bool:
     the fair dense path, on the cache its eager step keeps), which a user can pick as well."""
     if config in DENSE_CONFIGS:
         return True
-    name = config.partition("+")[0]
-    return not Path(name).suffix and name.partition("/")[2] == "dense"
+    return prhs_config(config)[1].get("policy", {}).get("decode") == "dense"
 
 
 def _key(row: dict[str, Any]) -> tuple:
