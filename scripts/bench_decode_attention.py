@@ -132,7 +132,7 @@ class Shape:
     Hkv: int
     D: int
     ctx: int
-    budget: str = "ctx/8"  # or "cis.yaml"
+    budget: str = "ctx/8"  # or a config's budget: "cis.yaml", "cis_longbench.yaml" (configs/)
 
 
 @dataclass
@@ -174,9 +174,30 @@ def config_budget(path: Path = CIS_CONFIG) -> Budget:
 def shape_budget(sh: Shape) -> Budget:
     if sh.budget == "ctx/8":
         return budget(sh.ctx)
-    if sh.budget == "cis.yaml":
-        return config_budget()
-    raise ValueError(f"Shape.budget {sh.budget!r}: expected 'ctx/8' or 'cis.yaml'")
+    path = CIS_CONFIG.parent / sh.budget
+    if sh.budget.endswith(".yaml") and path.is_file():
+        return config_budget(path)
+    raise ValueError(f"Shape.budget {sh.budget!r}: expected 'ctx/8' or a file of configs/ ('cis.yaml')")
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """``--shapes``: ``B:ctx:Hq:Hkv[:BUDGET]`` entries, comma-separated (head size 128; BUDGET ``ctx/8``, the
+    default, or a config file of configs/ such as ``cis_longbench.yaml``)."""
+    plan = []
+    for entry in text.split(","):
+        parts = entry.strip().split(":")
+        try:
+            if len(parts) not in (4, 5):
+                raise ValueError
+            B, ctx, hq, hkv = (int(x) for x in parts[:4])
+        except ValueError:
+            raise ValueError(f"--shapes {entry!r}: expected B:ctx:Hq:Hkv[:BUDGET], e.g. 1:131072:32:8:cis_longbench.yaml")
+        if min(B, ctx, hq, hkv) < 1 or hq % hkv:
+            raise ValueError(f"--shapes {entry!r}: B, ctx, Hq, Hkv must be >= 1 and Hq a multiple of Hkv")
+        sh = Shape(B, hq, hkv, 128, ctx, parts[4] if len(parts) == 5 else "ctx/8")
+        shape_budget(sh)  # a bad BUDGET fails here, before any GPU work
+        plan.append(sh)
+    return plan
 
 
 #: the target's shapes, first: MHA and GQA at B16/16k (budget ctx/8), the Qwen2.5-1.5B layer
@@ -858,7 +879,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--retrieve-share", type=float, default=None,
                     help="rows that retrieve per step as a share of all rows, in (0, 1], e.g. a model's measured "
                          "rho-hat (default: 1/s, every row retrieving once per block)")
-    ap.add_argument("--out", default="docs/results", help="output folder (bench_decode_attention.json + .md)")
+    ap.add_argument("--out", default="docs/results", help="output folder (NAME.json + .md)")
+    ap.add_argument("--name", default="bench_decode_attention", help="file stem of the table (default bench_decode_attention)")
+    ap.add_argument("--shapes", default=None, metavar="B:ctx:Hq:Hkv[:BUDGET],...",
+                    help="these shapes instead of the built-in list (BUDGET: ctx/8, the default, or a file of configs/, "
+                         "e.g. 1:131072:32:8:cis_longbench.yaml)")
     ap.add_argument("--index", action="store_true",
                     help="the key-index table only (GQA B16/16k; --retrieve-share default 0.5): bench_key_index.json")
     ap.add_argument("--index-margins", default="256,512,1024", metavar="M,...",
@@ -868,7 +893,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"--retrieve-share {args.retrieve_share}: allowed (0, 1]")
     if args.index:
         return index_main(args, argv)
-    plan = shapes(args.quick or not torch.cuda.is_available(), torch.cuda.is_available())
+    if args.shapes is not None:
+        try:
+            plan = parse_shapes(args.shapes)
+        except ValueError as err:
+            ap.error(str(err))
+    else:
+        plan = shapes(args.quick or not torch.cuda.is_available(), torch.cuda.is_available())
     if not all(1 <= args.ds_rank <= sh.D for sh in plan):
         ap.error(f"--ds-rank {args.ds_rank}: allowed 1 to the head size ({min(sh.D for sh in plan)} in this run)")
     cuda = torch.cuda.is_available()
@@ -907,7 +938,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"FlexAttention unavailable: {exc}", flush=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "bench_decode_attention.json"
+    json_path = out_dir / f"{args.name}.json"
     rows: list[dict] = []
     for sh in common.progress(plan, "decode operator"):
         b = shape_budget(sh)
@@ -949,13 +980,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"    target missed, limited by: {r['cis16_limited_by']}", flush=True)
         # a run cut short keeps its rows
         json_path.write_text(json.dumps(dict(meta, rows=rows), indent=2))
-        (out_dir / "bench_decode_attention.md").write_text(markdown(rows, meta))
+        (out_dir / f"{args.name}.md").write_text(markdown(rows, meta))
         if cuda:
             torch.cuda.empty_cache()
     meta["wall_s"] = round(time.time() - t_start, 1)
     md = markdown(rows, meta)
     json_path.write_text(json.dumps(dict(meta, rows=rows), indent=2))
-    (out_dir / "bench_decode_attention.md").write_text(md)
+    (out_dir / f"{args.name}.md").write_text(md)
     print()
     print(md)
     print(f"wrote {json_path} and .md ({meta['wall_s']} s)")

@@ -220,6 +220,23 @@ def test_bench_decode_attention_retrieve_share():
     assert proc.returncode == 2 and "--retrieve-share" in proc.stderr and "(0, 1]" in proc.stderr
 
 
+def test_bench_decode_attention_shapes_take_a_config_budget():
+    """--shapes B:ctx:Hq:Hkv[:BUDGET]: the budget of a config file (cis_longbench's 64/256/4096, m = k/3) or
+    ctx/8; a malformed entry or an unknown budget is refused before any GPU work, naming the option."""
+    bench = load_script("bench_decode_attention")
+    lb, eighth = bench.parse_shapes("1:131072:32:8:cis_longbench.yaml, 4:65536:32:8")
+    assert (lb.B, lb.ctx, lb.Hq, lb.Hkv, lb.D) == (1, 131072, 32, 8, 128)
+    b = bench.shape_budget(lb)
+    assert (b.sink, b.local, b.k, b.dil_m, b.cap) == (64, 256, 4096, 1365, 64 + 256 + 4096 + 2 * 1365)
+    assert bench.shape_budget(eighth) == bench.budget(65536)
+    for bad in ("1:1024:32", "1:1024:32:6", "1:x:32:8", "1:1024:32:8:nope.yaml"):
+        with pytest.raises(ValueError, match="--shapes|Shape.budget"):
+            bench.parse_shapes(bad)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_decode_attention.py"), "--shapes", "1:1024:32:6"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--shapes" in proc.stderr
+
+
 @pytest.mark.slow
 def test_bench_e2e_decode_quick_cpu_json(tmp_path):
     _run_script("bench_e2e_decode.py", "--quick", "--modes", "eager", "--configs", "dense,dense-gqa,cis-s16",
