@@ -222,12 +222,13 @@ def test_long_context_baselines_are_the_baselines_at_cis_lb_budget() -> None:
     cis-lb's 64/256/4096 budget; not in the default set (short prompts fit that budget whole)."""
     ac = accuracy_configs
     lb = ac.load_named_config(ac.named_config("cis-lb")).budget
-    assert {"es-cis", "es-quest", "cis-tail"} <= set(ac.LONG_CONTEXT_BASELINES)
+    assert {"es-cis", "es-quest", "cis-tail", "cis-group"} <= set(ac.LONG_CONTEXT_BASELINES)
     for name in ac.LONG_CONTEXT_BASELINES:
         short, long = (ac.load_named_config(ac.named_config(n)) for n in (name, f"{name}-lb"))
         assert long.budget == lb != short.budget
         assert (long.baseline, long.cis, long.early_select) == (short.baseline, short.cis, short.early_select)
-        assert long.baseline.name is not None or long.cis.tail_slot or long.early_select.enabled
+        assert (long.baseline.name is not None or long.cis.tail_slot or long.early_select.enabled
+                or long.cis.selection == "group")
         assert f"{name}-lb" not in ac.DEFAULT_CONFIGS and name in ac.DEFAULT_CONFIGS
     ds = ac.load_named_config(ac.named_config("ds-cal-lb"))
     shipped = prhs_hf.load_config("ds_qwen2.5-coder-1.5b")

@@ -29,8 +29,8 @@ head, layer) sharing ratios: ``hshare-1`` (1/2, 1/4, 1/4: ρ̂ = 1/2 · 3/4 · 3
 ``layer_share_ratio``. EarlySelectKV (``early_select``) appears on Quest and on CIS (s = 16, τ = 0.8):
 ``es-quest`` and ``es-cis`` (the mid tap, layer ℓ+1's exact ``W_q``), ``es-cis-early`` (the early tap)
 and ``es-quest-r256`` / ``es-cis-r256`` (the mid tap through a rank-256 SVD of ``W_q``). ``hshare-1-lb``,
-``quest-lb`` … ``es-cis-lb``, ``cis-tail-lb`` (:data:`LONG_CONTEXT_BASELINES`) are those baselines and
-seed selectors at ``cis-lb``'s long-context budget, for the RULER table; ``ds-cal-lb`` is Double Sparsity
+``quest-lb`` … ``es-cis-lb``, ``cis-tail-lb``, ``cis-group-lb`` (:data:`LONG_CONTEXT_BASELINES`) are those
+baselines, seed selectors and CIS variants at ``cis-lb``'s long-context budget, for the RULER table; ``ds-cal-lb`` is Double Sparsity
 with the label channels calibrated for Qwen2.5-Coder-1.5B (``ds_qwen2.5-coder-1.5b.yaml``) at that budget. Anything else given as a name is a YAML path.
 
 These names are what the result files (``docs/results/accuracy*.json``, ``ruler_*.json``) call their
@@ -105,11 +105,13 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
 
 DEFAULT_CONFIGS = tuple(ACCURACY_CONFIGS)
 
-#: The baselines and the seed selectors at the long-context budget of ``cis-lb`` (64 sink + 256 local
-#: + 4096 top-k), for the RULER table: ``<name>-lb`` is ``<name>`` on ``cis_longbench.yaml``. Not in
+#: The baselines, the seed selectors and the CIS variants at the long-context budget of ``cis-lb`` (64 sink +
+#: 256 local + 4096 top-k), for the RULER table and the speed map: ``<name>-lb`` is ``<name>`` on
+#: ``cis_longbench.yaml`` (``cis-group-lb``: one index set per KV head, a candidate default whose sets
+#: read a KV group's keys once). Not in
 #: :data:`DEFAULT_CONFIGS`: below 4,417 tokens (GSM8K, CoQA) they attend to every key.
 LONG_CONTEXT_BASELINES = ("hshare-1", "hshare-2", "quest", "streaming", "h2o", "certkv",
-                          "es-quest", "es-cis", "cis-tail")
+                          "es-quest", "es-cis", "cis-tail", "cis-group")
 ACCURACY_CONFIGS.update(
     (f"{name}-lb", NamedConfig(f"{name}-lb", "cis_longbench", ACCURACY_CONFIGS[name].overrides))
     for name in LONG_CONTEXT_BASELINES)
