@@ -18,7 +18,11 @@ The model, per layer and decode step, with ``itemsize`` bytes per element:
   ``D · itemsize`` plus the exact re-read of ``top-k + margin`` keys per row, ``pages``: the tokens of
   the candidate pages), plus the selection's own work
   ``overhead_us + per_key_ns · B · rows · n`` (its launches, on the host in eager mode, and the
-  matching, top-k and composition of every row's set);
+  matching, top-k and composition of every row's set), plus ``topk_latency_ns · k`` for a top-k of
+  ``k`` keys: the select's candidate collection and the dilated set's sort, whose programs work
+  through a row's k entries one after another, so that their time grows with k and not with the
+  rows (on the H100 at B1 × 128k, 32/8 heads: select + dilated set 40 µs at k = 88 against 199 µs
+  at k = 4,096, docs/results/bench_decode_attention_lb.md);
 - sparse runs where its time is below ``margin`` times dense's, both at ``bandwidth_gbs``.
 
 The shipped constants (:data:`H200`) come from measured decode steps on an H200
@@ -56,6 +60,7 @@ class DecodeShape:
     # pages: the tokens of the candidate pages, key_index.candidate_count)
     scored_key_bytes: float | None = None
     reranked: int = 0
+    topk: int = 0  # the top-k of a retrieval (the budget's k; 0: not priced, as before this field)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class CostModel:
     retrieval_rate: float
     margin: float
     min_sparse_prefill: int
+    topk_latency_ns: float = 0.0  # per entry of a retrieval's top-k, once per layer (module docstring)
 
     def decode_times_us(self, shape: DecodeShape, compiled: bool) -> tuple[float, float]:
         """``(dense, sparse)`` microseconds of one layer's decode step of ``shape``."""
@@ -81,7 +87,8 @@ class CostModel:
         scored = self.retrieval_rate * s.batch * (
             s.kv_heads * s.context * key_bytes + s.rows * min(s.reranked, s.context) * token_bytes)
         launches = self.compiled_overhead_us if compiled else self.eager_overhead_us
-        overhead = launches + self.per_key_ns * 1e-3 * s.batch * s.rows * s.index_set
+        overhead = (launches + self.per_key_ns * 1e-3 * s.batch * s.rows * s.index_set
+                    + self.topk_latency_ns * 1e-3 * s.topk)
         return dense, overhead + (gathered + scored) / per_us
 
     def sparse_decode_wins(self, shape: DecodeShape, compiled: bool) -> bool:
@@ -97,13 +104,15 @@ class CostModel:
 
 
 #: Fitted to H200 decode steps (docs/results/policy_h200.md): the eager overhead is the host time
-#: of an eager sparse step's launches over a dense one's, per layer.
+#: of an eager sparse step's launches over a dense one's, per layer; ``topk_latency_ns`` from the
+#: H100's stage breakdown at two top-k sizes (the module docstring), not yet measured on the H200.
 H200 = CostModel(
     bandwidth_gbs=3000.0,
     eager_overhead_us=1000.0,
     compiled_overhead_us=34.0,
     per_key_ns=0.9,
     retrieval_rate=0.5,
+    topk_latency_ns=35.0,
     margin=0.9,
     min_sparse_prefill=4096,
 )

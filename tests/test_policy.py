@@ -69,12 +69,28 @@ def test_the_eager_overhead_needs_a_longer_context_than_the_compiled_step():
 def test_the_measured_h200_decisions():
     """The cells of docs/results/policy_h200.md: where sparse measured faster the model says sparse."""
     qwen = dict(kv_heads=2, rows=12, head_dim=128, itemsize=2)
-    assert H200.sparse_decode_wins(_shape(32, 16384, index_set=186, **qwen), compiled=True)  # 1.12x measured
-    assert not H200.sparse_decode_wins(_shape(32, 30000, index_set=7146, **qwen), compiled=True)  # 0.57x
-    assert not H200.sparse_decode_wins(_shape(1, 30000, index_set=186, **qwen), compiled=True)  # 0.83x
-    assert H200.sparse_decode_wins(_shape(1, 131072, index_set=186), compiled=True)  # llama3-8b 1.08x
-    assert not H200.sparse_decode_wins(_shape(1, 131072, index_set=7146), compiled=True)  # 0.58x
-    assert not H200.sparse_decode_wins(_shape(1, 131072, index_set=186), compiled=False)  # eager 0.32x
+    cis, lb = dict(index_set=186, topk=88), dict(index_set=7146, topk=4096)
+    assert H200.sparse_decode_wins(_shape(32, 16384, **cis, **qwen), compiled=True)  # 1.12x measured
+    assert H200.sparse_decode_wins(_shape(32, 32512, **cis, **qwen), compiled=True)  # 1.58x
+    assert not H200.sparse_decode_wins(_shape(32, 30000, **lb, **qwen), compiled=True)  # 0.57x
+    assert not H200.sparse_decode_wins(_shape(1, 30000, **cis, **qwen), compiled=True)  # 0.83x
+    assert H200.sparse_decode_wins(_shape(1, 131072, **cis), compiled=True)  # llama3-8b 1.08x
+    assert H200.sparse_decode_wins(_shape(1, 65536, **cis), compiled=True)  # 1.03x
+    assert not H200.sparse_decode_wins(_shape(1, 131072, **lb), compiled=True)  # 0.58x
+    assert not H200.sparse_decode_wins(_shape(1, 131072, **cis), compiled=False)  # eager 0.32x
+    # one set per KV head at cis_longbench's budget (cis-group-lb), H100 static: 0.85x
+    # (docs/results/speed_map_static_h100_b1_128k.json); without the top-k term the model said sparse
+    assert not H200.sparse_decode_wins(_shape(1, 131072, rows=8, **lb), compiled=True)
+    assert H200.sparse_decode_wins(_shape(1, 131072, rows=8, index_set=7146), compiled=True)
+
+
+def test_a_larger_top_k_costs_latency_not_bandwidth():
+    """The top-k term: the same set size costs more with a larger k (the select's candidates and the
+    dilated set's sort work through k entries per row), by the same time at every batch."""
+    small, large = (H200.decode_times_us(_shape(1, 65536, topk=k), compiled=True)[1] for k in (88, 4096))
+    small32, large32 = (H200.decode_times_us(_shape(32, 65536, topk=k), compiled=True)[1] for k in (88, 4096))
+    assert large - small == pytest.approx(H200.topk_latency_ns * 1e-3 * (4096 - 88))
+    assert large32 - small32 == pytest.approx(large - small)
 
 
 def test_sparse_time_grows_with_the_index_set():
