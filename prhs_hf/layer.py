@@ -225,8 +225,7 @@ class PrHSLayer:
         selector = self.runtime.selector
         if geom is not self.runtime.geometry:
             return None
-        device, local = selector._slot[self.index]
-        state = selector.states[device]
+        state, local = selector.step_state(self.index)  # the anchors made before the capture
         return (key.data_ptr(), value.data_ptr(), tuple(key.shape), tuple(q.shape), q.dtype, q.device,
                 geom.pad.data_ptr(), state.anchor_q.data_ptr(), state.anchor_idx.data_ptr(), state.step.data_ptr(),
                 local, ops.name, scaling)

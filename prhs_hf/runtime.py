@@ -79,7 +79,7 @@ class PrHSRuntime:
         self.layers = [PrHSLayer(self, i) for i in range(resolved.num_layers)]
         # the decode selector: a baseline that baseline.name names, else CIS if it is on, else none
         self.selector = make_selector(resolved, num_heads, ops_for=self.ops_for,  # one ops table per device
-                                      last_query_slot=self.last_query_slot)
+                                      last_query_slot=self.last_query_slot, decodes_sparse=self.decodes_sparse)
         # a config that changes nothing keeps transformers' own dense path (the unpatched model's bits)
         self.passthrough = self.selector is None and not any(
             layer.plans_prefill or layer.window_decode for layer in self.layers
@@ -265,6 +265,13 @@ class PrHSRuntime:
         against it). None before the first eager forward; a forward under ``torch.compile`` leaves
         the last eager forward's (a compiled step reads no host value)."""
         return self._last_query_slot
+
+    def decodes_sparse(self) -> bool:
+        """The policy's decision of the last eager forward (:attr:`sparse_decode`): whether that decode
+        step runs sparse or, at a prefill, whether the decode steps after it do (compiled ones keep it;
+        eager ones decide again). CIS makes its anchor buffers at a prefill only where it is True, else
+        at the first sparse step."""
+        return self.sparse_decode
 
     def is_decoding(self, q_len: int) -> bool:
         """Whether the current forward (of ``q_len`` query rows) is a decode step (see :meth:`begin_forward`)."""

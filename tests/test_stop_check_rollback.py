@@ -32,18 +32,18 @@ GREEDY = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True, out
 
 def _selector_state(model) -> dict:
     """What of the bound generation's selector state a later step reads, copied: CIS's step, anchor
-    counts, valid anchors and current key index entries; a ``LayerStates`` selector's dicts (its
-    tensors, step counters, host ints); nothing of the others."""
+    counts, valid anchors (none: whether or not the anchor buffers were made) and current key index
+    entries; a ``LayerStates`` selector's dicts (its tensors, step counters, host ints); nothing of
+    the others."""
     selector = model._prhs_runtime.selector
     if hasattr(selector, "states"):
         out = {}
         for device, st in selector.states.items():
             valid = torch.arange(st.block_size) < st.anchor_count[..., None]  # [L, B, H, s]
-            out[device] = {
-                "step": int(st.step), "count": st.anchor_count.clone(), "index_end": st.index_end,
-                "q": torch.where(valid[..., None], st.anchor_q, 0.0),
-                "idx": torch.where(valid[..., None], st.anchor_idx, SET_NONE),
-            }
+            out[device] = {"step": int(st.step), "count": st.anchor_count.clone(), "index_end": st.index_end}
+            if valid.any():
+                out[device]["q"] = torch.where(valid[..., None], st.anchor_q, 0.0)
+                out[device]["idx"] = torch.where(valid[..., None], st.anchor_idx, SET_NONE)
             if st.key_index_a is not None:
                 out[device]["index"] = (st.key_index_a[:, :, :, :st.index_end].clone(),
                                         st.key_index_b[:, :, :, :st.index_end].clone())

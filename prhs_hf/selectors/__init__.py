@@ -58,7 +58,8 @@ SELECTORS: dict[str, Callable[[ResolvedConfig, int], Selector]] = {
 
 def make_selector(resolved: ResolvedConfig, num_heads: int,
                   ops_for: Callable[[torch.device], DecodeOps] | None = None,
-                  last_query_slot: Callable[[], int | None] | None = None) -> Selector | None:
+                  last_query_slot: Callable[[], int | None] | None = None,
+                  decodes_sparse: Callable[[], bool] | None = None) -> Selector | None:
     """The decode selector of a config: the baseline that ``baseline.name`` names (see
     :data:`SELECTORS`), else CIS when ``cis.enabled``, else ``None`` (decode stays dense, or the
     PSAW window). With an ``early_select`` section the selector (CIS or Quest) is wrapped in an
@@ -67,10 +68,11 @@ def make_selector(resolved: ResolvedConfig, num_heads: int,
     (the runtime's :meth:`~prhs_hf.runtime.PrHSRuntime.ops_for`) gives CIS the same table for its
     prompt's key index write (None: the PyTorch references); ``last_query_slot`` (the runtime's
     :meth:`~prhs_hf.runtime.PrHSRuntime.last_query_slot`) gives CIS the slot of an eager decode
-    step's new key for its key index (None: read off the geometry where needed); the baselines take
-    neither."""
+    step's new key for its key index (None: read off the geometry where needed); ``decodes_sparse``
+    (the runtime's :meth:`~prhs_hf.runtime.PrHSRuntime.decodes_sparse`) tells CIS at a prefill whether
+    to make its anchor buffers then (None: always); the baselines take none of them."""
     c = resolved.config
-    selector = _base_selector(resolved, num_heads, ops_for, last_query_slot)
+    selector = _base_selector(resolved, num_heads, ops_for, last_query_slot, decodes_sparse)
     es = c.early_select
     if selector is None or not es.enabled:
         return selector
@@ -80,7 +82,8 @@ def make_selector(resolved: ResolvedConfig, num_heads: int,
 
 def _base_selector(resolved: ResolvedConfig, num_heads: int,
                    ops_for: Callable[[torch.device], DecodeOps] | None,
-                   last_query_slot: Callable[[], int | None] | None) -> Selector | None:
+                   last_query_slot: Callable[[], int | None] | None,
+                   decodes_sparse: Callable[[], bool] | None) -> Selector | None:
     c = resolved.config
     name = c.baseline.name
     if name is None:
@@ -92,7 +95,7 @@ def _base_selector(resolved: ResolvedConfig, num_heads: int,
                            group_score="mean" if c.cis.selection == "group_mean" else "max",
                            keep_anchor_local=c.cis.keep_anchor_local, tail_slot=c.cis.tail_slot,
                            index=c.cis.index, rerank_margin=c.cis.rerank_margin, index_page=c.cis.index_page,
-                           ops_for=ops_for, last_query_slot=last_query_slot)
+                           ops_for=ops_for, last_query_slot=last_query_slot, decodes_sparse=decodes_sparse)
     try:
         factory = SELECTORS[name]
     except KeyError:

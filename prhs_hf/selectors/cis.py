@@ -10,6 +10,15 @@ kernels, ``prhs_hf.kernels.decode_ops``; the runtime passes the one picked for t
 state of every layer lives in one :class:`~prhs_hf.selectors.cis_state.CISState`. No host
 synchronisation: the step can be graph-captured.
 
+Where the state is made: at each prompt's prefill (its last layer), with the anchor counts, the step
+counter and the key index; the anchor buffers (``anchor_q``, ``anchor_idx``, ``[L, B, H, s, n]``)
+at that prefill only where the policy decides that the decode steps after it run sparse (the
+runtime's ``decodes_sparse``, the decision compiled steps keep), else at the first decode step that
+runs the selector (:meth:`CISSelector.step_state`, eager); a generation that the policy decodes dense
+never makes them. That step finds no anchor (``anchor_count`` 0, ``step`` 0: the steps the policy
+ran dense did not count), so it opens a block and every active row retrieves, as the first step after
+a prefill does.
+
 CIS + tail (``cis.tail_slot: true``): CertKV's tail-summary slot on top of CIS. Each row's budget
 is charged one slot: a retrieval keeps the top ``k - 1`` middle tokens and the row attends, beside
 its index set, to one synthetic key/value (:func:`~prhs_hf.selectors.set_steps.tail_summary`) that
@@ -85,9 +94,15 @@ def _reference_ops(device: torch.device) -> DecodeOps:
     return REFERENCE_OPS
 
 
+def _every_step_sparse() -> bool:
+    """Decode steps run the selector (a :class:`CISSelector` made without ``decodes_sparse``)."""
+    return True
+
+
 class CISSelector:
     """CIS for every layer of a model: the anchors in one :class:`CISState` per device (one for the
-    whole model unless ``device_map`` splits it), set up at each prompt.
+    whole model unless ``device_map`` splits it), set up at each prompt, the anchor buffers once a
+    decode step will run sparse (see the module docstring).
 
     ``grouped=True`` (``cis.selection: group``): one index set per KV head, shared by the query
     heads of its group; its anchors hold the group's queries side by side
@@ -111,6 +126,10 @@ class CISSelector:
     :meth:`~prhs_hf.runtime.PrHSRuntime.last_query_slot`), so that the step's index update reads
     nothing from the device whatever the cache's capacity; None (a selector driven without the
     runtime): :meth:`_open_index_step` reads the slot off the geometry where it is not the cache's last.
+    ``decodes_sparse`` tells a prefill whether the decode steps after it run sparse (the runtime passes
+    its :meth:`~prhs_hf.runtime.PrHSRuntime.decodes_sparse`, the policy's decision): only then does the
+    prefill make the anchor buffers, which a compiled step must find in place; None (a selector driven
+    without the runtime): every prefill makes them.
     """
 
     CALL_STATE = ("states", "_slot", "_prompt_devices")
@@ -126,6 +145,7 @@ class CISSelector:
         index_page: int = 16,
         ops_for: Callable[[torch.device], DecodeOps] | None = None,
         last_query_slot: Callable[[], int | None] | None = None,
+        decodes_sparse: Callable[[], bool] | None = None,
     ):
         if index != "none" and index not in INDEX_KINDS:
             raise ValueError(f"cis.index: {index!r} is not allowed; allowed: none, {', '.join(INDEX_KINDS)}")
@@ -143,6 +163,7 @@ class CISSelector:
         self.index_page = index_page if index == "pages" else 1
         self.ops_for = ops_for if ops_for is not None else _reference_ops
         self.last_query_slot = last_query_slot
+        self.decodes_sparse = decodes_sparse if decodes_sparse is not None else _every_step_sparse
         # layer -> its key cache, kept from its prefill until the prompt's last layer writes the index
         self._prompt_keys: dict[int, torch.Tensor] = {}
         self.states: dict[torch.device, CISState] = {}
@@ -160,7 +181,8 @@ class CISSelector:
         self, layer: int, query: torch.Tensor, key: torch.Tensor, geom: SequenceGeometry, scale: float
     ) -> None:
         """A new prompt: once its last layer has been seen, the state of every device that holds
-        layers is set up for its shape (or reset in place)."""
+        layers is set up for its shape (or reset in place), with the anchor buffers where the decode
+        steps after it run sparse (:attr:`decodes_sparse`)."""
         if layer == 0:
             self._prompt_devices = {}
             self._prompt_keys = {}
@@ -172,7 +194,8 @@ class CISSelector:
             if self.grouped:  # a row per KV head, its anchors the group's queries side by side
                 heads, head_dim = key.shape[1], head_dim * (heads // key.shape[1])
             index = self._index_spec(key)
-            self._setup_layers(batch, heads, head_dim, self._prompt_devices, index, key.shape[2])
+            self._setup_layers(batch, heads, head_dim, self._prompt_devices, index, key.shape[2],
+                               anchors=self.decodes_sparse())
             if index is not None:
                 keys, self._prompt_keys = self._prompt_keys, {}
                 self._write_prompt_index(keys, q_len, geom)
@@ -205,18 +228,19 @@ class CISSelector:
             state.index_end = end
 
     def setup(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:
-        """Buffers for decode steps of this shape with every layer on ``device``."""
-        self._setup_layers(batch, heads, head_dim, dict.fromkeys(range(self.num_layers), device))
+        """Buffers for decode steps of this shape with every layer on ``device`` (the anchors' too)."""
+        self._setup_layers(batch, heads, head_dim, dict.fromkeys(range(self.num_layers), device), anchors=True)
 
     def _setup_layers(
         self, batch: int, heads: int, head_dim: int, devices: dict[int, torch.device],
-        index: KeyIndexSpec | None = None, index_slots: int = 0,
+        index: KeyIndexSpec | None = None, index_slots: int = 0, anchors: bool = True,
     ) -> None:
         """One state per device for the layers on it; existing ones of the right shape are reset
         in place, so that a compiled step keeps seeing the same addresses from one generate()
         call to the next. ``index``: the key index layout (None: none), with room for
         ``index_slots`` cache slots (an index of that layout that is too small grows, its entries
-        kept: a chunked prefill writes only its own slots)."""
+        kept: a chunked prefill writes only its own slots). ``anchors``: make the anchor buffers
+        now (:meth:`CISState.ensure_anchors`; else the first sparse step does, :meth:`step_state`)."""
         if sorted(devices) != list(range(self.num_layers)):
             raise RuntimeError(f"CIS saw the prefill of layers {sorted(devices)} of {self.num_layers}")
         per_device: dict[torch.device, list[int]] = {}
@@ -231,6 +255,8 @@ class CISSelector:
                 self._allocate(dev, len(layers), batch, heads, head_dim, index, index_slots)
             else:
                 state.reset()
+            if anchors:
+                self.states[dev].ensure_anchors()
         for dev in [d for d in self.states if d not in per_device]:
             del self.states[dev]
 
@@ -261,11 +287,7 @@ class CISSelector:
         part that reads only the anchors, the middle of the cache and ``q``. ``fork=True`` launches it
         on a side CUDA stream (:func:`~prhs_hf.kernels.side_stream.fork_cis_select`; EarlySelectKV's
         ``side_stream``), unless ``layer`` opens its device's step; :meth:`finish` joins it."""
-        slot = self._slot.get(layer)
-        if slot is None:
-            raise RuntimeError("CIS decode step before any prefill: run the prompt through the patched model first")
-        device, local = slot
-        state = self.states[device]
+        state, local = self.step_state(layer)
         if local == 0:
             state.begin_step()
         p = params
@@ -291,6 +313,22 @@ class CISSelector:
         key_index = None if self.index == "none" else self._step_index(state, local, k_cache, geom, ops)
         selection = cis_select(ops, *args, **sizes, record=record, key_index=key_index, margin=self.rerank_margin)
         return CISStart(layer, ops, p, f, win_start, selection, None)
+
+    def step_state(self, layer: int) -> tuple[CISState, int]:
+        """``(the state of layer's device, the layer's index in it)`` for a decode step that runs the
+        selector, with the anchor buffers made where the prefill left them out (the generation's
+        first sparse step, eager: before a CUDA graph of the step is captured)."""
+        slot = self._slot.get(layer)
+        if slot is None:
+            raise RuntimeError("CIS decode step before any prefill: run the prompt through the patched model first")
+        device, local = slot
+        state = self.states[device]
+        if state.anchor_q is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError("CIS: a compiled decode step runs sparse where the eager forward before it "
+                                   "decided dense and made no anchors: run an eager forward that decides sparse first")
+            state.ensure_anchors()
+        return state, local
 
     def _step_index(
         self, state: CISState, local: int, k_cache: torch.Tensor, geom: SequenceGeometry, ops: DecodeOps

@@ -6,6 +6,13 @@ CUDA-graph-captured decode step sees few, fixed graph inputs. Anchors hold real 
 padding excluded), which stay valid while a sequence grows and follow their sequence under beam
 reordering.
 
+The state is made at a prefill (``CISSelector.observe_prefill``) with the anchor counts and the step
+counter; the anchors themselves (``anchor_q``, ``anchor_idx``, the largest buffers: ``[L, B, Hq, s,
+n]`` int32) are made by :meth:`CISState.ensure_anchors` only once a decode step will run sparse: at
+that prefill where the policy decides that the decode steps after it do (the decision compiled steps
+keep), else at the generation's first sparse eager step. A generation that the policy decodes dense
+never holds them.
+
 With ``cis.index`` the state also holds the key index of every layer (``kernels.key_index``): one
 capacity buffer per tensor of the index, ``[L, B, Hkv, S_cap, ...]`` over cache slots, of which each
 step reads a view of the cache's slots (:meth:`CISState.key_index`).
@@ -44,11 +51,14 @@ class CISState:
     """The block's anchors for every (layer, sequence, query head).
 
     Attributes:
-        anchor_q: ``[L, B, Hq, s, D]`` fp32 unit query vectors.
+        shape: ``(L, B, Hq, D)``, the decode steps' layers, sequences, rows (query heads, or KV heads
+            with group selection) and query size the buffers are made for; ``device`` their device.
+        anchor_q: ``[L, B, Hq, s, D]`` fp32 unit query vectors; None until :meth:`ensure_anchors`.
         anchor_idx: ``[L, B, Hq, s, n]`` int32 each anchor's dilated middle set, sorted once when
             the anchor is taken (``kernels.compose_indices.dilated_set``: top-k plus the ±r
             neighbours of the top-m, encoded ``(j << 1) | neighbour_only``, ``SET_NONE`` padded),
-            so sharing steps only filter it to the current middle region.
+            so sharing steps only filter it to the current middle region; None until
+            :meth:`ensure_anchors`.
         anchor_count: ``[L, B, Hq]`` int32 number of valid anchors in the current block.
         step: ``[]`` int64 decode steps taken since the last prefill (one per forward, all layers).
         tail_k, tail_v, tail_log_mass: with ``cis.tail_slot`` (made by :meth:`ensure_tails`, else
@@ -67,12 +77,15 @@ class CISState:
         self, layers: int, batch: int, heads: int, head_dim: int, block_size: int, set_size: int, device: torch.device,
         index: KeyIndexSpec | None = None, index_slots: int = 0,
     ):
+        self.shape = (layers, batch, heads, head_dim)
         self.block_size = block_size
-        self.anchor_q = torch.zeros(layers, batch, heads, block_size, head_dim, dtype=torch.float32, device=device)
-        self.anchor_idx = torch.full((layers, batch, heads, block_size, set_size), SET_NONE, dtype=torch.int32, device=device)
+        self.set_size = set_size
+        self.anchor_q: torch.Tensor | None = None
+        self.anchor_idx: torch.Tensor | None = None
         self.anchor_count = torch.zeros(layers, batch, heads, dtype=torch.int32, device=device)
+        self.device = self.anchor_count.device  # with its index ("cuda:0" for "cuda"), as matches() compares
         self.step = torch.zeros((), dtype=torch.int64, device=device)
-        for buffer in (self.anchor_q, self.anchor_idx, self.anchor_count, self.step):
+        for buffer in (self.anchor_count, self.step):
             # fixed addresses: a compiled, CUDA-graph-captured decode step mutates them in place
             torch._dynamo.mark_static_address(buffer)
         self.tail_k: torch.Tensor | None = None
@@ -89,13 +102,35 @@ class CISState:
         if index is not None:
             self._make_key_index(index_slots)
 
+    def ensure_anchors(self) -> None:
+        """Make the anchor buffers (``anchor_q`` zeroed, ``anchor_idx`` ``SET_NONE``) if they are not
+        there yet; kept from then on, reset in place with the rest. A decode step reads only the first
+        ``anchor_count`` of them, so buffers made after some steps that did not run the selector hold
+        what buffers made at the prefill would. (A plain check, so that a compiled prefill that finds
+        them made traces no call; the making is eager.)"""
+        if self.anchor_q is None:
+            self._make_anchors()
+
+    @torch.compiler.disable
+    def _make_anchors(self) -> None:
+        # eager even inside a compiled forward, and normal tensors even under inference_mode, as the
+        # state itself (CISSelector._allocate)
+        layers, batch, heads, head_dim = self.shape
+        with torch.inference_mode(False):
+            self.anchor_q = torch.zeros(layers, batch, heads, self.block_size, head_dim, dtype=torch.float32,
+                                        device=self.device)
+            self.anchor_idx = torch.full((layers, batch, heads, self.block_size, self.set_size), SET_NONE,
+                                         dtype=torch.int32, device=self.device)
+        for buffer in (self.anchor_q, self.anchor_idx):
+            torch._dynamo.mark_static_address(buffer)
+
     def _make_key_index(self, slots: int) -> None:
         """Zeroed index buffers for ``slots`` cache slots (the layers side by side on the batch axis
         of one :func:`~prhs_hf.kernels.key_index.allocate_key_index`)."""
         spec = self.index_spec
-        layers, batch = self.anchor_q.shape[:2]
+        layers, batch = self.shape[:2]
         made = allocate_key_index(spec.kind, layers * batch, spec.kv_heads, slots, spec.head_dim, spec.dtype,
-                                  self.anchor_q.device, spec.page)
+                                  self.device, spec.page)
         self.key_index_a = made.a.view(layers, batch, *made.a.shape[1:])
         self.key_index_b = made.b.view(layers, batch, *made.b.shape[1:])
         self.index_slots = slots
@@ -135,17 +170,18 @@ class CISState:
     @torch.compiler.disable
     def ensure_tails(self, dim: int) -> None:
         """The anchors' tail-pair buffers for head size ``dim`` (kept while they fit; eager even
-        inside a compiled forward, as the state itself: they must live outside any CUDA graph pool)."""
+        inside a compiled forward, as the state itself: they must live outside any CUDA graph pool).
+        Made by the first sparse step's tail summary (``CISSelector._tail_step``), as the anchors."""
         if self.tail_k is not None and self.tail_k.shape[-1] == dim:
             return
-        shape = (*self.anchor_q.shape[:-1], dim)
+        shape = (*self.shape[:3], self.block_size, dim)
         with torch.inference_mode(False):  # as the state's other buffers (CISSelector._allocate)
             self._make_tails(shape)
 
     def _make_tails(self, shape: tuple[int, ...]) -> None:
-        self.tail_k = torch.zeros(shape, dtype=torch.float32, device=self.anchor_q.device)
+        self.tail_k = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.tail_v = torch.zeros_like(self.tail_k)
-        self.tail_log_mass = torch.full(shape[:-1], float("-inf"), dtype=torch.float32, device=self.anchor_q.device)
+        self.tail_log_mass = torch.full(shape[:-1], float("-inf"), dtype=torch.float32, device=self.device)
         for buffer in (self.tail_k, self.tail_v, self.tail_log_mass):
             torch._dynamo.mark_static_address(buffer)
 
@@ -154,9 +190,10 @@ class CISState:
         return self.tail_k[layer], self.tail_v[layer], self.tail_log_mass[layer]
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
+        anchors = () if self.anchor_q is None else (self.anchor_q, self.anchor_idx)
         tails = () if self.tail_k is None else (self.tail_k, self.tail_v, self.tail_log_mass)
         index = () if self.key_index_a is None else (self.key_index_a, self.key_index_b)
-        return (self.anchor_q, self.anchor_idx, self.anchor_count, *tails, *index)
+        return (*anchors, self.anchor_count, *tails, *index)
 
     def matches(
         self, layers: int, batch: int, heads: int, head_dim: int, device: torch.device,
@@ -164,14 +201,14 @@ class CISState:
     ) -> bool:
         """Whether the buffers fit decode steps of this shape, with a key index of layout ``index``
         (None: none) and room for ``index_slots`` cache slots."""
-        n, b, h, _, d = self.anchor_q.shape
-        return ((n, b, h, d) == (layers, batch, heads, head_dim) and self.anchor_q.device == device
+        return (self.shape == (layers, batch, heads, head_dim) and self.device == device
                 and self.index_spec == index and (index is None or index_slots <= self.index_slots))
 
     def reset(self) -> None:
-        """Start over (a new prompt) in place: no anchors, step 0; the addresses stay the same. The
-        key index stays: its entries follow the cache's keys, which a reset leaves as they are (a
-        prefill rewrites those of the slots it writes, :attr:`index_end`)."""
+        """Start over (a new prompt) in place: no anchors, step 0; the addresses stay the same (anchor
+        buffers made for an earlier prompt are kept). The key index stays: its entries follow the
+        cache's keys, which a reset leaves as they are (a prefill rewrites those of the slots it
+        writes, :attr:`index_end`)."""
         self.anchor_count.zero_()
         self.step.zero_()
 
@@ -205,12 +242,12 @@ class CISState:
         self.step.add_(1)
 
     def anchors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(anchor_q, anchor_idx, anchor_count)`` of ``layer`` (views)."""
+        """``(anchor_q, anchor_idx, anchor_count)`` of ``layer`` (views; after :meth:`ensure_anchors`)."""
         return self.anchor_q[layer], self.anchor_idx[layer], self.anchor_count[layer]
 
     def anchor_record(self, layer: int) -> AnchorRecord:
         """Where a selection records ``layer``'s anchors in its own launch (``decode_ops.cis_select``'s
-        ``record``, the same contract as :meth:`record`)."""
+        ``record``, the same contract as :meth:`record`; after :meth:`ensure_anchors`)."""
         return AnchorRecord(self.anchor_q, self.anchor_idx, self.anchor_count, layer, self.step)
 
     def record(
@@ -232,6 +269,6 @@ class CISState:
 
     def reorder(self, index: torch.Tensor) -> None:
         """Follow a beam reordering: sequence ``i`` becomes old sequence ``index[i]`` in every layer."""
-        index = index.to(self.anchor_q.device)
+        index = index.to(self.device)
         for buffer in self._buffers():
             buffer.copy_(buffer.index_select(1, index))  # in place: addresses stay fixed
