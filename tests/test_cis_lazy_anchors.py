@@ -7,6 +7,7 @@ anchors had been there, empty, from its prefill."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 import prhs_hf
 from prhs_hf.config import load_config
+from prhs_hf.policy import CostModel
 from test_generate import EVERY, SPARSE, _eos_mid
 from test_stop_check_rollback import _assert_same, _assert_turns_equal, _selector_state, _turns
 from tiny_models import padded_batch, tiny_model
@@ -28,16 +30,17 @@ def _cost_model(tmp_path, first_sparse: int, eager_overhead_us: float = 0.0, com
     and ``kv_heads`` KV heads patched with ``config`` run sparse from a context of ``first_sparse``
     tokens on, apart from the overheads (the tiny llama's 4 and 2 by default).
 
-    With no retrieval and no per-key cost, dense reads ``B · kv_heads · L · 2 · D · itemsize`` bytes
+    Every other cost of the model zero (no retrieval, no per-key or top-k time), dense reads ``B · kv_heads · L · 2 · D · itemsize`` bytes
     and the sparse step ``B · rows · n · 2 · D · itemsize`` (``n`` the index set): sparse wins where
     ``rows · n < margin · kv_heads · L``; the margin puts that threshold half a token below
     ``first_sparse``."""
     index_set = load_config(config).resolve(2).index_capacity
     margin = rows * index_set / (kv_heads * (first_sparse - 0.5))
     path = tmp_path / f"cost_{first_sparse}_{eager_overhead_us}_{compiled_overhead_us}.json"
-    path.write_text(json.dumps({"bandwidth_gbs": 1.0, "eager_overhead_us": eager_overhead_us,
-                                "compiled_overhead_us": compiled_overhead_us, "per_key_ns": 0.0,
-                                "retrieval_rate": 0.0, "margin": margin, "min_sparse_prefill": 1 << 30}))
+    fields = dict.fromkeys((f.name for f in dataclasses.fields(CostModel)), 0.0)
+    fields.update(bandwidth_gbs=1.0, eager_overhead_us=eager_overhead_us, compiled_overhead_us=compiled_overhead_us,
+                  margin=margin, min_sparse_prefill=1 << 30)
+    path.write_text(json.dumps(fields))
     return str(path)
 
 
