@@ -227,6 +227,7 @@ class PrHSRuntime:
                 batch=hidden_states.shape[0], context=cached + q_len, kv_heads=self.num_kv_heads,
                 rows=self.num_kv_heads if grouped else self.num_heads, head_dim=self.head_dim,
                 itemsize=hidden_states.element_size(), index_set=self.resolved.index_capacity,
+                topk=self.resolved.config.budget.topk,
                 **self._key_index_cost(hidden_states.dtype),
             )
             # a compiled step, or an eager one whose sparse layers replay CUDA graphs: few host launches

@@ -167,6 +167,19 @@ def test_auto_goes_sparse_once_the_context_is_long_enough(monkeypatch):
     assert steps == 9 and stats.sparse_sequence_steps == 2 * 4  # contexts 106..109 of both sequences
 
 
+def test_the_runtime_prices_the_budgets_top_k(monkeypatch):
+    """The runtime's DecodeShape carries the budget's k, so the top-k term applies to every decision
+    (before, it was left at 0 and never priced)."""
+    k_only = CostModel(bandwidth_gbs=0.256, eager_overhead_us=0.0, compiled_overhead_us=0.0, per_key_ns=0.0,
+                       retrieval_rate=0.0, margin=1.0, min_sparse_prefill=1, topk_latency_ns=1e3)
+    shapes = []
+    real = CostModel.sparse_decode_wins
+    monkeypatch.setattr(CostModel, "sparse_decode_wins", lambda self, shape, compiled: (shapes.append(shape),
+                                                                                          real(self, shape, compiled))[1])
+    _generate({"decode": "auto"}, k_only, monkeypatch, lengths=(100, 100), new=3)
+    assert shapes and {s.topk for s in shapes} == {SPARSE["budget"]["topk"]}
+
+
 def test_auto_on_a_cpu_is_sparse(monkeypatch):
     auto, auto_stats = _generate({"decode": "auto"}, None, monkeypatch)
     sparse, _ = _generate({"decode": "sparse"}, None, monkeypatch)
