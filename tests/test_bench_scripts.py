@@ -658,3 +658,23 @@ def test_bench_e2e_decode_warm_up_and_rho_run_shapes(tmp_path, monkeypatch):
         else:
             assert warm[0] == 16 and warm[1] is not None
             assert timed[1] is warm[1] and rho[1] is warm[1] and rho[2] is False
+
+
+def test_frontier_reads_the_measured_results_and_leaves_unmeasured_cells_empty(tmp_path):
+    """scripts/frontier.py on the committed results: every candidate's operator speed at each shape of its
+    budget, the policy's decision there, and RULER points only where a RULER run exists (cis-group-lb has
+    none: "not run", never a guess); the Pareto set keeps a point that no other beats on both axes."""
+    frontier = load_script("frontier")
+    assert frontier.main(["--out", str(tmp_path / "f")]) == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "f.json").read_text())["rows"]}
+    assert rows["cis-group-lb"]["ruler"] is None and "not run" in (tmp_path / "f.md").read_text()
+    assert rows["dense"]["ruler"]["delta_points"] == 0.0
+    assert rows["cis"]["ruler"]["cells"] >= 24 and rows["cis"]["ruler"]["delta_points"] < -1
+    lb = {o["shape"]: o for o in rows["cis_longbench"]["operator"]}
+    assert lb["B1/128k 32/8"]["policy_auto"] == "dense" and lb["B1/128k 32/8"]["speedup"] < 1
+    fake = [dict(name=n, ruler=dict(delta_points=a), operator=[dict(shape="s", speedup=v)])
+            for n, v, a in (("fast", 2.0, -5.0), ("exact", 1.0, 0.0), ("worse", 0.9, -1.0))]
+    assert frontier.pareto(fake, "s") == ["fast", "exact"]
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "frontier.py"), "--ruler", str(tmp_path / "none.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "missing result files" in proc.stderr

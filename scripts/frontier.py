@@ -1,0 +1,219 @@
+#!/usr/bin/env python
+"""The accuracy-speed frontier of the candidate defaults (issue 37 item 5), from measured results only.
+
+Each candidate is a config (budget × selection) with, where measured:
+
+- **speed**: the whole CIS-16 decode step against the fastest dense column of the same run, from
+  ``scripts/bench_decode_attention.py --shapes ...`` (``--operator``; the llama3-8b attention shape,
+  32/8 heads, half the rows retrieving), per-head sets (``cis16``) or one set per KV head
+  (``cis16_group``), at every shape of that file; and the end-to-end ``prhs-hf bench`` cells of the
+  same config (``--speed-maps``: decode ms/step of ``generate()`` against the fastest dense);
+- **what ``policy: auto`` does there**: the cost model's decision for that shape (``prhs_hf.policy``,
+  compiled step), so a config whose sets lose runs dense and costs what dense costs;
+- **accuracy**: the RULER mean over the (task, length) cells the config shares with ``dense`` in
+  ``--ruler`` (``scripts/ruler_report.py``'s JSON), as points against dense, with its worst cell.
+
+Output (``--out`` stem): ``.json`` (rows and the sources), ``.md`` (the table) and, with matplotlib,
+``.png`` (speed vs RULER points per candidate; candidates without a RULER run are drawn on a strip
+below). Nothing is estimated: a number that was not measured is left empty.
+
+    python scripts/frontier.py   # the committed results -> docs/results/frontier.{json,md,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A candidate default: its name in the speed map / accuracy tables, its budget's config file and
+    selection (``head``: a set per query head; ``group``: one per KV head), and its RULER rows' name."""
+
+    name: str
+    budget: str  # the configs/ file whose budget it uses ("" for dense)
+    selection: str
+    ruler_name: str
+    speed_map_names: tuple[str, ...]  # its rows in the speed maps, forced sparse or as the policy ran them
+
+
+CANDIDATES = (
+    Candidate("dense", "", "", "dense", ("sdpa_gqa",)),
+    Candidate("cis_longbench", "cis_longbench.yaml", "head", "cis-lb",
+              ("cis_longbench/sparse", "cis_longbench", "cis_longbench+graphs")),
+    Candidate("cis-group-lb", "cis_longbench.yaml", "group", "cis-group-lb", ("cis-group-lb", "cis-group-lb/sparse")),
+    Candidate("cis", "cis.yaml", "head", "cis-s16", ("cis", "cis/sparse", "cis+graphs")),
+    Candidate("cis-group", "cis.yaml", "group", "cis-group", ("cis-group", "cis-group/sparse")),
+)
+DEFAULT_SPEED_MAPS = ("speed_map_static_h100_b1_128k.json", "speed_map_eager_h100.json",
+                      "speed_map_eager_h100_b4_64k.json")
+
+
+def ruler_accuracy(ruler: dict, name: str) -> Optional[dict]:
+    """``name``'s mean RULER score over the cells it shares with dense, as points against dense's mean
+    over the same cells, its worst cell, the cell count and the smallest n; None where it has no rows."""
+    cells = {(r["config"], r["task"], r["length"]): r for r in ruler["rows"] if r.get("score") is not None}
+    own = {(t, n): r for (c, t, n), r in cells.items() if c == name}
+    shared = [key for key in own if ("dense",) + key in cells]
+    if not shared:
+        return None
+    deltas = [100 * (own[key]["score"] - cells[("dense",) + key]["score"]) for key in shared]
+    return dict(cells=len(shared), min_n=min(min(own[k]["n"], cells[("dense",) + k]["n"]) for k in shared),
+                delta_points=sum(deltas) / len(deltas), worst_cell_points=min(deltas),
+                score=sum(own[k]["score"] for k in shared) / len(shared))
+
+
+def operator_speeds(operator: dict, cand: Candidate) -> list[dict]:
+    """The candidate's whole-step speedups in the operator file: one per shape with its budget."""
+    if not cand.budget:
+        return [dict(shape=_shape(r), speedup=1.0, ms=r["fastest_dense_ms"]) for r in operator["rows"]]
+    column = "cis16_group" if cand.selection == "group" else "cis16"
+    return [dict(shape=_shape(r), speedup=r[f"{column}_speedup_vs_fastest_dense"], ms=r[f"{column}_ms"],
+                 dense_ms=r["fastest_dense_ms"], dense=r["fastest_dense"])
+            for r in operator["rows"] if r["budget"] == cand.budget]
+
+
+def _shape(row: dict) -> str:
+    return f"B{row['B']}/{row['ctx'] // 1024}k {row['Hq']}/{row['Hkv']}"
+
+
+def policy_decision(row: dict, cand: Candidate) -> Optional[str]:
+    """What ``policy: auto`` (the shipped cost model, compiled step) runs at an operator row's shape."""
+    if not cand.budget:
+        return None
+    from prhs_hf.policy import H200, DecodeShape
+
+    rows = row["Hkv"] if cand.selection == "group" else row["Hq"]
+    shape = DecodeShape(batch=row["B"], context=row["ctx"], kv_heads=row["Hkv"], rows=rows, head_dim=row["D"],
+                        itemsize=2, index_set=row["cap"], topk=row["k"])
+    return "sparse" if H200.sparse_decode_wins(shape, compiled=True) else "dense"
+
+
+def end_to_end(speed_maps: list[tuple[str, dict]], cand: Candidate) -> list[dict]:
+    return [dict(file=name, mode=r["mode"], cell=f"B{r['batch']}/{r['length'] // 1024}k", config=r["config"],
+                 speedup=r.get("speedup_vs_fastest_dense"), fastest_dense=r.get("fastest_dense"))
+            for name, data in speed_maps for r in data["rows"]
+            if r["config"] in cand.speed_map_names and r.get("status") == "ok" and r["config"] != "sdpa_gqa"]
+
+
+def build(ruler: dict, operator: dict, speed_maps: list[tuple[str, dict]]) -> list[dict]:
+    out = []
+    for cand in CANDIDATES:
+        ops = operator_speeds(operator, cand)
+        by_shape = {_shape(r): r for r in operator["rows"] if r["budget"] == cand.budget}
+        for op in ops:
+            op["policy_auto"] = policy_decision(by_shape[op["shape"]], cand) if cand.budget else None
+        out.append(dict(asdict(cand), operator=ops, end_to_end=end_to_end(speed_maps, cand),
+                        ruler=ruler_accuracy(ruler, cand.ruler_name)))
+    return out
+
+
+def pareto(rows: list[dict], shape: str) -> list[str]:
+    """The candidates no other measured one beats on both the speed at ``shape`` and RULER points."""
+    pts = {}
+    for r in rows:
+        op = next((o for o in r["operator"] if o["shape"] == shape), None)
+        if op is not None and r["ruler"] is not None:
+            pts[r["name"]] = (op["speedup"], r["ruler"]["delta_points"])
+    return [n for n, (s, a) in pts.items()
+            if not any(s2 >= s and a2 >= a and (s2, a2) != (s, a) for m, (s2, a2) in pts.items() if m != n)]
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    shapes = list(dict.fromkeys(o["shape"] for r in rows for o in r["operator"]))
+    lines = [f"# Candidate defaults: accuracy and speed, measured ({meta['date'][:10]})", "",
+             f"    {meta['command']}", "",
+             "Speed: the whole CIS-16 decode step against the fastest dense of the same run "
+             f"([{meta['operator']}]({meta['operator']}): {meta['operator_gpu']}, llama3-8b attention shape, half the "
+             "rows retrieving); in brackets what `policy: auto` runs there (its cost model). RULER: points against "
+             f"dense over the cells both ran ([{meta['ruler']}]({meta['ruler']}), Qwen2.5-Coder-1.5B-Instruct).", "",
+             "| candidate | budget | sets | " + " | ".join(f"step {s}" for s in shapes)
+             + " | end to end (`prhs-hf bench`) | RULER vs dense (mean / worst cell, cells, n) |",
+             "|---|---|---|" + "---|" * len(shapes) + "---|---|"]
+    for r in rows:
+        ops = {o["shape"]: o for o in r["operator"]}
+        speed = [f"{ops[s]['speedup']:.2f}×" + (f" ({ops[s]['policy_auto']})" if ops[s].get("policy_auto") else "")
+                 if s in ops else "–" for s in shapes]
+        e2e = "; ".join(f"{e['mode']} {e['cell']} `{e['config']}` {e['speedup']:.2f}×" for e in r["end_to_end"]) or "–"
+        acc = r["ruler"]
+        acc_s = (f"{acc['delta_points']:+.1f} / {acc['worst_cell_points']:+.1f} points ({acc['cells']} cells, n ≥ {acc['min_n']})"
+                 if acc else "not run")
+        lines.append(f"| `{r['name']}` | {r['budget'] or 'all keys'} | {r['selection'] or '–'} | " + " | ".join(speed)
+                     + f" | {e2e} | {acc_s} |")
+    lines += ["", f"On the frontier at {shapes[0]} (no measured candidate faster and at least as accurate): "
+              + ", ".join(f"`{n}`" for n in pareto(rows, shapes[0])) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, shape: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    strip = min([r["ruler"]["delta_points"] for r in rows if r["ruler"]] + [0]) - 3
+    for r in rows:
+        op = next((o for o in r["operator"] if o["shape"] == shape), None)
+        if op is None:
+            continue
+        measured = r["ruler"] is not None
+        y = r["ruler"]["delta_points"] if measured else strip
+        ax.scatter([op["speedup"]], [y], s=60, marker="o" if measured else "x",
+                   color="C0" if r["selection"] == "head" else ("C1" if r["selection"] else "k"))
+        ax.annotate(r["name"] + ("" if measured else " (RULER not run)"), (op["speedup"], y),
+                    textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.axvline(1.0, color="grey", lw=0.8, ls=":")
+    ax.axhline(-1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel(f"CIS step vs fastest dense, {shape} (operator)")
+    ax.set_ylabel("RULER vs dense, points (Qwen2.5-Coder-1.5B)")
+    ax.set_title("Candidate defaults: blue per-head sets, orange one set per KV head", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ruler", default=str(RESULTS / "ruler_qwen1.5b.json"))
+    ap.add_argument("--operator", default=str(RESULTS / "bench_decode_attention_lb.json"))
+    ap.add_argument("--speed-maps", default=",".join(str(RESULTS / f) for f in DEFAULT_SPEED_MAPS))
+    ap.add_argument("--out", default=str(RESULTS / "frontier"), help="output stem (.json, .md, .png)")
+    args = ap.parse_args(argv)
+    paths = [Path(args.ruler), Path(args.operator)] + [Path(p) for p in args.speed_maps.split(",") if p]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        ap.error(f"missing result files: {', '.join(missing)}")
+    ruler, operator = (json.loads(p.read_text()) for p in paths[:2])
+    speed_maps = [(p.name, json.loads(p.read_text())) for p in paths[2:]]
+    rows = build(ruler, operator, speed_maps)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(command="python scripts/frontier.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                ruler=Path(args.ruler).name, operator=Path(args.operator).name,
+                operator_gpu=operator.get("gpu"), operator_commit=operator.get("git_commit"),
+                speed_maps=[n for n, _ in speed_maps])
+    out.with_suffix(".json").write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
+    md = markdown(rows, meta)
+    out.with_suffix(".md").write_text(md)
+    drawn = plot(rows, out.with_suffix(".png"), rows[0]["operator"][0]["shape"] if rows[0]["operator"] else "")
+    print(md)
+    print(f"wrote {out}.json, .md" + (", .png" if drawn else " (no matplotlib: no .png)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
