@@ -245,13 +245,19 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _score_tile(q, q_neg, k_base, kb_base, slot, m, offs_d, dmask, stride_ks, stride_bs,
-                IEEE: tl.constexpr, KFMT: tl.constexpr):
+def _score_tile(q, q_neg, q_row, mrow, k_base, kb_base, slot, m, offs_d, dmask, stride_ks, stride_bs,
+                IEEE: tl.constexpr, KFMT: tl.constexpr, D: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]`` fp32 scores (unscaled) of the queries ``q`` against the slots ``slot``
     (lanes ``m``) of one KV head: of its keys (KFMT 0, ``k_base``), or of its key index (``k_base``
     the index's codes / page maxima, ``kb_base`` its scales / page minima; the module docstring of
     key_index.py): fp8 ``(q . code) * slot scale`` (1); int4 ``q . (code * group scale)`` (2);
-    pages the bound ``q+ . max + q- . min`` of each page (3; ``q`` holds ``q+``, ``q_neg`` ``q-``)."""
+    pages the bound ``q+ . max + q- . min`` of each page (3; ``q`` holds ``q+``, ``q_neg`` ``q-``).
+
+    int4 reads the queries from ``q_row`` (``[BLOCK_M]`` pointers to the rows of ``q``, lanes
+    ``mrow``), one group of channels at a time: per group of 32 channels (key_index.INT4_GROUP),
+    its 16 code bytes of every slot are loaded once and unpacked into the signed codes of its 32
+    channels (exact in any float type), dotted with those channels of ``q`` (K = 32), and the
+    product scaled by the group's scale of each slot."""
     mk = m[None, :] & dmask[:, None]
     rows = slot.to(tl.int64)[None, :]
     if KFMT == 1:
@@ -259,10 +265,20 @@ def _score_tile(q, q_neg, k_base, kb_base, slot, m, offs_d, dmask, stride_ks, st
         sc = tl.load(kb_base + slot.to(tl.int64) * stride_bs, mask=m, other=0.0)
         return _dot(q, code.to(tl.float8e4nv, bitcast=True), IEEE) * sc[None, :]
     elif KFMT == 2:
-        byte = tl.load(k_base + rows * stride_ks + (offs_d // 2)[:, None], mask=mk, other=0).to(tl.int32)
-        nib = (byte >> ((offs_d % 2) * 4)[:, None]) & 15
-        sc = tl.load(kb_base + rows * stride_bs + (offs_d // 32)[:, None], mask=mk, other=0.0)
-        return _dot(q, ((nib ^ 8) - 8).to(tl.float32) * sc, IEEE)
+        offs_b = tl.arange(0, 16)  # the code bytes of one group
+        offs_c = tl.arange(0, 32)  # its channels
+        acc = tl.zeros([q.shape[0], slot.shape[0]], tl.float32)
+        for g in tl.static_range(D // 32):
+            byte = tl.load(k_base + rows * stride_ks + (g * 16 + offs_b)[:, None], mask=m[None, :], other=0)
+            byte = byte.to(tl.int8, bitcast=True)  # [16, BLOCK_N]; the shifts sign-extend each nibble
+            # [32, BLOCK_N] codes in channel order: channel 2i is byte i's low nibble, 2i + 1 its high one
+            code = tl.reshape(tl.permute(tl.join((byte << 4) >> 4, byte >> 4), (0, 2, 1)), [32, slot.shape[0]])
+            q_g = tl.load(q_row[:, None] + (g * 32 + offs_c)[None, :], mask=mrow[:, None], other=0.0)
+            if IEEE:
+                q_g = q_g.to(tl.float32)
+            sc = tl.load(kb_base + slot.to(tl.int64) * stride_bs + g, mask=m, other=0.0)
+            acc += _dot(q_g, code, IEEE) * sc[None, :]
+        return acc
     elif KFMT == 3:
         mx = tl.load(k_base + rows * stride_ks + offs_d[:, None], mask=mk, other=0.0)
         mn = tl.load(kb_base + rows * stride_bs + offs_d[:, None], mask=mk, other=0.0)
@@ -317,8 +333,8 @@ def _group_score_item(
     else:
         wrow = mrow & (tl.load(FLAG + b * (HKV * GROUP) + head, mask=mrow, other=0) != 0)
         out_row = (b * (HKV * GROUP) + head).to(tl.int64)
-    q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                mask=mrow[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_row = Q + b * stride_qb + head * stride_qh  # [BLOCK_M]
+    q = tl.load(q_row[:, None] + offs_d[None, :], mask=mrow[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if IEEE:
         q = q.to(tl.float32)
     q_neg = q
@@ -341,7 +357,8 @@ def _group_score_item(
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         m = j < end
-        s = _score_tile(q, q_neg, k_base, kb_base, pad + j, m, offs_d, dmask, stride_ks, stride_bs, IEEE, KFMT)
+        s = _score_tile(q, q_neg, q_row, mrow, k_base, kb_base, pad + j, m, offs_d, dmask, stride_ks, stride_bs, IEEE,
+                        KFMT, D)
         s = (s * scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]
         if AGG_MAX:
             s = tl.max(tl.where(mrow[:, None], s, float("-inf")), axis=0)

@@ -552,6 +552,36 @@ def test_indexed_kernel_radix8_candidates_and_ties(kind):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [96, 128])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_int4_stage1_kernel_equals_the_reference_over_several_groups(dtype, D, grouped):
+    """The int4 score tile alone (stage 1 of the indexed retrieval, no re-rank to hide it): three or four
+    scale groups per key, each group of channels at its own magnitude (a scale applied to the wrong
+    group, or an even channel's code to an odd one, moves the scores), 150 slots (a full key tile and a
+    tail), ragged pads, an empty region, rows not retrieving: its candidates, in order, equal those of
+    the reference's stage-1 scores, for every row up to the whole region."""
+    from prhs_hf.kernels.key_index import _approx_scores
+    from prhs_hf.kernels.topk_retrieval import _retrieve, _topk_of_scores
+
+    B, Hq, Hkv, S = 3, 8, 2, 150
+    q, kc, pad, lo, hi, g = retrieval_case(B, Hq, Hkv, D, S, [0, 5, 11], 70 + D + grouped, dtype)
+    magnitude = 4.0 ** (torch.arange(D) // INT4_GROUP)  # 1, 4, 16, 64 per group
+    kc = (kc.float() * magnitude).to(dtype)
+    index = build("int4", kc)
+    group_scale = index.b.mean(dim=(0, 1, 2))
+    assert (group_scale[1:] > 2 * group_scale[:-1]).all()  # the groups' scales differ
+    retrieve = flags(B, Hkv if grouped else Hq, g)
+    approx = _approx_scores(q, index, 0.3)  # [B, Hkv, G, S]
+    rows = approx.amax(dim=2) if grouped else approx.reshape(B, Hq, S)
+    for n in (1, 17, 150):
+        out = _retrieve(*_on(q, index.a, pad, lo, hi, retrieve), n, 0.3, grouped=grouped, _key_format=2,
+                        _key_b=index.b.to(DEV))
+        assert torch.equal(out.cpu(), _topk_of_scores(rows, pad, lo, hi, retrieve, n)), n
+    assert (out[0, 0] >= 0).sum() == hi[0] - lo[0]  # n = 150 orders every key of the region
+
+
+@needs_triton
 @pytest.mark.parametrize("grouped", [False, True])
 def test_indexed_kernel_pages_cut_by_the_region_still_give_k(grouped):
     """The kernel path of :func:`test_indexed_reference_pages_cut_by_the_region_still_give_k`: the same
@@ -755,6 +785,27 @@ def test_gpu_indexed_gaussian_scores_match(kind):
     valid = out >= 0
     torch.testing.assert_close(scores(out)[valid], scores(ref)[valid], atol=1e-3, rtol=1e-4)
     assert ((out == ref) | ~valid).float().mean() > 0.98
+
+
+@pytest.mark.gpu
+def test_gpu_int4_score_costs_at_most_a_few_times_fp8s():
+    """Stage 1's score launch alone (B16, 16k slots, 32/8 heads, half the rows retrieving): int4 reads
+    half of fp8's code bytes through the same kernel, so it must not cost much more (its score tile
+    once unpacked every channel into an fp32 tile and took about 120x fp8's time on an H100; one dot
+    per group of channels took about 1.6x)."""
+    from triton.testing import do_bench
+
+    from prhs_hf.kernels.topk_retrieval import _retrieve
+
+    q, kc, pad, lo, hi, r_head, _, scale = _gpu_case(B=16, gaussian=True, seed=83)
+    ms = {}
+    for kind, key_format in (("fp8", 1), ("int4", 2)):
+        index = allocate_key_index(kind, *kc.shape[:3], kc.shape[3], kc.dtype, kc.device)
+        write_key_index_reference(index, kc, 0, kc.shape[2])
+        ms[kind] = do_bench(lambda: _retrieve(q, index.a, pad, lo, hi, r_head, 1164, scale, grouped=False,
+                                              _key_format=key_format, _key_b=index.b, _stop_after="score"),
+                            warmup=50, rep=300)
+    assert ms["int4"] < 3 * ms["fp8"], ms
 
 
 @pytest.mark.gpu
