@@ -319,15 +319,15 @@ def test_gpu_covering_margin_gives_the_tokens_of_no_index(kind, selection):
     assert torch.equal(compiled[kind], compiled["none"])  # compiled vs compiled: the same dense numerics
 
 
-def test_an_int4_index_on_cuda_warns_of_its_measured_speed():
-    """int4 is exact but its score tile ran about 50x slower than fp8 on an H100: a CUDA key says so."""
+def test_an_int4_index_on_cuda_gives_no_speed_warning():
+    """int4's score tile was about 50x slower than fp8 on an H100 and a CUDA key warned of it; since the
+    tile scores one 32-channel group per dot (5c722ba) it is within 2x of fp8 there, so it warns no more."""
     from types import SimpleNamespace
 
     model = _model()
     with prhs_hf.patch(model, _config("int4")):
-        key = SimpleNamespace(shape=(1, 2, 64, 32), device=torch.device("cuda"), dtype=torch.bfloat16)
-        with pytest.warns(RuntimeWarning, match="int4 retrieval ran about 50x slower"):
-            assert _selector(model)._index_spec(key).kind == "int4"
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            _selector(model)._index_spec(SimpleNamespace(**{**vars(key), "device": torch.device("cpu")}))
+        for device in ("cuda", "cpu"):
+            key = SimpleNamespace(shape=(1, 2, 64, 32), device=torch.device(device), dtype=torch.bfloat16)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert _selector(model)._index_spec(key).kind == "int4"

@@ -56,7 +56,6 @@ index makes it grow ×1.5 (:meth:`CISState.grow_key_index`).
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, NamedTuple
 
 import torch
@@ -207,9 +206,6 @@ class CISSelector:
         if self.index == "int4" and key.shape[-1] % INT4_GROUP:
             raise ConfigError(f"cis.index: int4 needs a head size that is a multiple of {INT4_GROUP} (its scale "
                               f"groups); this model's is {key.shape[-1]}: use fp8 or pages")
-        if self.index == "int4" and key.device.type == "cuda":
-            warnings.warn("cis.index: int4 retrieval ran about 50x slower than fp8 on an H100 (its Triton score tile; "
-                          "docs/notes/key_index.md): use fp8 for speed", RuntimeWarning, stacklevel=2)
         return KeyIndexSpec(self.index, key.shape[1], key.shape[-1], key.dtype, self.index_page)
 
     def _write_prompt_index(self, keys: dict[int, torch.Tensor], q_len: int, geom: SequenceGeometry | None) -> None:
