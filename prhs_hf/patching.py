@@ -397,7 +397,10 @@ def prefill_for_patch(runtime: PrHSRuntime, prefill: Callable) -> Callable:
       CUDA-graphed forward (``mode="reduce-overhead"``, transformers' default) those tensors would
       live in the graph's pool, where the next replay overwrites them ("accessing tensor output of
       CUDAGraphs that has been overwritten"). An unchunked prefill is always eager; the decode steps
-      stay compiled.
+      stay compiled;
+    - on CUDA, a new prompt whose prefill would not fit in the free GPU memory beside its cache is
+      prefilled in chunks (:func:`prefill_chunk_that_fits`) unless the call sets
+      ``prefill_chunk_size`` itself: a long batched prompt runs instead of running out of memory.
     """
 
     @functools.wraps(prefill)
@@ -405,12 +408,74 @@ def prefill_for_patch(runtime: PrHSRuntime, prefill: Callable) -> Callable:
         growth, length = runtime.kv_growth, generation_config.max_length
         if growth is not None and length and length <= growth * input_ids.shape[-1]:
             buffer_cache(model_kwargs.get("past_key_values"), growth, reserve=length)
+        model = getattr(prefill, "__self__", None)  # the model (None: a _prefill replaced by a plain function)
+        if generation_config.prefill_chunk_size is None and isinstance(model, nn.Module):
+            chunk = prefill_chunk_that_fits(model, input_ids, generation_config, model_kwargs)
+            if chunk is not None:
+                generation_config = copy.copy(generation_config)
+                generation_config.prefill_chunk_size = chunk
         if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
             generation_config = copy.copy(generation_config)
             generation_config.disable_compile = True
         return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
 
     return prefill_patched
+
+
+#: Prefill chunks are a power of two of at least this many tokens.
+MIN_PREFILL_CHUNK = 1024
+#: Share of the free GPU memory (less the cache) a prefill's activations may take.
+PREFILL_MEMORY_SHARE = 0.8
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation on ``device`` can take (CUDA's free memory plus what PyTorch's allocator
+    holds unused); None off CUDA, where nothing is measured."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def prefill_bytes_per_token(model: nn.Module, itemsize: int, keys: int, padded: bool) -> int:
+    """Peak activation bytes of one prompt token in a decoder layer's prefill: the MLP's gate, up and
+    product rows (``3 x intermediate_size``), a few hidden-size rows, and with padding the boolean
+    mask row over the ``keys`` the token attends to (generate() keeps the logits of the last token only)."""
+    cfg = model.config
+    inter = max(int(getattr(cfg, name, 0) or 0) for name in ("intermediate_size", "moe_intermediate_size"))
+    return itemsize * (3 * inter + 6 * int(cfg.hidden_size)) + (keys if padded else 0)
+
+
+def prefill_chunk_that_fits(model: nn.Module, input_ids: torch.Tensor, generation_config: Any,
+                            model_kwargs: Mapping[str, Any]) -> int | None:
+    """Tokens per chunk for a prefill of ``input_ids`` whose activations would not fit in the free GPU
+    memory left beside its KV cache (a power of two, at least :data:`MIN_PREFILL_CHUNK`); None where
+    the whole prompt fits, off CUDA, and where transformers' chunked prefill does not apply (a prompt
+    after cached tokens, ``inputs_embeds``)."""
+    cache = model_kwargs.get("past_key_values")
+    if cache is None or model_kwargs.get("inputs_embeds") is not None or cache.get_seq_length() > 0:
+        return None
+    free = free_device_bytes(input_ids.device)
+    batch, tokens = input_ids.shape
+    if free is None or tokens <= MIN_PREFILL_CHUNK:
+        return None
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    mask = model_kwargs.get("attention_mask")
+    padded = mask is not None and not bool(mask.all())
+    if not isinstance(cache, StaticCache):  # a StaticCache's memory is taken already
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        slots = max(tokens, int(generation_config.max_length or 0))
+        free -= batch * slots * cfg.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
+    budget = PREFILL_MEMORY_SHARE * free
+    per_token = batch * prefill_bytes_per_token(model, dtype.itemsize, tokens, padded)
+    if per_token * tokens <= budget:
+        return None
+    chunk = MIN_PREFILL_CHUNK
+    while chunk * 2 < tokens and per_token * chunk * 2 <= budget:
+        chunk *= 2
+    return chunk
 
 
 def _execution_device(module: nn.Module, hidden: torch.Tensor) -> torch.device:
