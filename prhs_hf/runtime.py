@@ -235,6 +235,12 @@ class PrHSRuntime:
                 self.graphed and hidden_states.device.type == "cuda" and isinstance(cache, DynamicCache))
             self.sparse_decode = model is None or model.sparse_decode_wins(shape, compiled)
 
+    @property
+    def decodes_sparse_now(self) -> bool:
+        """Whether the decode steps of the last eager forward's decision run sparse: the policy said
+        sparse and the config has a sparse decode (a compiled step keeps its prefill's decision)."""
+        return self.sparse_decode and not self._never_sparse
+
     def geometry_on(self, device: torch.device) -> SequenceGeometry:
         """The current forward's geometry on ``device``: the buffers themselves on the first
         layer's device, a copy for a layer that a ``device_map`` puts on another one."""

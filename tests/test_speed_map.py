@@ -45,6 +45,8 @@ def test_quick_map_writes_the_json_the_table_and_the_png(tmp_path, capsys) -> No
         assert r["status"] == "ok", r
         assert r["ms_per_step"] > 0 and r["new_tokens"] == [2, 4] and r["prompt_len"] == r["length"]
         assert r["kind"] == ("dense" if r["config"] in sm.DENSE_CONFIGS else "prhs")
+        # what the policy ran: on a CPU ``auto`` is sparse; the dense baselines have no such field
+        assert r.get("decode_steps") == (None if r["kind"] == "dense" else "sparse")
         assert r["fastest_dense"] in sm.DENSE_CONFIGS
         ref = next(d for d in rows if d["config"] == r["fastest_dense"] and sm._key(d) == sm._key(r))
         assert r["speedup_vs_fastest_dense"] == pytest.approx(ref["ms_per_step"] / r["ms_per_step"])

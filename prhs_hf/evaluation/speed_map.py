@@ -9,7 +9,9 @@ max_new_tokens``): ms/step = (t(N2) - t(N1)) / (N2 - N1), the clock read (after 
 logits processor after new tokens N1 and N2 (``--timing stamps``), or around two whole calls
 (``--timing calls``). ``speedup_vs_fastest_dense``: against the fastest dense row of the same cell and
 mode (``fastest_dense``): ``sdpa``, ``sdpa_gqa`` or a PrHS config forced dense (``cis/dense+buffered``),
-whichever ran. Cells whose KV cache + prefill activation would exceed 90 % of the free GPU
+whichever ran; ``decode_steps`` (PrHS rows): whether the policy's last decision ran the decode steps
+``sparse`` or ``dense`` (``policy: auto`` sends a step dense where its cost model says the sets lose,
+so a PrHS row can time the patched dense path). Cells whose KV cache + prefill activation would exceed 90 % of the free GPU
 memory are skipped (``memory``), OOMs recorded (``oom``); ``--deadline-s`` stops starting cells. The
 JSON is rewritten after every cell, the heat map PNG drawn at the end. (``scripts/_bench_common.py``
 is not importable from an installed package: the little it would give here is re-implemented.)
@@ -323,6 +325,9 @@ def measure(target: Target, mode: str, batch: int, length: int, config: str, arg
     row.update(ms_per_step=ms, decode_tok_s=1000.0 * batch / ms if ms > 0 else None)
     if dev.type == "cuda":
         row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+    runtime = getattr(model, "_prhs_runtime", None)
+    if runtime is not None and not is_dense_baseline(config):  # what the policy ran (its last decision)
+        row["decode_steps"] = "sparse" if runtime.decodes_sparse_now else "dense"
     if args.telemetry and prhs_hf.is_patched(model):
         row["rho_hat"] = prhs_hf.telemetry(model).retrieval_ratio
     return row
@@ -387,7 +392,7 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width text table."""
     head = (f"{'model':<22} {'mode':<6} {'N':>4} {'B':>3} {'L':>7} {'config':<16} {'ms/step':>9} {'speedup':>8} "
-            f"{'fastest dense':<13} {'rho_hat':>7}  status")
+            f"{'fastest dense':<13} {'rho_hat':>7} {'steps':<6}  status")
     lines = [head, "-" * len(head)]
     for r in rows:
         ms, sp, rho = r.get("ms_per_step"), r.get("speedup_vs_fastest_dense"), r.get("rho_hat")
@@ -395,7 +400,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{r['model'][:22]:<22} {r['mode']:<6} {'' if every is None else every:>4} {r['batch']:>3} "
                      f"{r['length']:>7} {r['config'][:16]:<16} "
                      f"{'' if ms is None else f'{ms:.2f}':>9} {'' if sp is None else f'{sp:.2f}x':>8} "
-                     f"{r.get('fastest_dense') or '':<13} {'' if rho is None else f'{100 * rho:.1f}%':>7}  {r['status']}")
+                     f"{r.get('fastest_dense') or '':<13} {'' if rho is None else f'{100 * rho:.1f}%':>7} "
+                     f"{r.get('decode_steps') or '':<6}  {r['status']}")
     return "\n".join(lines)
 
 
