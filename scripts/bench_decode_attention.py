@@ -752,29 +752,37 @@ def index_row(sh: Shape, dev: torch.device, dtype: torch.dtype, share: float, ma
     return row
 
 
-def index_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
-    """``--index``: the key-index table (module docstring) to ``bench_key_index.json``."""
+def index_main(args: argparse.Namespace, argv: Optional[list[str]], plan: Optional[list[Shape]] = None) -> int:
+    """``--index``: the key-index table (module docstring) to ``bench_key_index.json``, a row per shape of
+    ``plan`` (``--shapes``; default the GQA B16/16k shape, without CUDA a tiny one)."""
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     share = 0.5 if args.retrieve_share is None else args.retrieve_share
     margins = tuple(int(m) for m in args.index_margins.split(",") if m)
     if not margins or min(margins) < 0:
         raise SystemExit(f"--index-margins {args.index_margins!r}: expected integers >= 0, comma separated")
-    sh = Shape(16, 32, 8, 128, 16384) if cuda else Shape(2, 4, 2, 32, 512)
+    if plan is None:
+        plan = [Shape(16, 32, 8, 128, 16384) if cuda else Shape(2, 4, 2, 32, 512)]
     if not cuda:
         margins = margins[:1]
         print("no CUDA: smoke test through TRITON_INTERPRET=1 (timings mean nothing)", flush=True)
     t0 = time.time()
-    row = index_row(sh, dev, torch.bfloat16, share, margins)
     meta = common.run_metadata(dev, argv, retrieve_share=share, timing="CUDA graph replay, median (do_bench)")
-    meta["wall_s"] = round(time.time() - t0, 1)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "bench_key_index.json"
-    path.write_text(json.dumps(dict(meta, rows=[row]), indent=2))
-    for key, value in row.items():
-        if key.endswith(("_ms", "_recall", "_speedup_vs_fastest_dense", "_bytes_per_slot")) or key.startswith("retriev"):
-            print(f"  {key:44s} {fmt(value, '.4f') if isinstance(value, float) else value}")
+    path = out_dir / f"{args.name or 'bench_key_index'}.json"
+    rows: list[dict] = []
+    for sh in plan:
+        print(f"B={sh.B} ctx={sh.ctx} Hq/Hkv={sh.Hq}/{sh.Hkv} budget {sh.budget}", flush=True)
+        row = index_row(sh, dev, torch.bfloat16, share, margins)
+        rows.append(row)
+        meta["wall_s"] = round(time.time() - t0, 1)
+        path.write_text(json.dumps(dict(meta, rows=rows), indent=2))  # a run cut short keeps its rows
+        for key, value in row.items():
+            if key.endswith(("_ms", "_recall", "_speedup_vs_fastest_dense", "_bytes_per_slot")) or key.startswith("retriev"):
+                print(f"  {key:44s} {fmt(value, '.4f') if isinstance(value, float) else value}")
+        if cuda:
+            torch.cuda.empty_cache()
     print(f"wrote {path} ({meta['wall_s']} s)")
     return 0
 
@@ -880,25 +888,28 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="rows that retrieve per step as a share of all rows, in (0, 1], e.g. a model's measured "
                          "rho-hat (default: 1/s, every row retrieving once per block)")
     ap.add_argument("--out", default="docs/results", help="output folder (NAME.json + .md)")
-    ap.add_argument("--name", default="bench_decode_attention", help="file stem of the table (default bench_decode_attention)")
+    ap.add_argument("--name", default=None,
+                    help="file stem of the table (default bench_decode_attention; with --index bench_key_index)")
     ap.add_argument("--shapes", default=None, metavar="B:ctx:Hq:Hkv[:BUDGET],...",
                     help="these shapes instead of the built-in list (BUDGET: ctx/8, the default, or a file of configs/, "
                          "e.g. 1:131072:32:8:cis_longbench.yaml)")
     ap.add_argument("--index", action="store_true",
-                    help="the key-index table only (GQA B16/16k; --retrieve-share default 0.5): bench_key_index.json")
+                    help="the key-index table only (GQA B16/16k, or --shapes; --retrieve-share default 0.5): "
+                         "bench_key_index.json")
     ap.add_argument("--index-margins", default="256,512,1024", metavar="M,...",
                     help="--index: the re-rank margins timed (the middle one for the grouped retrieval and the step)")
     args = ap.parse_args(argv)
     if args.retrieve_share is not None and not 0 < args.retrieve_share <= 1:
         ap.error(f"--retrieve-share {args.retrieve_share}: allowed (0, 1]")
-    if args.index:
-        return index_main(args, argv)
+    plan = None
     if args.shapes is not None:
         try:
             plan = parse_shapes(args.shapes)
         except ValueError as err:
             ap.error(str(err))
-    else:
+    if args.index:
+        return index_main(args, argv, plan)
+    if plan is None:
         plan = shapes(args.quick or not torch.cuda.is_available(), torch.cuda.is_available())
     if not all(1 <= args.ds_rank <= sh.D for sh in plan):
         ap.error(f"--ds-rank {args.ds_rank}: allowed 1 to the head size ({min(sh.D for sh in plan)} in this run)")
@@ -938,7 +949,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"FlexAttention unavailable: {exc}", flush=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"{args.name}.json"
+    name = args.name or "bench_decode_attention"
+    json_path = out_dir / f"{name}.json"
     rows: list[dict] = []
     for sh in common.progress(plan, "decode operator"):
         b = shape_budget(sh)
@@ -980,13 +992,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"    target missed, limited by: {r['cis16_limited_by']}", flush=True)
         # a run cut short keeps its rows
         json_path.write_text(json.dumps(dict(meta, rows=rows), indent=2))
-        (out_dir / f"{args.name}.md").write_text(markdown(rows, meta))
+        (out_dir / f"{name}.md").write_text(markdown(rows, meta))
         if cuda:
             torch.cuda.empty_cache()
     meta["wall_s"] = round(time.time() - t_start, 1)
     md = markdown(rows, meta)
     json_path.write_text(json.dumps(dict(meta, rows=rows), indent=2))
-    (out_dir / f"{args.name}.md").write_text(md)
+    (out_dir / f"{name}.md").write_text(md)
     print()
     print(md)
     print(f"wrote {json_path} and .md ({meta['wall_s']} s)")
