@@ -437,13 +437,13 @@ def free_device_bytes(device: torch.device) -> int | None:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def prefill_bytes_per_token(model: nn.Module, itemsize: int, keys: int, padded: bool) -> int:
-    """Peak activation bytes of one prompt token in a decoder layer's prefill: the MLP's gate, up and
-    product rows (``3 x intermediate_size``), a few hidden-size rows, and with padding the boolean
-    mask row over the ``keys`` the token attends to (generate() keeps the logits of the last token only)."""
-    cfg = model.config
+def prefill_bytes_per_token(cfg: Any, itemsize: int, keys: int, masked: bool) -> int:
+    """Peak activation bytes of one prompt token in a decoder layer's prefill for a model of text config
+    ``cfg``: the MLP's gate, up and product rows (``3 x intermediate_size``), a few hidden-size rows, and
+    with an attention mask the boolean mask row over the ``keys`` the token attends to, counted whether or
+    not the batch is padded (generate() keeps the logits of the last token only)."""
     inter = max(int(getattr(cfg, name, 0) or 0) for name in ("intermediate_size", "moe_intermediate_size"))
-    return itemsize * (3 * inter + 6 * int(cfg.hidden_size)) + (keys if padded else 0)
+    return itemsize * (3 * inter + 6 * int(cfg.hidden_size)) + (keys if masked else 0)
 
 
 def prefill_chunk_that_fits(model: nn.Module, input_ids: torch.Tensor, generation_config: Any,
@@ -459,17 +459,16 @@ def prefill_chunk_that_fits(model: nn.Module, input_ids: torch.Tensor, generatio
     batch, tokens = input_ids.shape
     if free is None or tokens <= MIN_PREFILL_CHUNK:
         return None
-    cfg = model.config
+    cfg = model.config.get_text_config()
     dtype = next(model.parameters()).dtype
-    mask = model_kwargs.get("attention_mask")
-    padded = mask is not None and not bool(mask.all())
+    masked = model_kwargs.get("attention_mask") is not None  # padded or not: reading it would sync the device
     if not isinstance(cache, StaticCache):  # a StaticCache's memory is taken already
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         slots = max(tokens, int(generation_config.max_length or 0))
         free -= batch * slots * cfg.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
     budget = PREFILL_MEMORY_SHARE * free
-    per_token = batch * prefill_bytes_per_token(model, dtype.itemsize, tokens, padded)
+    per_token = batch * prefill_bytes_per_token(cfg, dtype.itemsize, tokens, masked)
     if per_token * tokens <= budget:
         return None
     chunk = MIN_PREFILL_CHUNK

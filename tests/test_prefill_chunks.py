@@ -40,7 +40,7 @@ def _fits_one_chunk(model, ids, mask) -> int:
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     slots = ids.shape[1] + 3
     cache = ids.shape[0] * slots * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
-    per_token = ids.shape[0] * patching.prefill_bytes_per_token(model, 4, ids.shape[1], not bool(mask.all()))
+    per_token = ids.shape[0] * patching.prefill_bytes_per_token(model.config, 4, ids.shape[1], True)
     return int(cache + 1.2 * patching.MIN_PREFILL_CHUNK * per_token / patching.PREFILL_MEMORY_SHARE)
 
 
