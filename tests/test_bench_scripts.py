@@ -678,3 +678,24 @@ def test_frontier_reads_the_measured_results_and_leaves_unmeasured_cells_empty(t
     proc = subprocess.run([sys.executable, str(SCRIPTS / "frontier.py"), "--ruler", str(tmp_path / "none.json")],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "missing result files" in proc.stderr
+
+
+def test_probe_group_union_counts_the_distinct_keys_of_each_kv_group():
+    """scripts/probe_group_union.py: per KV group, the summed set sizes of its heads and their union (a key
+    two heads share counts once); a generate() on a tiny model gives a ratio between 1/G and 1."""
+    from types import SimpleNamespace
+
+    from tiny_models import tiny_model
+
+    probe = load_script("probe_group_union")
+    # 1 sequence, 4 query heads in 2 KV groups; group 0's heads share keys 1 and 2, group 1's share none
+    idx = torch.tensor([[[0, 1, 2, -1], [1, 2, 3, -1], [5, 6, -1, -1], [7, -1, -1, -1]]])
+    sel = SimpleNamespace(idx=idx, count=(idx >= 0).sum(-1), active=torch.tensor([True]))
+    recorder = probe.UnionRecorder(SimpleNamespace(select=lambda layer, *a: sel), kv_heads=2)
+    assert recorder.select(3) is sel
+    assert recorder.rows == [(3, 6, 4), (3, 3, 3)]
+    model = tiny_model("llama", layers=2)
+    prompts = torch.randint(1, 100, (1, 200), generator=torch.Generator().manual_seed(0))  # past cis's 128 keys
+    row = probe.measure(model, prompts, "cis", 3)
+    group = row["group"]
+    assert row["status"] == "ok" and row["samples"] > 0 and 1 / group <= row["union_over_sum"] <= 1
