@@ -1,0 +1,122 @@
+"""The group-union sparse decode attention: the builder of each KV group's union of per-head index
+sets (with head bitmasks) against its set-based reference, and the union attention against the
+per-head attention and its reference (same output: each head still attends exactly its own set).
+
+Kernels run on the CPU through ``TRITON_INTERPRET=1`` (set by conftest) or on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import triton_available
+from prhs_hf.kernels.group_union import group_union, group_union_reference
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+DEV = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+I32 = torch.int32
+
+
+def per_head_sets(B: int, Hq: int, G: int, span: int, cap: int, overlap: str, seed: int,
+                  pads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head sets as compose_indices writes them (ascending, distinct, ``-1`` after count) over the
+    ``span - pads[b]`` real keys of each sequence. ``overlap``: ``"heavy"`` (the G heads of a group
+    draw from a shared pool of ``cap + cap // 2`` keys) or ``"none"`` (the group's sets are disjoint;
+    needs ``span >= G * cap``). Counts 0 .. cap, with head (0, 0) empty and the last head full."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.full((B, Hq, cap), -1, dtype=I32)
+    count = torch.randint(0, cap + 1, (B, Hq), generator=g, dtype=I32)
+    count[0, 0] = 0
+    count[-1, -1] = cap
+    for b in range(B):
+        keys = span - pads[b]
+        for kvh in range(Hq // G):
+            perm = torch.randperm(keys, generator=g)
+            for j in range(G):
+                h = kvh * G + j
+                if overlap == "heavy":
+                    pool = perm[: min(keys, cap + cap // 2)]
+                    chosen = pool[torch.randperm(len(pool), generator=g)[:cap]]
+                else:
+                    chosen = perm[j * cap:(j + 1) * cap]
+                n = min(int(count[b, h]), len(chosen))
+                count[b, h] = n
+                idx[b, h, :n] = chosen[:n].sort().values.to(I32)
+    return idx, count
+
+
+def assert_union_equal(idx: torch.Tensor, count: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, ...]:
+    got = group_union(idx.to(DEV), count.to(DEV), kv_heads)
+    want = group_union_reference(idx, count, kv_heads)
+    for name, g_, w_ in zip(("union_idx", "head_mask", "union_count"), got, want):
+        assert g_.dtype == I32, name
+        assert torch.equal(g_.cpu(), w_), name
+    return want
+
+
+# ----------------------------------------------------------------------------- the builder
+
+
+def test_union_reference_by_hand():
+    """Two groups of G = 2: shared, single-head and absent keys; entries past count are ignored."""
+    idx = torch.tensor([[[1, 4, 9, 7], [4, 5, 9, -1], [3, -1, -1, -1], [8, 2, -1, -1]]], dtype=I32)
+    count = torch.tensor([[3, 3, 0, 2]], dtype=I32)  # head 0's 7 is past its count; head 2 is empty
+    union_idx, head_mask, union_count = group_union_reference(idx, count, 2)
+    assert union_count.tolist() == [[4, 2]]
+    assert union_idx[0, 0, :5].tolist() == [1, 4, 5, 9, -1]
+    assert head_mask[0, 0, :5].tolist() == [0b01, 0b11, 0b10, 0b11, 0]
+    assert union_idx[0, 1, :3].tolist() == [2, 8, -1]
+    assert head_mask[0, 1, :3].tolist() == [0b10, 0b10, 0]
+    assert union_idx.shape == head_mask.shape == (1, 2, 8)
+
+
+@pytest.mark.parametrize("G", [1, 2, 7])
+@pytest.mark.parametrize("overlap", ["heavy", "none"])
+def test_union_builder_equals_reference(G, overlap):
+    Hkv, cap = 2, 11
+    idx, count = per_head_sets(2, G * Hkv, G, 200, cap, overlap, 10 + G, [0, 9])
+    union_idx, head_mask, union_count = assert_union_equal(idx, count, Hkv)
+    summed = count.view(2, Hkv, G).sum(-1)
+    if overlap == "none":
+        assert torch.equal(union_count, summed)
+    elif G > 1:
+        assert (union_count < summed).any()
+    assert (union_count <= summed).all()
+
+
+def test_union_builder_unsorted_rows_repeats_and_bit_31():
+    """Rows need not be sorted nor distinct (a repeated (index, head) pair sets its bit once), and
+    head 31 of a group of 32 sets the int32 sign bit."""
+    G, cap = 32, 5
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 9, (1, G, cap), generator=g, dtype=I32)  # unsorted, with repeats
+    count = torch.randint(0, cap + 1, (1, G), generator=g, dtype=I32)
+    count[0, 31] = cap
+    idx[0, 31] = torch.tensor([6, 6, 2, 6, 2], dtype=I32)
+    union_idx, head_mask, union_count = assert_union_equal(idx, count, 1)
+    for i in range(int(union_count[0, 0])):
+        x = int(union_idx[0, 0, i])
+        holders = {h for h in range(G) if x in idx[0, h, : int(count[0, h])].tolist()}
+        assert {h for h in range(G) if (int(head_mask[0, 0, i]) >> h) & 1} == holders
+    assert (head_mask[0, 0, : int(union_count[0, 0])] < 0).any()  # head 31 holds 2 and 6
+
+
+def test_union_builder_count_past_cap_and_all_empty():
+    idx = torch.tensor([[[5, 2], [-1, -1]]], dtype=I32)
+    assert_union_equal(idx, torch.tensor([[9, 0]], dtype=I32), 1)  # count > cap is clamped to cap
+    got = assert_union_equal(idx, torch.zeros(1, 2, dtype=I32), 1)
+    assert got[2].tolist() == [[0]] and (got[0] == -1).all() and (got[1] == 0).all()
+
+
+def test_union_builder_errors_name_the_argument():
+    idx, count = torch.zeros(1, 4, 3, dtype=I32), torch.zeros(1, 4, dtype=I32)
+    with pytest.raises(ValueError, match="kv_heads=3 must be >= 1 and divide Hq=4"):
+        group_union(idx, count, 3)
+    with pytest.raises(ValueError, match=r"idx \(1, 4, 3\) / count \(1, 3\)"):
+        group_union(idx, count[:, :3], 2)
+    with pytest.raises(ValueError, match="G = Hq / kv_heads = 33; allowed 1 .. 32"):
+        group_union(torch.zeros(1, 33, 3, dtype=I32), torch.zeros(1, 33, dtype=I32), 1)
