@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .group_union import group_union
 from .triton_support import gqa_group, interpreting, next_pow2, num_sms, program_bh, require_triton, tl, triton
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "sparse_decode_attention_reference",
     "sparse_decode_attention_grouped",
     "sparse_decode_attention_grouped_reference",
+    "sparse_decode_attention_union",
+    "sparse_decode_attention_union_reference",
     "attention_schedule",
 ]
 
@@ -40,19 +43,25 @@ __all__ = [
 # the same kernel with PACK on, grid (B*Hkv groups, splits): the G query heads of the group are
 # the M rows of the tiles (pack_gqa), so every selected K/V row is loaded once for all G heads
 # and the two dots do G rows of useful work instead of 1 of 16.
+#
+# Per-head sets read once per group (:func:`sparse_decode_attention_union`): the group's union of
+# its heads' sets (kernels/group_union.py) is the PACK list, and a head bitmask per entry
+# (HEAD_MASK) sets a head's score to -inf on the keys outside its own set. Each K/V row of the
+# union is loaded once for the group instead of once per head holding it; the output is the
+# per-head attention's.
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _sparse_attn_kernel(
-    Q, K, V, PAD, IDX, CNT, OUT, M_PART, L_PART, O_PART,
+    Q, K, V, PAD, IDX, CNT, HMASK, OUT, M_PART, L_PART, O_PART,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_ib, stride_ih, stride_cb, stride_ch, stride_ob, stride_oh,
+    stride_ib, stride_ih, stride_cb, stride_ch, stride_mb, stride_mh, stride_ob, stride_oh,
     qk_scale, cap, CHUNK,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    PACK: tl.constexpr, BLOCK_M: tl.constexpr,
+    PACK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_MASK: tl.constexpr,
 ):
     """Attention of one query row (PACK off) or of the G query heads of one KV group sharing
     one index list (PACK on) over one slice of that list (online softmax, base 2).
@@ -60,7 +69,11 @@ def _sparse_attn_kernel(
     PACK off: program ``b*H + h``, index list ``idx[b, h]``; the query is replicated over the
     BLOCK_M = 16 rows of a tensor-core tile (only row 0 is stored). PACK on: program
     ``b*(H // GROUP) + kvh``, index list ``idx[b, kvh]``, M row ``g < GROUP`` is query head
-    ``kvh*GROUP + g`` (rows past GROUP are zero and not stored). In both:
+    ``kvh*GROUP + g`` (rows past GROUP are zero and not stored). HEAD_MASK (PACK only): entry
+    ``i`` of the list carries the int32 ``HMASK[b, kvh, i]``, and head ``g`` scores ``-inf`` where
+    its bit ``g`` is clear, so every head attends exactly its own subset of the list (the running
+    max is taken as 0 while a head has seen no key, keeping the online softmax NaN-free; a head
+    with no key gives zeros). In all modes:
     q.K^T and p.V run as `tl.dot` (fp32 accumulation; exact IEEE fp32 for fp32 inputs), which
     keeps the K/V tiles out of registers and lets the compiler pipeline the gathers (cp.async,
     3 stages). ``IEEE``: fp32 operands, exact fp32 dots (fp32 inputs; also bf16 under the
@@ -94,6 +107,7 @@ def _sparse_attn_kernel(
     k_base = K + b64 * stride_kb + kvh * stride_kh
     v_base = V + b64 * stride_vb + kvh * stride_vh
     i_base = IDX + b * stride_ib + lrow * stride_ih
+    hm_base = HMASK + b * stride_mb + lrow * stride_mh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -109,10 +123,19 @@ def _sparse_attn_kernel(
             s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, kt)
-        s = tl.where(nm[None, :], (s * qk_scale).to(tl.float32), float("-inf"))
+        if HEAD_MASK:
+            bits = tl.load(hm_base + n, mask=nm, other=0)
+            keep = nm[None, :] & (((bits[None, :] >> offs_m[:, None]) & 1) != 0)
+        else:
+            keep = nm[None, :]
+        s = tl.where(keep, (s * qk_scale).to(tl.float32), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if HEAD_MASK:  # a head with no key so far: m_new = -inf; exp2 against 0 gives 0, not NaN
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IEEE:
             pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
@@ -191,9 +214,11 @@ def _attend(
     *,
     pack: bool,
     num_splits: Optional[int],
+    head_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Shared launcher: one program per query row (``pack`` off, idx [B, Hq, cap]) or per KV
-    group with the G heads packed in M (``pack`` on, idx [B, Hkv, cap])."""
+    group with the G heads packed in M (``pack`` on, idx [B, Hkv, cap]; ``head_mask``, int32 like
+    ``idx``, restricts head ``g`` of the group to the entries with bit ``g`` set)."""
     require_triton(q, k_cache, v_cache)
     B, H, D = q.shape
     Hkv = k_cache.shape[1]
@@ -203,6 +228,9 @@ def _attend(
         want = "[B, Hkv, cap] / [B, Hkv]" if pack else "[B, Hq, cap] / [B, Hq]"
         raise ValueError(f"idx {tuple(idx.shape)} / count {tuple(count.shape)}: expected {want} with B={B}, "
                          f"{'Hkv' if pack else 'Hq'}={lists}")
+    if head_mask is not None and (not pack or head_mask.shape != idx.shape or head_mask.dtype != torch.int32):
+        raise ValueError(f"head_mask {tuple(head_mask.shape)} {head_mask.dtype}: expected int32 of idx's shape "
+                         f"{tuple(idx.shape)}, with one index list per KV head")
     cap = idx.shape[-1]
     out = torch.empty_like(q)
     if B * H == 0:
@@ -217,6 +245,9 @@ def _attend(
         v_cache = v_cache.contiguous()
     if idx.stride(-1) != 1:
         idx = idx.contiguous()
+    if head_mask is not None and head_mask.stride(-1) != 1:
+        head_mask = head_mask.contiguous()
+    hmask = idx if head_mask is None else head_mask  # unused without a head mask
     rows = B * H
     programs = B * lists
     block_d = next_pow2(D, 16)
@@ -229,16 +260,16 @@ def _attend(
     else:
         m_part = l_part = o_part = out  # unused
     _sparse_attn_kernel[(programs, nsplit)](
-        q, k_cache, v_cache, pad, idx, count, out, m_part, l_part, o_part,
+        q, k_cache, v_cache, pad, idx, count, hmask, out, m_part, l_part, o_part,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        idx.stride(0), idx.stride(1), count.stride(0), count.stride(1),
+        idx.stride(0), idx.stride(1), count.stride(0), count.stride(1), hmask.stride(0), hmask.stride(1),
         out.stride(0), out.stride(1),
         float(scale) * _LOG2E, cap, chunk,
         H=H, GROUP=group, D=D, NSPLIT=nsplit, BLOCK_N=block_n, BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
-        PACK=pack, BLOCK_M=block_m,
+        PACK=pack, BLOCK_M=block_m, HEAD_MASK=head_mask is not None,
         num_warps=4, num_stages=3,
     )
     if nsplit > 1:
@@ -272,6 +303,27 @@ def sparse_decode_attention_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     :func:`sparse_decode_attention_grouped_reference`.
     """
     return _attend(q, k_cache, v_cache, pad, idx, count, scale, pack=True, num_splits=num_splits)
+
+
+def sparse_decode_attention_union(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor, idx: torch.Tensor,
+                                  count: torch.Tensor, scale: float, *, num_splits: Optional[int] = None) -> torch.Tensor:
+    """Triton attention over per-head index sets that reads each KV group's union of them once.
+
+    :func:`~.group_union.group_union` turns the per-head sets into one list per KV head (the
+    distinct indices of the G heads' sets, ``[B, Hkv, G*cap]``) with a head bitmask per entry;
+    the grouped kernel (one program per (batch, KV head, split), the G heads in the M rows of the
+    dots) loads each listed K/V row once and masks every head to its own set. Same output as
+    :func:`sparse_decode_attention`, with the K/V rows read per group being the union's size
+    rather than the sum of the heads' counts. No host synchronisation. ``num_splits`` as in
+    :func:`sparse_decode_attention`, applied to the union lists (length ``G*cap``). Args and result
+    as :func:`sparse_decode_attention_reference`; needs ``G = Hq / Hkv <= 32``.
+    """
+    if idx.dim() != 3 or idx.shape[:2] != q.shape[:2] or count.shape != q.shape[:2]:
+        raise ValueError(f"idx {tuple(idx.shape)} / count {tuple(count.shape)}: expected [B, Hq, cap] / [B, Hq] "
+                         f"with B={q.shape[0]}, Hq={q.shape[1]}")
+    union_idx, head_mask, union_count = group_union(idx, count, k_cache.shape[1])
+    return _attend(q, k_cache, v_cache, pad, union_idx, union_count, scale, pack=True, num_splits=num_splits,
+                   head_mask=head_mask)
 
 
 def sparse_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor,
@@ -328,3 +380,10 @@ def sparse_decode_attention_grouped_reference(q: torch.Tensor, k_cache: torch.Te
     return sparse_decode_attention_reference(
         q, k_cache, v_cache, pad, idx.repeat_interleave(G, dim=1), count.repeat_interleave(G, dim=1), scale
     )
+
+
+def sparse_decode_attention_union_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor,
+                                            idx: torch.Tensor, count: torch.Tensor, scale: float) -> torch.Tensor:
+    """PyTorch reference of :func:`sparse_decode_attention_union`: the per-head attention
+    (:func:`sparse_decode_attention_reference`), since reading the union leaves every head's set unchanged."""
+    return sparse_decode_attention_reference(q, k_cache, v_cache, pad, idx, count, scale)

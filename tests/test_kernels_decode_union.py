@@ -15,6 +15,12 @@ import torch
 
 from conftest import triton_available
 from prhs_hf.kernels.group_union import group_union, group_union_reference
+from prhs_hf.kernels.sparse_decode_attention import (
+    sparse_decode_attention,
+    sparse_decode_attention_reference,
+    sparse_decode_attention_union,
+    sparse_decode_attention_union_reference,
+)
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 DEV = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
@@ -120,3 +126,70 @@ def test_union_builder_errors_name_the_argument():
         group_union(idx, count[:, :3], 2)
     with pytest.raises(ValueError, match="G = Hq / kv_heads = 33; allowed 1 .. 32"):
         group_union(torch.zeros(1, 33, 3, dtype=I32), torch.zeros(1, 33, dtype=I32), 1)
+
+
+# ----------------------------------------------------------------------------- the attention
+
+#: The tolerances of tests/test_kernels_decode.py's attention tests.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+def attention_case(B: int, G: int, Hkv: int, D: int, S: int, cap: int, dtype: torch.dtype, overlap: str, seed: int,
+                   pads: list[int]):
+    g = torch.Generator().manual_seed(seed)
+    Hq = G * Hkv
+    q = torch.randn(B, Hq, D, generator=g).to(dtype)
+    kc = (2 * torch.randn(B, Hkv, S, D, generator=g)).to(dtype)
+    vc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    idx, count = per_head_sets(B, Hq, G, S, cap, overlap, seed + 1, pads)
+    return q, kc, vc, torch.tensor(pads, dtype=I32), idx, count
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G", [1, 2, 7])
+@pytest.mark.parametrize("overlap", ["heavy", "none"])
+def test_union_attention_equals_per_head(dtype, G, overlap):
+    """Per-head output, to the per-head tests' tolerance, from the union lists; cap 13 is not a
+    multiple of the tile; sequence 1 is left padded; head (0, 0) has count 0; split and unsplit."""
+    B, Hkv, D, S, cap = 2, 2, 32, 120, 13
+    q, kc, vc, pad, idx, count = attention_case(B, G, Hkv, D, S, cap, dtype, overlap, 40 + G, [0, 11])
+    scale = 1 / math.sqrt(D)
+    dev = [x.to(DEV) for x in (q, kc, vc, pad, idx, count)]
+    ref = sparse_decode_attention_union_reference(q, kc, vc, pad, idx, count, scale)
+    per_head = sparse_decode_attention(*dev, scale)
+    tol = TOL[dtype]
+    for splits in (None, 3):
+        out = sparse_decode_attention_union(*dev, scale, num_splits=splits)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float().cpu(), ref.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(out.float().cpu(), per_head.float().cpu(), atol=tol, rtol=tol)
+        assert (out[0, 0] == 0).all()  # count 0
+    assert torch.equal(ref, sparse_decode_attention_reference(q, kc, vc, pad, idx, count, scale))
+
+
+@needs_triton
+def test_union_attention_heads_whose_first_tiles_hold_none_of_their_keys():
+    """Head 0 of the group holds only the last keys of a long union (whole tiles masked for it
+    before them), head 1 holds none, head 2 the first ones: outputs stay finite and exact, head 1 zero."""
+    B, G, Hkv, D, S, cap = 1, 3, 1, 16, 300, 140
+    q, kc, vc, pad, _, _ = attention_case(B, G, Hkv, D, S, cap, torch.float32, "heavy", 7, [0])
+    idx = torch.full((B, G, cap), -1, dtype=I32)
+    idx[0, 0, :4] = torch.tensor([290, 293, 296, 299], dtype=I32)
+    idx[0, 2] = torch.arange(cap, dtype=I32) * 2
+    count = torch.tensor([[4, 0, cap]], dtype=I32)
+    ref = sparse_decode_attention_union_reference(q, kc, vc, pad, idx, count, 0.25)
+    for splits in (None, 1, 2):
+        out = sparse_decode_attention_union(*(x.to(DEV) for x in (q, kc, vc, pad, idx, count)), 0.25, num_splits=splits)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+        assert (out[0, 1] == 0).all()
+
+
+@needs_triton
+def test_union_attention_all_counts_zero_and_bad_input():
+    q, kc, vc, pad, idx, count = attention_case(1, 2, 2, 16, 40, 5, torch.float32, "heavy", 9, [0])
+    out = sparse_decode_attention_union(*(x.to(DEV) for x in (q, kc, vc, pad, idx, torch.zeros_like(count))), 0.25)
+    assert (out == 0).all()
+    with pytest.raises(ValueError, match=r"expected \[B, Hq, cap\] / \[B, Hq\] with B=1, Hq=4"):
+        sparse_decode_attention_union(q, kc, vc, pad, idx[:, :2], count[:, :2], 0.25)  # one list per KV head
