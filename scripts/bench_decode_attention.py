@@ -24,7 +24,10 @@ Every speedup is quoted against the fastest of these in the row (``fastest_dense
 
 PrHS columns: ``flex`` (FlexAttention with a BlockMask of the step's token pattern, mask
 construction excluded); ``sparse`` (our sparse-attention kernel alone, on the step's index
-lists); ``cis8`` / ``cis16`` (the whole CIS decode step, s = 8 / 16: match + top-k retrieval for
+lists); ``sparse_union`` (:func:`sparse_decode_attention_union` on the same lists: the union of each
+KV group's per-head sets built, then read once per group with every head masked to its own set;
+``union_fraction``: union entries / summed counts, the share of ``sparse``'s K/V reads it makes;
+``sparse_union_max_abs_diff`` vs ``sparse``); ``cis8`` / ``cis16`` (the whole CIS decode step, s = 8 / 16: match + top-k retrieval for
 exactly ceil(B*Hq/s) rows, the steady-state share rate, or with ``--retrieve-share P`` (a ρ̂
 measured on a real model, e.g. 0.19 for Qwen2.5-Coder-1.5B on 16k CoQA stories) ceil(B*Hq*P) rows,
 + composition + attention; anchor-set path); ``cis16_topk`` (top-k anchors); ``cis16_group`` (the whole step of group-shared CIS,
@@ -103,7 +106,8 @@ from prhs_hf.kernels.key_index import (  # noqa: E402
     update_key_index,
     write_key_index,
 )
-from prhs_hf.kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
+from prhs_hf.kernels.group_union import group_union  # noqa: E402
+from prhs_hf.kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_union  # noqa: E402
 from prhs_hf.kernels.topk_retrieval import topk_retrieval, topk_retrieval_grouped  # noqa: E402
 from prhs_hf.selectors.double_sparsity import label_keys, top_channels  # noqa: E402
 
@@ -113,7 +117,7 @@ TARGET_MHA = 5.0  # the target: CIS-16 step at least this many times faster than
 TARGET_GQA = 3.0  # ... and for GQA shapes
 STAGES = ("match", "retrieval", "dilate_compose", "attention")  # the step; the record (state update) apart
 DENSE = tuple(common.DENSE_LABELS)  # transformers, sdpa_gqa, flash_packed, flashinfer
-PRHS_COLUMNS = ("flex", "sparse", "cis8", "cis16", "cis16_topk", "cis16_group", "ref16", "ds")
+PRHS_COLUMNS = ("flex", "sparse", "sparse_union", "cis8", "cis16", "cis16_topk", "cis16_group", "ref16", "ds")
 DS_RANK = 16  # Double Sparsity's label channels per head (the paper's r)
 DS_STAGES = ("gather", "label_score", "select", "compose", "attention")
 CIS_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cis.yaml"
@@ -564,6 +568,15 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
             str(n): time_it(lambda n=n: sparse_decode_attention(q, kc, vc, x["pad"], idx, count, scale, num_splits=n))[0]
             for n in (1, 2, 4, 8)
         }
+    union_count = group_union(idx, count, sh.Hkv)[2]
+    row["union_fraction"] = int(union_count.sum()) / max(total_keys, 1)
+
+    def sparse_union():
+        return sparse_decode_attention_union(q, kc, vc, x["pad"], idx, count, scale)
+
+    per_head_out = sparse_decode_attention(q, kc, vc, x["pad"], idx, count, scale)
+    row["sparse_union_max_abs_diff"] = (sparse_union().float() - per_head_out.float()).abs().max().item()
+    row["sparse_union_ms"], row["sparse_union_timing"] = time_it(sparse_union)
     row["cis8_ms"], row["cis8_timing"] = time_it(steps[8][0])
     row["cis16_ms"], row["cis16_timing"] = time_it(step16)
     row["cis16_topk_ms"], row["cis16_topk_timing"] = time_it(steps[16][3])
@@ -795,7 +808,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     v = meta["versions"]
     head = (
         "| B | ctx | Hq/Hkv | budget sink/local/k/m | avg KV/head | transformers sdpa (repeat_kv) | SDPA gqa+mask "
-        "| SDPA flash packed | FlashInfer | fastest dense | flex ms (blocks) | sparse ms | CIS-8 step | CIS-16 step "
+        "| SDPA flash packed | FlashInfer | fastest dense | flex ms (blocks) | sparse ms | sparse union ms (union / sum) | CIS-8 step | CIS-16 step "
         "| ref step | DS step (r, top-k) | CIS-16 vs fastest dense | DS vs fastest dense | CIS-16 vs DS | CIS-16 vs flex "
         "| CIS-16 group step (vs fastest dense) | grouped retrieval / sparse ms | sparse GB/s (% copy) |"
     )
@@ -817,7 +830,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {r['B']} | {r['ctx']} | {r['Hq']}/{r['Hkv']} | {r['budget']} {r['sink']}/{r['local']}/{r['k']}/{r['dil_m']} "
             f"| {r['avg_kv_per_head']:.0f} | " + " | ".join(fmt(r[f"dense_{n}_ms"]) for n in DENSE)
             + f" | {r['fastest_dense'] or 'n/a'} | {fmt(r['flex_ms'])}{blocks} "
-            f"| {fmt(r['sparse_ms'])} | {fmt(r['cis8_ms'])} | {fmt(r['cis16_ms'])} | {fmt(r['ref16_ms'])} "
+            f"| {fmt(r['sparse_ms'])} | {fmt(r['sparse_union_ms'])} ({r['union_fraction']:.2f}) | {fmt(r['cis8_ms'])} | {fmt(r['cis16_ms'])} | {fmt(r['ref16_ms'])} "
             f"| {fmt(r['ds_ms'])} (r={r['ds_rank']}, k={r['ds_k']}) "
             f"| {fmt(r['cis16_speedup_vs_fastest_dense'], '.2f')} | {fmt(r['ds_speedup_vs_fastest_dense'], '.2f')} "
             f"| {fmt(r['cis16_speedup_vs_ds'], '.2f')} | {fmt(r.get('cis16_speedup_vs_flex'), '.2f')} "
@@ -968,6 +981,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(
             "    dense " + "  ".join(f"{n} {fmt(r[f'dense_{n}_ms'])}" for n in DENSE)
             + f" -> fastest {r['fastest_dense']}\n    flex {fmt(r['flex_ms'])}  sparse {fmt(r['sparse_ms'])}  "
+            f"sparse union {fmt(r['sparse_union_ms'])} (union {r['union_fraction']:.2f} of the summed sets)  "
             f"cis8 {fmt(r['cis8_ms'])}  cis16 {fmt(r['cis16_ms'])}  ref16 {fmt(r['ref16_ms'])} ms; "
             f"CIS-16 {fmt(r['cis16_speedup_vs_fastest_dense'], '.2f')}x the fastest dense; "
             f"group step {fmt(r['cis16_group_ms'])} ({fmt(r['cis16_group_speedup_vs_fastest_dense'], '.2f')}x); "

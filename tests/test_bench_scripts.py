@@ -172,6 +172,9 @@ def test_bench_decode_attention_quick_cpu_json(tmp_path):
         assert math.isclose(r["cis16_speedup_vs_fastest_dense"], ms / r["cis16_ms"])
         assert math.isclose(r["cis16_target_ms"], ms / r["cis16_target_speedup"])
         assert r["dense_sdpa_gqa_max_abs_diff"] < 0.05  # bf16: the same attention as transformers'
+        # the union attention: timed on the step's sets, the per-head output, and fewer K/V rows with GQA
+        assert r["sparse_union_ms"] > 0 and r["sparse_union_max_abs_diff"] < 0.05
+        assert 0 < r["union_fraction"] <= 1 and (r["union_fraction"] < 1 or r["Hq"] == r["Hkv"])
         for key in ("grouped_retrieval", "grouped_sparse"):
             status = r[f"{key}_status"]
             if status == "available":  # then it ran, gave the reference's answer, and was timed
@@ -200,7 +203,7 @@ def test_bench_decode_attention_quick_cpu_json(tmp_path):
         assert r["stage16_dilate_compose_ms"] > 0 and r["stage16_dilated_set_ms"] > 0 and r["stage16_compose_ms"] > 0
         assert r["stage16_record_ms"] > 0
     md = (tmp_path / "bench_decode_attention.md").read_text()
-    assert "DS step (r, top-k)" in md and "Double Sparsity step" in md and "CIS-16 group step" in md
+    assert "sparse union ms (union / sum)" in md and "DS step (r, top-k)" in md and "Double Sparsity step" in md and "CIS-16 group step" in md
 
 
 def test_bench_decode_attention_retrieve_share():
