@@ -206,10 +206,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ruler=Path(args.ruler).name, operator=Path(args.operator).name,
                 operator_gpu=operator.get("gpu"), operator_commit=operator.get("git_commit"),
                 speed_maps=[n for n, _ in speed_maps])
-    out.with_suffix(".json").write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
+    (out.parent / f"{out.name}.json").write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
     md = markdown(rows, meta)
-    out.with_suffix(".md").write_text(md)
-    drawn = plot(rows, out.with_suffix(".png"), rows[0]["operator"][0]["shape"] if rows[0]["operator"] else "")
+    (out.parent / f"{out.name}.md").write_text(md)
+    drawn = plot(rows, out.parent / f"{out.name}.png", rows[0]["operator"][0]["shape"] if rows[0]["operator"] else "")
     print(md)
     print(f"wrote {out}.json, .md" + (", .png" if drawn else " (no matplotlib: no .png)"))
     return 0

@@ -147,10 +147,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for config in args.configs.split(","):
         result["rows"].append(measure(model, prompts, config, args.new_tokens))
-        out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps({k: v for k, v in result["rows"][-1].items() if k != "union_over_sum_by_layer"}), flush=True)
     md = markdown(result)
-    out.with_suffix(".md").write_text(md)
+    (out.parent / f"{out.name}.md").write_text(md)
     print(md)
     return 0
 

@@ -668,9 +668,9 @@ def test_frontier_reads_the_measured_results_and_leaves_unmeasured_cells_empty(t
     budget, the policy's decision there, and RULER points only where a RULER run exists (cis-group-lb has
     none: "not run", never a guess); the Pareto set keeps a point that no other beats on both axes."""
     frontier = load_script("frontier")
-    assert frontier.main(["--out", str(tmp_path / "f")]) == 0
-    rows = {r["name"]: r for r in json.loads((tmp_path / "f.json").read_text())["rows"]}
-    assert rows["cis-group-lb"]["ruler"] is None and "not run" in (tmp_path / "f.md").read_text()
+    assert frontier.main(["--out", str(tmp_path / "f_1.5b")]) == 0  # a dot in the stem is kept
+    rows = {r["name"]: r for r in json.loads((tmp_path / "f_1.5b.json").read_text())["rows"]}
+    assert rows["cis-group-lb"]["ruler"] is None and "not run" in (tmp_path / "f_1.5b.md").read_text()
     assert rows["dense"]["ruler"]["delta_points"] == 0.0
     assert rows["cis"]["ruler"]["cells"] >= 24 and rows["cis"]["ruler"]["delta_points"] < -1
     lb = {o["shape"]: o for o in rows["cis_longbench"]["operator"]}
