@@ -235,12 +235,6 @@ class PrHSRuntime:
                 self.graphed and hidden_states.device.type == "cuda" and isinstance(cache, DynamicCache))
             self.sparse_decode = model is None or model.sparse_decode_wins(shape, compiled)
 
-    @property
-    def decodes_sparse_now(self) -> bool:
-        """Whether the decode steps of the last eager forward's decision run sparse: the policy said
-        sparse and the config has a sparse decode (a compiled step keeps its prefill's decision)."""
-        return self.sparse_decode and not self._never_sparse
-
     def geometry_on(self, device: torch.device) -> SequenceGeometry:
         """The current forward's geometry on ``device``: the buffers themselves on the first
         layer's device, a copy for a layer that a ``device_map`` puts on another one."""
@@ -274,11 +268,11 @@ class PrHSRuntime:
         return self._last_query_slot
 
     def decodes_sparse(self) -> bool:
-        """The policy's decision of the last eager forward (:attr:`sparse_decode`): whether that decode
-        step runs sparse or, at a prefill, whether the decode steps after it do (compiled ones keep it;
-        eager ones decide again). CIS makes its anchor buffers at a prefill only where it is True, else
-        at the first sparse step."""
-        return self.sparse_decode
+        """The policy's decision of the last eager forward (:attr:`sparse_decode`) for a config with a
+        sparse decode: whether that decode step runs sparse or, at a prefill, whether the decode steps
+        after it do (compiled ones keep it; eager ones decide again). CIS makes its anchor buffers at a
+        prefill only where it is True, else at the first sparse step; the speed map records it per row."""
+        return self.sparse_decode and not self._never_sparse
 
     def is_decoding(self, q_len: int) -> bool:
         """Whether the current forward (of ``q_len`` query rows) is a decode step (see :meth:`begin_forward`)."""

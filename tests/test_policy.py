@@ -181,14 +181,14 @@ def test_the_runtime_prices_the_budgets_top_k(monkeypatch):
 
 
 def test_the_runtime_says_whether_its_decode_steps_run_sparse(monkeypatch):
-    """decodes_sparse_now (the speed map's decode_steps): the last decision, and never for a config
+    """decodes_sparse() (the speed map's decode_steps): the last decision, and never for a config
     without a sparse decode."""
     model = tiny_model("llama")
     ids, mask = padded_batch([40, 30])
     for config, want in (({**SPARSE, "policy": {"decode": "dense"}}, False), (SPARSE, True), ("dense", False)):
         with prhs_hf.patch(model, config) as handle, torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
-            assert handle.runtime.decodes_sparse_now is want, config
+            assert handle.runtime.decodes_sparse() is want, config
 
 
 def test_auto_on_a_cpu_is_sparse(monkeypatch):

@@ -327,22 +327,23 @@ def measure(target: Target, mode: str, batch: int, length: int, config: str, arg
         row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
     runtime = getattr(model, "_prhs_runtime", None)
     if runtime is not None and not is_dense_baseline(config):  # what the policy ran (its last decision)
-        row["decode_steps"] = "sparse" if runtime.decodes_sparse_now else "dense"
+        row["decode_steps"] = "sparse" if runtime.decodes_sparse() else "dense"
     if args.telemetry and prhs_hf.is_patched(model):
         row["rho_hat"] = prhs_hf.telemetry(model).retrieval_ratio
     return row
 
 
 def _free_bytes(device: Any) -> Optional[int]:
-    """Free GPU memory plus what torch's allocator holds unused; ``None`` off CUDA."""
+    """Free GPU memory plus what torch's allocator holds unused, after a collection
+    (:func:`prhs_hf.patching.free_device_bytes`); ``None`` off CUDA."""
     import torch
 
-    if device.type != "cuda":
-        return None
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    from prhs_hf.patching import free_device_bytes
+
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+    return free_device_bytes(device)
 
 
 def _cell(target: Target, mode: str, batch: int, length: int, config: str, args: argparse.Namespace,
