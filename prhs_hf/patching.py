@@ -409,14 +409,12 @@ def prefill_for_patch(runtime: PrHSRuntime, prefill: Callable) -> Callable:
         if growth is not None and length and length <= growth * input_ids.shape[-1]:
             buffer_cache(model_kwargs.get("past_key_values"), growth, reserve=length)
         model = getattr(prefill, "__self__", None)  # the model (None: a _prefill replaced by a plain function)
-        if generation_config.prefill_chunk_size is None and isinstance(model, nn.Module):
+        chunk = generation_config.prefill_chunk_size
+        if chunk is None and isinstance(model, nn.Module):
             chunk = prefill_chunk_that_fits(model, input_ids, generation_config, model_kwargs)
-            if chunk is not None:
-                generation_config = copy.copy(generation_config)
-                generation_config.prefill_chunk_size = chunk
-        if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
+        if chunk is not None and (chunk != generation_config.prefill_chunk_size or not generation_config.disable_compile):
             generation_config = copy.copy(generation_config)
-            generation_config.disable_compile = True
+            generation_config.prefill_chunk_size, generation_config.disable_compile = chunk, True
         return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
 
     return prefill_patched
