@@ -274,6 +274,31 @@ def _dilated_mark_kernel(SEL, FLAG, MAP, stride_sb, stride_sh, stride_fb, stride
 
 
 @triton.jit
+def _chunk_marks(row, j, L):
+    """The marks of map row ``row`` at positions ``j`` (0 at and after ``L``): ``(mark, marked)`` int32."""
+    mark = tl.load(row + j, mask=j < L, other=0).to(tl.int32)
+    return mark, (mark != 0).to(tl.int32)
+
+
+@triton.jit
+def _store_marked(row, out, j, n, R, L, NSET):
+    """Store the marked positions ``j`` of map row ``row`` as ``((j - R) << 1) | only_neighbour``,
+    in order, at ``out[n:]`` (not at or past ``NSET``); return how many are marked."""
+    mark, marked = _chunk_marks(row, j, L)
+    pos = n + tl.cumsum(marked, axis=0) - marked
+    tl.store(out + pos, ((j - R) << 1) | (mark == 1).to(tl.int32), mask=(marked != 0) & (pos < NSET))
+    return tl.sum(marked, axis=0)
+
+
+@triton.jit
+def _pad_set(out, lo, hi, n, BLOCK: tl.constexpr):
+    """SET_NONE at the slots ``[lo, hi)`` of ``out`` from the set's size ``n`` on."""
+    for start in range(lo, hi, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        tl.store(out + i, tl.full([BLOCK], 2147483647, tl.int32), mask=(i >= n) & (i < hi))
+
+
+@triton.jit
 def _dilated_collect_kernel(
     MAP, FLAG, OUT,
     stride_fb, stride_fh,
@@ -288,20 +313,99 @@ def _dilated_collect_kernel(
     if flag != 0:
         row = MAP + pid.to(tl.int64) * L
         for start in range(0, L, BLOCK):
-            j = start + tl.arange(0, BLOCK)
-            mark = tl.load(row + j, mask=j < L, other=0).to(tl.int32)
-            keep = (mark != 0).to(tl.int32)
-            pos = n + tl.cumsum(keep, axis=0) - keep
-            tl.store(out + pos, ((j - R) << 1) | (mark == 1).to(tl.int32), mask=(keep != 0) & (pos < NSET))
-            n += tl.sum(keep, axis=0)
-    for start in range(0, NSET, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        tl.store(out + i, tl.full([BLOCK], 2147483647, tl.int32), mask=(i >= n) & (i < NSET))
+            n += _store_marked(row, out, start + tl.arange(0, BLOCK), n, R, L, NSET)
+    _pad_set(out, 0, NSET, n, BLOCK)
+
+
+@triton.jit
+def _dilated_count_kernel(
+    MAP, FLAG, COUNTS,
+    stride_fb, stride_fh,
+    L, N_CHUNKS,
+    H: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program per (row, chunk of CHUNK map positions): the chunk's marked positions, into
+    ``COUNTS[row, chunk]`` (rows without FLAG: 0)."""
+    pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
+    c = tl.program_id(1)
+    n = 0
+    if flag != 0:
+        _, marked = _chunk_marks(MAP + pid.to(tl.int64) * L, c * CHUNK + tl.arange(0, CHUNK), L)
+        n = tl.sum(marked, axis=0)
+    tl.store(COUNTS + pid.to(tl.int64) * N_CHUNKS + c, n)
+
+
+@triton.jit
+def _dilated_write_kernel(
+    MAP, FLAG, COUNTS, OUT,
+    stride_fb, stride_fh,
+    R, L, NSET, N_CHUNKS, SHARE,
+    H: tl.constexpr, CHUNK: tl.constexpr, NCH: tl.constexpr,
+):
+    """One program per (row, chunk): the chunk's marked positions as ``(v << 1) | only_neighbour``
+    from the sum of the counts of the chunks before it, and SET_NONE at the slots of its share
+    ``[c * SHARE, (c + 1) * SHARE)`` of the row from the row's total on (rows without FLAG:
+    padding only)."""
+    pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
+    c = tl.program_id(1)
+    out = OUT + pid.to(tl.int64) * NSET
+    total = 0
+    if flag != 0:
+        ci = tl.arange(0, NCH)
+        counts = tl.load(COUNTS + pid.to(tl.int64) * N_CHUNKS + ci, mask=ci < N_CHUNKS, other=0)
+        total = tl.sum(counts, axis=0)
+        before = tl.sum(tl.where(ci < c, counts, 0), axis=0)
+        _store_marked(MAP + pid.to(tl.int64) * L, out, c * CHUNK + tl.arange(0, CHUNK), before, R, L, NSET)
+    lo = c * SHARE
+    _pad_set(out, lo, tl.minimum(lo + SHARE, NSET), total, CHUNK)
 
 
 #: the sort path's register sort grows as log^2 of the set: from this many entries (next power
 #: of two) a row with a known index span is marked in a map and collected in order instead
 MAP_FROM_ENTRIES = 1024
+
+#: the map path's collects: ``"serial"`` (``_method="map"``: one program per row scans its map row)
+#: and ``"parallel"`` (``_method="map_parallel"``: a program per (row, chunk of :data:`MAP_CHUNK`
+#: positions) counts its chunk's marks, then writes them after the counts of the chunks before it)
+MAP_COLLECTS = {"serial": "map", "parallel": "map_parallel"}
+
+#: the collect of :func:`dilated_set`'s ``"auto"`` map path (so of :func:`dilate_and_compose`'s), a
+#: key of :data:`MAP_COLLECTS`
+MAP_COLLECT = "serial"
+
+#: map positions per program of the parallel collect
+MAP_CHUNK = 2048
+
+
+def _collect_map(marks: torch.Tensor, flag: torch.Tensor, out: torch.Tensor, R: int, parallel: bool) -> None:
+    """Collect each flagged row of ``marks [B*H, L]`` (int8, marked over ``[-R, L - R)``) into
+    ``out [B, H, nset]`` (contiguous), with the parallel collect or the serial one (see
+    :data:`MAP_COLLECTS`); the rows without ``flag [B, H]`` are all SET_NONE."""
+    B, H, nset = out.shape
+    L = marks.shape[1]
+    if not parallel:
+        _dilated_collect_kernel[(B * H,)](
+            marks, flag, out,
+            flag.stride(0), flag.stride(1),
+            R, L, nset,
+            H=H, BLOCK=2048, num_warps=8,
+        )
+        return
+    chunk = int(MAP_CHUNK)
+    n_chunks = triton.cdiv(L, chunk)
+    counts = torch.empty((B * H, n_chunks), dtype=torch.int32, device=marks.device)
+    _dilated_count_kernel[(B * H, n_chunks)](
+        marks, flag, counts,
+        flag.stride(0), flag.stride(1),
+        L, n_chunks,
+        H=H, CHUNK=chunk, num_warps=4,
+    )
+    _dilated_write_kernel[(B * H, n_chunks)](
+        marks, flag, counts, out,
+        flag.stride(0), flag.stride(1),
+        R, L, nset, n_chunks, triton.cdiv(nset, n_chunks),
+        H=H, CHUNK=chunk, NCH=next_pow2(n_chunks), num_warps=4,
+    )
 
 
 def dilated_set(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int, span: int = 0,
@@ -309,15 +413,24 @@ def dilated_set(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int, 
     """Triton dilated sets of the selected rows.
 
     Args and result as :func:`dilated_set_reference`; ``span`` (optional, e.g. the cache's slot
-    count) bounds the indices: every ``sel_idx`` entry is ``< span``. Two methods, the same
-    output: ``"sort"`` (one launch, a register sort per selected row) and ``"map"`` (needs
-    ``span``: each selected row marks its indices in an int8 map of ``span + 2r`` positions, then
-    collects them in order: two launches and a memset, no sort). ``"auto"``: the map for sets of
-    at least :data:`MAP_FROM_ENTRIES` (next power of two) when ``span`` is given, else the sort.
+    count) bounds the indices: every ``sel_idx`` entry is ``< span``. Three methods, the same
+    output: ``"sort"`` (one launch, a register sort per selected row) and the map (needs ``span``:
+    each selected row marks its indices in an int8 map of ``span + 2r`` positions, then they are
+    collected in order, no sort) with either collect of :data:`MAP_COLLECTS`: ``"map"`` (one
+    program per row scans its map row: a memset and two launches) or ``"map_parallel"`` (a
+    program per (row, chunk of :data:`MAP_CHUNK` positions) counts its chunk's marks, then another
+    writes them after the counts of the row's chunks before it, and its share of the padding: a
+    memset and three launches). ``"auto"``: the map with the collect :data:`MAP_COLLECT` for sets
+    of at least :data:`MAP_FROM_ENTRIES` (next power of two) when ``span`` is given, else the sort.
+
+    Raises:
+        ValueError: ``_method`` not one of the above, a map method without ``span``, or (``"auto"``)
+            a :data:`MAP_COLLECT` that is not a key of :data:`MAP_COLLECTS`.
     """
     require_triton(sel_idx)
-    if _method not in ("auto", "sort", "map"):
-        raise ValueError(f"dilated_set: _method={_method!r}; expected 'auto', 'sort' or 'map'")
+    methods = ("auto", "sort", *MAP_COLLECTS.values())
+    if _method not in methods:
+        raise ValueError(f"dilated_set: _method={_method!r}; expected one of {', '.join(map(repr, methods))}")
     B, H, K = sel_idx.shape
     dev = sel_idx.device
     r = max(int(dil_r), 0)
@@ -332,10 +445,13 @@ def dilated_set(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int, 
     nc = next_pow2(nset, 16)
     method = _method
     if method == "auto":
-        method = "map" if span > 0 and nc >= MAP_FROM_ENTRIES else "sort"
-    if method == "map":
+        if MAP_COLLECT not in MAP_COLLECTS:
+            raise ValueError(f"dilated_set: MAP_COLLECT={MAP_COLLECT!r}; expected one of "
+                             f"{', '.join(map(repr, MAP_COLLECTS))}")
+        method = MAP_COLLECTS[MAP_COLLECT] if span > 0 and nc >= MAP_FROM_ENTRIES else "sort"
+    if method != "sort":
         if span <= 0:
-            raise ValueError(f"dilated_set: _method='map' needs span > 0 (the index bound), got span={span}")
+            raise ValueError(f"dilated_set: _method={method!r} needs span > 0 (the index bound), got span={span}")
         R = max(r, 1)
         L = int(span) + 2 * R
         marks = torch.zeros((B * H, L), dtype=torch.int8, device=dev)
@@ -345,12 +461,7 @@ def dilated_set(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int, 
             K, m, R, L,
             H=H, NC=nc, num_warps=4 if nc <= 1024 else 8,
         )
-        _dilated_collect_kernel[(B * H,)](
-            marks, flag, out,
-            flag.stride(0), flag.stride(1),
-            R, L, nset,
-            H=H, BLOCK=2048, num_warps=8,
-        )
+        _collect_map(marks, flag, out, R, parallel=method == MAP_COLLECTS["parallel"])
         return out
     _dilated_set_kernel[(B * H,)](
         sel_idx, flag, out,

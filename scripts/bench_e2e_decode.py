@@ -367,7 +367,7 @@ KERNEL_FAMILIES = (
     ("retrieval", ("_compact_kernel", "_group_score_kernel", "_tilemax_select_kernel", "_radix_pass_kernel",
                    "_radix_collect_kernel", "_block_sort_kernel", "_merge_rank_kernel")),
     ("composition", ("_dilate_compose_kernel", "_dilated_set_kernel", "_dilated_mark_kernel", "_dilated_collect_kernel",
-                     "_compose_sets_kernel", "_compose_kernel")),
+                     "_dilated_count_kernel", "_dilated_write_kernel", "_compose_sets_kernel", "_compose_kernel")),
     ("sparse attention", ("_sparse_attn_kernel", "_combine_kernel")),
     ("anchor record", ("_record_anchors_kernel",)),
     ("dense attention", ("flash", "fmha", "attention", "sdpa", "efficient")),

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from script_loader import load_script
 from conftest import triton_available
+import prhs_hf.kernels.compose_indices as compose_module
 from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
 from prhs_hf.kernels.compose_indices import (
     SET_NONE, compose_from_sets, compose_from_sets_reference, compose_indices, compose_indices_reference,
@@ -665,6 +666,10 @@ def test_reference_dilated_set_against_naive(m, r):
             assert got[: len(want)] == want and all(x == SET_NONE for x in got[len(want):])
 
 
+#: dilated_set's map path with each collect: one program per row, or programs per (row, chunk)
+MAP_METHODS = ("map", "map_parallel")
+
+
 @needs_triton
 @pytest.mark.parametrize("k,m,r", [(8, 0, 1), (8, 3, 1), (8, 8, 2), (8, 4, 0), (100, 30, 2), (5, 9, 3)])
 def test_dilated_set_kernel(k, m, r):
@@ -672,7 +677,7 @@ def test_dilated_set_kernel(k, m, r):
     for rr in (rows, True, False):
         want = dilated_set_reference(sel, rr, m, r)
         dev_rows = rr.to(DEV) if isinstance(rr, torch.Tensor) else rr
-        for method in ("sort", "map"):  # the map path marks [-r, span + r): indices 0 and span - 1 included
+        for method in ("sort", *MAP_METHODS):  # the map path marks [-r, span + r): indices 0 and span - 1 included
             got = dilated_set(sel.to(DEV), dev_rows, m, r, span=300, _method=method).cpu()
             assert torch.equal(got, want), method
         assert torch.equal(dilated_set(sel.to(DEV), dev_rows, m, r).cpu(), want)  # auto, no span: the sort
@@ -688,12 +693,76 @@ def test_dilated_set_map_path_at_the_bench_size_and_its_errors():
     sel[0, 1, 5:40] = -1
     rows = torch.tensor([[True, True, False]])
     want = dilated_set_reference(sel, rows, 345, 1)
-    for method in ("auto", "map", "sort"):
+    for method in ("auto", "sort", *MAP_METHODS):  # span + 2 = 4002 map positions: two chunks of 2048
         assert torch.equal(dilated_set(sel.to(DEV), rows.to(DEV), 345, 1, span=span, _method=method).cpu(), want)
-    with pytest.raises(ValueError, match="span > 0"):
-        dilated_set(sel.to(DEV), rows.to(DEV), 345, 1, _method="map")
-    with pytest.raises(ValueError, match="_method"):
+    for method in MAP_METHODS:
+        with pytest.raises(ValueError, match=f"_method='{method}' needs span > 0"):
+            dilated_set(sel.to(DEV), rows.to(DEV), 345, 1, _method=method)
+    with pytest.raises(ValueError, match="_method='bitmap'.*'map_parallel'"):
         dilated_set(sel.to(DEV), rows.to(DEV), 345, 1, span=span, _method="bitmap")
+
+
+@needs_triton
+@pytest.mark.parametrize("B,H,span,chunk,k,m,r", [
+    (1, 1, 60, 16, 8, 3, 2),  # L = span + 2r = 64: a whole number of chunks
+    (2, 3, 300, 64, 8, 8, 1),  # L = 302: the last chunk partial
+    (3, 2, 300, 16, 8, 0, 1),  # 19 chunks for 8 entries: the chunks past the set pad nothing
+    (2, 2, 200, 32, 40, 13, 0),  # r = 0: no neighbours (the map keeps a margin of 1)
+    (1, 4, 97, 8, 30, 30, 2),  # 13 chunks of a densely marked row: many duplicates
+])
+def test_dilated_set_parallel_collect_over_chunks(monkeypatch, B, H, span, chunk, k, m, r):
+    """The parallel collect with chunks much smaller than a map row: each chunk's entries at the
+    count of the chunks before it, the padding shared among the chunks; the serial collect's and
+    the reference's sets, for flagged rows, rows without the flag, all rows and none."""
+    monkeypatch.setattr(compose_module, "MAP_CHUNK", chunk)
+    sel, rows, _ = _set_case(200 + span + chunk + k + m + r, B, H, k, span)
+    sel[-1, -1, :2] = i32([span - 1, span - 2])  # neighbours at and after span
+    for rr in (rows, True, False):
+        want = dilated_set_reference(sel, rr, m, r)
+        dev_rows = rr.to(DEV) if isinstance(rr, torch.Tensor) else rr
+        for method in MAP_METHODS:
+            got = dilated_set(sel.to(DEV), dev_rows, m, r, span=span, _method=method).cpu()
+            assert torch.equal(got, want), (method, rr)
+
+
+@needs_triton
+@pytest.mark.parametrize("method", MAP_METHODS)
+def test_dilated_set_map_collect_of_full_sets(monkeypatch, method):
+    """Sets without padding (distinct indices 5 apart, r 2: every candidate its own entry), one in
+    the first and one in the last slots of the map."""
+    monkeypatch.setattr(compose_module, "MAP_CHUNK", 16)
+    B, H, k, m, r = 2, 2, 12, 12, 2
+    span = 5 * k
+    g = torch.Generator().manual_seed(4)
+    sel = torch.stack([torch.randperm(k, generator=g) * 5 for _ in range(B * H)]).view(B, H, k).to(I32)
+    sel[1, 1] = sel[1, 1] + 4  # 4 .. span - 1: neighbours up to span + 1
+    want = dilated_set_reference(sel, True, m, r)
+    assert (want != SET_NONE).all()
+    assert torch.equal(dilated_set(sel.to(DEV), True, m, r, span=span, _method=method).cpu(), want)
+
+
+@needs_triton
+@pytest.mark.parametrize("collect", ["serial", "parallel"])
+def test_map_collect_stores_no_more_than_the_set_size(monkeypatch, collect):
+    """A map with more marks than a set has entries (no dilated set has): each row holds its first
+    ``nset`` marked positions and nothing is stored past its end (a guard of the last row's stores)."""
+    monkeypatch.setattr(compose_module, "MAP_CHUNK", 16)
+    B, H, nset, R, span = 1, 3, 10, 1, 100
+    marks = torch.zeros(B * H, span + 2 * R, dtype=torch.int8)
+    marks[:, ::3] = 1
+    marks[:, 1::7] = 2
+    marks[1] = 0
+    marks[1, 5] = 2  # one entry, then padding
+    flag = torch.tensor([[True, True, False]])
+    buf = torch.full((B * H * nset + 64,), -7, dtype=I32, device=DEV)
+    compose_module._collect_map(marks.to(DEV), flag.to(DEV), buf[: B * H * nset].view(B, H, nset), R,
+                                parallel=collect == "parallel")
+    got = buf.cpu()
+    j = torch.arange(span + 2 * R)
+    row0 = (((j - R) << 1) | (marks[0] == 1).int())[marks[0] != 0][:nset].to(I32)
+    want = torch.cat([row0, i32([((5 - R) << 1)] + [SET_NONE] * (nset - 1)), torch.full((nset,), SET_NONE, dtype=I32),
+                      torch.full((64,), -7, dtype=I32)])
+    assert torch.equal(got, want)
 
 
 def _sets_case(seed, B, H, s, k, m, r, T, sink, local):
@@ -769,6 +838,41 @@ def test_dilate_and_compose_map_sized_sets_and_errors():
     for fn in (dilate_and_compose_reference, dilate_and_compose):
         with pytest.raises(ValueError, match="dilated_set_size"):
             fn(*(x.to(DEV) for x in (t, lo, hi, ws, best, sets, new_idx)), sink, cap, m + 1, r)
+
+
+class _Unlaunchable:
+    """Stands in for a Triton kernel that must not be launched."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("a kernel of the collect not chosen was launched")
+
+
+@needs_triton
+@pytest.mark.parametrize("collect", ["serial", "parallel"])
+def test_dilate_and_compose_map_path_takes_map_collect(monkeypatch, collect):
+    """MAP_COLLECT picks the collect of dilated_set's "auto" map path, and so of dilate_and_compose's
+    on map-sized sets: the other collect cannot launch, and the result is the reference's."""
+    not_chosen = {"serial": "_dilated_count_kernel", "parallel": "_dilated_collect_kernel"}[collect]
+    monkeypatch.setattr(compose_module, "MAP_COLLECT", collect)
+    monkeypatch.setattr(compose_module, not_chosen, _Unlaunchable())
+    monkeypatch.setattr(compose_module, "MAP_CHUNK", 256)  # 8 chunks of the 2002 map positions
+    B, H, s, k, m, r, sink, local, T = 1, 3, 2, 600, 200, 1, 4, 8, 2000
+    t, lo, hi, ws, best, _, new_idx, sets, _, cap = _sets_case(9, B + 1, H, s, k, m, r, T, sink, local)
+    want = dilate_and_compose_reference(t, lo, hi, ws, best, sets, new_idx, sink, cap, m, r, T)
+    got = dilate_and_compose(*(x.to(DEV) for x in (t, lo, hi, ws, best, sets, new_idx)), sink, cap, m, r, T)
+    for g_, w_ in zip(got, want):
+        assert torch.equal(g_.cpu(), w_)
+    assert (want[0][best == -1] != SET_NONE).any()
+
+
+@needs_triton
+def test_dilated_set_names_map_collect_when_it_is_unknown(monkeypatch):
+    """An unknown MAP_COLLECT is refused by every "auto" call, with or without the map path."""
+    monkeypatch.setattr(compose_module, "MAP_COLLECT", "bitonic")
+    sel = torch.zeros(1, 1, 1024, dtype=I32, device=DEV)
+    for span in (10, 0):
+        with pytest.raises(ValueError, match="MAP_COLLECT='bitonic'; expected one of 'serial', 'parallel'"):
+            dilated_set(sel, True, 0, 0, span=span)
 
 
 def _record_case(seed, k, m, r, s=4, L=3, D=16, dtype=torch.float32):
