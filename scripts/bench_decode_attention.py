@@ -52,6 +52,10 @@ KV append of any column).
 
 Stage breakdown of the CIS-16 step (each stage replayed alone on the step's own inputs): match,
 retrieval (compact / score / select), dilated set, compose, attention, glue; gap = step - sum.
+``stage16_dilated_ms_by_collect``: the dilated set on its map path with each collect
+(``compose_indices.MAP_COLLECTS``: ``serial``, one program per row; ``parallel``, programs per
+(row, chunk)), at every shape, whichever method ``"auto"`` takes there (``MAP_COLLECT`` picks the
+model's); ``stage16_map_collects_equal_to_step``: both give the step's sets.
 Each row states the target (CIS-16 >= 5x the fastest dense for MHA, >= 3x for GQA)
 and, when it is missed, the largest stage.
 
@@ -95,7 +99,9 @@ import yaml  # noqa: E402
 
 import _bench_common as common  # noqa: E402
 from prhs_hf.kernels.cis_match import cis_match  # noqa: E402
-from prhs_hf.kernels.compose_indices import compose_from_sets, compose_indices, dilate_and_compose, dilated_set  # noqa: E402
+from prhs_hf.kernels.compose_indices import (  # noqa: E402
+    MAP_COLLECTS, compose_from_sets, compose_indices, dilate_and_compose, dilated_set,
+)
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, group_query  # noqa: E402
 from prhs_hf.kernels.ds_decode import ds_decode_step, ds_decode_step_reference, ds_query_labels  # noqa: E402
 from prhs_hf.kernels.key_index import (  # noqa: E402
@@ -675,6 +681,12 @@ def stage_breakdown(x: dict, bud: Budget, st16: tuple, attention_ms: float, time
     }
     for name, fn in fns.items():
         out[f"stage16_{name}_ms"] = time_it(fn)[0]
+    # the dilated set on the map path with each of its collects, whatever "auto" takes at this size
+    by_collect = {collect: (lambda method=method: dilated_set(new_idx, retrieve, bud.dil_m, bud.dil_r, span,
+                                                              _method=method))
+                  for collect, method in MAP_COLLECTS.items()}
+    out["stage16_dilated_ms_by_collect"] = {collect: time_it(fn)[0] for collect, fn in by_collect.items()}
+    out["stage16_map_collects_equal_to_step"] = all(torch.equal(fn(), new_set) for fn in by_collect.values())
     out["stage16_attention_ms"] = attention_ms
     out["stage16_retrieval_select_ms"] = out["stage16_retrieval_ms"] - out["stage16_retrieval_score_ms"]
     out["stage16_retrieval_score_ms"] -= out["stage16_retrieval_compact_ms"]
@@ -840,7 +852,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         )
     head2 = (
         "| B | ctx | Hq/Hkv | retrieving rows | match | retrieval (compact/score/select) "
-        "| dilated set + compose, one launch (the two apart) | attention | sum | CIS-16 step | gap "
+        "| dilated set + compose, one launch (the two apart) | dilated set by map collect (serial / parallel) "
+        "| attention | sum | CIS-16 step | gap "
         "| record (the model's state update, not in the step) "
         "| top-k-anchor step (its compose, glue) "
         "| target vs fastest dense | largest stage |"
@@ -861,6 +874,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {fmt(r['stage16_match_ms'])} | {fmt(r['stage16_retrieval_ms'])} "
             f"({fmt(r['stage16_retrieval_compact_ms'])}/{fmt(r['stage16_retrieval_score_ms'])}/{fmt(r['stage16_retrieval_select_ms'])}) "
             f"| {fmt(r['stage16_dilate_compose_ms'])} ({fmt(r['stage16_dilated_set_ms'])} + {fmt(r['stage16_compose_ms'])}) "
+            f"| {' / '.join(fmt(r['stage16_dilated_ms_by_collect'][c]) for c in MAP_COLLECTS)} "
             f"| {fmt(r['stage16_attention_ms'])} | {fmt(r['stage16_sum_ms'])} | {fmt(r['cis16_ms'])} "
             f"| {fmt(r['cis16_ms'] - r['stage16_sum_ms'])} | {fmt(r['stage16_record_ms'])} | {fmt(r['cis16_topk_ms'])} "
             f"({fmt(r['stage16_topk_compose_ms'])}, {fmt(r['stage16_topk_glue_ms'])}) | {tgt} "

@@ -202,8 +202,13 @@ def test_bench_decode_attention_quick_cpu_json(tmp_path):
         # the fused dilated set + compose as the model path runs it, the two launches beside it, the record
         assert r["stage16_dilate_compose_ms"] > 0 and r["stage16_dilated_set_ms"] > 0 and r["stage16_compose_ms"] > 0
         assert r["stage16_record_ms"] > 0
+        # the dilated set with each collect of the map path (MAP_COLLECT picks the model's)
+        by_collect = r["stage16_dilated_ms_by_collect"]
+        assert set(by_collect) == {"serial", "parallel"} and all(v > 0 for v in by_collect.values())
+        assert r["stage16_map_collects_equal_to_step"] is True
     md = (tmp_path / "bench_decode_attention.md").read_text()
     assert "sparse union ms (union / sum)" in md and "DS step (r, top-k)" in md and "Double Sparsity step" in md and "CIS-16 group step" in md
+    assert "dilated set by map collect (serial / parallel)" in md
 
 
 def test_bench_decode_attention_retrieve_share():
