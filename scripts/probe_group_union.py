@@ -12,6 +12,14 @@ same keys, 1 when no two share a key). It runs ``generate()`` on the model patch
 config (``policy`` forced sparse, CPU PyTorch path), teacher-free greedy, on prompts packed from
 ``--text`` (default: this Python's standard-library source, text no evaluation uses).
 
+With ``--mass-k``, it also measures what one set per KV group (``cis.selection: group``: the top-k
+by the largest score of the group's heads) costs each head in attention mass, against the head's
+own top-k, at each k of the list: per (step, layer, sequence, query head) the dense attention
+probabilities of the step's query, and the mass *outside* sink + local window + the k middle keys
+chosen (the dropped mass δ: 0 when the set holds everything the head attends to), for the head's
+own exact top-k and for its group's. The sink and window are the config's; no CIS sharing and no
+dilation (the exact per-step sets, so the two selections differ only in whose scores rank the keys).
+
     python scripts/probe_group_union.py --model qwen2.5-coder-0.5b --length 4096 --new-tokens 24 \\
         --out docs/results/probe_group_union
 """
@@ -41,10 +49,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 class UnionRecorder:
     """Wraps a patched model's selector; for each decode selection of per-head sets, records per (layer,
-    sequence, KV group) the summed set sizes of the group's heads and the size of their union."""
+    sequence, KV group) the summed set sizes of the group's heads and the size of their union, and with
+    ``mass_k`` the dropped masses of :func:`dropped_mass` (``mass[(k, "head" | "group")]``: one value per
+    (layer, sequence, query head))."""
 
-    def __init__(self, inner: Any, kv_heads: int):
+    def __init__(self, inner: Any, kv_heads: int, mass_k: tuple[int, ...] = (), sink: int = 0, local: int = 0):
         self.inner, self.kv_heads, self.rows = inner, kv_heads, []
+        self.mass_k, self.sink, self.local = mass_k, sink, local
+        self.mass: dict[tuple[int, str], list[float]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -59,6 +71,13 @@ class UnionRecorder:
         for b in range(B):
             if not bool(active[b]):
                 continue
+            if self.mass_k:  # select(layer, q, k_cache, v_cache, geom, params, scale, ...)
+                q, k_cache, geom, scale = args[0], args[1], args[3], args[5]
+                pad, t = int(geom.pad[b]), int(geom.t_last[b])
+                keys = k_cache[b, :, pad:pad + t].float()  # [Hkv, t, D]: the sequence's real keys
+                scores = torch.einsum("hd,htd->ht", q[b].float(), keys.repeat_interleave(group, dim=0)) * scale
+                for (k, who), value in dropped_mass(scores, group, self.mass_k, self.sink, self.local).items():
+                    self.mass.setdefault((k, who), []).extend(value.tolist())
             for g in range(self.kv_heads):
                 heads = range(g * group, (g + 1) * group)
                 sets = [idx[b, h][idx[b, h] >= 0] for h in heads]
@@ -68,14 +87,40 @@ class UnionRecorder:
         return sel
 
 
-def measure(model: Any, prompts: torch.Tensor, config: str, new_tokens: int) -> dict[str, Any]:
+def dropped_mass(scores: torch.Tensor, group: int, ks: tuple[int, ...], sink: int, local: int) -> dict:
+    """Per query head, the attention mass outside sink + window + k middle keys, for each k of ``ks``.
+
+    ``scores [Hq, t]`` are one sequence's fp32 logits (scaled) of the step's queries over its ``t`` real
+    keys, heads ``g*group .. (g+1)*group - 1`` sharing KV head ``g``. The middle is ``[sink, t - local)``;
+    ``"head"``: each head's own top-k of it by its score; ``"group"``: the top-k of its group by the
+    largest score among the group's heads (``cis.selection: group``). Returns ``{(k, "head" | "group"):
+    [Hq]}`` of 1 - the kept probability (all k where the middle has at most k keys: 0).
+    """
+    H, t = scores.shape
+    probs = torch.softmax(scores, dim=-1)
+    lo, hi = min(sink, t), max(min(sink, t), t - local)
+    kept_fixed = probs[:, :lo].sum(-1) + probs[:, hi:].sum(-1)
+    middle, p_mid = scores[:, lo:hi], probs[:, lo:hi]
+    group_scores = middle.view(H // group, group, -1).amax(dim=1).repeat_interleave(group, dim=0)
+    out = {}
+    for k in ks:
+        kk = min(int(k), hi - lo)
+        for who, rank in (("head", middle), ("group", group_scores)):
+            chosen = rank.topk(kk, dim=-1).indices
+            out[(k, who)] = (1.0 - kept_fixed - p_mid.gather(-1, chosen).sum(-1)).clamp_min(0.0)
+    return out
+
+
+def measure(model: Any, prompts: torch.Tensor, config: str, new_tokens: int,
+            mass_k: tuple[int, ...] = ()) -> dict[str, Any]:
     cfg = load_any_config(config, {"policy": {"decode": "sparse", "prefill": "sparse"},
                                    "backend": {"decode": "torch", "prefill": "torch"}})
     text_cfg = model.config.get_text_config()
     kv_heads, heads = text_cfg.num_key_value_heads, text_cfg.num_attention_heads
     t0 = time.time()
     with prhs_hf.patch(model, cfg) as handle, torch.no_grad():
-        recorder = UnionRecorder(handle.runtime.selector, kv_heads)
+        budget = handle.runtime.resolved.config.budget
+        recorder = UnionRecorder(handle.runtime.selector, kv_heads, mass_k, budget.sink, budget.local)
         handle.runtime.selector = recorder
         try:
             model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
@@ -89,7 +134,9 @@ def measure(model: Any, prompts: torch.Tensor, config: str, new_tokens: int) -> 
     by_layer: dict[int, list[float]] = {}
     for layer, s, u in rows:
         by_layer.setdefault(layer, []).append(u / s if s else 1.0)
-    return dict(config=config, status="ok", group=heads // kv_heads, samples=len(rows),
+    mass = {f"{k}": {who: dict(mean=statistics.fmean(v), p90=_quantile(v, 0.9), samples=len(v))
+                     for (kk, who), v in recorder.mass.items() if kk == k} for k in mass_k}
+    return dict(config=config, status="ok", group=heads // kv_heads, samples=len(rows), dropped_mass=mass,
                 mean_sum=statistics.fmean(s for _, s, _ in rows), mean_union=statistics.fmean(u for _, _, u in rows),
                 union_over_sum=sum(u for _, _, u in rows) / sum(s for _, s, _ in rows),
                 union_over_sum_p10=_quantile(ratios, 0.1), union_over_sum_p90=_quantile(ratios, 0.9),
@@ -118,6 +165,18 @@ def markdown(result: dict[str, Any]) -> str:
             continue
         lines.append(f"| `{r['config']}` | {r['group']} | {r['samples']} | {r['mean_sum']:.0f} | {r['mean_union']:.0f} | "
                      f"**{r['union_over_sum']:.3f}** ({r['union_over_sum_p10']:.3f}–{r['union_over_sum_p90']:.3f}) |")
+    masses = [r for r in result["rows"] if r.get("dropped_mass")]
+    if masses:
+        lines += ["", "Dropped attention mass δ per (decode step, layer, query head) at each middle top-k, with the "
+                  "config's sink and window, exact per-step sets (no sharing, no dilation): the head's own top-k "
+                  "against one set per KV group ranked by the group's largest score (`cis.selection: group`). "
+                  "Mean (p90).", "",
+                  "| config | k | own top-k | group top-k | group − own |", "|---|---|---|---|---|"]
+        for r in masses:
+            for k, m in r["dropped_mass"].items():
+                head, group = m["head"], m["group"]
+                lines.append(f"| `{r['config']}` | {k} | {head['mean']:.4f} ({head['p90']:.4f}) | "
+                             f"{group['mean']:.4f} ({group['p90']:.4f}) | {group['mean'] - head['mean']:+.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -130,10 +189,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--length", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--mass-k", default="", help="comma-separated middle top-k sizes: also measure the dropped "
+                    "attention mass of each head's own top-k and of its KV group's (e.g. 88,512,1024,2048,4096)")
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "probe_group_union"), help="output stem (.json, .md)")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.length < 2 or args.new_tokens < 1:
         ap.error("--prompts and --new-tokens must be >= 1 and --length >= 2")
+    try:
+        mass_k = tuple(int(k) for k in args.mass_k.split(",") if k.strip())
+    except ValueError:
+        ap.error(f"--mass-k: {args.mass_k!r} is not a comma-separated list of integers")
+    if any(k < 1 for k in mass_k):
+        ap.error(f"--mass-k: every k must be >= 1, got {args.mass_k!r}")
     model, tokenizer = load_model(args.model)
     texts, text_name = calibration_texts(args.text, None)
     prompts = pack_prompts(texts, tokenizer, args.length, args.prompts)
@@ -146,9 +213,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for config in args.configs.split(","):
-        result["rows"].append(measure(model, prompts, config, args.new_tokens))
+        result["rows"].append(measure(model, prompts, config, args.new_tokens, mass_k))
         (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps({k: v for k, v in result["rows"][-1].items() if k != "union_over_sum_by_layer"}), flush=True)
+        print(json.dumps({k: v for k, v in result["rows"][-1].items() if k not in ("union_over_sum_by_layer", "dropped_mass")}),
+              flush=True)
     md = markdown(result)
     (out.parent / f"{out.name}.md").write_text(md)
     print(md)

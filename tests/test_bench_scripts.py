@@ -707,3 +707,35 @@ def test_probe_group_union_counts_the_distinct_keys_of_each_kv_group():
     row = probe.measure(model, prompts, "cis", 3)
     group = row["group"]
     assert row["status"] == "ok" and row["samples"] > 0 and 1 / group <= row["union_over_sum"] <= 1
+
+
+def test_probe_group_union_dropped_mass_of_own_and_group_top_k():
+    """scripts/probe_group_union.py --mass-k: per query head, the attention mass outside sink + window + the k
+    middle keys, ranked by the head's own scores or by its KV group's largest; a generate() records one
+    value per (layer, head) and k, in [0, 1], the group's never below the head's own."""
+    from tiny_models import tiny_model
+
+    probe = load_script("probe_group_union")
+    # 2 heads of one KV group over 6 keys; sink 1, window 1: the middle is keys 1..4
+    scores = torch.tensor([[0.0, 4.0, 0.0, 0.0, 0.0, 0.0],    # head 0 attends to key 1
+                           [0.0, 0.0, 0.0, 3.0, 0.0, 0.0]])  # head 1 to key 3
+    got = probe.dropped_mass(scores, 2, (1, 4, 9), sink=1, local=1)
+    p = torch.softmax(scores, -1)
+    assert torch.allclose(got[(1, "head")], torch.stack([p[0, 2:5].sum(), p[1, [1, 2, 4]].sum()]))
+    # the group's top-1 is key 1 (score 4 > 3): head 1 drops its key 3
+    assert torch.allclose(got[(1, "group")], torch.stack([p[0, 2:5].sum(), p[1, [2, 3, 4]].sum()]))
+    for k in (4, 9):  # the whole middle: nothing dropped
+        assert torch.allclose(got[(k, "head")], torch.zeros(2), atol=1e-6)
+        assert torch.allclose(got[(k, "group")], torch.zeros(2), atol=1e-6)
+    model = tiny_model("llama", layers=2)
+    prompts = torch.randint(1, 100, (1, 200), generator=torch.Generator().manual_seed(0))
+    row = probe.measure(model, prompts, "cis", 3, mass_k=(8, 64))
+    mass = row["dropped_mass"]
+    assert set(mass) == {"8", "64"}
+    for k in ("8", "64"):
+        head, group = mass[k]["head"], mass[k]["group"]
+        assert head["samples"] == group["samples"] > 0
+        assert 0.0 <= head["mean"] <= group["mean"] + 1e-6 <= 1.0 + 1e-6
+    assert mass["64"]["head"]["mean"] <= mass["8"]["head"]["mean"] + 1e-6
+    assert "group top-k" in probe.markdown(dict(date="2026-01-01", command="x", model="m", dtype="f", prompts=1,
+                                                 length=200, text="t", new_tokens=3, rows=[row]))
