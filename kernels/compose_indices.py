@@ -20,6 +20,7 @@ from typing import Union
 
 import torch
 
+from .map_collect import MAP_CHUNK, _chunk_count, _chunks_before, _marked_slots, _pad_from, chunk_grid
 from .triton_support import NORM_EPS, next_pow2, program_bh, require_triton, tl, triton
 from .record_anchors import _record_row, check_record, record_anchors, record_anchors_reference, record_launch_args
 
@@ -274,28 +275,18 @@ def _dilated_mark_kernel(SEL, FLAG, MAP, stride_sb, stride_sh, stride_fb, stride
 
 
 @triton.jit
-def _chunk_marks(row, j, L):
-    """The marks of map row ``row`` at positions ``j`` (0 at and after ``L``): ``(mark, marked)`` int32."""
-    mark = tl.load(row + j, mask=j < L, other=0).to(tl.int32)
-    return mark, (mark != 0).to(tl.int32)
-
-
-@triton.jit
 def _store_marked(row, out, j, n, R, L, NSET):
     """Store the marked positions ``j`` of map row ``row`` as ``((j - R) << 1) | only_neighbour``,
     in order, at ``out[n:]`` (not at or past ``NSET``); return how many are marked."""
-    mark, marked = _chunk_marks(row, j, L)
-    pos = n + tl.cumsum(marked, axis=0) - marked
-    tl.store(out + pos, ((j - R) << 1) | (mark == 1).to(tl.int32), mask=(marked != 0) & (pos < NSET))
-    return tl.sum(marked, axis=0)
+    mark, slot, store, marked = _marked_slots(row, j, n, L, NSET)
+    tl.store(out + slot, ((j - R) << 1) | (mark == 1).to(tl.int32), mask=store)
+    return marked
 
 
 @triton.jit
 def _pad_set(out, lo, hi, n, BLOCK: tl.constexpr):
     """SET_NONE at the slots ``[lo, hi)`` of ``out`` from the set's size ``n`` on."""
-    for start in range(lo, hi, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        tl.store(out + i, tl.full([BLOCK], 2147483647, tl.int32), mask=(i >= n) & (i < hi))
+    _pad_from(out, lo, hi, n, 2147483647, BLOCK)
 
 
 @triton.jit
@@ -330,8 +321,7 @@ def _dilated_count_kernel(
     c = tl.program_id(1)
     n = 0
     if flag != 0:
-        _, marked = _chunk_marks(MAP + pid.to(tl.int64) * L, c * CHUNK + tl.arange(0, CHUNK), L)
-        n = tl.sum(marked, axis=0)
+        n = _chunk_count(MAP + pid.to(tl.int64) * L, c, L, CHUNK)
     tl.store(COUNTS + pid.to(tl.int64) * N_CHUNKS + c, n)
 
 
@@ -351,10 +341,7 @@ def _dilated_write_kernel(
     out = OUT + pid.to(tl.int64) * NSET
     total = 0
     if flag != 0:
-        ci = tl.arange(0, NCH)
-        counts = tl.load(COUNTS + pid.to(tl.int64) * N_CHUNKS + ci, mask=ci < N_CHUNKS, other=0)
-        total = tl.sum(counts, axis=0)
-        before = tl.sum(tl.where(ci < c, counts, 0), axis=0)
+        before, total = _chunks_before(COUNTS, pid, c, N_CHUNKS, NCH)
         _store_marked(MAP + pid.to(tl.int64) * L, out, c * CHUNK + tl.arange(0, CHUNK), before, R, L, NSET)
     lo = c * SHARE
     _pad_set(out, lo, tl.minimum(lo + SHARE, NSET), total, CHUNK)
@@ -373,8 +360,8 @@ MAP_COLLECTS = {"serial": "map", "parallel": "map_parallel"}
 #: key of :data:`MAP_COLLECTS`
 MAP_COLLECT = "serial"
 
-#: map positions per program of the parallel collect
-MAP_CHUNK = 2048
+# MAP_CHUNK, the parallel collect's map positions per program, is kernels/map_collect.py's (the
+# collect's helpers live there, shared with group_union.py's union builder).
 
 
 def _collect_map(marks: torch.Tensor, flag: torch.Tensor, out: torch.Tensor, R: int, parallel: bool) -> None:
@@ -391,20 +378,19 @@ def _collect_map(marks: torch.Tensor, flag: torch.Tensor, out: torch.Tensor, R: 
             H=H, BLOCK=2048, num_warps=8,
         )
         return
-    chunk = int(MAP_CHUNK)
-    n_chunks = triton.cdiv(L, chunk)
-    counts = torch.empty((B * H, n_chunks), dtype=torch.int32, device=marks.device)
-    _dilated_count_kernel[(B * H, n_chunks)](
+    grid = chunk_grid(L, nset, int(MAP_CHUNK))
+    counts = torch.empty((B * H, grid.n_chunks), dtype=torch.int32, device=marks.device)
+    _dilated_count_kernel[(B * H, grid.n_chunks)](
         marks, flag, counts,
         flag.stride(0), flag.stride(1),
-        L, n_chunks,
-        H=H, CHUNK=chunk, num_warps=4,
+        L, grid.n_chunks,
+        H=H, CHUNK=grid.chunk, num_warps=4,
     )
-    _dilated_write_kernel[(B * H, n_chunks)](
+    _dilated_write_kernel[(B * H, grid.n_chunks)](
         marks, flag, counts, out,
         flag.stride(0), flag.stride(1),
-        R, L, nset, n_chunks, triton.cdiv(nset, n_chunks),
-        H=H, CHUNK=chunk, NCH=next_pow2(n_chunks), num_warps=4,
+        R, L, nset, grid.n_chunks, grid.share,
+        H=H, CHUNK=grid.chunk, NCH=grid.n_chunks_pow2, num_warps=4,
     )
 
 

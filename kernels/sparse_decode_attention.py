@@ -309,19 +309,21 @@ def sparse_decode_attention_union(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   count: torch.Tensor, scale: float, *, num_splits: Optional[int] = None) -> torch.Tensor:
     """Triton attention over per-head index sets that reads each KV group's union of them once.
 
-    :func:`~.group_union.group_union` turns the per-head sets into one list per KV head (the
-    distinct indices of the G heads' sets, ``[B, Hkv, G*cap]``) with a head bitmask per entry;
-    the grouped kernel (one program per (batch, KV head, split), the G heads in the M rows of the
-    dots) loads each listed K/V row once and masks every head to its own set. Same output as
-    :func:`sparse_decode_attention`, with the K/V rows read per group being the union's size
-    rather than the sum of the heads' counts. No host synchronisation. ``num_splits`` as in
-    :func:`sparse_decode_attention`, applied to the union lists (length ``G*cap``). Args and result
-    as :func:`sparse_decode_attention_reference`; needs ``G = Hq / Hkv <= 32``.
+    :func:`~.group_union.group_union` (the Triton map builder, over the cache's ``S`` slots) turns
+    the per-head sets into one list per KV head (the distinct indices of the G heads' sets,
+    ``[B, Hkv, G*cap]``) with a head bitmask per entry; the grouped kernel (one program per (batch,
+    KV head, split), the G heads in the M rows of the dots) loads each listed K/V row once and masks
+    every head to its own set. Same output as :func:`sparse_decode_attention` for lists without
+    repeats or ``-1`` before their counts (a repeated index is attended once here, a ``-1`` not at
+    all), with the K/V rows read per group being the union's size rather than the sum of the heads'
+    counts. No host synchronisation. ``num_splits`` as in :func:`sparse_decode_attention`, applied
+    to the union lists (length ``G*cap``). Args and result as
+    :func:`sparse_decode_attention_reference`; needs ``G = Hq / Hkv <= 32``.
     """
     if idx.dim() != 3 or idx.shape[:2] != q.shape[:2] or count.shape != q.shape[:2]:
         raise ValueError(f"idx {tuple(idx.shape)} / count {tuple(count.shape)}: expected [B, Hq, cap] / [B, Hq] "
                          f"with B={q.shape[0]}, Hq={q.shape[1]}")
-    union_idx, head_mask, union_count = group_union(idx, count, k_cache.shape[1])
+    union_idx, head_mask, union_count = group_union(idx, count, k_cache.shape[1], k_cache.shape[2])
     return _attend(q, k_cache, v_cache, pad, union_idx, union_count, scale, pack=True, num_splits=num_splits,
                    head_mask=head_mask)
 

@@ -25,7 +25,7 @@ Every speedup is quoted against the fastest of these in the row (``fastest_dense
 PrHS columns: ``flex`` (FlexAttention with a BlockMask of the step's token pattern, mask
 construction excluded); ``sparse`` (our sparse-attention kernel alone, on the step's index
 lists); ``sparse_union`` (:func:`sparse_decode_attention_union` on the same lists: the union of each
-KV group's per-head sets built, then read once per group with every head masked to its own set;
+KV group's per-head sets built by the Triton map builder, then read once per group with every head masked to its own set;
 ``union_fraction``: union entries / summed counts, the share of ``sparse``'s K/V reads it makes;
 ``sparse_union_max_abs_diff`` vs ``sparse``); ``cis8`` / ``cis16`` (the whole CIS decode step, s = 8 / 16: match + top-k retrieval for
 exactly ceil(B*Hq/s) rows, the steady-state share rate, or with ``--retrieve-share P`` (a ρ̂
@@ -574,7 +574,7 @@ def run_shape(sh: Shape, dev: torch.device, dtype: torch.dtype, flex_fn, launche
             str(n): time_it(lambda n=n: sparse_decode_attention(q, kc, vc, x["pad"], idx, count, scale, num_splits=n))[0]
             for n in (1, 2, 4, 8)
         }
-    union_count = group_union(idx, count, sh.Hkv)[2]
+    union_count = group_union(idx, count, sh.Hkv, kc.shape[2])[2]
     row["union_fraction"] = int(union_count.sum()) / max(total_keys, 1)
 
     def sparse_union():
