@@ -2,6 +2,7 @@
 
 Each is a :class:`DecodeOps` with ``cis_match``, ``topk_retrieval``, ``compose_indices`` and
 ``sparse_decode_attention`` of the signatures in docs/DECODE_PIPELINE.md (plus
+``sparse_decode_attention_union``, the per-head sets read once per KV group, sparse_decode_attention.py;
 ``dilate_and_compose``, the anchor-set fast path, see compose_indices.py, ``record_anchors``, and the
 key index's ``write_key_index``, ``update_key_index`` and ``topk_retrieval_indexed``, key_index.py);
 :func:`get_decode_ops` picks one by name (``"torch"``/``"reference"`` or ``"triton"``);
@@ -44,6 +45,8 @@ from .sparse_decode_attention import (
     sparse_decode_attention_grouped,
     sparse_decode_attention_grouped_reference,
     sparse_decode_attention_reference,
+    sparse_decode_attention_union,
+    sparse_decode_attention_union_reference,
 )
 from .topk_retrieval import (
     topk_retrieval,
@@ -75,6 +78,8 @@ class DecodeOps:
     topk_retrieval: Callable
     compose_indices: Callable
     sparse_decode_attention: Callable
+    # the per-head sets read once per KV group (backend.sparse_attention: group_union): the same output
+    sparse_decode_attention_union: Callable
     dilate_and_compose: Callable
     # group-shared selection (cis.selection: group): one set per KV head for its query heads
     topk_retrieval_grouped: Callable
@@ -95,6 +100,7 @@ REFERENCE_OPS = DecodeOps(
     topk_retrieval=topk_retrieval_reference,
     compose_indices=compose_indices_reference,
     sparse_decode_attention=sparse_decode_attention_reference,
+    sparse_decode_attention_union=sparse_decode_attention_union_reference,
     dilate_and_compose=dilate_and_compose_reference,
     topk_retrieval_grouped=topk_retrieval_grouped_reference,
     sparse_decode_attention_grouped=sparse_decode_attention_grouped_reference,
@@ -115,6 +121,7 @@ TRITON_OPS = DecodeOps(
     topk_retrieval=_via(topk_retrieval),
     compose_indices=_via(compose_indices),
     sparse_decode_attention=_via(sparse_decode_attention),
+    sparse_decode_attention_union=_via(sparse_decode_attention_union),
     dilate_and_compose=_via(dilate_and_compose),
     topk_retrieval_grouped=_via(topk_retrieval_grouped),
     sparse_decode_attention_grouped=_via(sparse_decode_attention_grouped),

@@ -28,7 +28,11 @@ from .compose_indices import (
     dilate_mask,
     dilated_set_size,
 )
-from .sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_grouped
+from .sparse_decode_attention import (
+    sparse_decode_attention,
+    sparse_decode_attention_grouped,
+    sparse_decode_attention_union,
+)
 from .topk_retrieval import topk_retrieval, topk_retrieval_grouped
 
 __all__ = ["compiled_or_eager"]
@@ -128,7 +132,7 @@ def _(t, lo, hi, win_start, sel_idx, dilate, sink, dil_m, dil_r, cap):
 
 
 def _attention_op(launcher: Callable):
-    """``launcher`` (``sparse_decode_attention`` or its grouped twin) as the op ``prhs::<its name>``."""
+    """``launcher`` (``sparse_decode_attention``, its grouped or its union twin) as the op ``prhs::<its name>``."""
 
     def run(q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, idx: Tensor, count: Tensor,
             scale: float) -> Tensor:
@@ -145,6 +149,7 @@ def _attention_op(launcher: Callable):
 
 sparse_decode_attention_op = _attention_op(sparse_decode_attention)
 sparse_decode_attention_grouped_op = _attention_op(sparse_decode_attention_grouped)
+sparse_decode_attention_union_op = _attention_op(sparse_decode_attention_union)
 
 
 @torch.library.custom_op("prhs::record_anchors", mutates_args=("anchor_q", "anchor_idx", "anchor_count"))
@@ -226,6 +231,7 @@ _OPS: dict[Callable, Callable] = {
     sparse_decode_attention: sparse_decode_attention_op,
     topk_retrieval_grouped: topk_retrieval_grouped_op,
     sparse_decode_attention_grouped: sparse_decode_attention_grouped_op,
+    sparse_decode_attention_union: sparse_decode_attention_union_op,
     record_anchors: record_anchors_op,
     write_key_index: _write_key_index_via_op,
     update_key_index: _update_key_index_via_op,

@@ -70,6 +70,7 @@ __all__ = [
 PHASES = ("prefill", "decode")
 PREFILL_BACKENDS = ("auto", "torch", "triton", "flex", "flash")  # auto: flash where FA4 runs, else triton on CUDA, else torch
 DECODE_BACKENDS = ("auto", "torch", "triton")
+SPARSE_ATTENTIONS = ("per_head", "group_union")  # backend.sparse_attention
 
 MAX_TOKENS = 2**20
 """Upper bound of every size in tokens (budget keys, ``cis.block_size``, ``cis.dilation_*``,
@@ -168,6 +169,12 @@ class BackendConfig:
     # buffered elsewhere); prhs_hf.runtime.BufferedLayer, docs/notes/runtime_design.md
     eager_step: str = "auto"
     kv_growth: float = 1.25
+    # the sparse decode attention over per-query-head index sets: "per_head" (each head reads its own
+    # set's K/V rows) or "group_union" (each KV group's union of its heads' sets is read once, every
+    # head masked to its own set: the same output, fewer K/V rows where the sets overlap; groups of
+    # up to 32 query heads; backend.decode: torch computes it per head). Sets shared by a KV group
+    # (cis.selection: group) and models with one query head per KV head are read as with per_head.
+    sparse_attention: str = "per_head"
 
 
 POLICIES = ("auto", "sparse", "dense")
@@ -426,6 +433,7 @@ _RULES: dict[str, tuple] = {
     "backend.decode": ("choice", DECODE_BACKENDS),
     "backend.eager_step": ("choice", ("auto", "plain", "buffered", "graphs")),
     "backend.kv_growth": ("float", 1.0, 4.0, True, False),
+    "backend.sparse_attention": ("choice", SPARSE_ATTENTIONS),
     "policy.decode": ("choice", POLICIES),
     "policy.prefill": ("choice", POLICIES),
     "policy.cost_model": ("path",),

@@ -104,6 +104,8 @@ class PrHSLayer:
         )
         self.plan: PrefillPlan | None = None
         self.graphs = StepGraph()  # backend.eager_step: graphs (CUDA)
+        # backend.sparse_attention: group_union: per-query-head sets read once per KV group (GQA)
+        self.reads_group_union = c.backend.sparse_attention == "group_union"
 
     # ------------------------------------------------------------------ prefill
 
@@ -201,7 +203,12 @@ class PrHSLayer:
         sel = self.runtime.selector.select(self.index, q, key, value, geom, self.decode_params, scaling, ops)
         if sel.tail is not None:  # a synthetic tail pair beside the indices (CertKV): exact PyTorch softmax
             return attend_with_tail(q, key, value, geom.pad, sel.idx, sel.tail, scaling), sel
-        attend = ops.sparse_decode_attention if sel.idx.shape[1] == q.shape[1] else ops.sparse_decode_attention_grouped
+        if sel.idx.shape[1] != q.shape[1]:  # one set per KV head (cis.selection: group): read once per group
+            attend = ops.sparse_decode_attention_grouped
+        elif self.reads_group_union and key.shape[1] < q.shape[1]:  # a set per query head, G > 1
+            attend = ops.sparse_decode_attention_union  # each group's union of its heads' sets read once
+        else:
+            attend = ops.sparse_decode_attention
         return attend(q, key, value, geom.pad, sel.idx, sel.count, scaling), sel
 
     def _whole_buffers(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

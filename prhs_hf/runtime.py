@@ -14,9 +14,10 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
 from .backends import dense_prefill_function, pick_decode_ops, prefill_function
-from .config import ResolvedConfig
+from .config import ConfigError, ResolvedConfig
 from .geometry import SequenceGeometry, check_layout, geometry_from_mask
 from .kernels.decode_ops import DecodeOps
+from .kernels.group_union import MAX_GROUP
 from .kernels.key_index import candidate_count, index_bytes_per_slot
 from .layer import PrHSLayer, StepGraph
 from .policy import DecodeShape, cost_model_for
@@ -102,6 +103,7 @@ class PrHSRuntime:
         self.forward_lock = threading.RLock()
         # the policy's decisions for the current forward (policy.decode / policy.prefill; prhs_hf.policy)
         self.num_kv_heads = num_kv_heads or num_heads
+        _check_sparse_attention(c.backend.sparse_attention, num_heads, self.num_kv_heads)
         self.sparse_decode = True
         self.sparse_prefill = True
         self._cost_models: dict[str, object] = {}  # device type -> its cost model (None: auto is sparse)
@@ -444,6 +446,16 @@ class SelectorRollback:
                 self.runtime._hold(self.call)
                 self.runtime.selector.undo_to(self.marks[self.stop])
         self.marks, self.stop = [], None
+
+
+def _check_sparse_attention(sparse_attention: str, num_heads: int, num_kv_heads: int) -> None:
+    """Refuse ``backend.sparse_attention: group_union`` on a model whose KV groups have more query heads
+    than the union's int32 head bitmask has bits."""
+    group = num_heads // max(num_kv_heads, 1)
+    if sparse_attention == "group_union" and group > MAX_GROUP:
+        raise ConfigError(f"backend.sparse_attention: group_union marks each key with the query heads of its KV "
+                          f"group in an int32 bitmask, and this model has {group} query heads per KV head; allowed "
+                          f"up to {MAX_GROUP} (set backend.sparse_attention: per_head)")
 
 
 def _check_room(cache, cached: int | None, q_len: int) -> None:

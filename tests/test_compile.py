@@ -91,6 +91,38 @@ def test_compiled_triton_decode_is_one_graph_with_eager_tokens():
     assert r_compiled.retrieval_ratio == r_eager.retrieval_ratio
 
 
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs Triton with TRITON_INTERPRET=1")
+def test_compiled_union_attention_is_its_op_in_one_graph_with_eager_tokens():
+    """backend.sparse_attention: group_union: the union launcher enters the static-cache decode graph as
+    torch.ops.prhs.sparse_decode_attention_union, in place of the per-head op, with the eager tokens."""
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([90, 70])
+    prhs_hf.patch(model, "configs/cis.yaml", overrides={
+        **SMALL, "backend": {"decode": "triton", "prefill": "torch", "sparse_attention": "group_union"}})
+    torch._dynamo.reset()
+    counters.clear()
+    runs = {}
+    for compiled in (True, False):
+        prhs_hf.reset(model)
+        runs[compiled] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                        cache_implementation="static", compile_config=config,
+                                        disable_compile=not compiled)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert any("prhs.sparse_decode_attention_union" in t for t in targets)
+    assert not any("prhs.sparse_decode_attention." in t for t in targets)
+    assert torch.equal(runs[True], runs[False])
+    assert prhs_hf.telemetry(model).sparse_sequence_steps > 0
+
+
 @pytest.mark.parametrize("config, fullgraph", [("cis.yaml", True), ("cpe.yaml", False)])
 def test_user_compiled_forward_with_static_cache(config, fullgraph):
     """The issue's other recipe: ``model.forward = torch.compile(model.forward, ...)`` by hand.

@@ -407,6 +407,17 @@ def test_key_index_keys_default_to_no_index_and_name_the_allowed_values():
         load_config({"cis": {"rerank_margin": 1.5}})
 
 
+def test_sparse_attention_defaults_to_per_head_and_names_the_allowed_values():
+    assert load_config("cis_longbench").backend.sparse_attention == "per_head"
+    assert load_config({}).backend.sparse_attention == "per_head"
+    union = load_config("cis_longbench", {"backend": {"sparse_attention": "group_union"}}).backend
+    assert (union.sparse_attention, union.decode) == ("group_union", "auto")
+    for bad in ("union", None, 1):
+        with pytest.raises(ConfigError, match=r"^backend\.sparse_attention: .* is not allowed; allowed: per_head, "
+                                              r"group_union$"):
+            load_config({"backend": {"sparse_attention": bad}})
+
+
 def test_config_index_kinds_are_the_kernels_kinds():
     from prhs_hf.config import CIS_INDEXES
     from prhs_hf.kernels.key_index import INDEX_KINDS
