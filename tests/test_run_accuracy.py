@@ -3,6 +3,7 @@ not-implemented selectors, --resume and --max-seconds, and the lm-eval engine; t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -222,17 +223,35 @@ def test_long_context_baselines_are_the_baselines_at_cis_lb_budget() -> None:
     cis-lb's 64/256/4096 budget; not in the default set (short prompts fit that budget whole)."""
     ac = accuracy_configs
     lb = ac.load_named_config(ac.named_config("cis-lb")).budget
-    assert {"es-cis", "es-quest", "cis-tail", "cis-group"} <= set(ac.LONG_CONTEXT_BASELINES)
+    assert {"es-cis", "es-quest", "cis-tail", "cis-group", "cis-union"} <= set(ac.LONG_CONTEXT_BASELINES)
     for name in ac.LONG_CONTEXT_BASELINES:
         short, long = (ac.load_named_config(ac.named_config(n)) for n in (name, f"{name}-lb"))
         assert long.budget == lb != short.budget
-        assert (long.baseline, long.cis, long.early_select) == (short.baseline, short.cis, short.early_select)
+        assert (long.baseline, long.cis, long.early_select, long.backend) == (
+            short.baseline, short.cis, short.early_select, short.backend)
+        union = long.backend.sparse_attention == "group_union"  # a speed variant: per-head attention's output
         assert (long.baseline.name is not None or long.cis.tail_slot or long.early_select.enabled
-                or long.cis.selection == "group")
-        assert f"{name}-lb" not in ac.DEFAULT_CONFIGS and name in ac.DEFAULT_CONFIGS
+                or long.cis.selection == "group" or union)
+        # the accuracy table's default rows: not a speed variant, whose accuracy is its per_head twin's
+        assert f"{name}-lb" not in ac.DEFAULT_CONFIGS and (name in ac.DEFAULT_CONFIGS) != union
     ds = ac.load_named_config(ac.named_config("ds-cal-lb"))
     shipped = prhs_hf.load_config("ds_qwen2.5-coder-1.5b")
     assert ds.budget == lb and ds.baseline == shipped.baseline and ds.baseline.label_channels.endswith(".pt")
+
+
+def test_cis_union_lb_is_cis_longbench_reading_group_unions() -> None:
+    """``cis-union-lb``: the shipped default with backend.sparse_attention: group_union, for the speed map
+    (``prhs-hf bench --configs cis-union-lb/sparse``); nothing else differs from cis_longbench."""
+    from prhs_hf.evaluation.speed_map import prhs_config
+
+    ac = accuracy_configs
+    union = ac.load_any_config("cis-union-lb")
+    shipped = prhs_hf.load_config("cis_longbench")
+    assert union.backend.sparse_attention == "group_union" and shipped.backend.sparse_attention == "per_head"
+    assert dataclasses.replace(union, backend=shipped.backend) == shipped
+    forced = ac.load_any_config(*prhs_config("cis-union-lb/sparse+graphs"))
+    assert (forced.policy.decode, forced.backend.eager_step, forced.backend.sparse_attention) == (
+        "sparse", "graphs", "group_union")
 
 
 # The device-call plan of tools/pack_for_gpu.py: the rest of its tests are in tests/test_gpu_transfer.py.

@@ -11,7 +11,9 @@ tokens that aged out of the local window since the anchor was taken, which it ne
 set: ``docs/results/selection_quality_low_rho_qwen0.5b.md``, where it matches CIS-main's β_emp at ρ̂ 10 %;
 shipped as ``cis_low_rho.yaml``);
 ``cis-group`` and ``cis-group-t0.7-local`` use ``cis.selection: group`` (one index set per KV head,
-shared by its query heads), ``cis-group-mean`` its mean-score ranking (``group_mean``). ``cis-tail`` is ``cis-s16`` with ``cis.tail_slot`` (one slot of the
+shared by its query heads), ``cis-group-mean`` its mean-score ranking (``group_mean``). ``cis-union`` is
+``cis`` with ``backend.sparse_attention: group_union`` (the per-head sets, each KV group's union of them
+read once: the same output, so not a default row). ``cis-tail`` is ``cis-s16`` with ``cis.tail_slot`` (one slot of the
 top-k holds a synthetic key/value for what the index set leaves out, CertKV's tail-summary slot).
 ``cis-lb`` is ``cis_longbench.yaml``: CIS alone (s = 16, τ = 0.8) at the paper's long-context budget,
 the one of ``cpe_longbench.yaml`` (64 sink + 256 local + 4096 top-k: LongBench), where every other CIS
@@ -29,7 +31,7 @@ head, layer) sharing ratios: ``hshare-1`` (1/2, 1/4, 1/4: ρ̂ = 1/2 · 3/4 · 3
 ``layer_share_ratio``. EarlySelectKV (``early_select``) appears on Quest and on CIS (s = 16, τ = 0.8):
 ``es-quest`` and ``es-cis`` (the mid tap, layer ℓ+1's exact ``W_q``), ``es-cis-early`` (the early tap)
 and ``es-quest-r256`` / ``es-cis-r256`` (the mid tap through a rank-256 SVD of ``W_q``). ``hshare-1-lb``,
-``quest-lb`` … ``es-cis-lb``, ``cis-tail-lb``, ``cis-group-lb`` (:data:`LONG_CONTEXT_BASELINES`) are those
+``quest-lb`` … ``es-cis-lb``, ``cis-tail-lb``, ``cis-group-lb``, ``cis-union-lb`` (:data:`LONG_CONTEXT_BASELINES`) are those
 baselines, seed selectors and CIS variants at ``cis-lb``'s long-context budget, for the RULER table; ``ds-cal-lb`` is Double Sparsity
 with the label channels calibrated for Qwen2.5-Coder-1.5B (``ds_qwen2.5-coder-1.5b.yaml``) at that budget. Anything else given as a name is a YAML path.
 
@@ -105,13 +107,19 @@ ACCURACY_CONFIGS: dict[str, NamedConfig] = {
 
 DEFAULT_CONFIGS = tuple(ACCURACY_CONFIGS)
 
+#: ``cis-s16`` reading each KV group's union of its heads' index sets once (backend.sparse_attention:
+#: group_union): a speed variant with per-head attention's output, so its accuracy is ``cis-s16``'s and it
+#: is not one of the :data:`DEFAULT_CONFIGS`
+ACCURACY_CONFIGS["cis-union"] = NamedConfig("cis-union", "cis", {"backend": {"sparse_attention": "group_union"}})
+
 #: The baselines, the seed selectors and the CIS variants at the long-context budget of ``cis-lb`` (64 sink +
 #: 256 local + 4096 top-k), for the RULER table and the speed map: ``<name>-lb`` is ``<name>`` on
 #: ``cis_longbench.yaml`` (``cis-group-lb``: one index set per KV head, a candidate default whose sets
-#: read a KV group's keys once). Not in
+#: read a KV group's keys once; ``cis-union-lb``: the shipped default's per-head sets, each KV group's
+#: union of them read once, for the speed map). Not in
 #: :data:`DEFAULT_CONFIGS`: below 4,417 tokens (GSM8K, CoQA) they attend to every key.
 LONG_CONTEXT_BASELINES = ("hshare-1", "hshare-2", "quest", "streaming", "h2o", "certkv",
-                          "es-quest", "es-cis", "cis-tail", "cis-group")
+                          "es-quest", "es-cis", "cis-tail", "cis-group", "cis-union")
 ACCURACY_CONFIGS.update(
     (f"{name}-lb", NamedConfig(f"{name}-lb", "cis_longbench", ACCURACY_CONFIGS[name].overrides))
     for name in LONG_CONTEXT_BASELINES)
