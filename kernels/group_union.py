@@ -8,8 +8,10 @@ Contract: from per-head sets ``idx[b, h, :count[b, h]]`` (real indices; the entr
 * ``head_mask[b, kvh, i]`` (int32) bit ``g`` set when ``union_idx[b, kvh, i]`` is in head
   ``kvh*G + g``'s set (``0`` after ``union_count``).
 
-Shapes are fixed (``[B, Hkv, G*cap]``, ``[B, Hkv]``) and no builder synchronises with the host
-(graph-capturable). The union feeds :func:`~.sparse_decode_attention.sparse_decode_attention_union`,
+Shapes are fixed (``[B, Hkv, W]``, ``[B, Hkv]``) and no builder synchronises with the host
+(graph-capturable). The width ``W`` is ``G*cap``, or with the index bound ``span`` (the cache's slot
+count, which :func:`group_union` takes) :func:`union_width` ``min(G*cap, span)``: a group has at most that
+many distinct indices, and a narrower list is less padding to write and fewer attention splits. The union feeds :func:`~.sparse_decode_attention.sparse_decode_attention_union`,
 which loads each group's union once and keeps every head to its own set.
 
 Three builders, the same result: :func:`group_union`, the Triton one that the attention uses (each
@@ -26,10 +28,17 @@ import torch
 from .map_collect import MAP_CHUNK, _chunk_count, _chunks_before, _marked_slots, _pad_from, chunk_grid
 from .triton_support import next_pow2, program_bh, require_triton, tl, triton
 
-__all__ = ["group_union", "group_union_torch", "group_union_reference", "MAX_GROUP"]
+__all__ = ["group_union", "group_union_torch", "group_union_reference", "union_width", "MAX_GROUP"]
 
 #: The largest query-head group a head bitmask holds (bits of an int32).
 MAX_GROUP = 32
+
+
+def union_width(group: int, cap: int, span: int | None = None) -> int:
+    """Entries of a union list: ``group * cap`` (every head's whole list distinct), at most ``span`` (the
+    distinct indices below the index bound) when it is given."""
+    width = int(group) * int(cap)
+    return width if span is None else min(width, int(span))
 
 
 def _check(idx: torch.Tensor, count: torch.Tensor, kv_heads: int) -> int:
@@ -203,7 +212,8 @@ def group_union(idx: torch.Tensor, count: torch.Tensor, kv_heads: int,
             or past it is left out of the union).
 
     Returns:
-        ``(union_idx, head_mask, union_count)`` as :func:`group_union_torch` (the module contract).
+        ``(union_idx, head_mask, union_count)`` as :func:`group_union_torch` (the module contract), each
+        list :func:`union_width` ``(G, cap, span)`` wide: :func:`group_union_torch`'s first columns.
 
     Raises:
         ValueError: bad shapes, ``kv_heads`` not dividing ``Hq``, ``G > 32`` or ``span < 1``.
@@ -213,7 +223,7 @@ def group_union(idx: torch.Tensor, count: torch.Tensor, kv_heads: int,
         raise ValueError(f"group_union: span={span}; allowed >= 1 (the cache's slot count, above every index)")
     require_triton(idx, count)
     B, Hq, cap = idx.shape
-    nset = group * cap
+    nset = union_width(group, cap, span)
     dev = idx.device
     union_idx = torch.empty((B, kv_heads, nset), dtype=torch.int32, device=dev)
     head_mask = torch.empty_like(union_idx)

@@ -311,13 +311,13 @@ def sparse_decode_attention_union(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     :func:`~.group_union.group_union` (the Triton map builder, over the cache's ``S`` slots) turns
     the per-head sets into one list per KV head (the distinct indices of the G heads' sets,
-    ``[B, Hkv, G*cap]``) with a head bitmask per entry; the grouped kernel (one program per (batch,
+    ``[B, Hkv, min(G*cap, S)]``) with a head bitmask per entry; the grouped kernel (one program per (batch,
     KV head, split), the G heads in the M rows of the dots) loads each listed K/V row once and masks
     every head to its own set. Same output as :func:`sparse_decode_attention` for lists without
     repeats or ``-1`` before their counts (a repeated index is attended once here, a ``-1`` not at
     all), with the K/V rows read per group being the union's size rather than the sum of the heads'
     counts. No host synchronisation. ``num_splits`` as in :func:`sparse_decode_attention`, applied
-    to the union lists (length ``G*cap``). Args and result as
+    to the union lists (length ``min(G*cap, S)``). Args and result as
     :func:`sparse_decode_attention_reference`; needs ``G = Hq / Hkv <= 32``.
     """
     if idx.dim() != 3 or idx.shape[:2] != q.shape[:2] or count.shape != q.shape[:2]:

@@ -16,7 +16,7 @@ import torch
 
 from conftest import triton_available
 import prhs_hf.kernels.group_union as union_module
-from prhs_hf.kernels.group_union import MAX_GROUP, group_union, group_union_reference, group_union_torch
+from prhs_hf.kernels.group_union import MAX_GROUP, group_union, group_union_reference, group_union_torch, union_width
 from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_reference,
@@ -68,12 +68,18 @@ builders = pytest.mark.parametrize("builder", [pytest.param("triton", marks=need
 
 def assert_union_equal(idx: torch.Tensor, count: torch.Tensor, kv_heads: int, builder: str,
                        span: int | None = None) -> tuple[torch.Tensor, ...]:
-    """The builder's union equals the reference's; ``span`` defaults to one past the largest index."""
+    """The builder's union equals the reference's; ``span`` defaults to one past the largest index. The
+    Triton builder's lists are ``union_width(G, cap, span)`` wide: the reference's first columns, the rest
+    of which is padding."""
     span = int(idx.max()) + 1 if span is None else span
     got = BUILDERS[builder](idx.to(DEV), count.to(DEV), kv_heads, span)
     want = group_union_reference(idx, count, kv_heads)
+    group, cap = idx.shape[1] // kv_heads, idx.shape[2]
+    width = union_width(group, cap, span) if builder == "triton" else group * cap
+    assert (want[0][..., width:] == -1).all() and (want[1][..., width:] == 0).all()
     for name, g_, w_ in zip(("union_idx", "head_mask", "union_count"), got, want):
         assert g_.dtype == I32, name
+        w_ = w_[..., :width] if w_.dim() == 3 else w_
         assert g_.shape == w_.shape, name
         assert torch.equal(g_.cpu(), w_), name
     return want
@@ -303,3 +309,22 @@ def test_union_attention_builds_the_union_with_the_map_builder(monkeypatch):
     monkeypatch.setattr(union_module, "_union_mark_kernel", _Unlaunchable())
     with pytest.raises(AssertionError, match="mark kernel was launched"):
         sparse_decode_attention_union(*dev, 0.25)
+
+
+@needs_triton
+def test_union_lists_are_no_wider_than_the_cache():
+    """A group's union has at most S distinct indices: with G*cap > S the Triton lists are S wide (less
+    padding to write, fewer attention splits), and the attention over them still equals the per-head one."""
+    B, G, Hkv, cap, S, D = 2, 4, 2, 24, 40, 16
+    assert union_width(G, cap, S) == S < G * cap and union_width(G, cap) == G * cap
+    idx, count = per_head_sets(B, G * Hkv, G, S, cap, "heavy", 5, [0, 0])
+    union_idx, head_mask, union_count = group_union(idx.to(DEV), count.to(DEV), Hkv, S)
+    assert union_idx.shape == head_mask.shape == (B, Hkv, S)
+    assert_union_equal(idx, count, Hkv, "triton", span=S)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, G * Hkv, D, generator=g).to(DEV)
+    k, v = (torch.randn(B, Hkv, S, D, generator=g).to(DEV) for _ in range(2))
+    pad = torch.zeros(B, dtype=I32, device=DEV)
+    got = sparse_decode_attention_union(q, k, v, pad, idx.to(DEV), count.to(DEV), 0.25)
+    want = sparse_decode_attention_reference(q, k, v, pad, idx.to(DEV), count.to(DEV), 0.25)
+    assert torch.allclose(got.float().cpu(), want.float().cpu(), atol=1e-5)
