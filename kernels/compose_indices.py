@@ -10,38 +10,51 @@ with ``p = sel_idx[b, h]`` (best first, ``-1`` = none), written ascending withou
 into ``idx[b, h, :count]`` and ``-1`` after ``count``. ``dilate`` is a Python bool (all rows)
 or a ``[B, Hq]`` bool tensor (per row, e.g. the sharing heads). ``cap`` bounds every set.
 
-Layout follows the Triton tutorial 06-fused-attention: the ``@triton.jit`` kernel, the
-launcher :func:`compose_indices`, and the PyTorch reference :func:`compose_indices_reference`.
+The model path composes from the anchors' dilated sets instead (§3b: :func:`compose_from_sets`,
+and :func:`dilate_and_compose`, which builds the retrieving rows' sets in the same launch); the
+dilated set itself (§3a: its encoding, :func:`~.dilated_set.dilated_set` and its map path) lives
+in ``dilated_set.py``, whose public names this module re-exports.
+
+Layout follows the Triton tutorial 06-fused-attention: the ``@triton.jit`` kernels, the
+launchers :func:`compose_indices` and the others, and their PyTorch references (``*_reference``).
 """
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 
-from .map_collect import MAP_CHUNK, _chunk_count, _chunks_before, _marked_slots, _pad_from, chunk_grid
+from .dilated_set import (
+    SET_NONE,
+    DilateArg,
+    _auto_takes_map,
+    _dilated_candidates,
+    _last_two,
+    _sorted_dilated_set,
+    _store_set,
+    dilate_mask,
+    dilated_set,
+    dilated_set_reference,
+    dilated_set_size,
+)
 from .triton_support import NORM_EPS, next_pow2, program_bh, require_triton, tl, triton
 from .record_anchors import _record_row, check_record, record_anchors, record_anchors_reference, record_launch_args
 
 __all__ = [
     "compose_indices",
     "compose_indices_reference",
-    "dilate_mask",
-    "dilated_set",
-    "dilated_set_reference",
-    "dilated_set_size",
     "compose_from_sets",
     "compose_from_sets_reference",
     "dilate_and_compose",
     "dilate_and_compose_reference",
     "dilate_compose_and_record",
     "dilate_compose_and_record_reference",
+    # re-exported from dilated_set.py, their home
+    "dilate_mask",
+    "dilated_set",
+    "dilated_set_reference",
+    "dilated_set_size",
     "SET_NONE",
 ]
-
-#: ``dilate`` of :func:`compose_indices`: one bool for every row, or a ``[B, Hq]`` bool tensor.
-DilateArg = Union[bool, torch.Tensor]
 
 # Kernel design: the sink range [0, s_end) and the window [w0, t) (w0 = max(win_start, s_end))
 # are contiguous and disjoint, so only the middle candidates (the selected indices and their
@@ -56,20 +69,6 @@ DilateArg = Union[bool, torch.Tensor]
 
 
 @triton.jit
-def _last_two(last_a, prev_a, last_b, prev_b):
-    """Scan combine: (last, previous) element of a concatenation (prev -2^31 = none yet)."""
-    return last_b, tl.where(prev_b == -2147483648, last_a, prev_b)
-
-
-@triton.jit
-def _program_row(FLAG, stride_fb, stride_fh, H: tl.constexpr):
-    """This program's row and whether it is flagged: ``(pid, b, h, flag)``."""
-    pid, b, h = program_bh(H)
-    flag = tl.load(FLAG + b * stride_fb + h * stride_fh).to(tl.int32)
-    return pid, b, h, flag
-
-
-@triton.jit
 def _step_regions(T, LO, HI, WS, b, SINK):
     """Sequence ``b``'s regions of the step: ``(t, lo, hi, s_end, w0, wlen)``: the keys ``t`` it sees,
     the middle ``[lo, hi)``, the sinks ``[0, s_end)`` and the window ``[w0, w0 + wlen)``."""
@@ -80,20 +79,6 @@ def _step_regions(T, LO, HI, WS, b, SINK):
     w0 = tl.maximum(tl.load(WS + b), s_end)
     wlen = tl.maximum(t - w0, 0)
     return t, lo, hi, s_end, w0, wlen
-
-
-@triton.jit
-def _dilated_candidates(SEL, i, K, M, R):
-    """Entry ``i`` of a row's dilated-set candidates: selected ``i < K`` (``SEL[i]``), then the
-    top-``M``'s neighbours at offsets ``-R..-1, 1..R``; ``(p, offset, is_selected, valid)``."""
-    is_sel = i < K
-    nb = i - K
-    src = tl.where(is_sel, i, nb // (2 * R))
-    o = nb % (2 * R)
-    off = tl.where(is_sel, 0, tl.where(o < R, o - R, o - R + 1))
-    in_set = is_sel | (nb < 2 * R * M)
-    p = tl.load(SEL + src, mask=in_set, other=-1)
-    return p, off, is_sel, in_set & (p >= 0)
 
 
 @triton.jit
@@ -130,27 +115,6 @@ def _compose_from_set(T, LO, HI, WS, b, SINK, x, out, cnt_ptr, CAP, BLOCK: tl.co
     n_mid = tl.sum(keep, axis=0)
     n_below = tl.sum(tl.where(v < w0, keep, 0), axis=0)
     _write_composed(out, cnt_ptr, v, keep, rank, n_mid, n_below, s_end, w0, wlen, CAP, BLOCK)
-
-
-@triton.jit
-def _sorted_dilated_set(SEL_ROW, i, K, M, R):
-    """A row's dilated set in registers: ``(x, first)``, ``x`` its candidates ``(v << 1) |
-    only_neighbour`` sorted ascending (SET_NONE where none), ``first`` the first entry of each
-    index (the selected one where an index is both)."""
-    p, off, is_sel, ok = _dilated_candidates(SEL_ROW, i, K, M, R)
-    x = tl.sort(tl.where(ok, ((p + off) << 1) | tl.where(is_sel, 0, 1), 2147483647))
-    _, prev = tl.associative_scan((x, tl.full(x.shape, -2147483648, tl.int32)), 0, _last_two)
-    return x, (x != 2147483647) & ((x >> 1) != (prev >> 1))
-
-
-@triton.jit
-def _store_set(out, x, first, i, NSET):
-    """Store the entries ``first`` of ``x`` compacted to ``out[:n]``, SET_NONE after."""
-    keep = first.to(tl.int32)
-    pos = tl.cumsum(keep, axis=0) - keep
-    n = tl.sum(keep, axis=0)
-    tl.store(out + pos, x, mask=first & (pos < NSET))
-    tl.store(out + i, tl.full(x.shape, 2147483647, tl.int32), mask=(i >= n) & (i < NSET))
 
 
 @triton.jit
@@ -221,277 +185,13 @@ def compose_indices(t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, win_sta
     )
     return idx, cnt
 
-# ----------------------------------------------------------------------------- anchor sets
+
+# ----------------------------------------------------------------------------- from dilated sets (§3b)
 #
-# The fast path of a CIS step (anchor sets; see docs/notes/decode_tuning.md): a sharing row re-uses its
-# anchor's indices for every step of a block, so the sorted, deduplicated, dilated middle set
-# of an anchor is built once, when the anchor is retrieved (`dilated_set`, one register sort
-# per *retrieving* row), and stored instead of the top-k list. Each step then composes every
-# row from its set with a filter + prefix sum (`compose_from_sets`: no sort), and the gather /
-# where glue that picked each row's selection is done inside the kernel.
-#
-# Set encoding (int32): ``(v << 1) | nb`` for each middle index ``v`` of
-# ``{p_i >= 0} ∪ {p_i + j : i < m, p_i >= 0, 0 < |j| <= r}`` (unclipped: the region is applied
-# at use), ``nb = 1`` when ``v`` is only a dilation neighbour (not a selected index itself);
-# ascending, one entry per ``v``, :data:`SET_NONE` after the last. A retrieving row's own step
-# uses the entries with ``nb = 0`` (its fresh top-k, undilated); a sharing row uses all.
-
-#: Padding of a dilated set (larger than every entry).
-SET_NONE = 2147483647
-
-
-def dilated_set_size(k: int, dil_m: int, dil_r: int) -> int:
-    """Entries of a dilated set: ``k + 2 * r * min(m, k)`` (``r = 0``: ``k``)."""
-    r = max(int(dil_r), 0)
-    return int(k) + (2 * r * min(int(dil_m), int(k)) if r > 0 else 0)
-
-
-@triton.jit
-def _dilated_set_kernel(SEL, FLAG, OUT, stride_sb, stride_sh, stride_fb, stride_fh, K, M, R, NSET,
-                        H: tl.constexpr, NC: tl.constexpr):
-    """One program per row; rows without FLAG only write the padding (no sort)."""
-    pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
-    i = tl.arange(0, NC)
-    out = OUT + pid.to(tl.int64) * NSET
-    if flag != 0:
-        x, first = _sorted_dilated_set(SEL + b * stride_sb + h * stride_sh, i, K, M, R)
-        _store_set(out, x, first, i, NSET)
-    else:
-        tl.store(out + i, tl.full([NC], 2147483647, tl.int32), mask=i < NSET)
-
-
-@triton.jit
-def _dilated_mark_kernel(SEL, FLAG, MAP, stride_sb, stride_sh, stride_fb, stride_fh, K, M, R, L,
-                         H: tl.constexpr, NC: tl.constexpr):
-    """One program per row: mark its indices in its row of a zeroed int8 map over ``[-R, L - R)``,
-    1 for a neighbour, then 2 for a selected index (selected wins where both fall)."""
-    pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
-    if flag != 0:
-        p, off, is_sel, ok = _dilated_candidates(SEL + b * stride_sb + h * stride_sh, tl.arange(0, NC), K, M, R)
-        row = MAP + pid.to(tl.int64) * L + R
-        tl.store(row + p + off, tl.full([NC], 1, tl.int8), mask=ok & ~is_sel)
-        tl.debug_barrier()
-        tl.store(row + p, tl.full([NC], 2, tl.int8), mask=ok & is_sel)
-
-
-@triton.jit
-def _store_marked(row, out, j, n, R, L, NSET):
-    """Store the marked positions ``j`` of map row ``row`` as ``((j - R) << 1) | only_neighbour``,
-    in order, at ``out[n:]`` (not at or past ``NSET``); return how many are marked."""
-    mark, slot, store, marked = _marked_slots(row, j, n, L, NSET)
-    tl.store(out + slot, ((j - R) << 1) | (mark == 1).to(tl.int32), mask=store)
-    return marked
-
-
-@triton.jit
-def _pad_set(out, lo, hi, n, BLOCK: tl.constexpr):
-    """SET_NONE at the slots ``[lo, hi)`` of ``out`` from the set's size ``n`` on."""
-    _pad_from(out, lo, hi, n, 2147483647, BLOCK)
-
-
-@triton.jit
-def _dilated_collect_kernel(
-    MAP, FLAG, OUT,
-    stride_fb, stride_fh,
-    R, L, NSET,
-    H: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """One program per row: the marked positions of its map row in ascending order, as
-    ``(v << 1) | only_neighbour``, then SET_NONE padding (rows without FLAG: padding only)."""
-    pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
-    out = OUT + pid.to(tl.int64) * NSET
-    n = 0
-    if flag != 0:
-        row = MAP + pid.to(tl.int64) * L
-        for start in range(0, L, BLOCK):
-            n += _store_marked(row, out, start + tl.arange(0, BLOCK), n, R, L, NSET)
-    _pad_set(out, 0, NSET, n, BLOCK)
-
-
-@triton.jit
-def _dilated_count_kernel(
-    MAP, FLAG, COUNTS,
-    stride_fb, stride_fh,
-    L, N_CHUNKS,
-    H: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """One program per (row, chunk of CHUNK map positions): the chunk's marked positions, into
-    ``COUNTS[row, chunk]`` (rows without FLAG: 0)."""
-    pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
-    c = tl.program_id(1)
-    n = 0
-    if flag != 0:
-        n = _chunk_count(MAP + pid.to(tl.int64) * L, c, L, CHUNK)
-    tl.store(COUNTS + pid.to(tl.int64) * N_CHUNKS + c, n)
-
-
-@triton.jit
-def _dilated_write_kernel(
-    MAP, FLAG, COUNTS, OUT,
-    stride_fb, stride_fh,
-    R, L, NSET, N_CHUNKS, SHARE,
-    H: tl.constexpr, CHUNK: tl.constexpr, NCH: tl.constexpr,
-):
-    """One program per (row, chunk): the chunk's marked positions as ``(v << 1) | only_neighbour``
-    from the sum of the counts of the chunks before it, and SET_NONE at the slots of its share
-    ``[c * SHARE, (c + 1) * SHARE)`` of the row from the row's total on (rows without FLAG:
-    padding only)."""
-    pid, b, h, flag = _program_row(FLAG, stride_fb, stride_fh, H)
-    c = tl.program_id(1)
-    out = OUT + pid.to(tl.int64) * NSET
-    total = 0
-    if flag != 0:
-        before, total = _chunks_before(COUNTS, pid, c, N_CHUNKS, NCH)
-        _store_marked(MAP + pid.to(tl.int64) * L, out, c * CHUNK + tl.arange(0, CHUNK), before, R, L, NSET)
-    lo = c * SHARE
-    _pad_set(out, lo, tl.minimum(lo + SHARE, NSET), total, CHUNK)
-
-
-#: the sort path's register sort grows as log^2 of the set: from this many entries (next power
-#: of two) a row with a known index span is marked in a map and collected in order instead
-MAP_FROM_ENTRIES = 1024
-
-#: the map path's collects: ``"serial"`` (``_method="map"``: one program per row scans its map row)
-#: and ``"parallel"`` (``_method="map_parallel"``: a program per (row, chunk of :data:`MAP_CHUNK`
-#: positions) counts its chunk's marks, then writes them after the counts of the chunks before it)
-MAP_COLLECTS = {"serial": "map", "parallel": "map_parallel"}
-
-#: the collect of :func:`dilated_set`'s ``"auto"`` map path (so of :func:`dilate_and_compose`'s), a
-#: key of :data:`MAP_COLLECTS`
-MAP_COLLECT = "serial"
-
-# MAP_CHUNK, the parallel collect's map positions per program, is kernels/map_collect.py's (the
-# collect's helpers live there, shared with group_union.py's union builder).
-
-
-def _collect_map(marks: torch.Tensor, flag: torch.Tensor, out: torch.Tensor, R: int, parallel: bool) -> None:
-    """Collect each flagged row of ``marks [B*H, L]`` (int8, marked over ``[-R, L - R)``) into
-    ``out [B, H, nset]`` (contiguous), with the parallel collect or the serial one (see
-    :data:`MAP_COLLECTS`); the rows without ``flag [B, H]`` are all SET_NONE."""
-    B, H, nset = out.shape
-    L = marks.shape[1]
-    if not parallel:
-        _dilated_collect_kernel[(B * H,)](
-            marks, flag, out,
-            flag.stride(0), flag.stride(1),
-            R, L, nset,
-            H=H, BLOCK=2048, num_warps=8,
-        )
-        return
-    grid = chunk_grid(L, nset, int(MAP_CHUNK))
-    counts = torch.empty((B * H, grid.n_chunks), dtype=torch.int32, device=marks.device)
-    _dilated_count_kernel[(B * H, grid.n_chunks)](
-        marks, flag, counts,
-        flag.stride(0), flag.stride(1),
-        L, grid.n_chunks,
-        H=H, CHUNK=grid.chunk, num_warps=4,
-    )
-    _dilated_write_kernel[(B * H, grid.n_chunks)](
-        marks, flag, counts, out,
-        flag.stride(0), flag.stride(1),
-        R, L, nset, grid.n_chunks, grid.share,
-        H=H, CHUNK=grid.chunk, NCH=grid.n_chunks_pow2, num_warps=4,
-    )
-
-
-def dilated_set(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int, span: int = 0,
-                _method: str = "auto") -> torch.Tensor:
-    """Triton dilated sets of the selected rows.
-
-    Args and result as :func:`dilated_set_reference`; ``span`` (optional, e.g. the cache's slot
-    count) bounds the indices: every ``sel_idx`` entry is ``< span``. Three methods, the same
-    output: ``"sort"`` (one launch, a register sort per selected row) and the map (needs ``span``:
-    each selected row marks its indices in an int8 map of ``span + 2r`` positions, then they are
-    collected in order, no sort) with either collect of :data:`MAP_COLLECTS`: ``"map"`` (one
-    program per row scans its map row: a memset and two launches) or ``"map_parallel"`` (a
-    program per (row, chunk of :data:`MAP_CHUNK` positions) counts its chunk's marks, then another
-    writes them after the counts of the row's chunks before it, and its share of the padding: a
-    memset and three launches). ``"auto"``: the map with the collect :data:`MAP_COLLECT` for sets
-    of at least :data:`MAP_FROM_ENTRIES` (next power of two) when ``span`` is given, else the sort.
-
-    Raises:
-        ValueError: ``_method`` not one of the above, a map method without ``span``, or (``"auto"``)
-            a :data:`MAP_COLLECT` that is not a key of :data:`MAP_COLLECTS`.
-    """
-    require_triton(sel_idx)
-    methods = ("auto", "sort", *MAP_COLLECTS.values())
-    if _method not in methods:
-        raise ValueError(f"dilated_set: _method={_method!r}; expected one of {', '.join(map(repr, methods))}")
-    B, H, K = sel_idx.shape
-    dev = sel_idx.device
-    r = max(int(dil_r), 0)
-    m = min(int(dil_m), K) if r > 0 else 0
-    nset = dilated_set_size(K, m, r)
-    out = torch.empty((B, H, nset), dtype=torch.int32, device=dev)
-    if B * H == 0 or nset == 0:
-        return out
-    if sel_idx.stride(-1) != 1:
-        sel_idx = sel_idx.contiguous()
-    flag = dilate_mask(rows, B, H, dev)
-    nc = next_pow2(nset, 16)
-    method = _method
-    if method == "auto":
-        if MAP_COLLECT not in MAP_COLLECTS:
-            raise ValueError(f"dilated_set: MAP_COLLECT={MAP_COLLECT!r}; expected one of "
-                             f"{', '.join(map(repr, MAP_COLLECTS))}")
-        method = MAP_COLLECTS[MAP_COLLECT] if span > 0 and nc >= MAP_FROM_ENTRIES else "sort"
-    if method != "sort":
-        if span <= 0:
-            raise ValueError(f"dilated_set: _method={method!r} needs span > 0 (the index bound), got span={span}")
-        R = max(r, 1)
-        L = int(span) + 2 * R
-        marks = torch.zeros((B * H, L), dtype=torch.int8, device=dev)
-        _dilated_mark_kernel[(B * H,)](
-            sel_idx, flag, marks,
-            sel_idx.stride(0), sel_idx.stride(1), flag.stride(0), flag.stride(1),
-            K, m, R, L,
-            H=H, NC=nc, num_warps=4 if nc <= 1024 else 8,
-        )
-        _collect_map(marks, flag, out, R, parallel=method == MAP_COLLECTS["parallel"])
-        return out
-    _dilated_set_kernel[(B * H,)](
-        sel_idx, flag, out,
-        sel_idx.stride(0), sel_idx.stride(1), flag.stride(0), flag.stride(1),
-        K, m, max(r, 1), nset,
-        H=H, NC=nc,
-        num_warps=4 if nc <= 1024 else (8 if nc <= 4096 else 16),
-    )
-    return out
-
-
-def dilated_set_reference(sel_idx: torch.Tensor, rows: DilateArg, dil_m: int, dil_r: int, span: int = 0) -> torch.Tensor:
-    """PyTorch reference of :func:`dilated_set` (vectorised, sync-free; ``span`` is not needed here).
-
-    Args:
-        sel_idx: ``[B, Hq, k]`` int32 selected middle indices, best first, ``-1`` = none.
-        rows: bool or ``[B, Hq]`` bool, the rows whose set is built (the others: all padding).
-        dil_m, dil_r: dilation top-m and radius.
-
-    Returns:
-        ``[B, Hq, k + 2*r*min(m, k)]`` int32: ``(v << 1) | only_neighbour`` ascending, one
-        entry per index ``v``, :data:`SET_NONE` padded (see the module comment).
-    """
-    B, Hq, K = sel_idx.shape
-    dev = sel_idx.device
-    r = max(int(dil_r), 0)
-    m = min(int(dil_m), K) if r > 0 else 0
-    none = torch.iinfo(torch.int64).max
-    sel = sel_idx.long()
-    parts = [torch.where(sel >= 0, sel * 2, none)]
-    if m > 0:
-        offs = torch.arange(-r, r, device=dev)
-        offs = offs + (offs >= 0).long()  # -r..-1, 1..r
-        p = sel[..., :m]
-        nb = p.unsqueeze(-1) + offs  # [B, Hq, m, 2r]
-        parts.append(torch.where((p >= 0).unsqueeze(-1), nb * 2 + 1, none).reshape(B, Hq, -1))
-    cand = torch.sort(torch.cat(parts, dim=-1), dim=-1).values
-    dup = torch.zeros_like(cand, dtype=torch.bool)
-    dup[..., 1:] = torch.div(cand[..., 1:], 2, rounding_mode="floor") == torch.div(
-        cand[..., :-1], 2, rounding_mode="floor"
-    )
-    cand = torch.sort(torch.where(dup, none, cand), dim=-1).values
-    keep = (cand != none) & dilate_mask(rows, B, Hq, dev).unsqueeze(-1)
-    return torch.where(keep, cand, SET_NONE).to(torch.int32)
+# Each step composes every row from a dilated set (dilated_set.py) with a filter + prefix sum, no
+# sort: a sharing row from its anchor's set, a retrieving row from the entries of its own new set
+# that are not only neighbours; the gather / where glue that picked each row's selection is done
+# inside the kernel.
 
 
 @triton.jit
@@ -603,7 +303,7 @@ def dilate_and_compose(
     """Triton dilated sets of the retrieving rows and composition of every row, in one launch
     (:func:`dilated_set` then :func:`compose_from_sets`, which it equals). Sets that
     :func:`dilated_set` would build on its map path (``span`` given and at least
-    :data:`MAP_FROM_ENTRIES` entries) take those two launchers instead.
+    :data:`~.dilated_set.MAP_FROM_ENTRIES` entries) take those two launchers instead.
 
     Args and result as :func:`dilate_and_compose_reference`.
     """
@@ -642,7 +342,7 @@ def _dilate_compose(t, lo, hi, win_start, best, anchor_sets, new_idx, sink, cap,
     m = min(int(dil_m), K) if r > 0 else 0
     nc = next_pow2(max(nset, 1), 16)
     cap = int(cap)
-    if B * H == 0 or cap == 0 or nset == 0 or (span > 0 and nc >= MAP_FROM_ENTRIES):
+    if B * H == 0 or cap == 0 or nset == 0 or _auto_takes_map(nset, span):
         new_set = dilated_set(new_idx, best == -1, dil_m, dil_r, span)
         out = (new_set, *compose_from_sets(t, lo, hi, win_start, best, anchor_sets, new_set, sink, cap))
         if record is not None:
@@ -774,13 +474,6 @@ def dilate_compose_and_record_reference(
                                        dil_m, dil_r, span)
     record_anchors_reference(anchor_q, anchor_idx, anchor_count, layer, q, out[0], best, step)
     return out
-
-
-def dilate_mask(dilate: DilateArg, B: int, Hq: int, device: torch.device) -> torch.Tensor:
-    """``dilate`` as a ``[B, Hq]`` bool tensor on ``device`` (a Python bool is broadcast)."""
-    if isinstance(dilate, torch.Tensor):
-        return dilate.to(device=device, dtype=torch.bool).expand(B, Hq)
-    return torch.full((B, Hq), bool(dilate), dtype=torch.bool, device=device)
 
 
 def compose_indices_reference(t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, win_start: torch.Tensor,

@@ -3,8 +3,9 @@
 Each is a :class:`DecodeOps` with ``cis_match``, ``topk_retrieval``, ``compose_indices`` and
 ``sparse_decode_attention`` of the signatures in docs/DECODE_PIPELINE.md (plus
 ``sparse_decode_attention_union``, the per-head sets read once per KV group, sparse_decode_attention.py;
-``dilate_and_compose``, the anchor-set fast path, see compose_indices.py, ``record_anchors``, and the
-key index's ``write_key_index``, ``update_key_index`` and ``topk_retrieval_indexed``, key_index.py);
+``dilate_and_compose``, the anchor-set fast path, see compose_indices.py and dilated_set.py;
+``record_anchors``; and the key index's ``write_key_index``, ``update_key_index`` and
+``topk_retrieval_indexed``, key_index.py);
 :func:`get_decode_ops` picks one by name (``"torch"``/``"reference"`` or ``"triton"``);
 :func:`cis_select` chains match, retrieval and composition from the anchors' sets (the CIS
 selector, ``prhs_hf.selectors.cis``, calls it around its state; the stateless whole step with the
@@ -27,8 +28,8 @@ from .compose_indices import (
     dilate_and_compose_reference,
     dilate_compose_and_record,
     dilate_compose_and_record_reference,
-    dilated_set_size,
 )
+from .dilated_set import dilated_set_size
 from .key_index import (
     KeyIndex,
     topk_retrieval_indexed,

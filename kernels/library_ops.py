@@ -21,13 +21,8 @@ import torch
 from .cis_match import CISMatch, cis_match
 from .key_index import KeyIndex, topk_retrieval_indexed, update_key_index, write_key_index
 from .record_anchors import record_anchors
-from .compose_indices import (
-    compose_indices,
-    dilate_and_compose,
-    dilate_compose_and_record,
-    dilate_mask,
-    dilated_set_size,
-)
+from .compose_indices import compose_indices, dilate_and_compose, dilate_compose_and_record
+from .dilated_set import dilate_mask, dilated_set_size
 from .sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,

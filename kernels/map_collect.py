@@ -8,7 +8,7 @@ marked positions (:func:`_chunk_count`), the next writes them from the counts of
 before it (:func:`_chunks_before`, :func:`_marked_slots`) and pads its share of the row's output
 (:func:`_pad_from`; :func:`chunk_grid` sizes the grid and the shares).
 
-Two passes use them: the dilated sets of ``compose_indices.py`` (int8 marks: a selected index or
+Two passes use them: the dilated sets of ``dilated_set.py`` (int8 marks: a selected index or
 only a neighbour) and the KV-group unions of ``group_union.py`` (int32 marks: the bits of the query
 heads whose sets hold the index). Each keeps its own kernels (named for the profiler) built from
 these helpers.

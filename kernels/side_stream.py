@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from .compose_indices import dilated_set_size
 from .decode_ops import DecodeOps, cis_select, get_decode_ops
+from .dilated_set import dilated_set_size
 
 __all__ = ["fork_cis_select", "join_cis_select", "pending_selections", "drop_pending"]
 

@@ -53,7 +53,7 @@ KV append of any column).
 Stage breakdown of the CIS-16 step (each stage replayed alone on the step's own inputs): match,
 retrieval (compact / score / select), dilated set, compose, attention, glue; gap = step - sum.
 ``stage16_dilated_ms_by_collect``: the dilated set on its map path with each collect
-(``compose_indices.MAP_COLLECTS``: ``serial``, one program per row; ``parallel``, programs per
+(``dilated_set.MAP_COLLECTS``: ``serial``, one program per row; ``parallel``, programs per
 (row, chunk)), at every shape, whichever method ``"auto"`` takes there (``MAP_COLLECT`` picks the
 model's); ``stage16_map_collects_equal_to_step``: both give the step's sets.
 Each row states the target (CIS-16 >= 5x the fastest dense for MHA, >= 3x for GQA)
@@ -99,10 +99,9 @@ import yaml  # noqa: E402
 
 import _bench_common as common  # noqa: E402
 from prhs_hf.kernels.cis_match import cis_match  # noqa: E402
-from prhs_hf.kernels.compose_indices import (  # noqa: E402
-    MAP_COLLECTS, compose_from_sets, compose_indices, dilate_and_compose, dilated_set,
-)
+from prhs_hf.kernels.compose_indices import compose_from_sets, compose_indices, dilate_and_compose  # noqa: E402
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, group_query  # noqa: E402
+from prhs_hf.kernels.dilated_set import MAP_COLLECTS, dilated_set  # noqa: E402
 from prhs_hf.kernels.ds_decode import ds_decode_step, ds_decode_step_reference, ds_query_labels  # noqa: E402
 from prhs_hf.kernels.key_index import (  # noqa: E402
     INDEX_KINDS,

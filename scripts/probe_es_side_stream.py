@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 import _bench_common as common
 import bench_decode_attention as bda
-from prhs_hf.kernels.compose_indices import dilated_set
+from prhs_hf.kernels.dilated_set import dilated_set
 from prhs_hf.kernels.decode_ops import TRITON_OPS, cis_select
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -353,7 +353,7 @@ def test_bench_e2e_decode_profile_names_a_family_for_every_decode_kernel():
 
     bench = load_script("bench_e2e_decode")
     stages = {"cis_match.py": "cis match", "topk_retrieval.py": "retrieval", "topk_select.py": "retrieval",
-              "compose_indices.py": "composition",
+              "compose_indices.py": "composition", "dilated_set.py": "composition",
               "sparse_decode_attention.py": "sparse attention", "group_union.py": "sparse attention",
               "record_anchors.py": "anchor record"}
     for file, family in stages.items():

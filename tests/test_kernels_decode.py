@@ -26,13 +26,14 @@ from hypothesis import strategies as st
 from script_loader import load_script
 from conftest import triton_available
 import prhs_hf.kernels.compose_indices as compose_module
+import prhs_hf.kernels.dilated_set as dilated_module
 from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
 from prhs_hf.kernels.compose_indices import (
-    SET_NONE, compose_from_sets, compose_from_sets_reference, compose_indices, compose_indices_reference,
+    compose_from_sets, compose_from_sets_reference, compose_indices, compose_indices_reference,
     dilate_and_compose, dilate_and_compose_reference, dilate_compose_and_record, dilate_compose_and_record_reference,
-    dilated_set, dilated_set_reference, dilated_set_size,
 )
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_select, get_decode_ops, group_query
+from prhs_hf.kernels.dilated_set import SET_NONE, dilated_set, dilated_set_reference, dilated_set_size
 from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,
@@ -634,7 +635,18 @@ def test_full_decode_step_triton_equals_reference(dtype):
     assert_out_close(o1, o0, dtype)
 
 
-# ----------------------------------------------------------------------------- anchor sets (§3b)
+# -------------------------------------------------- anchor sets: building them (§3a), composing from them (§3b)
+
+
+def test_compose_indices_re_exports_the_dilated_set():
+    """The dilated set lives in dilated_set.py; compose_indices re-exports its public names (the
+    imports from before it moved keep working) and holds none of its tunables or kernels, so a
+    monkeypatch of them on compose_indices fails instead of changing nothing."""
+    for name in ("SET_NONE", "dilate_mask", "dilated_set", "dilated_set_reference", "dilated_set_size"):
+        assert name in compose_module.__all__ and getattr(compose_module, name) is getattr(dilated_module, name)
+    for name in ("MAP_CHUNK", "MAP_COLLECT", "MAP_COLLECTS", "MAP_FROM_ENTRIES", "_collect_map",
+                 "_dilated_set_kernel", "_dilated_collect_kernel", "_dilated_count_kernel", "_dilated_write_kernel"):
+        assert hasattr(dilated_module, name) and not hasattr(compose_module, name), name
 
 
 def naive_dilated_set(p, dil_m, dil_r):
@@ -714,7 +726,7 @@ def test_dilated_set_parallel_collect_over_chunks(monkeypatch, B, H, span, chunk
     """The parallel collect with chunks much smaller than a map row: each chunk's entries at the
     count of the chunks before it, the padding shared among the chunks; the serial collect's and
     the reference's sets, for flagged rows, rows without the flag, all rows and none."""
-    monkeypatch.setattr(compose_module, "MAP_CHUNK", chunk)
+    monkeypatch.setattr(dilated_module, "MAP_CHUNK", chunk)
     sel, rows, _ = _set_case(200 + span + chunk + k + m + r, B, H, k, span)
     sel[-1, -1, :2] = i32([span - 1, span - 2])  # neighbours at and after span
     for rr in (rows, True, False):
@@ -730,7 +742,7 @@ def test_dilated_set_parallel_collect_over_chunks(monkeypatch, B, H, span, chunk
 def test_dilated_set_map_collect_of_full_sets(monkeypatch, method):
     """Sets without padding (distinct indices 5 apart, r 2: every candidate its own entry), one in
     the first and one in the last slots of the map."""
-    monkeypatch.setattr(compose_module, "MAP_CHUNK", 16)
+    monkeypatch.setattr(dilated_module, "MAP_CHUNK", 16)
     B, H, k, m, r = 2, 2, 12, 12, 2
     span = 5 * k
     g = torch.Generator().manual_seed(4)
@@ -746,7 +758,7 @@ def test_dilated_set_map_collect_of_full_sets(monkeypatch, method):
 def test_map_collect_stores_no_more_than_the_set_size(monkeypatch, collect):
     """A map with more marks than a set has entries (no dilated set has): each row holds its first
     ``nset`` marked positions and nothing is stored past its end (a guard of the last row's stores)."""
-    monkeypatch.setattr(compose_module, "MAP_CHUNK", 16)
+    monkeypatch.setattr(dilated_module, "MAP_CHUNK", 16)
     B, H, nset, R, span = 1, 3, 10, 1, 100
     marks = torch.zeros(B * H, span + 2 * R, dtype=torch.int8)
     marks[:, ::3] = 1
@@ -755,7 +767,7 @@ def test_map_collect_stores_no_more_than_the_set_size(monkeypatch, collect):
     marks[1, 5] = 2  # one entry, then padding
     flag = torch.tensor([[True, True, False]])
     buf = torch.full((B * H * nset + 64,), -7, dtype=I32, device=DEV)
-    compose_module._collect_map(marks.to(DEV), flag.to(DEV), buf[: B * H * nset].view(B, H, nset), R,
+    dilated_module._collect_map(marks.to(DEV), flag.to(DEV), buf[: B * H * nset].view(B, H, nset), R,
                                 parallel=collect == "parallel")
     got = buf.cpu()
     j = torch.arange(span + 2 * R)
@@ -844,18 +856,20 @@ class _Unlaunchable:
     """Stands in for a Triton kernel that must not be launched."""
 
     def __getitem__(self, grid):
-        raise AssertionError("a kernel of the collect not chosen was launched")
+        raise AssertionError("a kernel that must not be launched was launched")
 
 
 @needs_triton
 @pytest.mark.parametrize("collect", ["serial", "parallel"])
 def test_dilate_and_compose_map_path_takes_map_collect(monkeypatch, collect):
     """MAP_COLLECT picks the collect of dilated_set's "auto" map path, and so of dilate_and_compose's
-    on map-sized sets: the other collect cannot launch, and the result is the reference's."""
+    on map-sized sets: neither the fused sort nor the other collect can launch, and the result is
+    the reference's."""
     not_chosen = {"serial": "_dilated_count_kernel", "parallel": "_dilated_collect_kernel"}[collect]
-    monkeypatch.setattr(compose_module, "MAP_COLLECT", collect)
-    monkeypatch.setattr(compose_module, not_chosen, _Unlaunchable())
-    monkeypatch.setattr(compose_module, "MAP_CHUNK", 256)  # 8 chunks of the 2002 map positions
+    monkeypatch.setattr(dilated_module, "MAP_COLLECT", collect)
+    monkeypatch.setattr(dilated_module, not_chosen, _Unlaunchable())
+    monkeypatch.setattr(compose_module, "_dilate_compose_kernel", _Unlaunchable())  # map-sized: not the fused sort
+    monkeypatch.setattr(dilated_module, "MAP_CHUNK", 256)  # 8 chunks of the 2002 map positions
     B, H, s, k, m, r, sink, local, T = 1, 3, 2, 600, 200, 1, 4, 8, 2000
     t, lo, hi, ws, best, _, new_idx, sets, _, cap = _sets_case(9, B + 1, H, s, k, m, r, T, sink, local)
     want = dilate_and_compose_reference(t, lo, hi, ws, best, sets, new_idx, sink, cap, m, r, T)
@@ -868,7 +882,7 @@ def test_dilate_and_compose_map_path_takes_map_collect(monkeypatch, collect):
 @needs_triton
 def test_dilated_set_names_map_collect_when_it_is_unknown(monkeypatch):
     """An unknown MAP_COLLECT is refused by every "auto" call, with or without the map path."""
-    monkeypatch.setattr(compose_module, "MAP_COLLECT", "bitonic")
+    monkeypatch.setattr(dilated_module, "MAP_COLLECT", "bitonic")
     sel = torch.zeros(1, 1, 1024, dtype=I32, device=DEV)
     for span in (10, 0):
         with pytest.raises(ValueError, match="MAP_COLLECT='bitonic'; expected one of 'serial', 'parallel'"):

@@ -22,9 +22,9 @@ from prhs_hf.kernels.compose_indices import (
     compose_indices_reference,
     dilate_and_compose,
     dilate_and_compose_reference,
-    dilated_set_reference,
 )
 from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS
+from prhs_hf.kernels.dilated_set import dilated_set_reference
 from prhs_hf.kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,

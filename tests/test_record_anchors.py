@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import triton_available
-from prhs_hf.kernels.compose_indices import SET_NONE
+from prhs_hf.kernels.dilated_set import SET_NONE
 from prhs_hf.kernels.record_anchors import record_anchors, record_anchors_reference
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")

@@ -18,7 +18,7 @@ import prhs_hf
 from prhs_hf.config import ConfigError, load_config
 from prhs_hf.kernels import side_stream
 from prhs_hf.kernels.triton_support import HAS_TRITON, interpreting
-from prhs_hf.kernels.compose_indices import dilated_set_size
+from prhs_hf.kernels.dilated_set import dilated_set_size
 from prhs_hf.kernels.decode_ops import cis_select, get_decode_ops
 from tiny_models import padded_batch, tiny_model
 

@@ -8,7 +8,7 @@ import torch
 
 from ..config import ResolvedConfig
 from ..kernels.decode_ops import DecodeOps
-from ..kernels.compose_indices import dilated_set_size
+from ..kernels.dilated_set import dilated_set_size
 from .base import Selector
 from .certkv import CertKVSelector
 from .cis import CISSelector

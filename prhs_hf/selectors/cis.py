@@ -64,8 +64,8 @@ from .base import StepMark
 from .cis_state import CISState, KeyIndexSpec
 from ..decode import DecodeParams, DecodeSelection, StepFrame, step_frame
 from ..geometry import SequenceGeometry
-from ..kernels.compose_indices import SET_NONE
 from ..kernels.decode_ops import REFERENCE_OPS, CISSelection, DecodeOps, cis_select, group_query
+from ..kernels.dilated_set import SET_NONE
 from ..config import ConfigError
 from ..kernels.key_index import INDEX_KINDS, INT4_GROUP, KeyIndex
 from ..kernels.side_stream import fork_cis_select, join_cis_select

@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.compose_indices import SET_NONE
 from ..kernels.decode_ops import AnchorRecord, DecodeOps
+from ..kernels.dilated_set import SET_NONE
 from ..kernels.key_index import KeyIndex, allocate_key_index
 from ..kernels.record_anchors import anchor_slots
 
@@ -55,7 +55,7 @@ class CISState:
             with group selection) and query size the buffers are made for; ``device`` their device.
         anchor_q: ``[L, B, Hq, s, D]`` fp32 unit query vectors; None until :meth:`ensure_anchors`.
         anchor_idx: ``[L, B, Hq, s, n]`` int32 each anchor's dilated middle set, sorted once when
-            the anchor is taken (``kernels.compose_indices.dilated_set``: top-k plus the ±r
+            the anchor is taken (``kernels.dilated_set.dilated_set``: top-k plus the ±r
             neighbours of the top-m, encoded ``(j << 1) | neighbour_only``, ``SET_NONE`` padded),
             so sharing steps only filter it to the current middle region; None until
             :meth:`ensure_anchors`.
