@@ -11,7 +11,10 @@ Each candidate is a config (budget × selection) with, where measured:
 - **what ``policy: auto`` does there**: the cost model's decision for that shape (``prhs_hf.policy``,
   compiled step), so a config whose sets lose runs dense and costs what dense costs;
 - **accuracy**: the RULER mean over the (task, length) cells the config shares with ``dense`` in
-  ``--ruler`` (``scripts/ruler_report.py``'s JSON), as points against dense, with its worst cell.
+  ``--ruler`` (``scripts/ruler_report.py``'s JSON), as points against dense, with its worst cell;
+- **dropped attention mass** (a CPU proxy where RULER has not run): from ``--masses``
+  (``scripts/probe_group_union.py --mass-k`` JSONs), the mean mass outside the sets of the
+  candidate's budget (its config's sink, window and top-k) and selection, on a real model and text.
 
 Output (``--out`` stem): ``.json`` (rows and the sources), ``.md`` (the table) and, with matplotlib,
 ``.png`` (speed vs RULER points per candidate; candidates without a RULER run are drawn on a strip
@@ -56,6 +59,24 @@ CANDIDATES = (
 )
 DEFAULT_SPEED_MAPS = ("speed_map_static_h100_b1_128k.json", "speed_map_eager_h100.json",
                       "speed_map_eager_h100_b4_64k.json")
+DEFAULT_MASSES = ("probe_group_mass_qwen1.5b.json", "probe_group_mass_qwen1.5b_16k.json",
+                  "probe_group_mass_qwen1.5b_cis.json")
+
+
+def dropped_masses(probes: list[tuple[str, dict]], cand: Candidate) -> list[dict]:
+    """The candidate's dropped attention mass in each probe that ran its budget's config at its top-k:
+    one entry per probe file (its model and prompt length)."""
+    if not cand.budget:
+        return []
+    from prhs_hf.config import load_config
+
+    config = Path(cand.budget).stem
+    k = str(load_config(REPO / "configs" / cand.budget).budget.topk)
+    who = "group" if cand.selection == "group" else "head"
+    return [dict(file=name, model=data["model"], length=data["length"], k=int(k), mean=row["dropped_mass"][k][who]["mean"],
+                 p90=row["dropped_mass"][k][who]["p90"], samples=row["dropped_mass"][k][who]["samples"])
+            for name, data in probes for row in data["rows"]
+            if row.get("config") == config and k in (row.get("dropped_mass") or {})]
 
 
 def ruler_accuracy(ruler: dict, name: str) -> Optional[dict]:
@@ -105,7 +126,8 @@ def end_to_end(speed_maps: list[tuple[str, dict]], cand: Candidate) -> list[dict
             if r["config"] in cand.speed_map_names and r.get("status") == "ok" and r["config"] != "sdpa_gqa"]
 
 
-def build(ruler: dict, operator: dict, speed_maps: list[tuple[str, dict]]) -> list[dict]:
+def build(ruler: dict, operator: dict, speed_maps: list[tuple[str, dict]],
+          probes: tuple[tuple[str, dict], ...] = ()) -> list[dict]:
     out = []
     for cand in CANDIDATES:
         ops = operator_speeds(operator, cand)
@@ -113,7 +135,7 @@ def build(ruler: dict, operator: dict, speed_maps: list[tuple[str, dict]]) -> li
         for op in ops:
             op["policy_auto"] = policy_decision(by_shape[op["shape"]], cand) if cand.budget else None
         out.append(dict(asdict(cand), operator=ops, end_to_end=end_to_end(speed_maps, cand),
-                        ruler=ruler_accuracy(ruler, cand.ruler_name)))
+                        ruler=ruler_accuracy(ruler, cand.ruler_name), dropped_mass=dropped_masses(list(probes), cand)))
     return out
 
 
@@ -135,10 +157,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "Speed: the whole CIS-16 decode step against the fastest dense of the same run "
              f"([{meta['operator']}]({meta['operator']}): {meta['operator_gpu']}, llama3-8b attention shape, half the "
              "rows retrieving); in brackets what `policy: auto` runs there (its cost model). RULER: points against "
-             f"dense over the cells both ran ([{meta['ruler']}]({meta['ruler']}), Qwen2.5-Coder-1.5B-Instruct).", "",
+             f"dense over the cells both ran ([{meta['ruler']}]({meta['ruler']}), Qwen2.5-Coder-1.5B-Instruct). "
+             "Dropped mass (a CPU proxy, not an accuracy): the mean attention mass per (step, layer, query head) "
+             "outside the candidate's exact sets (its sink, window and top-k, its selection; no sharing, no "
+             "dilation), on a prompt of Python source, from `scripts/probe_group_union.py --mass-k` "
+             f"({', '.join(meta.get('masses', [])) or 'none'}).", "",
              "| candidate | budget | sets | " + " | ".join(f"step {s}" for s in shapes)
-             + " | end to end (`prhs-hf bench`) | RULER vs dense (mean / worst cell, cells, n) |",
-             "|---|---|---|" + "---|" * len(shapes) + "---|---|"]
+             + " | end to end (`prhs-hf bench`) | RULER vs dense (mean / worst cell, cells, n) | dropped mass (CPU proxy) |",
+             "|---|---|---|" + "---|" * len(shapes) + "---|---|---|"]
     for r in rows:
         ops = {o["shape"]: o for o in r["operator"]}
         speed = [f"{ops[s]['speedup']:.2f}×" + (f" ({ops[s]['policy_auto']})" if ops[s].get("policy_auto") else "")
@@ -147,8 +173,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         acc = r["ruler"]
         acc_s = (f"{acc['delta_points']:+.1f} / {acc['worst_cell_points']:+.1f} points ({acc['cells']} cells, n ≥ {acc['min_n']})"
                  if acc else "not run")
+        mass = "; ".join(f"{m['mean']:.4f} ({m['model']}, {m['length'] // 1024}k, k {m['k']})"
+                         for m in r.get("dropped_mass", [])) or ("0" if not r["budget"] else "–")
         lines.append(f"| `{r['name']}` | {r['budget'] or 'all keys'} | {r['selection'] or '–'} | " + " | ".join(speed)
-                     + f" | {e2e} | {acc_s} |")
+                     + f" | {e2e} | {acc_s} | {mass} |")
     lines += ["", f"On the frontier at {shapes[0]} (no measured candidate faster and at least as accurate): "
               + ", ".join(f"`{n}`" for n in pareto(rows, shapes[0])) + "."]
     return "\n".join(lines) + "\n"
@@ -190,22 +218,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--ruler", default=str(RESULTS / "ruler_qwen1.5b.json"))
     ap.add_argument("--operator", default=str(RESULTS / "bench_decode_attention_lb.json"))
     ap.add_argument("--speed-maps", default=",".join(str(RESULTS / f) for f in DEFAULT_SPEED_MAPS))
+    ap.add_argument("--masses", default=",".join(str(RESULTS / f) for f in DEFAULT_MASSES),
+                    help="scripts/probe_group_union.py --mass-k JSONs (the dropped-mass column; '' for none)")
     ap.add_argument("--out", default=str(RESULTS / "frontier"), help="output stem (.json, .md, .png)")
     args = ap.parse_args(argv)
-    paths = [Path(args.ruler), Path(args.operator)] + [Path(p) for p in args.speed_maps.split(",") if p]
+    mass_paths = [Path(p) for p in args.masses.split(",") if p]
+    paths = [Path(args.ruler), Path(args.operator)] + [Path(p) for p in args.speed_maps.split(",") if p] + mass_paths
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         ap.error(f"missing result files: {', '.join(missing)}")
     ruler, operator = (json.loads(p.read_text()) for p in paths[:2])
-    speed_maps = [(p.name, json.loads(p.read_text())) for p in paths[2:]]
-    rows = build(ruler, operator, speed_maps)
+    speed_maps = [(p.name, json.loads(p.read_text())) for p in paths[2:len(paths) - len(mass_paths)]]
+    probes = tuple((p.name, json.loads(p.read_text())) for p in mass_paths)
+    rows = build(ruler, operator, speed_maps, probes)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(command="python scripts/frontier.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 ruler=Path(args.ruler).name, operator=Path(args.operator).name,
                 operator_gpu=operator.get("gpu"), operator_commit=operator.get("git_commit"),
-                speed_maps=[n for n, _ in speed_maps])
+                speed_maps=[n for n, _ in speed_maps], masses=[n for n, _ in probes])
     (out.parent / f"{out.name}.json").write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
     md = markdown(rows, meta)
     (out.parent / f"{out.name}.md").write_text(md)

@@ -681,6 +681,16 @@ def test_frontier_reads_the_measured_results_and_leaves_unmeasured_cells_empty(t
     assert rows["cis"]["ruler"]["cells"] >= 24 and rows["cis"]["ruler"]["delta_points"] < -1
     lb = {o["shape"]: o for o in rows["cis_longbench"]["operator"]}
     assert lb["B1/128k 32/8"]["policy_auto"] == "dense" and lb["B1/128k 32/8"]["speedup"] < 1
+    # the dropped-mass proxy: each budgeted candidate's row of the probes at its own top-k and selection
+    mass = {name: {m["file"]: m for m in rows[name]["dropped_mass"]} for name in rows}
+    assert mass["dense"] == {} and set(mass["cis_longbench"]) == set(mass["cis-group-lb"]) == {
+        "probe_group_mass_qwen1.5b.json", "probe_group_mass_qwen1.5b_16k.json"}
+    assert {m["k"] for m in rows["cis-group-lb"]["dropped_mass"]} == {4096}
+    assert all(mass["cis-group-lb"][f]["mean"] > mass["cis_longbench"][f]["mean"] for f in mass["cis_longbench"])
+    assert set(mass["cis"]) == {"probe_group_mass_qwen1.5b_cis.json"} and mass["cis"]["probe_group_mass_qwen1.5b_cis.json"]["k"] == 88
+    assert "dropped mass (CPU proxy)" in (tmp_path / "f_1.5b.md").read_text()
+    assert frontier.main(["--masses", "", "--out", str(tmp_path / "f_none")]) == 0  # no probes: an empty column
+    assert all(r["dropped_mass"] == [] for r in json.loads((tmp_path / "f_none.json").read_text())["rows"])
     fake = [dict(name=n, ruler=dict(delta_points=a), operator=[dict(shape="s", speedup=v)])
             for n, v, a in (("fast", 2.0, -5.0), ("exact", 1.0, 0.0), ("worse", 0.9, -1.0))]
     assert frontier.pareto(fake, "s") == ["fast", "exact"]
