@@ -23,6 +23,8 @@ import torch
 
 from .topk_select import (
     HIST_ROW,
+    MERGE_RANKS,
+    RADIX8_STOP_POINTS,
     TILEMAX_MAX_K,
     _orderable_key,
     _tile_max_store,
@@ -65,8 +67,9 @@ __all__ = [
 #: The select kernels (``_select=``; the default ``"auto"`` picks one by k, :func:`default_select`).
 SELECT_MODES = ("tilemax", "radix8")
 #: Where ``_stop_after=`` may stop (the benchmark's stage breakdown): after the compaction (no
-#: launch when the score kernel compacts), after the scoring, or at the end.
-_STOP_POINTS = ("compact", "score", "select")
+#: launch when the score kernel compacts), after the scoring, after a stage of the radix8 select
+#: (:data:`~.topk_select.RADIX8_STOP_POINTS`; not with tilemax), or at the end.
+_STOP_POINTS = ("compact", "score", *RADIX8_STOP_POINTS, "select")
 #: Largest flag tile (groups x flags per group, padded) the group score kernel compacts in
 #: registers; above it a `_compact_kernel` launch does it first.
 _SCORE_COMPACT_MAX = 16384
@@ -386,6 +389,7 @@ def _retrieve(
     flags: torch.Tensor, k: int, scale: float, *, grouped: bool, _select: str = "auto",
     _stop_after: str = "select", _select_block: int | None = None, _select_warps: int | None = None,
     _score_cfg: tuple[int, ...] | None = None, _key_format: int = 0, _key_b: torch.Tensor | None = None,
+    _merge_rank: str | None = None,
 ) -> torch.Tensor:
     """The launcher of both: per-head rows (``grouped`` off, flags [B, Hq]) or one row per KV
     group (flags [B, Hkv], scores = max over the group's heads). Returns [B, rows per sequence, k].
@@ -395,16 +399,24 @@ def _retrieve(
     pages with ``pad`` 0 and the region in pages).
 
     Private switches (benchmarks and tests): ``_select`` in :data:`SELECT_MODES` or ``"auto"``;
-    ``_stop_after`` returns the unfinished output after ``"compact"`` or ``"score"`` (the stage
-    breakdown); ``_select_block`` / ``_select_warps``: keys per (row, chunk) item and warps of the
+    ``_stop_after`` in :data:`_STOP_POINTS` returns the unfinished output after ``"compact"``,
+    ``"score"`` or (radix8 only) a stage of the radix8 select, ``"passes"``, ``"collect"`` or
+    ``"block_sort"`` (the stage breakdown); ``_merge_rank``: radix8's merge finish, one of
+    :data:`~.topk_select.MERGE_RANKS` (default None: :data:`~.topk_select.MERGE_RANK`);
+    ``_select_block`` / ``_select_warps``: keys per (row, chunk) item and warps of the
     radix8 passes and collect (default :func:`~.topk_select.select_chunk`, 4 warps), or keys per
     collect block and warps of the tilemax select (default: the same keys, 8 warps);
     ``_score_cfg``: (keys per tile, warps, stages, keys per program or 0 for the device-side
     split[, programs per SM of its persistent grid]) of the score kernel (the probe's tuning).
+
+    Raises:
+        ValueError: ``_select``, ``_stop_after`` or ``_merge_rank`` not one of its values, or a
+            radix8 stop point with the tilemax select.
     """
     require_triton(q, k_cache)
     for name, value, allowed in (("_select", _select, SELECT_MODES + ("auto",)),
-                                 ("_stop_after", _stop_after, _STOP_POINTS)):
+                                 ("_stop_after", _stop_after, _STOP_POINTS),
+                                 ("_merge_rank", _merge_rank, MERGE_RANKS + (None,))):
         if value not in allowed:
             raise ValueError(f"{name}={value!r}: expected one of {allowed}")
     B, Hq, D = q.shape
@@ -413,6 +425,10 @@ def _retrieve(
     H = Hkv if grouped else Hq  # rows per sequence
     k = int(k)
     select = default_select(k) if _select == "auto" else _select
+    if select != "radix8" and _stop_after in RADIX8_STOP_POINTS:
+        stops = tuple(p for p in _STOP_POINTS if p not in RADIX8_STOP_POINTS)
+        raise ValueError(f"_stop_after={_stop_after!r} is a stage of the radix8 select; "
+                         f"_select={select!r} stops after one of {stops}")
     R = B * H
     if R == 0 or k == 0 or S == 0:
         return torch.full((B, H, k), -1, dtype=torch.int32, device=q.device)
@@ -467,7 +483,8 @@ def _retrieve(
     if _stop_after == "score":
         return out
     if radix:
-        radix8_select(keys, hist, taken, out, pad, lo, hi, order, count, k, block, _select_warps)
+        radix8_select(keys, hist, taken, out, pad, lo, hi, order, count, k, block, _select_warps,
+                      merge_rank=_merge_rank, stop_after=None if _stop_after == "select" else _stop_after)
     else:
         tilemax_select(keys, tmax, sub, out, pad, lo, hi, order, count, k, block, _select_warps)
     return out
@@ -482,13 +499,14 @@ def topk_retrieval(q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, lo
     for all its retrieving heads; it also compacts the retrieving rows), then the select
     (:func:`default_select`): ``"tilemax"`` up to k = :data:`TILEMAX_MAX_K`, one program per row
     from a threshold of the score kernel's sub-tile maxima; ``"radix8"`` above, 8-bit radix
-    passes and a collect on persistent grids, then a block sort and a merge rank.
-    Scratch: ``[B*Hq, S]`` int32 keys; tilemax: ``[B*Hq, S / 32]`` int32 sub-tile maxima and
-    ``[B*Hq, 4096 + ~1.125 k]`` int64 candidates; radix8: ``[B*Hq, ~1.125 k]`` int64 candidates
-    and ``[B*Hq, 1024]`` int32 histograms.
+    passes and a collect on persistent grids, then a block sort and a merge finish
+    (:data:`~.topk_select.MERGE_RANK`). Scratch: ``[B*Hq, S]`` int32 keys; tilemax:
+    ``[B*Hq, S / 32]`` int32 sub-tile maxima and ``[B*Hq, 4096 + ~1.125 k]`` int64 candidates;
+    radix8: ``[B*Hq, ~1.125 k]`` int64 candidates and ``[B*Hq, 1024]`` int32 histograms (the
+    ``"count"`` finish: also ``[B*Hq, ~1.125 k]`` int32 ranks).
 
     Args and result as :func:`topk_retrieval_reference`; ``tuning``: the private switches of
-    the benchmarks and tests (``_select``, ``_stop_after``, ``_select_block``,
+    the benchmarks and tests (``_select``, ``_stop_after``, ``_merge_rank``, ``_select_block``,
     ``_select_warps``, ``_score_cfg``; see :func:`_retrieve`).
     """
     return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=False, **tuning)

@@ -16,11 +16,28 @@ the whole retrieval with it).
   ties included) and selects among them: one launch, a few hundred candidates instead of the row.
 * :func:`radix8_select` (larger k): 8-bit radix passes over the keys that still match the prefix
   (256-bin histograms summed atomically per row), a candidate collect, then a block sort and a
-  merge rank, all on persistent grids striding over the live (row, chunk) items, so the rows that
-  do not retrieve cost no programs.
+  merge finish, on persistent grids striding over the live (row, chunk) items where they can, so
+  the rows that do not retrieve cost no programs. Its stages, in launch order (each a stop point,
+  :data:`RADIX8_STOP_POINTS`, so a benchmark can time them apart): ``"passes"`` (four pass
+  launches), ``"collect"``, ``"block_sort"`` (each block of MB = ``_MERGE_BLOCK`` candidates sorted
+  in registers), then the merge finish, which gives every candidate its rank (the number of larger
+  candidates of its row) and writes its index to that output slot. Two finishes, picked by
+  :data:`MERGE_RANK`, the same output bit for bit:
+
+  - ``"search"`` (one launch, grid rows x blocks): each program takes one sorted block and, for
+    each other sorted block in turn, finds its candidates' ranks there by a branchless binary
+    search, ``log2(MB) + 1`` gathers that each depend on the one before; blocks x that many
+    dependent loads per program.
+  - ``"count"`` (two launches): a persistent grid over the live (row, block, other block) items
+    counts, for each candidate of the block, the larger entries of the other sorted block with no
+    chain beyond two loads: the other block's ``FAN`` sub-block minima in one load (a broadcast
+    compare says how many of its sub-blocks lie wholly above each candidate), then one gather of
+    the single sub-block the candidate falls into (a broadcast compare again); the counts are
+    added into an int32 rank per candidate (zeroed by the block sort) with ``atomic_add``. A
+    scatter launch (grid rows x blocks) then writes each candidate's index at its rank.
 
 Candidates are packed as ``key << 32 | ~index`` (int64): all distinct, and their descending order
-is the output order.
+is the output order (so a candidate's rank is its output slot, and the ranks are a permutation).
 """
 
 from __future__ import annotations
@@ -29,7 +46,8 @@ import torch
 
 from .triton_support import next_pow2, num_sms, tl, triton
 
-__all__ = ["HIST_ROW", "TILEMAX_MAX_K", "candidate_capacity", "radix8_select", "select_chunk", "tilemax_scratch", "tilemax_select"]
+__all__ = ["HIST_ROW", "MERGE_RANK", "MERGE_RANKS", "RADIX8_STOP_POINTS", "TILEMAX_MAX_K", "candidate_capacity",
+           "radix8_select", "select_chunk", "tilemax_scratch", "tilemax_select"]
 
 #: Largest k whose default select is tilemax (the threshold needs k sub-tile maxima, and its
 #: candidates grow with k * _TILE_SUB).
@@ -44,6 +62,14 @@ _THETA_PASSES = 3
 _TILEMAX_WARPS = 8
 #: radix8: candidates per block of the merge finish.
 _MERGE_BLOCK = 256
+#: radix8's merge finishes (module docstring): a binary search per (block, other block), or the
+#: counts of each (block, other block) pair added atomically, then a scatter.
+MERGE_RANKS = ("search", "count")
+#: The merge finish :func:`radix8_select` runs where its ``merge_rank`` is not given (read at each call).
+MERGE_RANK = "search"
+#: Where :func:`radix8_select` may stop early (``stop_after``): after its pass launches, its collect,
+#: or its block sort; the merge finish is the rest.
+RADIX8_STOP_POINTS = ("passes", "collect", "block_sort")
 #: int32 per row of the radix8 histograms: 4 passes of 256 bins (the score kernel zeroes them).
 HIST_ROW = 1024
 
@@ -102,14 +128,19 @@ def _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H: tl.constexpr):
 
 
 @triton.jit
+def _packed_index(x):
+    """The real index of packed candidates ``x`` (``key << 32 | ~index``), int32."""
+    return (2147483647 - (x & 4294967295)).to(tl.int32)
+
+
+@triton.jit
 def _sort_store(cand_base, taken, kk, out_row, K, K_PAD: tl.constexpr):
     """The ``taken`` packed candidates at ``cand_base`` sorted in registers (descending: score
     desc, index asc), their indices written to ``out_row[:kk]``, -1 to ``out_row[kk:K]``."""
     offs_k = tl.arange(0, K_PAD)
     x = tl.load(cand_base + offs_k, mask=offs_k < taken, other=-9223372036854775808)
     x = tl.sort(x, descending=True)
-    idx = (2147483647 - (x & 4294967295)).to(tl.int32)
-    idx = tl.where(offs_k < kk, idx, -1)
+    idx = tl.where(offs_k < kk, _packed_index(x), -1)
     tl.store(out_row + offs_k, idx, mask=offs_k < K)
 
 
@@ -424,11 +455,12 @@ def _live_taken(TAKEN, row, live, K_PAD: tl.constexpr):
 
 @triton.jit
 def _block_sort_kernel(
-    CAND, TAKEN, PAD, LO, HI, ORDER, COUNT, S, K, NBLK,
-    H: tl.constexpr, K_PAD: tl.constexpr, MB: tl.constexpr,
+    CAND, TAKEN, RANK, PAD, LO, HI, ORDER, COUNT, S, K, NBLK,
+    H: tl.constexpr, K_PAD: tl.constexpr, MB: tl.constexpr, ZERO_RANK: tl.constexpr,
 ):
     """Merge finish, step 1: each block of MB candidates of a live row sorted in place
-    (descending; INT64_MIN after the last candidate). Persistent grid over count x NBLK."""
+    (descending; INT64_MIN after the last candidate). Persistent grid over count x NBLK.
+    ZERO_RANK (the "count" finish): the block's int32 ranks ``RANK[c, block]`` zeroed too."""
     for w in range(tl.program_id(0), tl.load(COUNT) * NBLK, tl.num_programs(0)):
         c = w // NBLK
         blk = w % NBLK
@@ -439,6 +471,30 @@ def _block_sort_kernel(
             cand = CAND + c.to(tl.int64) * K_PAD + offs
             x = tl.load(cand, mask=offs < taken, other=-9223372036854775808)
             tl.store(cand, tl.sort(x, descending=True))
+            if ZERO_RANK:
+                tl.store(RANK + c.to(tl.int64) * K_PAD + offs, tl.zeros([MB], dtype=tl.int32))
+
+
+@triton.jit
+def _merge_out_block(TAKEN, OUT, PAD, LO, HI, ORDER, COUNT, S, K,
+                     H: tl.constexpr, K_PAD: tl.constexpr, MB: tl.constexpr):
+    """Program (c, blk) of a merge finish's output launch (grid rows x blocks): -1 written to the
+    output slots ``[kk, K)`` among the block's MB (a row that does not retrieve: all of them).
+    Returns ``(c, taken, kk, offs_c, out_row)``: the block's candidate / slot offsets ``offs_c``."""
+    c = tl.program_id(0)
+    blk = tl.program_id(1)
+    live, row, lo, hi, kk = _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H)
+    offs_c = blk * MB + tl.arange(0, MB)
+    out_row = OUT + row.to(tl.int64) * K
+    tl.store(out_row + offs_c, tl.full([MB], -1, tl.int32), mask=(offs_c >= kk) & (offs_c < K))
+    return c, _live_taken(TAKEN, row, live, K_PAD), kk, offs_c, out_row
+
+
+@triton.jit
+def _store_ranked(out_row, x, rank, offs_c, taken, kk):
+    """Each real candidate ``x`` (lanes ``offs_c < taken``) of rank below kk: its index to
+    ``out_row[rank]``."""
+    tl.store(out_row + rank, _packed_index(x), mask=(offs_c < taken) & (rank < kk))
 
 
 @triton.jit
@@ -446,19 +502,13 @@ def _merge_rank_kernel(
     CAND, TAKEN, OUT, PAD, LO, HI, ORDER, COUNT, S, K,
     H: tl.constexpr, K_PAD: tl.constexpr, MB: tl.constexpr, LOG_MB: tl.constexpr,
 ):
-    """Merge finish, step 2, grid (rows, blocks of MB output slots / candidates): the rank of
-    each candidate of sorted block ``blk`` is the number of larger candidates in every sorted
-    block (a branchless binary search per block: LOG_MB + 1 gathers; all packed values differ,
-    so within its own block that is its position), written to OUT[row, rank] when rank < kk.
-    Output slots [kk, K) of the block get -1 (a row that does not retrieve: all of them)."""
-    c = tl.program_id(0)
-    blk = tl.program_id(1)
-    live, row, lo, hi, kk = _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H)
-    offs_c = blk * MB + tl.arange(0, MB)
-    out_row = OUT + row.to(tl.int64) * K
-    tl.store(out_row + offs_c, tl.full([MB], -1, tl.int32), mask=(offs_c >= kk) & (offs_c < K))
-    taken = _live_taken(TAKEN, row, live, K_PAD)
-    if blk * MB < taken:
+    """Merge finish "search", step 2, grid (rows, blocks of MB output slots / candidates): the
+    rank of each candidate of sorted block ``blk`` is the number of larger candidates in every
+    sorted block (a branchless binary search per block: LOG_MB + 1 gathers; all packed values
+    differ, so within its own block that is its position), written to OUT[row, rank] when
+    rank < kk. Output slots [kk, K) of the block get -1 (a row that does not retrieve: all of them)."""
+    c, taken, kk, offs_c, out_row = _merge_out_block(TAKEN, OUT, PAD, LO, HI, ORDER, COUNT, S, K, H, K_PAD, MB)
+    if tl.program_id(1) * MB < taken:
         cand_base = CAND + c.to(tl.int64) * K_PAD
         x = tl.load(cand_base + offs_c, mask=offs_c < taken, other=-9223372036854775808)
         rank = tl.zeros([MB], dtype=tl.int32)
@@ -470,16 +520,88 @@ def _merge_rank_kernel(
                 y = tl.load(cand_base + b0 + probe, mask=probe < MB, other=-9223372036854775808)
                 cnt = tl.where(y > x, cnt + half, cnt)
             rank += cnt
-        idx = (2147483647 - (x & 4294967295)).to(tl.int32)
-        tl.store(out_row + rank, idx, mask=(offs_c < taken) & (rank < kk))
+        _store_ranked(out_row, x, rank, offs_c, taken, kk)
+
+
+@triton.jit
+def _merge_count_kernel(
+    CAND, TAKEN, RANK, PAD, LO, HI, ORDER, COUNT, S, K, NBLK,
+    H: tl.constexpr, K_PAD: tl.constexpr, MB: tl.constexpr, FAN: tl.constexpr,
+):
+    """Merge finish "count", step 2: a persistent grid over the live (row, block, other block)
+    items, count x NBLK x NBLK. Item (c, blk, other) adds to ``RANK[c, j]``, for each candidate
+    ``x_j`` of sorted block ``blk``, the number of entries of sorted block ``other`` larger than
+    it (a prefix of that block: within its own block, its position). The other block is FAN
+    sub-blocks of SUB = MB / FAN entries: the sub-blocks whose last (smallest) entry is larger
+    than ``x_j`` lie wholly above it (one [FAN] load, a [MB, FAN] compare), and of the next one
+    a prefix (one [MB, SUB] gather of that sub-block, a [MB, SUB] compare)."""
+    SUB: tl.constexpr = MB // FAN
+    offs = tl.arange(0, MB)
+    offs_t = tl.arange(0, FAN)
+    offs_s = tl.arange(0, SUB)
+    for w in range(tl.program_id(0), tl.load(COUNT) * NBLK * NBLK, tl.num_programs(0)):
+        c = w // (NBLK * NBLK)
+        blk = (w // NBLK) % NBLK
+        other = w % NBLK
+        live, row, lo, hi, kk = _row_geometry(ORDER, COUNT, PAD, LO, HI, c, S, K, H)
+        taken = _live_taken(TAKEN, row, live, K_PAD)
+        if (blk * MB < taken) & (other * MB < taken):
+            cand_base = CAND + c.to(tl.int64) * K_PAD
+            offs_c = blk * MB + offs
+            x = tl.load(cand_base + offs_c, mask=offs_c < taken, other=-9223372036854775808)
+            other_base = cand_base + other * MB
+            smallest = tl.load(other_base + offs_t * SUB + (SUB - 1))  # of each sub-block
+            above = tl.sum((smallest[None, :] > x[:, None]).to(tl.int32), axis=1)  # sub-blocks wholly above
+            probe = above[:, None] * SUB + offs_s[None, :]  # the sub-block x falls into (none when above == FAN)
+            y = tl.load(other_base + probe, mask=probe < MB, other=-9223372036854775808)
+            cnt = above * SUB + tl.sum((y > x[:, None]).to(tl.int32), axis=1)
+            tl.atomic_add(RANK + c.to(tl.int64) * K_PAD + offs_c, cnt, mask=(offs_c < taken) & (cnt != 0))
+
+
+@triton.jit
+def _rank_scatter_kernel(
+    CAND, TAKEN, RANK, OUT, PAD, LO, HI, ORDER, COUNT, S, K,
+    H: tl.constexpr, K_PAD: tl.constexpr, MB: tl.constexpr,
+):
+    """Merge finish "count", step 3, grid (rows, blocks of MB output slots / candidates): each
+    candidate of sorted block ``blk`` written to OUT[row, rank] when its summed rank < kk; output
+    slots [kk, K) of the block get -1 (a row that does not retrieve: all of them)."""
+    c, taken, kk, offs_c, out_row = _merge_out_block(TAKEN, OUT, PAD, LO, HI, ORDER, COUNT, S, K, H, K_PAD, MB)
+    if tl.program_id(1) * MB < taken:
+        x = tl.load(CAND + c.to(tl.int64) * K_PAD + offs_c, mask=offs_c < taken, other=-9223372036854775808)
+        rank = tl.load(RANK + c.to(tl.int64) * K_PAD + offs_c, mask=offs_c < taken, other=0)
+        _store_ranked(out_row, x, rank, offs_c, taken, kk)
+
+
+def _count_fan(mb: int) -> int:
+    """Sub-blocks per sorted block of ``mb`` (a power of two) in the "count" finish:
+    ``2^ceil(log2(mb) / 2)``, so that both of its compares are about ``mb * sqrt(mb)``
+    (mb = 256: 16 sub-blocks of 16)."""
+    return 1 << (mb.bit_length() // 2)
 
 
 def radix8_select(keys: torch.Tensor, hist: torch.Tensor, taken: torch.Tensor, out: torch.Tensor,
                   pad: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, order: torch.Tensor,
-                  count: torch.Tensor, k: int, block: int, warps: int | None = None) -> None:
+                  count: torch.Tensor, k: int, block: int, warps: int | None = None,
+                  merge_rank: str | None = None, stop_after: str | None = None) -> None:
     """Launch the radix8 select into ``out [B, H, k]`` (every row written): ``keys [R, S]`` as the
     score kernel wrote them, ``hist [R, HIST_ROW]`` and ``taken [R]`` int32 zeroed by it for the
-    retrieving rows, ``order`` / ``count`` the compacted rows, ``block`` keys per (row, chunk) item."""
+    retrieving rows, ``order`` / ``count`` the compacted rows, ``block`` keys per (row, chunk) item.
+
+    ``merge_rank``: the merge finish, one of :data:`MERGE_RANKS` (None: :data:`MERGE_RANK`), the
+    same output. ``stop_after``: None runs the whole select; one of :data:`RADIX8_STOP_POINTS`
+    returns after that stage's launches with ``out`` not written (a benchmark times each stage).
+
+    Raises:
+        ValueError: ``merge_rank`` (or :data:`MERGE_RANK`) not in :data:`MERGE_RANKS`, or
+            ``stop_after`` neither None nor in :data:`RADIX8_STOP_POINTS`.
+    """
+    finish = MERGE_RANK if merge_rank is None else merge_rank
+    if finish not in MERGE_RANKS:
+        name = "MERGE_RANK" if merge_rank is None else "merge_rank"
+        raise ValueError(f"radix8_select: {name}={finish!r}; expected one of {MERGE_RANKS}")
+    if stop_after is not None and stop_after not in RADIX8_STOP_POINTS:
+        raise ValueError(f"radix8_select: stop_after={stop_after!r}; expected None or one of {RADIX8_STOP_POINTS}")
     R, S = keys.shape
     H = out.shape[1]
     k_pad = candidate_capacity(k)
@@ -492,17 +614,35 @@ def radix8_select(keys: torch.Tensor, hist: torch.Tensor, taken: torch.Tensor, o
             keys, hist, pad, lo, hi, order, count, keys.stride(0), S, k, block, nch,
             H=H, P=p, K_PAD=k_pad, BLOCK=block, num_warps=warps,
         )
+    if stop_after == "passes":
+        return
     _radix_collect_kernel[grid](
         keys, hist, taken, cand, pad, lo, hi, order, count, keys.stride(0), S, k, block, nch,
         H=H, K_PAD=k_pad, BLOCK=block, num_warps=warps,
     )
+    if stop_after == "collect":
+        return
     mb = min(_MERGE_BLOCK, k_pad)
     nblk = k_pad // mb  # k_pad >= k, both powers of two
+    counted = finish == "count"
+    rank = torch.empty((R, k_pad) if counted else (1,), dtype=torch.int32, device=keys.device)
     _block_sort_kernel[(min(R * nblk, _persistent_programs(keys.device)),)](
-        cand, taken, pad, lo, hi, order, count, S, k, nblk,
-        H=H, K_PAD=k_pad, MB=mb, num_warps=4,
+        cand, taken, rank, pad, lo, hi, order, count, S, k, nblk,
+        H=H, K_PAD=k_pad, MB=mb, ZERO_RANK=counted, num_warps=4,
     )
-    _merge_rank_kernel[(R, nblk)](
-        cand, taken, out, pad, lo, hi, order, count, S, k,
-        H=H, K_PAD=k_pad, MB=mb, LOG_MB=mb.bit_length() - 1, num_warps=4,
-    )
+    if stop_after == "block_sort":
+        return
+    if counted:
+        _merge_count_kernel[(min(R * nblk * nblk, _persistent_programs(keys.device)),)](
+            cand, taken, rank, pad, lo, hi, order, count, S, k, nblk,
+            H=H, K_PAD=k_pad, MB=mb, FAN=_count_fan(mb), num_warps=4,
+        )
+        _rank_scatter_kernel[(R, nblk)](
+            cand, taken, rank, out, pad, lo, hi, order, count, S, k,
+            H=H, K_PAD=k_pad, MB=mb, num_warps=4,
+        )
+    else:
+        _merge_rank_kernel[(R, nblk)](
+            cand, taken, out, pad, lo, hi, order, count, S, k,
+            H=H, K_PAD=k_pad, MB=mb, LOG_MB=mb.bit_length() - 1, num_warps=4,
+        )

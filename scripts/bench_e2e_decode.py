@@ -365,7 +365,8 @@ def timed_runs(model, ids, new_tokens: int, static_cache, repeats: int) -> dict:
 KERNEL_FAMILIES = (
     ("cis match", ("_cis_match_kernel",)),
     ("retrieval", ("_compact_kernel", "_group_score_kernel", "_tilemax_select_kernel", "_radix_pass_kernel",
-                   "_radix_collect_kernel", "_block_sort_kernel", "_merge_rank_kernel")),
+                   "_radix_collect_kernel", "_block_sort_kernel", "_merge_rank_kernel", "_merge_count_kernel",
+                   "_rank_scatter_kernel")),
     ("composition", ("_dilate_compose_kernel", "_dilated_set_kernel", "_dilated_mark_kernel", "_dilated_collect_kernel",
                      "_dilated_count_kernel", "_dilated_write_kernel", "_compose_sets_kernel", "_compose_kernel")),
     ("sparse attention", ("_sparse_attn_kernel", "_combine_kernel", "_union_mark_kernel", "_union_count_kernel",

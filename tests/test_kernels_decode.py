@@ -1166,8 +1166,8 @@ def test_topk_modes_are_checked():
     retrieve = torch.ones(1, 2, dtype=torch.bool, device=DEV)
     with pytest.raises(ValueError, match="_select='row'.*tilemax"):
         topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _select="row")
-    with pytest.raises(ValueError, match="_stop_after='passes'.*score"):
-        topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _stop_after="passes")
+    with pytest.raises(ValueError, match="_stop_after='blocksort'.*score"):
+        topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _stop_after="blocksort")
     with pytest.raises(TypeError, match="_score"):
         topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _score="row")
 

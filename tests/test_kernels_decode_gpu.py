@@ -39,6 +39,7 @@ from prhs_hf.kernels.topk_retrieval import (
     topk_retrieval_grouped_reference,
     topk_retrieval_reference,
 )
+from prhs_hf.kernels.topk_select import MERGE_RANKS
 
 pytestmark = pytest.mark.gpu
 
@@ -358,12 +359,13 @@ GQA_TOPK_CASES = [
 
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,k,frac", GQA_TOPK_CASES)
 def test_gpu_topk_every_path_exact_on_quantised_data(B, Hq, Hkv, D, S, k, frac):
-    """Group-aware scoring and either select give the reference."""
+    """Group-aware scoring and either select (radix8 with each merge finish) give the reference."""
     q, kc, pad, lo, hi, retrieve, scale = quantised_topk_case(B, Hq, Hkv, D, S, k, frac, seed=20)
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, scale)
     for select in SELECT_MODES:
-        out = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select)
-        assert torch.equal(out, ref), select
+        for merge_rank in MERGE_RANKS if select == "radix8" else (None,):
+            out = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select, _merge_rank=merge_rank)
+            assert torch.equal(out, ref), (select, merge_rank)
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,k,frac", GQA_TOPK_CASES)

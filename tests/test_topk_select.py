@@ -180,6 +180,102 @@ def test_radix8_finishes_with_a_block_sort_and_a_merge_rank(monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("merge_rank", ["search", "count"])
+def test_radix8_merge_finishes_match_reference(merge_rank, monkeypatch):
+    """Both merge finishes (``_merge_rank``) over merge blocks of 16 candidates (``_MERGE_BLOCK``
+    shrunk, so that several blocks stay cheap in the interpreter): k 37 (not a power of two; 64
+    candidate slots, 4 blocks) and 100 (8 blocks), three score levels (runs of exact ties inside and
+    across blocks), a region shorter than k (sequence 1: 60 keys) and an empty one (sequence 2),
+    rows not retrieving, every scratch buffer (the rank counts too) starting as garbage, and a
+    persistent grid of 3 programs (each strides over items of several rows and blocks)."""
+    _poison_empty(monkeypatch)
+    monkeypatch.setattr(ts, "_MERGE_BLOCK", 16)
+    B, Hq, Hkv, D, S = 3, 4, 2, 4, 300
+    q, kc, pad, lo, hi = _case(B, Hq, Hkv, D, S, [0, 40, 9], [290, 60, 0], 310, levels=1)
+    retrieve = torch.ones(B, Hq, dtype=torch.bool)
+    retrieve[0, 2] = retrieve[1, 0] = False
+    for programs in (None, 3):
+        if programs is not None:
+            monkeypatch.setattr(ts, "_persistent_programs", lambda device, n=programs: n)
+        for k in (37, 100):
+            ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 1.0)
+            out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 1.0, _select="radix8",
+                                 _merge_rank=merge_rank).cpu()
+            assert torch.equal(out, ref), (programs, k)
+            assert (out[~retrieve] == -1).all() and (out[2] == -1).all() and (out[1][retrieve[1]][:, 60:] == -1).all()
+
+
+@needs_triton
+def test_merge_rank_constant_picks_the_finish_and_is_checked(monkeypatch):
+    """``MERGE_RANK`` ("search", the default) picks radix8's finish where ``_merge_rank`` is not given,
+    read at each call: "search" is the merge rank launch, "count" the pair count and the rank scatter
+    launches instead (the block sort before either); ``_merge_rank`` wins over it. A value outside
+    MERGE_RANKS, as the constant or the switch, is refused naming the allowed ones, whatever the select."""
+    assert ts.MERGE_RANKS == ("search", "count") and ts.MERGE_RANK == "search"
+    names = ("_block_sort_kernel", "_merge_rank_kernel", "_merge_count_kernel", "_rank_scatter_kernel")
+    launches = {name: _Launches(getattr(ts, name)) for name in names}
+    for name, fake in launches.items():
+        monkeypatch.setattr(ts, name, fake)
+    q, kc, pad, lo, hi = _case(1, 2, 1, 4, 700, [0], [690], 320, levels=2)
+    retrieve = torch.tensor([[True, False]])
+    args = _dev(q, kc, pad, lo, hi, retrieve)
+    ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 300, 1.0)
+    for constant, switch, finish in (("search", None, "search"), ("count", None, "count"),
+                                     ("count", "search", "search"), ("search", "count", "count")):
+        monkeypatch.setattr(ts, "MERGE_RANK", constant)
+        before = {name: fake.count for name, fake in launches.items()}
+        assert torch.equal(topk_retrieval(*args, 300, 1.0, _merge_rank=switch).cpu(), ref), (constant, switch)
+        ran = {name: fake.count - before[name] for name, fake in launches.items()}
+        assert ran == {"_block_sort_kernel": 1, "_merge_rank_kernel": int(finish == "search"),
+                       "_merge_count_kernel": int(finish == "count"), "_rank_scatter_kernel": int(finish == "count")}
+    monkeypatch.setattr(ts, "MERGE_RANK", "scan")
+    with pytest.raises(ValueError, match="MERGE_RANK='scan'.*'search', 'count'"):
+        topk_retrieval(*args, 300, 1.0)
+    monkeypatch.setattr(ts, "MERGE_RANK", "search")
+    for select in ("radix8", "tilemax"):
+        with pytest.raises(ValueError, match="_merge_rank='scan'.*'search', 'count'"):
+            topk_retrieval(*args, 300, 1.0, _select=select, _merge_rank="scan")
+
+
+@needs_triton
+@pytest.mark.parametrize("grouped", [False, True])
+def test_radix8_stop_points_launch_their_stages_only(grouped, monkeypatch):
+    """``_stop_after`` at each stage of radix8 (the benchmark's select breakdown) launches the stages
+    up to it and none after, and returns the output unwritten: "passes" (four pass launches),
+    "collect", "block_sort", then "select" (the merge, the whole output); with either finish. The
+    tilemax select has no such stages: those stop points name the ones it has."""
+    _poison_empty(monkeypatch)
+    names = ("_radix_pass_kernel", "_radix_collect_kernel", "_block_sort_kernel", "_merge_rank_kernel",
+             "_merge_count_kernel", "_rank_scatter_kernel")
+    launches = {name: _Launches(getattr(ts, name)) for name in names}
+    for name, fake in launches.items():
+        monkeypatch.setattr(ts, name, fake)
+    q, kc, pad, lo, hi = _case(2, 4, 2, 4, 600, [0, 30], [590, 500], 330, levels=2)
+    retrieve = torch.tensor([[True, False], [True, True]] if grouped else [[True, False, False, True], [False] * 4])
+    fn, ref_fn = ((topk_retrieval_grouped, topk_retrieval_grouped_reference) if grouped
+                  else (topk_retrieval, topk_retrieval_reference))
+    args = _dev(q, kc, pad, lo, hi, retrieve)
+    stages = {"score": {}, "passes": {"_radix_pass_kernel": 4}}
+    stages["collect"] = dict(stages["passes"], _radix_collect_kernel=1)
+    stages["block_sort"] = dict(stages["collect"], _block_sort_kernel=1)
+    for merge_rank, finish in (("search", {"_merge_rank_kernel": 1}),
+                               ("count", {"_merge_count_kernel": 1, "_rank_scatter_kernel": 1})):
+        stages["select"] = dict(stages["block_sort"], **finish)
+        for stop, want in stages.items():
+            before = {name: fake.count for name, fake in launches.items()}
+            out = fn(*args, 300, 1.0, _select="radix8", _stop_after=stop, _merge_rank=merge_rank).cpu()
+            ran = {name: fake.count - before[name] for name, fake in launches.items()}
+            assert ran == {name: want.get(name, 0) for name in names}, (merge_rank, stop)
+            if stop == "select":
+                assert torch.equal(out, ref_fn(q, kc, pad, lo, hi, retrieve, 300, 1.0)), merge_rank
+            else:
+                assert (out == 7).all(), (merge_rank, stop)  # torch.empty's garbage, not written
+    for stop in ("passes", "collect", "block_sort"):
+        with pytest.raises(ValueError, match=f"_stop_after='{stop}'.*radix8.*'compact', 'score', 'select'"):
+            fn(*args, 20, 1.0, _select="tilemax", _stop_after=stop)
+
+
+@needs_triton
 @pytest.mark.parametrize("select", SELECT_MODES)
 def test_radix8_grouped(select):
     """Group-shared retrieval (one row per KV head, max over its heads) with the new selects."""
@@ -232,15 +328,15 @@ def test_radix8_no_row_retrieves():
 @needs_triton
 def test_stop_points_run_and_are_checked():
     """Both selects stop after "compact" and "score" (the benchmark's stage breakdown); unknown stop
-    points, e.g. the selects' inner stages that only a probe timed, name the allowed values."""
+    points name the allowed values."""
     q, kc, pad, lo, hi = _case(1, 2, 1, 4, 200, [0], [190], 260)
     retrieve = torch.ones(1, 2, dtype=torch.bool)
     args = _dev(q, kc, pad, lo, hi, retrieve)
     for select in SELECT_MODES:
         for stop in ("compact", "score"):
             assert topk_retrieval(*args, 20, 1.0, _select=select, _stop_after=stop).shape == (1, 2, 20)
-    for stop in ("passes", "collect", "blocksort", "sort"):
-        with pytest.raises(ValueError, match="_stop_after"):
+    for stop in ("blocksort", "sort", "merge"):
+        with pytest.raises(ValueError, match=f"_stop_after='{stop}'.*'passes', 'collect', 'block_sort'"):
             topk_retrieval(*args, 20, 1.0, _stop_after=stop)
 
 
@@ -271,8 +367,11 @@ r8 = dict(c, BLOCK=1024)
 kernels = [(ts._radix_pass_kernel, dict(r8, P=p), 4) for p in range(4)]
 kernels += [
     (ts._radix_collect_kernel, r8, 4),
-    (ts._block_sort_kernel, dict(c, MB=256), 4),
+    (ts._block_sort_kernel, dict(c, MB=256, ZERO_RANK=False), 4),
+    (ts._block_sort_kernel, dict(c, MB=256, ZERO_RANK=True), 4),
     (ts._merge_rank_kernel, dict(c, MB=256, LOG_MB=8), 4),
+    (ts._merge_count_kernel, dict(c, MB=256, FAN=ts._count_fan(256)), 4),
+    (ts._rank_scatter_kernel, dict(c, MB=256), 4),
 ]
 tm = dict(H=12, SUB=32, K_PAD=128, CAP=4096, RADIX_PAD=128, BLOCK=2048, TBLOCK=1024, THETA_PASSES=3,
           CBLOCK=1024)
@@ -294,9 +393,9 @@ def _has_cuda_backend() -> bool:
 
 @pytest.mark.skipif(not _has_cuda_backend(), reason="needs Triton with its CUDA backend (ptxas)")
 def test_select_kernels_compile_for_sm90():
-    """Every select kernel at the H200 shape (K_PAD 2048, chunks of 1024) compiles to a cubin
-    for sm_90 on this machine (a subprocess without the interpreter): interpreter-only tests
-    do not see compiler-only errors (constexpr rules, types)."""
+    """Every select kernel at the H200 shape (K_PAD 2048, chunks of 1024; both merge finishes)
+    compiles to a cubin for sm_90 on this machine (a subprocess without the interpreter):
+    interpreter-only tests do not see compiler-only errors (constexpr rules, types)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -305,14 +404,16 @@ def test_select_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, "-c", _SM90_CHECK], env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled 8" in res.stdout
+    assert "compiled 11" in res.stdout
 
 
 @needs_triton
+@pytest.mark.parametrize("merge_rank", [None, "count"])
 @pytest.mark.parametrize("k", [2049, 4096])
-def test_default_select_is_radix8_above_tilemax_k_and_exact_beyond_the_one_program_buffer(k):
+def test_default_select_is_radix8_above_tilemax_k_and_exact_beyond_the_one_program_buffer(k, merge_rank):
     """The default select ("auto") at cpe_longbench's top-k (4096) is radix8: a 2900-key run of
-    exact ties straddles k, so the candidates overflow any 2048 buffer."""
+    exact ties straddles k, so the candidates overflow any 2048 buffer. With the default merge
+    finish and with "count" at the real merge block (16 blocks of 256 candidates at k 4096)."""
     import inspect
 
     assert inspect.signature(tk._retrieve).parameters["_select"].default == "auto"
@@ -321,7 +422,7 @@ def test_default_select_is_radix8_above_tilemax_k_and_exact_beyond_the_one_progr
     kc[0, 0, 100:3000] = kc[0, 0, 100]
     ret = torch.tensor([[True, False]])
     want = topk_retrieval_reference(q, kc, pad, lo, hi, ret, k, 0.25)
-    got = topk_retrieval(*_dev(q, kc, pad, lo, hi, ret), k, 0.25)
+    got = topk_retrieval(*_dev(q, kc, pad, lo, hi, ret), k, 0.25, _merge_rank=merge_rank)
     assert torch.equal(got.cpu(), want)
 
 
