@@ -56,6 +56,14 @@ retrieval (compact / score / select), dilated set, compose, attention, glue; gap
 (``dilated_set.MAP_COLLECTS``: ``serial``, one program per row; ``parallel``, programs per
 (row, chunk)), at every shape, whichever method ``"auto"`` takes there (``MAP_COLLECT`` picks the
 model's); ``stage16_map_collects_equal_to_step``: both give the step's sets.
+The radix8 select (``_select="radix8"`` at every shape: the step's own select above k = 256,
+``stage16_select_kernel`` names it) by stage, each replayed alone through its stop points:
+``stage16_select_ms_by_part`` (``passes``, ``collect``, ``block_sort``, ``merge``, with the merge
+finish ``topk_select.MERGE_RANK``, ``stage16_merge_rank``) and ``stage16_merge_ms_by_rank`` (the
+merge launches of each finish of ``topk_select.MERGE_RANKS``: ``search``, a binary search per
+block pair, ``count``, pair counts added atomically then a scatter; each as the whole radix8 select
+minus its stop after the block sort); ``stage16_merge_ranks_equal_to_step``: both give the step's
+top-k.
 Each row states the target (CIS-16 >= 5x the fastest dense for MHA, >= 3x for GQA)
 and, when it is missed, the largest stage.
 
@@ -113,7 +121,8 @@ from prhs_hf.kernels.key_index import (  # noqa: E402
 )
 from prhs_hf.kernels.group_union import group_union  # noqa: E402
 from prhs_hf.kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_union  # noqa: E402
-from prhs_hf.kernels.topk_retrieval import topk_retrieval, topk_retrieval_grouped  # noqa: E402
+from prhs_hf.kernels.topk_retrieval import default_select, topk_retrieval, topk_retrieval_grouped  # noqa: E402
+from prhs_hf.kernels.topk_select import MERGE_RANK, MERGE_RANKS  # noqa: E402
 from prhs_hf.selectors.double_sparsity import label_keys, top_channels  # noqa: E402
 
 TAU = 0.8
@@ -651,8 +660,8 @@ def stage_breakdown(x: dict, bud: Budget, st16: tuple, attention_ms: float, time
              torch.zeros(1, B, H, dtype=torch.int32, device=q.device), torch.ones((), dtype=torch.int64, device=q.device))
     new_idx, new_set = res.new_idx, res.new_set
 
-    def retrieval(stop="select"):
-        return topk_retrieval(q, kc, pad, lo, hi, retrieve, bud.k, scale, _stop_after=stop)
+    def retrieval(stop="select", **switches):
+        return topk_retrieval(q, kc, pad, lo, hi, retrieve, bud.k, scale, _stop_after=stop, **switches)
 
     def topk_glue():  # the gather / where of the top-k anchor path (decode_ops)
         shared = best >= 0
@@ -686,11 +695,39 @@ def stage_breakdown(x: dict, bud: Budget, st16: tuple, attention_ms: float, time
                   for collect, method in MAP_COLLECTS.items()}
     out["stage16_dilated_ms_by_collect"] = {collect: time_it(fn)[0] for collect, fn in by_collect.items()}
     out["stage16_map_collects_equal_to_step"] = all(torch.equal(fn(), new_set) for fn in by_collect.values())
+    out.update(radix8_breakdown(retrieval, time_it))
     out["stage16_attention_ms"] = attention_ms
     out["stage16_retrieval_select_ms"] = out["stage16_retrieval_ms"] - out["stage16_retrieval_score_ms"]
     out["stage16_retrieval_score_ms"] -= out["stage16_retrieval_compact_ms"]
     out["stage16_sum_ms"] = sum(out[f"stage16_{st}_ms"] for st in STAGES)
     return out
+
+
+def radix8_breakdown(retrieval: Callable, time_it: Callable) -> dict:
+    """The radix8 select of the step's retrieval by stage, and with each merge finish (module
+    docstring): ``retrieval(stop, **switches)`` runs the step's ``topk_retrieval`` to a stop point.
+    Each stage is the time to its stop point minus the time to the one before; the merge of a
+    finish is its whole select minus its stop after the block sort (which zeroes the "count"
+    finish's ranks)."""
+    def radix8(stop, merge_rank=None):
+        return retrieval(stop, _select="radix8", _merge_rank=merge_rank)
+
+    to_stop = {stop: time_it(lambda stop=stop: radix8(stop))[0] for stop in ("score", "passes", "collect")}
+    sorted_ms = {rank: time_it(lambda rank=rank: radix8("block_sort", rank))[0] for rank in MERGE_RANKS}
+    whole_ms = {rank: time_it(lambda rank=rank: radix8("select", rank))[0] for rank in MERGE_RANKS}
+    step_topk = retrieval()
+    return {
+        "stage16_select_kernel": default_select(int(step_topk.shape[-1])),
+        "stage16_merge_rank": MERGE_RANK,
+        "stage16_select_ms_by_part": {
+            "passes": to_stop["passes"] - to_stop["score"],
+            "collect": to_stop["collect"] - to_stop["passes"],
+            "block_sort": sorted_ms[MERGE_RANK] - to_stop["collect"],
+            "merge": whole_ms[MERGE_RANK] - sorted_ms[MERGE_RANK],
+        },
+        "stage16_merge_ms_by_rank": {rank: whole_ms[rank] - sorted_ms[rank] for rank in MERGE_RANKS},
+        "stage16_merge_ranks_equal_to_step": all(torch.equal(radix8("select", rank), step_topk) for rank in MERGE_RANKS),
+    }
 
 
 # ----------------------------------------------------------------------------- report
@@ -851,6 +888,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         )
     head2 = (
         "| B | ctx | Hq/Hkv | retrieving rows | match | retrieval (compact/score/select) "
+        "| radix8 select by stage (passes / collect / block sort / merge) "
+        f"| radix8 merge by finish ({' / '.join(MERGE_RANKS)}) "
         "| dilated set + compose, one launch (the two apart) | dilated set by map collect (serial / parallel) "
         "| attention | sum | CIS-16 step | gap "
         "| record (the model's state update, not in the step) "
@@ -859,7 +898,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     )
     lines += [
         "",
-        "Stage breakdown of the CIS-16 step (median ms, each stage replayed alone; gap = step - sum).",
+        "Stage breakdown of the CIS-16 step (median ms, each stage replayed alone; gap = step - sum). "
+        "The radix8 select by stage is timed at every shape (the step's select where k > 256, else tilemax; "
+        f"its merge: {MERGE_RANK}, the default finish); merge by finish: each finish's merge launches.",
         "",
         head2,
         "|" + "|".join(["---"] * (head2.count("|") - 1)) + "|",
@@ -872,6 +913,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {r['B']} | {r['ctx']} | {r['Hq']}/{r['Hkv']} | {r['stage16_retrieving_rows']} "
             f"| {fmt(r['stage16_match_ms'])} | {fmt(r['stage16_retrieval_ms'])} "
             f"({fmt(r['stage16_retrieval_compact_ms'])}/{fmt(r['stage16_retrieval_score_ms'])}/{fmt(r['stage16_retrieval_select_ms'])}) "
+            f"| {' / '.join(fmt(v) for v in r['stage16_select_ms_by_part'].values())}"
+            f"{'' if r['stage16_select_kernel'] == 'radix8' else ' (step: ' + r['stage16_select_kernel'] + ')'} "
+            f"| {' / '.join(fmt(r['stage16_merge_ms_by_rank'][m]) for m in MERGE_RANKS)} "
             f"| {fmt(r['stage16_dilate_compose_ms'])} ({fmt(r['stage16_dilated_set_ms'])} + {fmt(r['stage16_compose_ms'])}) "
             f"| {' / '.join(fmt(r['stage16_dilated_ms_by_collect'][c]) for c in MAP_COLLECTS)} "
             f"| {fmt(r['stage16_attention_ms'])} | {fmt(r['stage16_sum_ms'])} | {fmt(r['cis16_ms'])} "
@@ -1005,7 +1049,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             "    CIS-16 stages: " + "  ".join(f"{st} {fmt(r[f'stage16_{st}_ms'])}" for st in STAGES)
             + f"  (sum {fmt(r['stage16_sum_ms'])}; retrieval compact/score/select "
             f"{fmt(r['stage16_retrieval_compact_ms'])}/{fmt(r['stage16_retrieval_score_ms'])}/"
-            f"{fmt(r['stage16_retrieval_select_ms'])}; top-k-anchor step {fmt(r['cis16_topk_ms'])})",
+            f"{fmt(r['stage16_retrieval_select_ms'])}; top-k-anchor step {fmt(r['cis16_topk_ms'])})\n"
+            "    radix8 select by stage: " + "  ".join(f"{p} {fmt(v)}" for p, v in r["stage16_select_ms_by_part"].items())
+            + "; merge by finish: " + "  ".join(f"{m} {fmt(v)}" for m, v in r["stage16_merge_ms_by_rank"].items())
+            + f" (step's select {r['stage16_select_kernel']}; equal {r['stage16_merge_ranks_equal_to_step']})",
             flush=True,
         )
         print(

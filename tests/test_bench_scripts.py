@@ -206,9 +206,17 @@ def test_bench_decode_attention_quick_cpu_json(tmp_path):
         by_collect = r["stage16_dilated_ms_by_collect"]
         assert set(by_collect) == {"serial", "parallel"} and all(v > 0 for v in by_collect.values())
         assert r["stage16_map_collects_equal_to_step"] is True
+        # the radix8 select by stage (its stop points) and by merge finish, at every shape; both give the step's top-k
+        assert r["stage16_select_kernel"] == "tilemax" and r["stage16_merge_rank"] == "search"  # k 28 here
+        assert list(r["stage16_select_ms_by_part"]) == ["passes", "collect", "block_sort", "merge"]
+        assert set(r["stage16_merge_ms_by_rank"]) == {"search", "count"}
+        assert r["stage16_merge_ms_by_rank"]["search"] == r["stage16_select_ms_by_part"]["merge"]
+        assert r["stage16_merge_ranks_equal_to_step"] is True
     md = (tmp_path / "bench_decode_attention.md").read_text()
     assert "sparse union ms (union / sum)" in md and "DS step (r, top-k)" in md and "Double Sparsity step" in md and "CIS-16 group step" in md
     assert "dilated set by map collect (serial / parallel)" in md
+    assert "radix8 select by stage (passes / collect / block sort / merge)" in md
+    assert "radix8 merge by finish (search / count)" in md
 
 
 def test_bench_decode_attention_retrieve_share():
