@@ -53,29 +53,47 @@ class UnionRecorder:
     ``mass_k`` the dropped masses of :func:`dropped_mass` (``mass[(k, "head" | "group")]``: one value per
     (layer, sequence, query head))."""
 
-    def __init__(self, inner: Any, kv_heads: int, mass_k: tuple[int, ...] = (), sink: int = 0, local: int = 0):
+    def __init__(self, inner: Any, kv_heads: int, mass_k: tuple[int, ...] = (), sink: int = 0, local: int = 0,
+                 set_mass: bool = False):
         self.inner, self.kv_heads, self.rows = inner, kv_heads, []
         self.mass_k, self.sink, self.local = mass_k, sink, local
         self.mass: dict[tuple[int, str], list[float]] = {}
+        self.set_mass = set_mass
+        self.set_dropped: list[float] = []  # with set_mass: one per (layer, sequence, query head) of each step
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    @staticmethod
+    def _scores(args: tuple, b: int, group: int) -> torch.Tensor:
+        """``[Hq, t]`` fp32 scaled logits of sequence ``b``'s step queries over its ``t`` real keys, from the
+        arguments of ``select(layer, q, k_cache, v_cache, geom, params, scale, ...)``."""
+        q, k_cache, geom, scale = args[0], args[1], args[3], args[5]
+        pad, t = int(geom.pad[b]), int(geom.t_last[b])
+        keys = k_cache[b, :, pad:pad + t].float()  # [Hkv, t, D]: the sequence's real keys
+        return torch.einsum("hd,htd->ht", q[b].float(), keys.repeat_interleave(group, dim=0)) * scale
 
     def select(self, layer: int, *args: Any) -> Any:
         sel = self.inner.select(layer, *args)
         idx, count, active = sel.idx, sel.count, sel.active
         B, H, _ = idx.shape
-        if H == self.kv_heads:  # group-shared sets: one per KV head already
+        heads = args[0].shape[1] if args else H
+        group = heads // self.kv_heads
+        if self.set_mass:  # the attention mass outside the sets the step attends to (real indices)
+            for b in range(B):
+                if bool(active[b]):
+                    probs = torch.softmax(self._scores(args, b, group), dim=-1)
+                    for h in range(heads):
+                        row = h if H == heads else h // group  # group sets: the head's KV group's set
+                        chosen = idx[b, row, :int(count[b, row])].long()
+                        self.set_dropped.append(max(0.0, 1.0 - float(probs[h, chosen].sum())))
+        if H == self.kv_heads:  # group-shared sets (or one head per KV head): no union to take
             return sel
-        group = H // self.kv_heads
         for b in range(B):
             if not bool(active[b]):
                 continue
-            if self.mass_k:  # select(layer, q, k_cache, v_cache, geom, params, scale, ...)
-                q, k_cache, geom, scale = args[0], args[1], args[3], args[5]
-                pad, t = int(geom.pad[b]), int(geom.t_last[b])
-                keys = k_cache[b, :, pad:pad + t].float()  # [Hkv, t, D]: the sequence's real keys
-                scores = torch.einsum("hd,htd->ht", q[b].float(), keys.repeat_interleave(group, dim=0)) * scale
+            if self.mass_k:
+                scores = self._scores(args, b, group)
                 for (k, who), value in dropped_mass(scores, group, self.mass_k, self.sink, self.local).items():
                     self.mass.setdefault((k, who), []).extend(value.tolist())
             for g in range(self.kv_heads):
@@ -112,7 +130,7 @@ def dropped_mass(scores: torch.Tensor, group: int, ks: tuple[int, ...], sink: in
 
 
 def measure(model: Any, prompts: torch.Tensor, config: str, new_tokens: int,
-            mass_k: tuple[int, ...] = ()) -> dict[str, Any]:
+            mass_k: tuple[int, ...] = (), set_mass: bool = False) -> dict[str, Any]:
     cfg = load_any_config(config, {"policy": {"decode": "sparse", "prefill": "sparse"},
                                    "backend": {"decode": "torch", "prefill": "torch"}})
     text_cfg = model.config.get_text_config()
@@ -120,7 +138,7 @@ def measure(model: Any, prompts: torch.Tensor, config: str, new_tokens: int,
     t0 = time.time()
     with prhs_hf.patch(model, cfg) as handle, torch.no_grad():
         budget = handle.runtime.resolved.config.budget
-        recorder = UnionRecorder(handle.runtime.selector, kv_heads, mass_k, budget.sink, budget.local)
+        recorder = UnionRecorder(handle.runtime.selector, kv_heads, mass_k, budget.sink, budget.local, set_mass)
         handle.runtime.selector = recorder
         try:
             model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
@@ -128,15 +146,18 @@ def measure(model: Any, prompts: torch.Tensor, config: str, new_tokens: int,
         finally:
             handle.runtime.selector = recorder.inner
     rows = recorder.rows
+    set_mass = (dict(set_dropped_mass=dict(mean=statistics.fmean(recorder.set_dropped),
+                                           p90=_quantile(recorder.set_dropped, 0.9), samples=len(recorder.set_dropped)))
+                if recorder.set_dropped else {})
     if not rows:
-        return dict(config=config, status="no per-head sparse step")
+        return dict(config=config, status="no per-head sparse step", **set_mass)
     ratios = [u / s for _, s, u in rows if s > 0]
     by_layer: dict[int, list[float]] = {}
     for layer, s, u in rows:
         by_layer.setdefault(layer, []).append(u / s if s else 1.0)
     mass = {f"{k}": {who: dict(mean=statistics.fmean(v), p90=_quantile(v, 0.9), samples=len(v))
                      for (kk, who), v in recorder.mass.items() if kk == k} for k in mass_k}
-    return dict(config=config, status="ok", group=heads // kv_heads, samples=len(rows), dropped_mass=mass,
+    return dict(config=config, status="ok", group=heads // kv_heads, samples=len(rows), dropped_mass=mass, **set_mass,
                 mean_sum=statistics.fmean(s for _, s, _ in rows), mean_union=statistics.fmean(u for _, _, u in rows),
                 union_over_sum=sum(u for _, _, u in rows) / sum(s for _, s, _ in rows),
                 union_over_sum_p10=_quantile(ratios, 0.1), union_over_sum_p90=_quantile(ratios, 0.9),
@@ -177,6 +198,15 @@ def markdown(result: dict[str, Any]) -> str:
                 head, group = m["head"], m["group"]
                 lines.append(f"| `{r['config']}` | {k} | {head['mean']:.4f} ({head['p90']:.4f}) | "
                              f"{group['mean']:.4f} ({group['p90']:.4f}) | {group['mean'] - head['mean']:+.4f} |")
+    realized = [r for r in result["rows"] if r.get("set_dropped_mass")]
+    if realized:
+        lines += ["", "Dropped attention mass δ of the sets the decode steps attended to (`--set-mass`: CIS sharing, "
+                  "dilation, sink and window as configured; a group set counts for each of its heads), per (step, "
+                  "layer, query head), against the dense attention of the same query. Mean (p90).", "",
+                  "| config | δ mean (p90) | samples |", "|---|---|---|"]
+        for r in realized:
+            m = r["set_dropped_mass"]
+            lines.append(f"| `{r['config']}` | {m['mean']:.4f} ({m['p90']:.4f}) | {m['samples']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -191,6 +221,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--mass-k", default="", help="comma-separated middle top-k sizes: also measure the dropped "
                     "attention mass of each head's own top-k and of its KV group's (e.g. 88,512,1024,2048,4096)")
+    ap.add_argument("--set-mass", action="store_true", help="also measure the attention mass outside the sets each "
+                    "step attends to (CIS sharing and dilation included; any config, group selection too)")
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "probe_group_union"), help="output stem (.json, .md)")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.length < 2 or args.new_tokens < 1:
@@ -213,7 +245,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for config in args.configs.split(","):
-        result["rows"].append(measure(model, prompts, config, args.new_tokens, mass_k))
+        result["rows"].append(measure(model, prompts, config, args.new_tokens, mass_k, args.set_mass))
         (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps({k: v for k, v in result["rows"][-1].items() if k not in ("union_over_sum_by_layer", "dropped_mass")}),
               flush=True)

@@ -758,3 +758,39 @@ def test_probe_group_union_dropped_mass_of_own_and_group_top_k():
     assert mass["64"]["head"]["mean"] <= mass["8"]["head"]["mean"] + 1e-6
     assert "group top-k" in probe.markdown(dict(date="2026-01-01", command="x", model="m", dtype="f", prompts=1,
                                                  length=200, text="t", new_tokens=3, rows=[row]))
+
+
+def test_probe_group_union_set_mass_of_the_sets_the_steps_attended():
+    """scripts/probe_group_union.py --set-mass: per query head, the attention mass outside the set the step
+    attended to (a group set counts for each of its heads); a per-head config and a group-selection one
+    both give values in [0, 1] from a generate(), the group one without union rows."""
+    from types import SimpleNamespace
+
+    from tiny_models import tiny_model
+
+    probe = load_script("probe_group_union")
+    # 1 sequence, 2 query heads sharing 1 KV head, 4 keys; q . k picks key 0 for head 0 and key 3 for head 1
+    keys = torch.zeros(1, 1, 4, 2)
+    keys[0, 0, 0], keys[0, 0, 3] = torch.tensor([5.0, 0.0]), torch.tensor([0.0, 5.0])
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    geom = SimpleNamespace(pad=torch.tensor([0]), t_last=torch.tensor([4]))
+    args = (q, keys, keys, geom, None, 1.0)
+    probs = torch.softmax(torch.einsum("hd,td->ht", q[0], keys[0, 0]), -1)
+    for idx, count, want in (
+        (torch.tensor([[[0, 1], [3, -1]]]), torch.tensor([[2, 1]]), [1 - probs[0, [0, 1]].sum(), 1 - probs[1, 3]]),
+        (torch.tensor([[[0, 3]]]), torch.tensor([[2]]), [1 - probs[0, [0, 3]].sum(), 1 - probs[1, [0, 3]].sum()]),
+    ):
+        sel = SimpleNamespace(idx=idx, count=count, active=torch.tensor([True]))
+        recorder = probe.UnionRecorder(SimpleNamespace(select=lambda layer, *a, sel=sel: sel), kv_heads=1, set_mass=True)
+        recorder.select(0, *args)
+        assert torch.allclose(torch.tensor(recorder.set_dropped), torch.stack(want).float(), atol=1e-6)
+        assert len(recorder.rows) == (1 if idx.shape[1] == 2 else 0)
+    model = tiny_model("llama", layers=2)
+    prompts = torch.randint(1, 100, (1, 200), generator=torch.Generator().manual_seed(0))
+    for config in ("cis", "cis-group"):
+        row = probe.measure(model, prompts, config, 3, set_mass=True)
+        mass = row["set_dropped_mass"]
+        assert mass["samples"] > 0 and 0.0 <= mass["mean"] <= 1.0
+        assert (row["status"] == "ok") == (config == "cis")
+    assert "attended to" in probe.markdown(dict(date="2026-01-01", command="x", model="m", dtype="f", prompts=1,
+                                                 length=200, text="t", new_tokens=3, rows=[row]))
