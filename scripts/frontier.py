@@ -60,12 +60,14 @@ CANDIDATES = (
 DEFAULT_SPEED_MAPS = ("speed_map_static_h100_b1_128k.json", "speed_map_eager_h100.json",
                       "speed_map_eager_h100_b4_64k.json")
 DEFAULT_MASSES = ("probe_group_mass_qwen1.5b.json", "probe_group_mass_qwen1.5b_16k.json",
-                  "probe_group_mass_qwen1.5b_cis.json")
+                  "probe_group_mass_qwen1.5b_cis.json", "probe_group_set_mass_qwen1.5b_16k.json")
 
 
 def dropped_masses(probes: list[tuple[str, dict]], cand: Candidate) -> list[dict]:
-    """The candidate's dropped attention mass in each probe that ran its budget's config at its top-k:
-    one entry per probe file (its model and prompt length)."""
+    """The candidate's dropped attention mass in each probe: ``sets="exact top-k"`` where the probe ran its
+    budget's config at its top-k (``--mass-k``: exact per-step sets of its selection), ``"as run"`` where it
+    ran the candidate itself (``--set-mass``: the sets its decode steps attended to, CIS sharing and
+    dilation included); one entry per probe file (its model and prompt length)."""
     if not cand.budget:
         return []
     from prhs_hf.config import load_config
@@ -73,10 +75,16 @@ def dropped_masses(probes: list[tuple[str, dict]], cand: Candidate) -> list[dict
     config = Path(cand.budget).stem
     k = str(load_config(REPO / "configs" / cand.budget).budget.topk)
     who = "group" if cand.selection == "group" else "head"
-    return [dict(file=name, model=data["model"], length=data["length"], k=int(k), mean=row["dropped_mass"][k][who]["mean"],
-                 p90=row["dropped_mass"][k][who]["p90"], samples=row["dropped_mass"][k][who]["samples"])
-            for name, data in probes for row in data["rows"]
-            if row.get("config") == config and k in (row.get("dropped_mass") or {})]
+    exact = [dict(file=name, model=data["model"], length=data["length"], k=int(k), sets="exact top-k",
+                  mean=row["dropped_mass"][k][who]["mean"], p90=row["dropped_mass"][k][who]["p90"],
+                  samples=row["dropped_mass"][k][who]["samples"])
+             for name, data in probes for row in data["rows"]
+             if row.get("config") == config and k in (row.get("dropped_mass") or {})]
+    as_run = [dict(file=name, model=data["model"], length=data["length"], k=int(k), sets="as run",
+                   **row["set_dropped_mass"])
+              for name, data in probes for row in data["rows"]
+              if row.get("config") == cand.name and row.get("set_dropped_mass")]
+    return exact + as_run
 
 
 def ruler_accuracy(ruler: dict, name: str) -> Optional[dict]:
@@ -159,8 +167,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "rows retrieving); in brackets what `policy: auto` runs there (its cost model). RULER: points against "
              f"dense over the cells both ran ([{meta['ruler']}]({meta['ruler']}), Qwen2.5-Coder-1.5B-Instruct). "
              "Dropped mass (a CPU proxy, not an accuracy): the mean attention mass per (step, layer, query head) "
-             "outside the candidate's exact sets (its sink, window and top-k, its selection; no sharing, no "
-             "dilation), on a prompt of Python source, from `scripts/probe_group_union.py --mass-k` "
+             "outside the candidate's sets, on a prompt of Python source: its exact per-step sets (sink, window, "
+             "top-k, its selection; no sharing, no dilation; `scripts/probe_group_union.py --mass-k`) and the sets "
+             "its decode steps attended to (`--set-mass`, as run) "
              f"({', '.join(meta.get('masses', [])) or 'none'}).", "",
              "| candidate | budget | sets | " + " | ".join(f"step {s}" for s in shapes)
              + " | end to end (`prhs-hf bench`) | RULER vs dense (mean / worst cell, cells, n) | dropped mass (CPU proxy) |",
@@ -173,7 +182,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         acc = r["ruler"]
         acc_s = (f"{acc['delta_points']:+.1f} / {acc['worst_cell_points']:+.1f} points ({acc['cells']} cells, n ≥ {acc['min_n']})"
                  if acc else "not run")
-        mass = "; ".join(f"{m['mean']:.4f} ({m['model']}, {m['length'] // 1024}k, k {m['k']})"
+        mass = "; ".join(f"{m['mean']:.4f} ({m['sets']}, {m['model']}, {m['length'] // 1024}k, k {m['k']})"
                          for m in r.get("dropped_mass", [])) or ("0" if not r["budget"] else "–")
         lines.append(f"| `{r['name']}` | {r['budget'] or 'all keys'} | {r['selection'] or '–'} | " + " | ".join(speed)
                      + f" | {e2e} | {acc_s} | {mass} |")

@@ -150,7 +150,7 @@ def measure(model: Any, prompts: torch.Tensor, config: str, new_tokens: int,
                                            p90=_quantile(recorder.set_dropped, 0.9), samples=len(recorder.set_dropped)))
                 if recorder.set_dropped else {})
     if not rows:
-        return dict(config=config, status="no per-head sparse step", **set_mass)
+        return dict(config=config, status="no per-head sets (one per KV head, or none sparse)", **set_mass)
     ratios = [u / s for _, s, u in rows if s > 0]
     by_layer: dict[int, list[float]] = {}
     for layer, s, u in rows:

@@ -692,8 +692,10 @@ def test_frontier_reads_the_measured_results_and_leaves_unmeasured_cells_empty(t
     # the dropped-mass proxy: each budgeted candidate's row of the probes at its own top-k and selection
     mass = {name: {m["file"]: m for m in rows[name]["dropped_mass"]} for name in rows}
     assert mass["dense"] == {} and set(mass["cis_longbench"]) == set(mass["cis-group-lb"]) == {
-        "probe_group_mass_qwen1.5b.json", "probe_group_mass_qwen1.5b_16k.json"}
+        "probe_group_mass_qwen1.5b.json", "probe_group_mass_qwen1.5b_16k.json", "probe_group_set_mass_qwen1.5b_16k.json"}
     assert {m["k"] for m in rows["cis-group-lb"]["dropped_mass"]} == {4096}
+    assert mass["cis-group-lb"]["probe_group_set_mass_qwen1.5b_16k.json"]["sets"] == "as run"
+    assert mass["cis-group-lb"]["probe_group_mass_qwen1.5b_16k.json"]["sets"] == "exact top-k"
     assert all(mass["cis-group-lb"][f]["mean"] > mass["cis_longbench"][f]["mean"] for f in mass["cis_longbench"])
     assert set(mass["cis"]) == {"probe_group_mass_qwen1.5b_cis.json"} and mass["cis"]["probe_group_mass_qwen1.5b_cis.json"]["k"] == 88
     assert "dropped mass (CPU proxy)" in (tmp_path / "f_1.5b.md").read_text()
