@@ -139,7 +139,7 @@ def group_union_reference(idx: torch.Tensor, count: torch.Tensor, kv_heads: int)
 #          the counts of the row's chunks before it, its share of the -1 / 0 padding, and (chunk 0)
 #          the row's union_count.
 # The map holds the cache's S slots per group: S * 4 bytes per (sequence, KV head) to zero and read
-# twice, against the G * cap * 4 bytes of each output row.
+# twice, against the union_width(G, cap, S) * 4 bytes of each output row.
 
 
 @triton.jit

@@ -79,27 +79,27 @@ class UnionRecorder:
         B, H, _ = idx.shape
         heads = args[0].shape[1] if args else H
         group = heads // self.kv_heads
-        if self.set_mass:  # the attention mass outside the sets the step attends to (real indices)
-            for b in range(B):
-                if bool(active[b]):
-                    probs = torch.softmax(self._scores(args, b, group), dim=-1)
-                    for h in range(heads):
-                        row = h if H == heads else h // group  # group sets: the head's KV group's set
-                        chosen = idx[b, row, :int(count[b, row])].long()
-                        self.set_dropped.append(max(0.0, 1.0 - float(probs[h, chosen].sum())))
-        if H == self.kv_heads:  # group-shared sets (or one head per KV head): no union to take
-            return sel
+        per_head = H != self.kv_heads  # else group-shared sets (or one head per KV head): no union to take
         for b in range(B):
             if not bool(active[b]):
                 continue
-            if self.mass_k:
-                scores = self._scores(args, b, group)
-                for (k, who), value in dropped_mass(scores, group, self.mass_k, self.sink, self.local).items():
+            mass_k = self.mass_k if per_head else ()
+            scores = self._scores(args, b, group) if self.set_mass or mass_k else None
+            if self.set_mass:  # the attention mass outside the sets the step attends to (real indices)
+                probs = torch.softmax(scores, dim=-1)
+                for h in range(heads):
+                    row = h if per_head else h // group  # group sets: the head's KV group's set
+                    chosen = idx[b, row, :int(count[b, row])].long()
+                    self.set_dropped.append(max(0.0, 1.0 - float(probs[h, chosen].sum())))
+            if not per_head:
+                continue
+            if mass_k:
+                for (k, who), value in dropped_mass(scores, group, mass_k, self.sink, self.local).items():
                     self.mass.setdefault((k, who), []).extend(value.tolist())
             for g in range(self.kv_heads):
-                heads = range(g * group, (g + 1) * group)
-                sets = [idx[b, h][idx[b, h] >= 0] for h in heads]
-                total = int(sum(int(count[b, h]) for h in heads))
+                members = range(g * group, (g + 1) * group)
+                sets = [idx[b, h][idx[b, h] >= 0] for h in members]
+                total = int(sum(int(count[b, h]) for h in members))
                 union = int(torch.unique(torch.cat(sets)).numel())
                 self.rows.append((layer, total, union))
         return sel
