@@ -170,43 +170,42 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _table(intro: str, columns: list[str], body: list[str]) -> list[str]:
+    """A markdown section: ``intro``, then the table of ``columns`` whose rows are ``body``."""
+    return [intro, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *body]
+
+
 def markdown(result: dict[str, Any]) -> str:
+    union_rows = [f"| `{r['config']}` | – | – | – | – | {r['status']} |" if r["status"] != "ok" else
+                  f"| `{r['config']}` | {r['group']} | {r['samples']} | {r['mean_sum']:.0f} | {r['mean_union']:.0f} | "
+                  f"**{r['union_over_sum']:.3f}** ({r['union_over_sum_p10']:.3f}–{r['union_over_sum_p90']:.3f}) |"
+                  for r in result["rows"]]
     lines = [f"# Overlap of the per-head index sets of a KV group ({result['date'][:10]})", "",
-             f"    {result['command']}", "",
-             f"Model {result['model']} ({result['dtype']}, CPU), {result['prompts']} prompt(s) of {result['length']} "
-             f"tokens from {result['text']}, {result['new_tokens']} greedy decode steps, policy forced sparse. "
-             "Per (decode step, layer, sequence, KV group): `sum` = keys the per-head attention reads for the "
-             "group's heads, `union` = distinct keys among them; `union / sum` = the share of those reads an "
-             "attention loading each group's union once would make (1/G: all heads picked the same keys).", "",
-             "| config | G | samples | mean sum | mean union | union / sum (p10–p90) |",
-             "|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        if r["status"] != "ok":
-            lines.append(f"| `{r['config']}` | – | – | – | – | {r['status']} |")
-            continue
-        lines.append(f"| `{r['config']}` | {r['group']} | {r['samples']} | {r['mean_sum']:.0f} | {r['mean_union']:.0f} | "
-                     f"**{r['union_over_sum']:.3f}** ({r['union_over_sum_p10']:.3f}–{r['union_over_sum_p90']:.3f}) |")
-    masses = [r for r in result["rows"] if r.get("dropped_mass")]
-    if masses:
-        lines += ["", "Dropped attention mass δ per (decode step, layer, query head) at each middle top-k, with the "
-                  "config's sink and window, exact per-step sets (no sharing, no dilation): the head's own top-k "
-                  "against one set per KV group ranked by the group's largest score (`cis.selection: group`). "
-                  "Mean (p90).", "",
-                  "| config | k | own top-k | group top-k | group − own |", "|---|---|---|---|---|"]
-        for r in masses:
-            for k, m in r["dropped_mass"].items():
-                head, group = m["head"], m["group"]
-                lines.append(f"| `{r['config']}` | {k} | {head['mean']:.4f} ({head['p90']:.4f}) | "
-                             f"{group['mean']:.4f} ({group['p90']:.4f}) | {group['mean'] - head['mean']:+.4f} |")
-    realized = [r for r in result["rows"] if r.get("set_dropped_mass")]
-    if realized:
-        lines += ["", "Dropped attention mass δ of the sets the decode steps attended to (`--set-mass`: CIS sharing, "
-                  "dilation, sink and window as configured; a group set counts for each of its heads), per (step, "
-                  "layer, query head), against the dense attention of the same query. Mean (p90).", "",
-                  "| config | δ mean (p90) | samples |", "|---|---|---|"]
-        for r in realized:
-            m = r["set_dropped_mass"]
-            lines.append(f"| `{r['config']}` | {m['mean']:.4f} ({m['p90']:.4f}) | {m['samples']} |")
+             f"    {result['command']}", ""]
+    lines += _table(
+        f"Model {result['model']} ({result['dtype']}, CPU), {result['prompts']} prompt(s) of {result['length']} "
+        f"tokens from {result['text']}, {result['new_tokens']} greedy decode steps, policy forced sparse. "
+        "Per (decode step, layer, sequence, KV group): `sum` = keys the per-head attention reads for the "
+        "group's heads, `union` = distinct keys among them; `union / sum` = the share of those reads an "
+        "attention loading each group's union once would make (1/G: all heads picked the same keys).",
+        ["config", "G", "samples", "mean sum", "mean union", "union / sum (p10–p90)"], union_rows)
+    mass_rows = [f"| `{r['config']}` | {k} | {m['head']['mean']:.4f} ({m['head']['p90']:.4f}) | "
+                 f"{m['group']['mean']:.4f} ({m['group']['p90']:.4f}) | {m['group']['mean'] - m['head']['mean']:+.4f} |"
+                 for r in result["rows"] for k, m in (r.get("dropped_mass") or {}).items()]
+    if mass_rows:
+        lines += [""] + _table(
+            "Dropped attention mass δ per (decode step, layer, query head) at each middle top-k, with the "
+            "config's sink and window, exact per-step sets (no sharing, no dilation): the head's own top-k "
+            "against one set per KV group ranked by the group's largest score (`cis.selection: group`). Mean (p90).",
+            ["config", "k", "own top-k", "group top-k", "group − own"], mass_rows)
+    set_rows = [f"| `{r['config']}` | {m['mean']:.4f} ({m['p90']:.4f}) | {m['samples']} |"
+                for r in result["rows"] if (m := r.get("set_dropped_mass"))]
+    if set_rows:
+        lines += [""] + _table(
+            "Dropped attention mass δ of the sets the decode steps attended to (`--set-mass`: CIS sharing, "
+            "dilation, sink and window as configured; a group set counts for each of its heads), per (step, "
+            "layer, query head), against the dense attention of the same query. Mean (p90).",
+            ["config", "δ mean (p90)", "samples"], set_rows)
     return "\n".join(lines) + "\n"
 
 
