@@ -13,7 +13,10 @@ The model, per layer and decode step, with ``itemsize`` bytes per element:
 - dense reads every key and value: ``B · Hkv · L · D · 2 · itemsize`` bytes;
 - PrHS reads the selected keys and values of each selecting row (a query head, or a KV head
   with ``cis.selection: group``), ``B · rows · min(n, L) · D · 2 · itemsize`` with ``n`` the
-  largest index set, plus, for a retrieval, every key of the retrieving KV groups
+  largest index set (with ``backend.sparse_attention: group_union``, the union of a KV group's
+  ``G`` per-head sets read once per KV head instead: ``B · Hkv · min(L, max(n, union_fraction · G · n))``
+  keys and values, ``union_fraction`` the measured share of the group's summed sets that are distinct
+  keys), plus, for a retrieval, every key of the retrieving KV groups
   (``retrieval_rate · B · Hkv · L · D · itemsize``; with a key index, its entry per key instead of
   ``D · itemsize`` plus the exact re-read of ``top-k + margin`` keys per row, ``pages``: the tokens of
   the candidate pages), plus the selection's own work
@@ -61,6 +64,9 @@ class DecodeShape:
     scored_key_bytes: float | None = None
     reranked: int = 0
     topk: int = 0  # the top-k of a retrieval (the budget's k; 0: not priced, as before this field)
+    # backend.sparse_attention: group_union: the query heads per KV head whose per-head sets are read
+    # once as their union (0: each row reads its own set)
+    union_group: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,8 @@ class CostModel:
     margin: float
     min_sparse_prefill: int
     topk_latency_ns: float = 0.0  # per entry of a retrieval's top-k, once per layer (module docstring)
+    # distinct keys / summed keys of a KV group's per-head sets (group_union's reads, module docstring)
+    union_fraction: float = 0.33
 
     def decode_times_us(self, shape: DecodeShape, compiled: bool) -> tuple[float, float]:
         """``(dense, sparse)`` microseconds of one layer's decode step of ``shape``."""
@@ -82,7 +90,11 @@ class CostModel:
         per_us = self.bandwidth_gbs * 1e3  # bytes per microsecond
         token_bytes = s.head_dim * s.itemsize  # one key (or one value) of one head
         dense = s.batch * s.kv_heads * s.context * 2 * token_bytes / per_us
-        gathered = s.batch * s.rows * min(s.index_set, s.context) * 2 * token_bytes
+        if s.union_group:
+            union = max(s.index_set, self.union_fraction * s.union_group * s.index_set)
+            gathered = s.batch * s.kv_heads * min(union, s.context) * 2 * token_bytes
+        else:
+            gathered = s.batch * s.rows * min(s.index_set, s.context) * 2 * token_bytes
         key_bytes = token_bytes if s.scored_key_bytes is None else s.scored_key_bytes
         scored = self.retrieval_rate * s.batch * (
             s.kv_heads * s.context * key_bytes + s.rows * min(s.reranked, s.context) * token_bytes)
@@ -105,7 +117,9 @@ class CostModel:
 
 #: Fitted to H200 decode steps (docs/results/policy_h200.md): the eager overhead is the host time
 #: of an eager sparse step's launches over a dense one's, per layer; ``topk_latency_ns`` from the
-#: H100's stage breakdown at two top-k sizes (the module docstring), not yet measured on the H200.
+#: H100's stage breakdown at two top-k sizes (the module docstring), not yet measured on the H200;
+#: ``union_fraction`` from Qwen2.5-Coder-1.5B's ``cis_longbench`` sets at 16k (G = 6: 0.325, p10–p90
+#: 0.284–0.365, docs/results/probe_group_set_mass_qwen1.5b_16k.md), measured on the CPU.
 H200 = CostModel(
     bandwidth_gbs=3000.0,
     eager_overhead_us=1000.0,
@@ -113,6 +127,7 @@ H200 = CostModel(
     per_key_ns=0.9,
     retrieval_rate=0.5,
     topk_latency_ns=35.0,
+    union_fraction=0.33,
     margin=0.9,
     min_sparse_prefill=4096,
 )

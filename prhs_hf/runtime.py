@@ -230,6 +230,7 @@ class PrHSRuntime:
                 rows=self.num_kv_heads if grouped else self.num_heads, head_dim=self.head_dim,
                 itemsize=hidden_states.element_size(), index_set=self.resolved.index_capacity,
                 topk=self.resolved.config.budget.topk,
+                union_group=self._union_group(grouped),
                 **self._key_index_cost(hidden_states.dtype),
             )
             # a compiled step, or an eager one whose sparse layers replay CUDA graphs: few host launches
@@ -244,6 +245,12 @@ class PrHSRuntime:
         if geom is None or geom.pad.device == device:
             return geom
         return SequenceGeometry(*(x.to(device, non_blocking=True) for x in geom.tensors()))
+
+    def _union_group(self, grouped: bool) -> int:
+        """The query heads per KV head whose per-head sets ``backend.sparse_attention: group_union``
+        reads once as their union (:class:`DecodeShape`), 0 where each row reads its own set."""
+        union = self.resolved.config.backend.sparse_attention == "group_union"
+        return self.num_heads // self.num_kv_heads if union and not grouped else 0
 
     def _key_index_cost(self, dtype: torch.dtype) -> dict:
         """The retrieval's reads with a key index (``cis.index``), as :class:`DecodeShape` fields: the

@@ -211,3 +211,34 @@ def test_a_short_prompt_skips_the_sparse_prefill_under_auto(monkeypatch):
     assert torch.equal(logits["auto"], logits["dense"])
     assert logits["auto_frozen"] == 0 and logits["sparse_frozen"] > 0
     assert not torch.equal(logits["sparse"], logits["dense"])
+
+
+def test_group_union_reads_are_priced_as_the_groups_union():
+    """backend.sparse_attention: group_union reads each KV group's union once: fewer bytes than the
+    per-head sets' sum (G > 1), the same at G = 1, never more than the context per KV head."""
+    lb = dict(index_set=7146, topk=4096)
+    per_head = H200.decode_times_us(_shape(4, 65536, **lb), True)[1]
+    union = H200.decode_times_us(_shape(4, 65536, union_group=4, **lb), True)[1]
+    token_bytes = 128 * 2
+    expected = 4 * (32 * 7146 - 8 * 0.33 * 4 * 7146) * 2 * token_bytes / (H200.bandwidth_gbs * 1e3)
+    assert per_head - union == pytest.approx(expected)
+    mha = dict(kv_heads=32, rows=32, **lb)
+    assert H200.decode_times_us(_shape(4, 65536, union_group=1, **mha), True) == H200.decode_times_us(
+        _shape(4, 65536, **mha), True)
+    # a union wider than the cache reads the cache once per KV head
+    wide = H200.decode_times_us(_shape(1, 8192, union_group=32, kv_heads=1, **lb), True)[1]
+    wider = H200.decode_times_us(_shape(1, 8192, union_group=32, kv_heads=1, index_set=8000, topk=4096), True)[1]
+    assert wider - wide == pytest.approx(H200.per_key_ns * 1e-3 * 32 * (8000 - 7146))
+
+
+def test_the_runtime_prices_group_union_reads():
+    model = tiny_model("llama")
+    handle = prhs_hf.patch(model, {**SPARSE, "backend": {**SPARSE["backend"], "sparse_attention": "group_union"}})
+    runtime = handle.runtime
+    group = runtime.num_heads // runtime.num_kv_heads
+    assert group > 1 and runtime._union_group(grouped=False) == group
+    assert runtime._union_group(grouped=True) == 0  # one set per KV head: nothing to unite
+    prhs_hf.unpatch(model)
+    handle = prhs_hf.patch(model, SPARSE)
+    assert handle.runtime._union_group(grouped=False) == 0
+    prhs_hf.unpatch(model)
