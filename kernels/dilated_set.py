@@ -233,8 +233,9 @@ MAP_FROM_ENTRIES = 1024
 MAP_COLLECTS = {"serial": "map", "parallel": "map_parallel"}
 
 #: the collect of :func:`dilated_set`'s ``"auto"`` map path (so of
-#: :func:`~.compose_indices.dilate_and_compose`'s), a key of :data:`MAP_COLLECTS`
-MAP_COLLECT = "serial"
+#: :func:`~.compose_indices.dilate_and_compose`'s), a key of :data:`MAP_COLLECTS`: ``"parallel"``, the
+#: faster at every shape timed (H100, cis_longbench's sets: docs/results/bench_union_lb.md)
+MAP_COLLECT = "parallel"
 
 # MAP_CHUNK, the parallel collect's map positions per program, is kernels/map_collect.py's (the
 # collect's helpers live there, shared with group_union.py's union builder).
