@@ -3,6 +3,8 @@ JSON and PNG, the memory skip, the deadline, --resume and the speedup arithmetic
 
 from __future__ import annotations
 
+import argparse
+
 import importlib.util
 import json
 
@@ -37,17 +39,18 @@ def test_quick_map_writes_the_json_the_table_and_the_png(tmp_path, capsys) -> No
     assert data["command"].startswith("prhs-hf bench --model tiny-llama")
     assert {"torch", "transformers", "triton", "prhs_hf"} <= set(data["versions"])
     rows = data["rows"]
-    configs = ["sdpa", "sdpa_gqa", cli.DEFAULT_CONFIG, "cis"]
+    configs = ["sdpa", "sdpa_gqa", f"{cli.DEFAULT_CONFIG}/dense", cli.DEFAULT_CONFIG, "cis"]
     assert len(rows) == 2 * 2 * 2 * len(configs)  # modes x B x L x configs
     assert {(r["mode"], r["batch"], r["length"], r["config"]) for r in rows} == {
         (m, b, n, c) for m in ("eager", "static") for b in (1, 2) for n in (64, 128) for c in configs}
     for r in rows:
         assert r["status"] == "ok", r
         assert r["ms_per_step"] > 0 and r["new_tokens"] == [2, 4] and r["prompt_len"] == r["length"]
-        assert r["kind"] == ("dense" if r["config"] in sm.DENSE_CONFIGS else "prhs")
+        dense = sm.is_dense_baseline(r["config"])
+        assert r["kind"] == ("dense" if dense else "prhs")
         # what the policy ran: on a CPU ``auto`` is sparse; the dense baselines have no such field
-        assert r.get("decode_steps") == (None if r["kind"] == "dense" else "sparse")
-        assert r["fastest_dense"] in sm.DENSE_CONFIGS
+        assert r.get("decode_steps") == (None if dense else "sparse")
+        assert sm.is_dense_baseline(r["fastest_dense"])
         ref = next(d for d in rows if d["config"] == r["fastest_dense"] and sm._key(d) == sm._key(r))
         assert r["speedup_vs_fastest_dense"] == pytest.approx(ref["ms_per_step"] / r["ms_per_step"])
     printed = capsys.readouterr().out
@@ -87,6 +90,20 @@ def test_a_config_forced_dense_is_a_dense_baseline() -> None:
         ("cis/dense+buffered", 25.0 / 30.0), ("cis/dense+buffered", 1.0), ("cis/dense+buffered", 1.25)]
     assert [c for _, _, _, c, _ in sm.plan_cells([1], [4096], ["eager"], ["cis+graphs", "cis/dense+buffered", "sdpa"])] \
         == ["cis/dense+buffered", "sdpa", "cis+graphs"]
+
+
+def test_static_cells_leave_out_the_eager_step_entries_and_the_default_has_the_patched_dense() -> None:
+    """A StaticCache has no eager step: NAME+buffered would repeat NAME's static row. The default
+    --configs carries the patched dense path (NAME/dense: buffered K/V in eager cells), which a user
+    can pick (an unpatched eager generate() copies the whole cache at every step)."""
+    plan = sm.plan_cells([1], [4096], ["eager", "static"], ["sdpa_gqa", "cis/dense+buffered", "cis", "cis+graphs"])
+    assert [(m, c) for m, _, _, c, _ in plan] == [
+        ("eager", "sdpa_gqa"), ("eager", "cis/dense+buffered"), ("eager", "cis"), ("eager", "cis+graphs"),
+        ("static", "sdpa_gqa"), ("static", "cis")]
+    parser = argparse.ArgumentParser()
+    sm.add_arguments(parser, "cis_longbench")
+    configs = parser.parse_args([]).configs.split(",")
+    assert "cis_longbench/dense" in configs and sm.is_dense_baseline("cis_longbench/dense")
 
 
 def test_memory_estimate_and_skip() -> None:
@@ -133,18 +150,19 @@ def test_deadline_then_resume(tmp_path) -> None:
     assert not sm.Deadline(None).passed()
 
     first = _bench(tmp_path, "--quick", "--deadline-s", "0")
-    assert len(first["rows"]) == 32 and {r["status"] for r in first["rows"]} == {"not run: deadline"}
+    # 2 modes x 5 configs x 2 B x 2 L
+    assert len(first["rows"]) == 40 and {r["status"] for r in first["rows"]} == {"not run: deadline"}
     second = _bench(tmp_path, "--quick", "--resume", "--modes", "eager", "--batches", "1", "--lengths", "64",
                     "--configs", "sdpa,sdpa_gqa")
     ran = [r for r in second["rows"] if r["status"] != "not run: deadline"]
     assert [(r["mode"], r["batch"], r["length"], r["config"], r["status"]) for r in ran] == [
         ("eager", 1, 64, "sdpa", "ok"), ("eager", 1, 64, "sdpa_gqa", "ok")]
-    assert len(second["rows"]) == 32  # the cells this run did not plan keep their "not run" rows
+    assert len(second["rows"]) == 40  # the cells this run did not plan keep their "not run" rows
     assert len(second["commands"]) == 2 and "--deadline-s 0" in second["commands"][0]
     third = _bench(tmp_path, "--quick", "--resume", "--modes", "eager", "--batches", "1", "--lengths", "64",
                    "--configs", "sdpa,sdpa_gqa,cis")
     ran3 = [r for r in third["rows"] if r["status"] == "ok"]
-    assert [r["config"] for r in ran3] == ["sdpa", "sdpa_gqa", "cis"] and len(third["rows"]) == 32
+    assert [r["config"] for r in ran3] == ["sdpa", "sdpa_gqa", "cis"] and len(third["rows"]) == 40
     assert ran3[0]["ms_per_step"] == ran[0]["ms_per_step"]  # kept, not measured again
 
 

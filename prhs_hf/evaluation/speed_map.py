@@ -110,10 +110,13 @@ class Deadline:
 def plan_cells(batches: list[int], lengths: list[int], modes: list[str], configs: list[str],
                loops: Optional[list[int]] = None) -> list[tuple[str, int, int, str, Optional[int]]]:
     """(mode, B, L, config, stop_check_every) in run order: cheapest B·L first, both modes, each loop
-    (``loops``; ``None``: each config's own), dense baselines first in a cell."""
+    (``loops``; ``None``: each config's own), dense baselines first in a cell. A static cell leaves out
+    the entries that set ``backend.eager_step`` (``NAME+buffered``): a ``StaticCache`` has no eager
+    step, so such a row would repeat ``NAME``'s."""
     cells = sorted(((b, n) for b in batches for n in lengths), key=lambda c: (c[0] * c[1], c[1]))
     ordered = [c for c in configs if is_dense_baseline(c)] + [c for c in configs if not is_dense_baseline(c)]
-    return [(m, b, n, c, e) for b, n in cells for m in modes for e in (loops or [None]) for c in ordered]
+    return [(m, b, n, c, e) for b, n in cells for m in modes for e in (loops or [None]) for c in ordered
+            if m != "static" or "+" not in c or c in DENSE_CONFIGS]
 
 
 def is_dense_baseline(config: str) -> bool:
@@ -378,7 +381,7 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
         row.update(measure(target, mode, batch, prompt_len, config, args, stop_check_every), status="ok")
     except Exception as exc:  # noqa: BLE001 - a failing cell is recorded, the map goes on
         oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
-        error = ("oom" if oom else "error", f"{type(exc).__name__}: {exc}"[:300])
+        error = ("oom" if oom else "error", f"{type(exc).__name__}: {exc}"[:1200])  # an OOM's allocator summary
     if error is not None:  # outside the except block: its traceback (and the tensors it holds) is gone
         row.update(status=error[0], error=error[1])
     prhs_hf.unpatch(target.model)  # the patch's buffers would count as used in the next cell's free memory
@@ -466,11 +469,13 @@ def add_arguments(parser: argparse.ArgumentParser, default_config: str) -> None:
     a("--batches", default=None, help=f"comma list of B (default {BATCHES})")
     a("--lengths", default=None, help=f"comma list of L, 4096 or 4k (default {LENGTHS})")
     a("--modes", default=MODES, help="eager (DynamicCache) and/or static (StaticCache, compiled) (default %(default)s)")
-    a("--configs", default=f"sdpa,sdpa_gqa,{default_config},cis",
+    a("--configs", default=f"sdpa,sdpa_gqa,{default_config}/dense,{default_config},cis",
       help="comma list: sdpa, sdpa_gqa (dense baselines) and PrHS configs (shipped names, named configs of the "
            "result tables such as cis-s16, or YAML paths; "
-           "NAME/sparse or NAME/dense forces the policy, a forced-dense one counting as a dense baseline; "
-           "NAME+plain|buffered|graphs sets backend.eager_step, default auto) (default %(default)s)")
+           "NAME/sparse or NAME/dense forces the policy, a forced-dense one counting as a dense baseline "
+           "(NAME/dense: the patched model's dense path, which a user can pick too: in eager cells on its "
+           "buffered KV cache, no copy of the whole cache per step; its prefill without a [Lq, Lk] mask); "
+           "NAME+plain|buffered|graphs sets backend.eager_step, default auto, eager cells only) (default %(default)s)")
     a("--n1", type=int, default=None, help=f"timing starts after this many new tokens (default {N1})")
     a("--n2", type=int, default=None, help=f"... and ends after this many (default {N2}); ms/step = Δt / (N2 - N1)")
     a("--timing", choices=("stamps", "calls"), default="stamps",
