@@ -22,12 +22,15 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask, sdpa_mask
 
-__all__ = ["ATTENTION_NAME", "GQA_SDPA_NAME", "decode_padding_read_once", "generation_sdpa_mask",
+__all__ = ["ATTENTION_NAME", "GQA_SDPA_NAME", "MASK_SLICE_BYTES", "decode_padding_read_once", "generation_sdpa_mask",
            "gqa_sdpa_attention_forward", "prhs_attention_forward", "register"]
 
 ATTENTION_NAME = "prhs"
 #: dense SDPA that reads grouped K/V in place, also under a mask (see gqa_sdpa_attention_forward)
 GQA_SDPA_NAME = "sdpa_gqa"
+#: the most bytes of a 4D mask, widened to the query's dtype, that one SDPA call of
+#: :func:`gqa_sdpa_attention_forward` takes: a longer multi-token forward runs in query slices
+MASK_SLICE_BYTES = 1 << 28
 
 
 def gqa_sdpa_attention_forward(
@@ -39,15 +42,32 @@ def gqa_sdpa_attention_forward(
     query head whenever a mask is given (every padded batch, every StaticCache step), which makes
     dense decode of a GQA model several times slower than it has to be. The same function
     mathematically (not bit for bit: ``configs/dense.yaml`` keeps transformers' path).
+
+    A multi-token forward under a 4D mask of more than :data:`MASK_SLICE_BYTES` (once SDPA widens
+    it to the query's dtype) runs in slices of query rows, each with its rows of the mask: a chunk of
+    a chunked prefill over a long cache (``[B, 1, 16384, 65536]`` at B4 is 8 GiB widened) would
+    otherwise need that copy at once. Each query row's attention is computed as without slices.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     is_causal = q_len > 1 and attention_mask is None and getattr(module, "is_causal", True)
     if is_causal and kv_len > q_len:  # prefill into an empty StaticCache: drop the unwritten slots
         key, value = key[:, :, :q_len], value[:, :, :q_len]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
+
+    def attend(q: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+            enable_gqa=key.shape[1] != q.shape[1],
+        )
+
+    rows = q_len
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[2] == q_len > 1:
+        row_bytes = attention_mask.shape[0] * attention_mask.shape[1] * attention_mask.shape[3] * query.element_size()
+        rows = max(1, MASK_SLICE_BYTES // row_bytes)
+    if rows >= q_len:
+        out = attend(query, attention_mask)
+    else:
+        out = torch.cat([attend(query[:, :, i:i + rows], attention_mask[:, :, i:i + rows])
+                         for i in range(0, q_len, rows)], dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
