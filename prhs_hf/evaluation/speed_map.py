@@ -328,6 +328,9 @@ def measure(target: Target, mode: str, batch: int, length: int, config: str, arg
     row.update(ms_per_step=ms, decode_tok_s=1000.0 * batch / ms if ms > 0 else None)
     if dev.type == "cuda":
         row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+        # what the allocator held at its peak, CUDA graphs' private pools included (an OOM with much
+        # memory in use but little allocated points there)
+        row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(dev) / 2**30, 2)
     runtime = getattr(model, "_prhs_runtime", None)
     if runtime is not None and not is_dense_baseline(config):  # what the policy ran (its last decision)
         row["decode_steps"] = "sparse" if runtime.decodes_sparse() else "dense"
