@@ -58,7 +58,7 @@ CANDIDATES = (
     Candidate("cis-group", "cis.yaml", "group", "cis-group", ("cis-group", "cis-group/sparse")),
 )
 DEFAULT_SPEED_MAPS = ("speed_map_static_h100_b1_128k.json", "speed_map_eager_h100.json",
-                      "speed_map_eager_h100_b4_64k.json")
+                      "speed_map_eager_h100_b4_64k.json", "speed_map_h100_af76502.json")
 DEFAULT_MASSES = ("probe_group_mass_qwen1.5b.json", "probe_group_mass_qwen1.5b_16k.json",
                   "probe_group_mass_qwen1.5b_cis.json", "probe_group_set_mass_qwen1.5b_16k.json")
 
@@ -129,9 +129,11 @@ def policy_decision(row: dict, cand: Candidate) -> Optional[str]:
 
 def end_to_end(speed_maps: list[tuple[str, dict]], cand: Candidate) -> list[dict]:
     return [dict(file=name, mode=r["mode"], cell=f"B{r['batch']}/{r['length'] // 1024}k", config=r["config"],
-                 speedup=r.get("speedup_vs_fastest_dense"), fastest_dense=r.get("fastest_dense"))
+                 speedup=r.get("speedup_vs_fastest_dense"), fastest_dense=r.get("fastest_dense"),
+                 decode_steps=r.get("decode_steps"))
             for name, data in speed_maps for r in data["rows"]
-            if r["config"] in cand.speed_map_names and r.get("status") == "ok" and r["config"] != "sdpa_gqa"]
+            if r["config"] in cand.speed_map_names and r.get("status") == "ok" and r["config"] != "sdpa_gqa"
+            and r.get("speedup_vs_fastest_dense") is not None]  # a cell whose dense did not run has no ratio
 
 
 def build(ruler: dict, operator: dict, speed_maps: list[tuple[str, dict]],
@@ -178,7 +180,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         ops = {o["shape"]: o for o in r["operator"]}
         speed = [f"{ops[s]['speedup']:.2f}×" + (f" ({ops[s]['policy_auto']})" if ops[s].get("policy_auto") else "")
                  if s in ops else "–" for s in shapes]
-        e2e = "; ".join(f"{e['mode']} {e['cell']} `{e['config']}` {e['speedup']:.2f}×" for e in r["end_to_end"]) or "–"
+        e2e = "; ".join(f"{e['mode']} {e['cell']} `{e['config']}` {e['speedup']:.2f}×"
+                        + (" (dense steps)" if e.get("decode_steps") == "dense" else "")
+                        for e in r["end_to_end"]) or "–"
         acc = r["ruler"]
         acc_s = (f"{acc['delta_points']:+.1f} / {acc['worst_cell_points']:+.1f} points ({acc['cells']} cells, n ≥ {acc['min_n']})"
                  if acc else "not run")

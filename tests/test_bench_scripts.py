@@ -699,6 +699,11 @@ def test_frontier_reads_the_measured_results_and_leaves_unmeasured_cells_empty(t
     assert all(mass["cis-group-lb"][f]["mean"] > mass["cis_longbench"][f]["mean"] for f in mass["cis_longbench"])
     assert set(mass["cis"]) == {"probe_group_mass_qwen1.5b_cis.json"} and mass["cis"]["probe_group_mass_qwen1.5b_cis.json"]["k"] == 88
     assert "dropped mass (CPU proxy)" in (tmp_path / "f_1.5b.md").read_text()
+    # end to end: a cell the policy ran dense says so; a cell whose dense baseline did not run has no ratio
+    e2e = {(e["file"], e["mode"], e["cell"], e["config"]): e for e in rows["cis_longbench"]["end_to_end"]}
+    assert e2e[("speed_map_h100_af76502.json", "eager", "B4/64k", "cis_longbench")]["decode_steps"] == "dense"
+    assert "`cis_longbench` 2.18× (dense steps)" in (tmp_path / "f_1.5b.md").read_text()
+    assert ("speed_map_h100_af76502.json", "static", "B4/64k", "cis_longbench/sparse") not in e2e
     assert frontier.main(["--masses", "", "--out", str(tmp_path / "f_none")]) == 0  # no probes: an empty column
     assert all(r["dropped_mass"] == [] for r in json.loads((tmp_path / "f_none.json").read_text())["rows"])
     fake = [dict(name=n, ruler=dict(delta_points=a), operator=[dict(shape="s", speedup=v)])
