@@ -106,6 +106,18 @@ def test_static_cells_leave_out_the_eager_step_entries_and_the_default_has_the_p
     assert "cis_longbench/dense" in configs and sm.is_dense_baseline("cis_longbench/dense")
 
 
+def test_the_heat_map_is_named_after_its_json(tmp_path) -> None:
+    """Each --out draws its own picture: a second map in the folder does not overwrite the first's."""
+    rows = [{"model": "m", "prompts": "p", "mode": "eager", "batch": 1, "length": 64, "config": c, "status": "ok",
+             "ms_per_step": ms, "stop_check_every": None} for c, ms in (("sdpa", 2.0), ("cis", 1.0))]
+    sm.add_speedups(rows)
+    for name in ("speed_map.json", "cells_h100.json"):
+        (tmp_path / name).write_text(json.dumps({"rows": rows}))
+        assert cli.main(["bench", "--replot", "--out", str(tmp_path / name)]) == 0
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "speed_map.png").is_file() and (tmp_path / "cells_h100.png").is_file()
+
+
 def test_memory_estimate_and_skip() -> None:
     shape = sm.SHAPES[sm.RANDOM_SHAPE]
     kw = dict(layers=32, kv_heads=8, head_dim=128, intermediate=shape["intermediate_size"], new_tokens=80, itemsize=2)

@@ -491,7 +491,7 @@ def add_arguments(parser: argparse.ArgumentParser, default_config: str) -> None:
     a("--prefill-chunk", type=int, default=None,
       help="prefill in chunks of this many tokens (generate's prefill_chunk_size): long batched prompts fit")
     a("--deadline-s", type=float, default=None, help="start no cell after this many seconds (rest: 'not run: deadline')")
-    a("--out", default="docs/results/speed_map.json", help="JSON to write; the PNG goes beside it (default %(default)s)")
+    a("--out", default="docs/results/speed_map.json", help="JSON to write; the PNG goes beside it, named as it (default %(default)s)")
     a("--resume", action="store_true", help="keep the rows of --out (but error / deadline ones) and run only the others")
     a("--telemetry", action="store_true", help="PrHS telemetry on in the timed run (rho_hat column; adds work per step)")
     a("--assume-free-gib", type=float, default=None, help="plan with this much free GPU memory instead of measuring it")
@@ -591,7 +591,7 @@ def _meta(args: argparse.Namespace, device: Any, earlier: dict[str, Any]) -> dic
 def main(args: argparse.Namespace) -> int:
     """Run ``prhs-hf bench``: the grid, the table, ``--out`` and the PNG beside it."""
     out = Path(args.out)
-    png = out.with_name("speed_map.png") if out.suffix == ".json" else out.with_suffix(".png")
+    png = out.with_suffix(".png")  # the JSON's own name: another --out in the folder keeps its picture
     if args.replot:
         rows = json.loads(out.read_text())["rows"]
         print(format_table(rows))
