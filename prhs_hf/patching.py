@@ -444,6 +444,14 @@ def prefill_bytes_per_token(cfg: Any, itemsize: int, keys: int, masked: bool) ->
     return itemsize * (3 * inter + 6 * int(cfg.hidden_size)) + (keys if masked else 0)
 
 
+def kv_cache_bytes(cfg: Any, batch: int, slots: int, itemsize: int) -> int:
+    """Bytes of the keys and values of ``slots`` tokens of ``batch`` sequences in every layer of a model
+    of text config ``cfg`` (full attention, ``itemsize`` bytes per element)."""
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return batch * slots * cfg.num_hidden_layers * 2 * kv_heads * head_dim * itemsize
+
+
 def prefill_chunk_that_fits(model: nn.Module, input_ids: torch.Tensor, generation_config: Any,
                             model_kwargs: Mapping[str, Any]) -> int | None:
     """Tokens per chunk for a prefill of ``input_ids`` whose activations would not fit in the free GPU
@@ -461,10 +469,7 @@ def prefill_chunk_that_fits(model: nn.Module, input_ids: torch.Tensor, generatio
     dtype = next(model.parameters()).dtype
     masked = model_kwargs.get("attention_mask") is not None  # padded or not: reading it would sync the device
     if not isinstance(cache, StaticCache):  # a StaticCache's memory is taken already
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        slots = max(tokens, int(generation_config.max_length or 0))
-        free -= batch * slots * cfg.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
+        free -= kv_cache_bytes(cfg, batch, max(tokens, int(generation_config.max_length or 0)), dtype.itemsize)
     budget = PREFILL_MEMORY_SHARE * free
     per_token = batch * prefill_bytes_per_token(cfg, dtype.itemsize, tokens, masked)
     if per_token * tokens <= budget:

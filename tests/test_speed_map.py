@@ -119,15 +119,15 @@ def test_the_heat_map_is_named_after_its_json(tmp_path) -> None:
 
 
 def test_memory_estimate_and_skip() -> None:
-    shape = sm.SHAPES[sm.RANDOM_SHAPE]
-    kw = dict(layers=32, kv_heads=8, head_dim=128, intermediate=shape["intermediate_size"], new_tokens=80, itemsize=2)
-    need = sm.estimate_bytes(batch=4, length=4096, **kw)
+    cfg = transformers.LlamaConfig(**sm.SHAPES[sm.RANDOM_SHAPE])
+    kw = dict(new_tokens=80, itemsize=2)
+    need = sm.estimate_bytes(cfg, batch=4, length=4096, **kw)
     assert need == 2 * 32 * 8 * 128 * 4 * (4096 + 80) * 2 + 3 * 4 * 4096 * 14336 * 2
     free = 123 * GiB  # an H200 with the 8B's weights loaded
-    assert sm.fits(sm.estimate_bytes(batch=1, length=131072, **kw), free)
-    assert sm.fits(sm.estimate_bytes(batch=32, length=16384, **kw), free)  # 106 GiB of 110.7
-    assert not sm.fits(sm.estimate_bytes(batch=32, length=32768, **kw), free)
-    assert not sm.fits(sm.estimate_bytes(batch=8, length=131072, **kw), free)
+    assert sm.fits(sm.estimate_bytes(cfg, batch=1, length=131072, **kw), free)
+    assert sm.fits(sm.estimate_bytes(cfg, batch=32, length=16384, **kw), free)  # 106 GiB of 110.7
+    assert not sm.fits(sm.estimate_bytes(cfg, batch=32, length=32768, **kw), free)
+    assert not sm.fits(sm.estimate_bytes(cfg, batch=8, length=131072, **kw), free)
     assert sm.fits(int(0.9 * GiB), GiB) and not sm.fits(int(0.9 * GiB) + 1, GiB)
     assert sm.fits(10**15, None)  # free memory unknown (CPU): run
 
@@ -229,9 +229,9 @@ def test_a_config_entry_can_force_the_policy() -> None:
 def test_a_chunked_prefill_needs_one_chunks_activation_and_runs(tmp_path) -> None:
     """--prefill-chunk: the estimate counts one chunk's MLP activation (B8/64k on the 8B fits), and the
     cells run through generate(prefill_chunk_size=...)."""
-    shape = sm.SHAPES[sm.RANDOM_SHAPE]
-    kw = dict(layers=32, kv_heads=8, head_dim=128, intermediate=shape["intermediate_size"], new_tokens=80, itemsize=2)
-    whole, chunked = (sm.estimate_bytes(batch=8, length=65536, prefill_chunk=c, **kw) for c in (None, 4096))
+    cfg = transformers.LlamaConfig(**sm.SHAPES[sm.RANDOM_SHAPE])
+    whole, chunked = (sm.estimate_bytes(cfg, batch=8, length=65536, new_tokens=80, itemsize=2, prefill_chunk=c)
+                      for c in (None, 4096))
     assert whole - chunked == 3 * 8 * (65536 - 4096) * 14336 * 2
     data = _bench(tmp_path, "--quick", "--prefill-chunk", "32", "--modes", "eager", "--configs", "sdpa_gqa,cis")
     assert "--prefill-chunk 32" in data["command"]

@@ -83,13 +83,16 @@ def parse_lengths(text: str, option: str) -> list[int]:
     return out
 
 
-def estimate_bytes(*, layers: int, kv_heads: int, head_dim: int, intermediate: int, batch: int, length: int,
-                   new_tokens: int, itemsize: int, prefill_chunk: Optional[int] = None) -> int:
-    """What a cell needs beyond the weights: its KV cache and the prefill's largest activation (of
-    one chunk of ``prefill_chunk`` tokens with a chunked prefill)."""
+def estimate_bytes(cfg: Any, *, batch: int, length: int, new_tokens: int, itemsize: int,
+                   prefill_chunk: Optional[int] = None) -> int:
+    """What a cell of a model of text config ``cfg`` needs beyond the weights: its KV cache
+    (:func:`prhs_hf.patching.kv_cache_bytes`) and the MLP's largest prefill activation (the gate, up and
+    product rows of one chunk of ``prefill_chunk`` tokens with a chunked prefill)."""
+    from prhs_hf.patching import kv_cache_bytes
+
     rows = length if prefill_chunk is None else min(length, prefill_chunk)
-    return 2 * layers * kv_heads * head_dim * batch * (length + new_tokens) * itemsize \
-        + 3 * batch * rows * intermediate * itemsize
+    intermediate = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
+    return kv_cache_bytes(cfg, batch, length + new_tokens, itemsize) + 3 * batch * rows * intermediate * itemsize
 
 
 def fits(estimate: int, free: Optional[int], fraction: float = MEMORY_FRACTION) -> bool:
@@ -369,10 +372,7 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
                            "kind": "dense" if is_dense_baseline(config) else "prhs", "new_tokens": [args.n1, args.n2]}
     if prompt_len <= 0:
         return {**row, "status": "positions", "error": f"L + {args.n2} > max_position_embeddings {target.max_positions}"}
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    need = estimate_bytes(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
-                          intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size), batch=batch, length=prompt_len, new_tokens=args.n2,
-                          prefill_chunk=args.prefill_chunk,
+    need = estimate_bytes(cfg, batch=batch, length=prompt_len, new_tokens=args.n2, prefill_chunk=args.prefill_chunk,
                           itemsize=target.model.dtype.itemsize)
     row["estimate_gib"] = round(need / 2**30, 2)
     if free is not None:
