@@ -119,7 +119,7 @@ def plan_cells(batches: list[int], lengths: list[int], modes: list[str], configs
     cells = sorted(((b, n) for b in batches for n in lengths), key=lambda c: (c[0] * c[1], c[1]))
     ordered = [c for c in configs if is_dense_baseline(c)] + [c for c in configs if not is_dense_baseline(c)]
     return [(m, b, n, c, e) for b, n in cells for m in modes for e in (loops or [None]) for c in ordered
-            if m != "static" or "+" not in c or c in DENSE_CONFIGS]
+            if m != "static" or "eager_step" not in prhs_config(c)[1].get("backend", {})]
 
 
 def is_dense_baseline(config: str) -> bool:
