@@ -7,6 +7,7 @@ import argparse
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -236,3 +237,13 @@ def test_a_chunked_prefill_needs_one_chunks_activation_and_runs(tmp_path) -> Non
     data = _bench(tmp_path, "--quick", "--prefill-chunk", "32", "--modes", "eager", "--configs", "sdpa_gqa,cis")
     assert "--prefill-chunk 32" in data["command"]
     assert all(r["status"] == "ok" for r in data["rows"]) and len(data["rows"]) == 2 * 2 * 2
+
+
+def test_a_cell_run_twice_shows_the_range_of_its_repeats() -> None:
+    """Two runs of one cell write one text (their range) coloured by the median, not two texts over each other."""
+    row = lambda s, status="ok": {"speedup_vs_fastest_dense": s, "status": status}  # noqa: E731
+    value, text = sm.heat_cell([row(1.07), row(0.89)])
+    assert text == "0.89–1.07" and value == pytest.approx(math.log2(0.98))
+    assert sm.heat_cell([row(1.2)]) == (pytest.approx(math.log2(1.2)), "1.20")
+    assert sm.heat_cell([row(1.201), row(1.199)])[1] == "1.20"
+    assert sm.heat_cell([row(None, "oom")]) == (None, sm.SHORT["oom"])

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 __all__ = ["DENSE_CONFIGS", "Deadline", "add_arguments", "add_speedups", "draw_heatmap", "estimate_bytes", "fits",
-           "format_table", "is_dense_baseline", "main", "parse_lengths", "plan_cells"]
+           "format_table", "heat_cell", "is_dense_baseline", "main", "parse_lengths", "plan_cells"]
 
 #: dense config name -> the attention implementation the unpatched model runs with
 #: (``"sdpa_gqa"`` is :data:`prhs_hf.attention.GQA_SDPA_NAME`, registered by ``prhs_hf.attention.register``)
@@ -412,6 +413,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def heat_cell(repeats: list[dict[str, Any]]) -> tuple[Optional[float], str]:
+    """One heat-map cell from the rows of its (mode, B, L, config), a cell run more than once giving
+    several: its colour, log2 of the median speedup (None: no row has one), and its text, the speedup
+    or the range of the repeats' (``0.89–1.07``), else why there is none (the last row's status)."""
+    speeds = sorted(r["speedup_vs_fastest_dense"] for r in repeats if r.get("speedup_vs_fastest_dense"))
+    if not speeds:
+        status = repeats[-1]["status"]
+        return None, SHORT.get(status, "n/a" if status == "ok" else "?")
+    low, high = f"{speeds[0]:.2f}", f"{speeds[-1]:.2f}"
+    return math.log2(statistics.median(speeds)), low if low == high else f"{low}–{high}"
+
+
 def draw_heatmap(rows: list[dict[str, Any]], png: Path) -> Optional[str]:
     """One panel per (model, mode, config): B rows × L columns coloured by speedup vs the fastest dense
     (log scale, centred at 1.0×), values written in; grey cells say why they have none. Returns a
@@ -439,12 +452,14 @@ def draw_heatmap(rows: list[dict[str, Any]], png: Path) -> Optional[str]:
         bs, ls = sorted({r["batch"] for r in mine}), sorted({r["length"] for r in mine})
         for j, config in enumerate(configs):
             ax, grid = axes[i][j], np.full((len(bs), len(ls)), np.nan)
+            cells: dict[tuple[int, int], list[dict[str, Any]]] = {}
             for r in (r for r in mine if r["config"] == config):
-                y, x, s = bs.index(r["batch"]), ls.index(r["length"]), r.get("speedup_vs_fastest_dense")
-                if s:
-                    grid[y, x] = math.log2(s)
-                text = f"{s:.2f}" if s else SHORT.get(r["status"], "n/a" if r["status"] == "ok" else "?")
-                dark = s is not None and abs(math.log2(s)) > 0.6 * span
+                cells.setdefault((bs.index(r["batch"]), ls.index(r["length"])), []).append(r)
+            for (y, x), repeats in cells.items():
+                value, text = heat_cell(repeats)
+                if value is not None:
+                    grid[y, x] = value
+                dark = value is not None and abs(value) > 0.6 * span
                 ax.text(x, y, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
             image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=-span, vmax=span, aspect="auto")
             ax.set_xticks(range(len(ls)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in ls], fontsize=7)
