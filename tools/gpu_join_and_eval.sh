@@ -19,6 +19,7 @@
 # 4. runs scripts/run_accuracy.py --engine direct on CUDA with the staged data, resuming
 #    $WORK/results/accuracy.json and stopping before a row that would overrun this call
 #    (PRHS_CALL_BUDGET_S, default 560 s of the device's 600 s);
+#    (with PRHS_EXPORT_ONLY=1 it stops after step 3, printing the checkpoint's path);
 # 5. copies the reports in $WORK/results (accuracy.json/.md and any other --out there), the gzipped
 #    generations and the log to $OUT.
 #
@@ -108,6 +109,9 @@ if [ -n "${PRHS_CALIBRATE:-}" ]; then
       && mv "$CAL.partial" "$CAL" && echo "calibrated in $((SECONDS - start)) s: $CAL"
   done
 fi
+
+# PRHS_EXPORT_ONLY=1: stop here, the checkpoint ready for other commands (e.g. `prhs-hf bench --model $CKPT`)
+if [ -n "${PRHS_EXPORT_ONLY:-}" ]; then echo "checkpoint: $CKPT"; exit 0; fi
 
 # 4. evaluate (resumable; arguments given later win over these defaults). A script file puts its
 # own folder (scripts/), not the working directory, first on sys.path, so no -P is needed here.
