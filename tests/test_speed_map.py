@@ -247,3 +247,17 @@ def test_a_cell_run_twice_shows_the_range_of_its_repeats() -> None:
     assert sm.heat_cell([row(1.2)]) == (pytest.approx(math.log2(1.2)), "1.20")
     assert sm.heat_cell([row(1.201), row(1.199)])[1] == "1.20"
     assert sm.heat_cell([row(None, "oom")]) == (None, sm.SHORT["oom"])
+
+
+def test_repeats_time_a_row_several_times_and_keep_the_median(tmp_path, capsys) -> None:
+    """--repeats R: R timed runs after one warm-up; ms/step is their median and every run is kept."""
+    data = _bench(tmp_path, "--quick", "--batches", "1", "--lengths", "64", "--modes", "eager", "--configs", "sdpa_gqa,cis",
+                  "--repeats", "3")
+    assert "--repeats 3" in data["command"] and "median of 3" in data["timing"]
+    for r in data["rows"]:
+        assert len(r["ms_per_step_runs"]) == 3
+        assert r["ms_per_step"] == pytest.approx(sorted(r["ms_per_step_runs"])[1], abs=1e-3)
+    assert "ms_per_step_runs" not in _bench(tmp_path, "--quick", "--batches", "1", "--lengths", "64", "--modes", "eager",
+                                            "--configs", "sdpa_gqa")["rows"][0]
+    assert cli.main(["bench", "--quick", "--repeats", "0", "--out", str(tmp_path / "x.json")]) == 1
+    assert "--repeats must be at least 1" in capsys.readouterr().err

@@ -7,7 +7,8 @@ baselines, the unpatched model with ``attn_implementation="sdpa"`` or ``"sdpa_gq
 ``generate()`` of the cell's shapes, then the timed one of N2 new tokens (``min_new_tokens =
 max_new_tokens``): ms/step = (t(N2) - t(N1)) / (N2 - N1), the clock read (after a synchronise) by a
 logits processor after new tokens N1 and N2 (``--timing stamps``), or around two whole calls
-(``--timing calls``). ``speedup_vs_fastest_dense``: against the fastest dense row of the same cell and
+(``--timing calls``); with ``--repeats R``, R timed runs after the one warm-up, ms/step their median
+(``ms_per_step_runs``: each run's). ``speedup_vs_fastest_dense``: against the fastest dense row of the same cell and
 mode (``fastest_dense``): ``sdpa``, ``sdpa_gqa`` or a PrHS config forced dense (``cis/dense+buffered``),
 whichever ran; ``decode_steps`` (PrHS rows): whether the policy's last decision ran the decode steps
 ``sparse`` or ``dense`` (``policy: auto`` sends a step dense where its cost model says the sets lose,
@@ -315,21 +316,28 @@ def measure(target: Target, mode: str, batch: int, length: int, config: str, arg
     row: dict[str, Any] = {"warmup_s": round(time.perf_counter() - start, 2)}
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    if args.timing == "stamps":
-        clock = _Clock((args.n1, args.n2), sync)
-        generate(args.n2, clock)
-        seconds = clock.stamps[args.n2] - clock.stamps[args.n1]
-    else:
-        took = {}
-        for n in (args.n1, args.n2):
-            sync()
-            t0 = time.perf_counter()
-            generate(n)
-            sync()
-            took[n] = time.perf_counter() - t0
-        seconds = took[args.n2] - took[args.n1]
-    ms = 1000.0 * seconds / (args.n2 - args.n1)
+    def timed_ms() -> float:
+        """One timing of the decode steps N1 to N2: ms per step."""
+        if args.timing == "stamps":
+            clock = _Clock((args.n1, args.n2), sync)
+            generate(args.n2, clock)
+            seconds = clock.stamps[args.n2] - clock.stamps[args.n1]
+        else:
+            took = {}
+            for n in (args.n1, args.n2):
+                sync()
+                t0 = time.perf_counter()
+                generate(n)
+                sync()
+                took[n] = time.perf_counter() - t0
+            seconds = took[args.n2] - took[args.n1]
+        return 1000.0 * seconds / (args.n2 - args.n1)
+
+    runs = [timed_ms() for _ in range(args.repeats)]
+    ms = statistics.median(runs)
     row.update(ms_per_step=ms, decode_tok_s=1000.0 * batch / ms if ms > 0 else None)
+    if args.repeats > 1:
+        row["ms_per_step_runs"] = [round(t, 3) for t in runs]
     if dev.type == "cuda":
         row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
         # what the allocator held at its peak, CUDA graphs' private pools included (an OOM with much
@@ -496,6 +504,9 @@ def add_arguments(parser: argparse.ArgumentParser, default_config: str) -> None:
            "NAME+plain|buffered|graphs sets backend.eager_step, default auto, eager cells only) (default %(default)s)")
     a("--n1", type=int, default=None, help=f"timing starts after this many new tokens (default {N1})")
     a("--n2", type=int, default=None, help=f"... and ends after this many (default {N2}); ms/step = Δt / (N2 - N1)")
+    a("--repeats", type=int, default=1,
+      help="time each row this many times after its warm-up; ms/step is their median, the runs go in "
+           "ms_per_step_runs (an eager step is host-bound: single runs spread by about 8 %%) (default %(default)s)")
     a("--timing", choices=("stamps", "calls"), default="stamps",
       help="stamps: clock read after new tokens N1 and N2 of one generate(); calls: two generate() calls "
            "(default %(default)s)")
@@ -532,6 +543,8 @@ def _resolve(args: argparse.Namespace) -> None:
             raise ValueError(f"--stop-check-every: {args.stop_check_every!r}; allowed a comma list of ints in "
                              f"[1, {MAX_STOP_CHECK_EVERY}]")
         args.loop_list = list(dict.fromkeys(int(t) for t in tokens))
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     if not 1 <= args.n1 < args.n2:
         raise ValueError(f"--n1/--n2: need 1 <= N1 < N2, got {args.n1}, {args.n2}")
     if not args.mode_list or set(args.mode_list) - set(MODES.split(",")):
@@ -558,6 +571,7 @@ def _command(args: argparse.Namespace) -> str:
              *([f"--prompts {args.prompts}"] if args.prompts else []), f"--batches {','.join(map(str, args.batch_list))}",
              f"--lengths {','.join(map(str, args.length_list))}", f"--modes {','.join(args.mode_list)}",
              f"--configs {','.join(args.config_list)}", f"--n1 {args.n1} --n2 {args.n2} --timing {args.timing}",
+             *([f"--repeats {args.repeats}"] if args.repeats > 1 else []),
              *([f"--stop-check-every {','.join(map(str, args.loop_list))}"] if args.loop_list else []),
              *([f"--deadline-s {args.deadline_s:g}"] if args.deadline_s is not None else []),
              *([f"--prefill-chunk {args.prefill_chunk}"] if args.prefill_chunk else []),
@@ -597,7 +611,8 @@ def _meta(args: argparse.Namespace, device: Any, earlier: dict[str, Any]) -> dic
                          **{n: version(n) for n in ("transformers", "triton", "prhs_hf")}},
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": os.environ.get("PRHS_GIT_COMMIT"),
-            "timing": f"{args.timing}: ms/step = (t(N2) - t(N1)) / (N2 - N1), N1 {args.n1}, N2 {args.n2}",
+            "timing": f"{args.timing}: ms/step = (t(N2) - t(N1)) / (N2 - N1), N1 {args.n1}, N2 {args.n2}"
+                      + (f"; the median of {args.repeats} timed runs" if args.repeats > 1 else ""),
             "speedup": "fastest_dense's ms/step / the row's; fastest of the dense rows (sdpa, sdpa_gqa, a config "
                        "forced dense) of the same model, "
                        "prompts, mode, B, L and stop_check_every (the decode loop)"}
