@@ -261,3 +261,22 @@ def test_repeats_time_a_row_several_times_and_keep_the_median(tmp_path, capsys) 
                                             "--configs", "sdpa_gqa")["rows"][0]
     assert cli.main(["bench", "--quick", "--repeats", "0", "--out", str(tmp_path / "x.json")]) == 1
     assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
+def test_a_cell_in_progress_is_in_the_json(tmp_path, monkeypatch) -> None:
+    """A run killed mid-cell (a device call's time limit) leaves its last row ``started: <phase>`` in --out."""
+    out, seen = tmp_path / "map.json", []
+
+    def fake_measure(target, mode, batch, length, config, args, every=None, phase=lambda name: None):
+        for name in ("warm-up", "timing"):
+            phase(name)
+            seen.append(json.loads(out.read_text())["rows"][-1])
+        return {"ms_per_step": 1.0}
+
+    monkeypatch.setattr(sm, "measure", fake_measure)
+    assert cli.main(["bench", "--quick", "--batches", "1", "--lengths", "64", "--modes", "eager", "--configs", "sdpa_gqa",
+                     "--out", str(out)]) == 0
+    assert [(r["config"], r["status"]) for r in seen] == [("sdpa_gqa", "started: warm-up"), ("sdpa_gqa", "started: timing")]
+    assert all(r["elapsed_s"] >= 0 for r in seen)
+    assert [r["status"] for r in json.loads(out.read_text())["rows"]] == ["ok"]
+    assert "started: warm-up" not in sm.KEPT  # --resume runs such a row again

@@ -14,7 +14,8 @@ whichever ran; ``decode_steps`` (PrHS rows): whether the policy's last decision 
 ``sparse`` or ``dense`` (``policy: auto`` sends a step dense where its cost model says the sets lose,
 so a PrHS row can time the patched dense path). Cells whose KV cache + prefill activation would exceed 90 % of the free GPU
 memory are skipped (``memory``), OOMs recorded (``oom``); ``--deadline-s`` stops starting cells. The
-JSON is rewritten after every cell, the heat map PNG drawn at the end. (``scripts/_bench_common.py``
+JSON is rewritten after every cell and as each cell's warm-up and timing start (a last row ``started:
+warm-up`` or ``started: timing`` shows where a killed run stopped), the heat map PNG drawn at the end. (``scripts/_bench_common.py``
 is not importable from an installed package: the little it would give here is re-implemented.)
 
 ``--stop-check-every N[,M]``: the decode loop of every row (``generation.stop_check_every``,
@@ -62,7 +63,8 @@ BATCHES, LENGTHS, MODES, N1, N2 = "1,4,8,32", "4k,8k,16k,32k,64k,128k", "eager,s
 QUICK = dict(batches="1,2", lengths="64,128", n1=2, n2=4)
 MEMORY_FRACTION = 0.9
 TEXT_FIELDS = ("story", "text", "context", "input")
-#: statuses ``--resume`` keeps (the others, ``error`` and ``not run: deadline``, run again)
+#: statuses ``--resume`` keeps (the others, ``error``, ``not run: deadline`` and the ``started: <phase>`` of a
+#: killed run, run again)
 KEPT = ("ok", "memory", "positions", "oom")
 SHORT = {"memory": "mem", "oom": "oom", "positions": "pos", "error": "err", "not run: deadline": "–"}
 EXAMPLES = """examples:
@@ -283,8 +285,9 @@ def _fresh_compile(model: Any) -> None:
 
 
 def measure(target: Target, mode: str, batch: int, length: int, config: str, args: argparse.Namespace,
-            stop_check_every: Optional[int] = None) -> dict[str, Any]:
-    """One row's measurements: warm-up, then the timed ``generate()`` (see the module docstring)."""
+            stop_check_every: Optional[int] = None, phase: Callable[[str], None] = lambda name: None) -> dict[str, Any]:
+    """One row's measurements: warm-up, then the timed ``generate()`` (see the module docstring);
+    ``phase("warm-up")`` and ``phase("timing")`` are called as each starts."""
     import torch
     import transformers
 
@@ -310,10 +313,12 @@ def measure(target: Target, mode: str, batch: int, length: int, config: str, arg
     _select(model, config, args.telemetry, stop_check_every)
     if mode == "static":
         _fresh_compile(model)
+    phase("warm-up")
     start = time.perf_counter()
     generate(args.n2)
     sync()
     row: dict[str, Any] = {"warmup_s": round(time.perf_counter() - start, 2)}
+    phase("timing")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     def timed_ms() -> float:
@@ -365,8 +370,10 @@ def _free_bytes(device: Any) -> Optional[int]:
 
 
 def _cell(target: Target, mode: str, batch: int, length: int, config: str, args: argparse.Namespace,
-          free: Optional[int], stop_check_every: Optional[int] = None) -> dict[str, Any]:
-    """One row: the positions and memory checks, then :func:`measure` (an OOM is caught and recorded)."""
+          free: Optional[int], stop_check_every: Optional[int] = None,
+          started: Callable[[dict[str, Any]], None] = lambda row: None) -> dict[str, Any]:
+    """One row: the positions and memory checks, then :func:`measure` (an OOM is caught and recorded).
+    ``started(row)`` gets the row so far, its status ``started: <phase>``, as each phase begins."""
     import torch
 
     import prhs_hf
@@ -390,7 +397,12 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
         return {**row, "status": "memory"}
     error = None
     try:
-        row.update(measure(target, mode, batch, prompt_len, config, args, stop_check_every), status="ok")
+        clock = time.perf_counter()
+
+        def phase(name: str) -> None:
+            started({**row, "status": f"started: {name}", "elapsed_s": round(time.perf_counter() - clock, 1)})
+
+        row.update(measure(target, mode, batch, prompt_len, config, args, stop_check_every, phase), status="ok")
     except Exception as exc:  # noqa: BLE001 - a failing cell is recorded, the map goes on
         oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
         error = ("oom" if oom else "error", f"{type(exc).__name__}: {exc}"[:1200])  # an OOM's allocator summary
@@ -655,7 +667,12 @@ def main(args: argparse.Namespace) -> int:
             if target is None:
                 target = load_target(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
             free = int(args.assume_free_gib * 2**30) if args.assume_free_gib is not None else _free_bytes(device)
-            row = _cell(target, mode, batch, length, config, args, free, every)
+            def started(partial: dict[str, Any], cell: str = f"{mode} B{batch} L{length} {config}") -> None:
+                """A row in progress goes into --out too: a run killed mid-cell shows where it stopped."""
+                _write(out, meta, rows + [partial])
+                bar.write(f"{cell}: {partial['status']} ({partial['elapsed_s']:.0f} s into the cell)")
+
+            row = _cell(target, mode, batch, length, config, args, free, every, started)
         rows.append(row)
         _write(out, meta, rows)
         ms = row.get("ms_per_step")
