@@ -36,7 +36,9 @@ class StepGraph:
     real result), and is captured at the next step with that key and replayed from then on, the
     query copied into the graph's input first. A capture executes nothing: the
     first replay after it computes that step. The graph's output is overwritten by the next replay
-    (the layer's output projection reads it before then).
+    (the layer's output projection reads it before then). Each capture first releases the caching
+    allocator's cached blocks (``torch.cuda.empty_cache()``): during a capture the allocator cannot
+    release them to make room in the graph pool.
     """
 
     def __init__(self):
@@ -58,6 +60,10 @@ class StepGraph:
             return step(self.q)
         self.q.copy_(q)
         if self.graph is None:
+            # while a capture is under way the caching allocator cannot release the blocks it caches for
+            # ordinary allocations (a prefill's activations, a grown buffer's old one) to make room in the
+            # pool: release them first, as torch.cuda.graph does
+            torch.cuda.empty_cache()
             graph = torch.cuda.CUDAGraph()
             side = torch.cuda.Stream(q.device)
             side.wait_stream(torch.cuda.current_stream(q.device))

@@ -486,3 +486,37 @@ def test_generate_makes_the_buffers_for_its_max_length_once(chunk, monkeypatch):
                            pad_token_id=0, prefill_chunk_size=chunk)
         growth_rule = BufferedLayer(model._prhs_runtime.kv_growth)._capacity(40)  # the prompt's, not max_length 80
         assert made == [growth_rule] * 4 and growth_rule != 80
+
+
+def test_step_graph_capture_releases_the_allocators_cached_blocks_first(monkeypatch):
+    """A capture allocates from its graph pool and, while it is under way, the caching allocator cannot
+    release the blocks it caches for ordinary allocations (the prefill's activations) to make room: on
+    the H100 the eager B4/64k cis cell ran out of memory in a capture (a 34 MiB retrieval scratch) with
+    49 GiB allocated of 79 GiB in use. So every capture is preceded by ``torch.cuda.empty_cache()``, as
+    ``torch.cuda.graph`` does; eager runs and replays are not."""
+    import contextlib
+
+    from prhs_hf.layer import StepGraph
+
+    calls = []
+
+    class Graph:
+        def capture_begin(self, pool):
+            calls.append("capture")
+
+        def capture_end(self):
+            pass
+
+        def replay(self):
+            calls.append("replay")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: type("S", (), {"wait_stream": lambda *a: None})())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"wait_stream": lambda *a: None})())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    graphs, q = StepGraph(), torch.zeros(1, 2, 4)
+    for key in ("capacity 1", "capacity 2"):
+        for _ in range(3):  # eager at the new key, then captured, then replayed
+            graphs.run(key, lambda x: x + 1, q, "pool", [])
+    assert calls == ["empty_cache", "capture", "replay", "replay"] * 2
