@@ -333,7 +333,8 @@ def _synced_gpus(model: nn.Module, synced_gpus: bool | None) -> bool:
 
 
 def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate: Callable) -> Callable:
-    """``generate`` (the model's ``generate()``) in the decode loop of ``generation.stop_check_every``.
+    """``generate`` (the model's ``generate()``) in the decode loop of ``generation.stop_check_every``;
+    when it returns, the runtime lets go of the cache it filled (:meth:`PrHSRuntime.release_cache`).
 
     With ``stop_check_every`` 1 it is ``generate`` itself. Otherwise, for any decoding mode but a
     ``custom_generate``: the decode steps' attention masks read the batch's padding once
@@ -351,6 +352,12 @@ def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate
 
     @functools.wraps(generate)
     def generate_with_loop(*args, **kwargs):
+        try:
+            return _generate_in_loop(*args, **kwargs)
+        finally:
+            runtime.release_cache()  # the returned cache is the caller's alone
+
+    def _generate_in_loop(*args, **kwargs):
         every = runtime.resolved.config.generation.stop_check_every
         given = signature.bind_partial(*args, **kwargs).arguments
         if every == 1 or given.get("custom_generate") is not None:

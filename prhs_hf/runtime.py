@@ -303,6 +303,13 @@ class PrHSRuntime:
                     torch._dynamo.mark_static_address(buffer)
             self.geometry = kept
 
+    def release_cache(self) -> None:
+        """Let go of the last forward's cache layers (:attr:`kv_buffers`, which every eager forward sets
+        for itself): called when a ``generate()`` returns, so that a cache its caller drops is freed
+        with its keys and values instead of living until the model's next forward."""
+        with self.forward_lock:
+            self.kv_buffers = None
+
     def prepare(self, device: torch.device, batch: int, dtype: torch.dtype) -> None:
         """At a prefill of ``batch`` sequences in ``dtype`` (eager): pick the backends and allocate the
         telemetry counters for ``device``, so that a compiled decode step that follows only looks them up."""

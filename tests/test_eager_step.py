@@ -312,6 +312,33 @@ def test_a_stop_found_late_rolls_a_buffered_cache_back_as_a_plain_one():
             assert (type(cache.layers[0]) is BufferedLayer) == (step == "buffered")
     assert torch.equal(outs[0], outs[1]) and lengths[0] == lengths[1]
 
+@pytest.mark.parametrize("stop_check_every", [1, 8])
+def test_a_finished_generate_keeps_no_reference_to_its_cache(stop_check_every):
+    """The patch holds a forward's cache layers (``runtime.kv_buffers``) for that forward only: once
+    ``generate()`` returns, a cache the user drops is freed (it holds the whole K/V), not kept until
+    the model's next forward."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([40, 33], seed=5)
+    overrides = {"backend": {**SPARSE["backend"], "eager_step": "buffered"},
+                 "generation": {"stop_check_every": stop_check_every}}
+    with prhs_hf.patch(model, SPARSE, overrides):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, do_sample=False,
+                                 return_dict_in_generate=True)
+        assert type(out.past_key_values.layers[0]) is BufferedLayer
+        cache = weakref.ref(out.past_key_values)
+        keys = weakref.ref(out.past_key_values.layers[0].whole_buffers[0])
+        del out
+        gc.collect()
+        assert cache() is None and keys() is None
+        with torch.no_grad():  # the next generation fills a cache of its own as before
+            again = model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, do_sample=False)
+    assert again.shape == (2, ids.shape[1] + 4)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
