@@ -321,6 +321,7 @@ def measure(target: Target, mode: str, batch: int, length: int, config: str, arg
     phase("timing")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+
     def timed_ms() -> float:
         """One timing of the decode steps N1 to N2: ms per step."""
         if args.timing == "stamps":
@@ -396,12 +397,12 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
     if not fits(need, free):
         return {**row, "status": "memory"}
     error = None
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        started({**row, "status": f"started: {name}", "elapsed_s": round(time.perf_counter() - clock, 1)})
+
     try:
-        clock = time.perf_counter()
-
-        def phase(name: str) -> None:
-            started({**row, "status": f"started: {name}", "elapsed_s": round(time.perf_counter() - clock, 1)})
-
         row.update(measure(target, mode, batch, prompt_len, config, args, stop_check_every, phase), status="ok")
     except Exception as exc:  # noqa: BLE001 - a failing cell is recorded, the map goes on
         oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
@@ -659,6 +660,13 @@ def main(args: argparse.Namespace) -> int:
     meta, deadline, target = _meta(args, device, earlier), Deadline(args.deadline_s), None
     bar = tqdm([c for c in plan if (model, prompts, *c) not in done], desc="speed map", unit="cell",
                file=sys.stderr, mininterval=1.0)
+
+    def started(partial: dict[str, Any]) -> None:
+        """A row in progress goes into --out too: a run killed mid-cell shows where it stopped."""
+        _write(out, meta, rows + [partial])
+        bar.write(f"{partial['mode']} B{partial['batch']} L{partial['length']} {partial['config']}: "
+                  f"{partial['status']} ({partial['elapsed_s']:.0f} s into the cell)")
+
     for mode, batch, length, config, every in bar:
         if deadline.passed():
             row = {"model": model, "weights": weights, "prompts": prompts, "mode": mode, "batch": batch,
@@ -667,11 +675,6 @@ def main(args: argparse.Namespace) -> int:
             if target is None:
                 target = load_target(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
             free = int(args.assume_free_gib * 2**30) if args.assume_free_gib is not None else _free_bytes(device)
-            def started(partial: dict[str, Any], cell: str = f"{mode} B{batch} L{length} {config}") -> None:
-                """A row in progress goes into --out too: a run killed mid-cell shows where it stopped."""
-                _write(out, meta, rows + [partial])
-                bar.write(f"{cell}: {partial['status']} ({partial['elapsed_s']:.0f} s into the cell)")
-
             row = _cell(target, mode, batch, length, config, args, free, every, started)
         rows.append(row)
         _write(out, meta, rows)
