@@ -230,13 +230,30 @@ def test_long_context_baselines_are_the_baselines_at_cis_lb_budget() -> None:
         assert (long.baseline, long.cis, long.early_select, long.backend) == (
             short.baseline, short.cis, short.early_select, short.backend)
         union = long.backend.sparse_attention == "group_union"  # a speed variant: per-head attention's output
+        indexed = long.cis.index != "none"  # a speed variant too, off by default
         assert (long.baseline.name is not None or long.cis.tail_slot or long.early_select.enabled
-                or long.cis.selection == "group" or union)
+                or long.cis.selection == "group" or union or indexed)
         # the accuracy table's default rows: not a speed variant, whose accuracy is its per_head twin's
-        assert f"{name}-lb" not in ac.DEFAULT_CONFIGS and (name in ac.DEFAULT_CONFIGS) != union
+        assert f"{name}-lb" not in ac.DEFAULT_CONFIGS and (name in ac.DEFAULT_CONFIGS) != (union or indexed)
     ds = ac.load_named_config(ac.named_config("ds-cal-lb"))
     shipped = prhs_hf.load_config("ds_qwen2.5-coder-1.5b")
     assert ds.budget == lb and ds.baseline == shipped.baseline and ds.baseline.label_channels.endswith(".pt")
+
+
+def test_key_index_configs_are_cis_s16_with_only_the_index_changed() -> None:
+    """``cis-fp8`` / ``cis-int4`` / ``cis-pages`` (issue 38's candidates, for ``prhs-hf bench`` and the
+    accuracy runs): ``cis-s16`` with ``cis.index`` set and the shipped margin; nothing else differs."""
+    from prhs_hf.evaluation.speed_map import prhs_config
+
+    ac = accuracy_configs
+    base = ac.load_any_config("cis-s16")
+    assert base.cis.index == "none"
+    for name, index in (("cis-fp8", "fp8"), ("cis-int4", "int4"), ("cis-pages", "pages")):
+        cfg = ac.load_any_config(name)
+        assert cfg.cis.index == index and cfg.cis.rerank_margin == base.cis.rerank_margin == 128
+        assert dataclasses.replace(cfg, cis=base.cis) == base and name not in ac.DEFAULT_CONFIGS
+        assert ac.load_any_config(f"{name}-lb").cis.index == index
+        assert ac.load_any_config(*prhs_config(f"{name}/sparse")).policy.decode == "sparse"
 
 
 def test_cis_union_lb_is_cis_longbench_reading_group_unions() -> None:

@@ -31,7 +31,9 @@ head, layer) sharing ratios: ``hshare-1`` (1/2, 1/4, 1/4: ρ̂ = 1/2 · 3/4 · 3
 ``layer_share_ratio``. EarlySelectKV (``early_select``) appears on Quest and on CIS (s = 16, τ = 0.8):
 ``es-quest`` and ``es-cis`` (the mid tap, layer ℓ+1's exact ``W_q``), ``es-cis-early`` (the early tap)
 and ``es-quest-r256`` / ``es-cis-r256`` (the mid tap through a rank-256 SVD of ``W_q``). ``hshare-1-lb``,
-``quest-lb`` … ``es-cis-lb``, ``cis-tail-lb``, ``cis-group-lb``, ``cis-union-lb`` (:data:`LONG_CONTEXT_BASELINES`) are those
+``cis-fp8``, ``cis-int4`` and ``cis-pages`` are ``cis-s16`` retrieving through a key index (``cis.index``).
+``quest-lb`` … ``es-cis-lb``, ``cis-tail-lb``, ``cis-group-lb``, ``cis-union-lb``, ``cis-fp8-lb`` …
+(:data:`LONG_CONTEXT_BASELINES`) are those
 baselines, seed selectors and CIS variants at ``cis-lb``'s long-context budget, for the RULER table; ``ds-cal-lb`` is Double Sparsity
 with the label channels calibrated for Qwen2.5-Coder-1.5B (``ds_qwen2.5-coder-1.5b.yaml``) at that budget. Anything else given as a name is a YAML path.
 
@@ -51,8 +53,8 @@ from typing import Any, Mapping
 
 import prhs_hf
 
-__all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "LONG_CONTEXT_BASELINES", "named_config",
-           "load_named_config", "load_any_config", "known_config_names"]
+__all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "KEY_INDEX_CONFIGS", "LONG_CONTEXT_BASELINES",
+           "named_config", "load_named_config", "load_any_config", "known_config_names"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,13 @@ DEFAULT_CONFIGS = tuple(ACCURACY_CONFIGS)
 #: group_union): a speed variant with per-head attention's output, so its accuracy is ``cis-s16``'s and it
 #: is not one of the :data:`DEFAULT_CONFIGS`
 ACCURACY_CONFIGS["cis-union"] = NamedConfig("cis-union", "cis", {"backend": {"sparse_attention": "group_union"}})
+#: ``cis-s16`` retrieving through a key index (``cis.index``: ``docs/notes/key_index.md``) with the shipped
+#: re-rank margin: the candidates of issue 38 for the speed map and the accuracy runs (``prhs-hf bench
+#: --configs cis,cis-fp8``). Not :data:`DEFAULT_CONFIGS`: the index is off by default.
+KEY_INDEX_CONFIGS = ("cis-fp8", "cis-int4", "cis-pages")
+ACCURACY_CONFIGS.update(
+    (name, NamedConfig(name, "cis", {"cis": {"block_size": 16, "index": name.split("-")[1]}}))
+    for name in KEY_INDEX_CONFIGS)
 
 #: The baselines, the seed selectors and the CIS variants at the long-context budget of ``cis-lb`` (64 sink +
 #: 256 local + 4096 top-k), for the RULER table and the speed map: ``<name>-lb`` is ``<name>`` on
@@ -119,7 +128,7 @@ ACCURACY_CONFIGS["cis-union"] = NamedConfig("cis-union", "cis", {"backend": {"sp
 #: union of them read once, for the speed map). Not in
 #: :data:`DEFAULT_CONFIGS`: below 4,417 tokens (GSM8K, CoQA) they attend to every key.
 LONG_CONTEXT_BASELINES = ("hshare-1", "hshare-2", "quest", "streaming", "h2o", "certkv",
-                          "es-quest", "es-cis", "cis-tail", "cis-group", "cis-union")
+                          "es-quest", "es-cis", "cis-tail", "cis-group", "cis-union", *KEY_INDEX_CONFIGS)
 ACCURACY_CONFIGS.update(
     (f"{name}-lb", NamedConfig(f"{name}-lb", "cis_longbench", ACCURACY_CONFIGS[name].overrides))
     for name in LONG_CONTEXT_BASELINES)
