@@ -280,3 +280,15 @@ def test_a_cell_in_progress_is_in_the_json(tmp_path, monkeypatch) -> None:
     assert all(r["elapsed_s"] >= 0 for r in seen)
     assert [r["status"] for r in json.loads(out.read_text())["rows"]] == ["ok"]
     assert "started: warm-up" not in sm.KEPT  # --resume runs such a row again
+
+
+def test_table_shows_each_rows_warm_up_and_peak_and_full_config_names() -> None:
+    """A static row's warm-up holds its compilation (the unpatched static baseline's took 392 s at B4/64k on
+    the H100), so the table shows it, with the peak memory; configs such as ``cis_longbench/dense`` are
+    not cut."""
+    row = {"model": "m", "prompts": "random ids", "mode": "static", "batch": 4, "length": 65536,
+           "config": "cis_longbench/dense", "status": "ok", "ms_per_step": 21.44, "warmup_s": 391.73,
+           "peak_gib": 61.32, "fastest_dense": "cis_longbench/dense", "speedup_vs_fastest_dense": 1.0}
+    head, _, line = sm.format_table([row]).splitlines()
+    assert "warm-up s" in head and "peak GiB" in head
+    assert line.count("cis_longbench/dense") == 2 and " 392 " in line and " 61.32 " in line

@@ -419,18 +419,20 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a fixed-width text table."""
-    head = (f"{'model':<22} {'mode':<6} {'N':>4} {'B':>3} {'L':>7} {'config':<16} {'ms/step':>9} {'speedup':>8} "
-            f"{'fastest dense':<13} {'rho_hat':>7} {'steps':<6}  status")
+    """The rows as a fixed-width text table. ``warm-up s`` is the row's untimed first ``generate()``
+    (a static cell's compilation is in it); ``peak GiB`` the memory PyTorch allocated at most."""
+    head = (f"{'model':<22} {'mode':<6} {'N':>4} {'B':>3} {'L':>7} {'config':<20} {'ms/step':>9} {'speedup':>8} "
+            f"{'fastest dense':<20} {'rho_hat':>7} {'steps':<6} {'warm-up s':>9} {'peak GiB':>8}  status")
     lines = [head, "-" * len(head)]
     for r in rows:
         ms, sp, rho = r.get("ms_per_step"), r.get("speedup_vs_fastest_dense"), r.get("rho_hat")
-        every = r.get("stop_check_every")
+        every, warm, peak = r.get("stop_check_every"), r.get("warmup_s"), r.get("peak_gib")
         lines.append(f"{r['model'][:22]:<22} {r['mode']:<6} {'' if every is None else every:>4} {r['batch']:>3} "
-                     f"{r['length']:>7} {r['config'][:16]:<16} "
+                     f"{r['length']:>7} {r['config'][:20]:<20} "
                      f"{'' if ms is None else f'{ms:.2f}':>9} {'' if sp is None else f'{sp:.2f}x':>8} "
-                     f"{r.get('fastest_dense') or '':<13} {'' if rho is None else f'{100 * rho:.1f}%':>7} "
-                     f"{r.get('decode_steps') or '':<6}  {r['status']}")
+                     f"{(r.get('fastest_dense') or '')[:20]:<20} {'' if rho is None else f'{100 * rho:.1f}%':>7} "
+                     f"{r.get('decode_steps') or '':<6} {'' if warm is None else f'{warm:.0f}':>9} "
+                     f"{'' if peak is None else f'{peak:.2f}':>8}  {r['status']}")
     return "\n".join(lines)
 
 
