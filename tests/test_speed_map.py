@@ -292,3 +292,57 @@ def test_table_shows_each_rows_warm_up_and_peak_and_full_config_names() -> None:
     head, _, line = sm.format_table([row]).splitlines()
     assert "warm-up s" in head and "peak GiB" in head
     assert line.count("cis_longbench/dense") == 2 and " 392 " in line and " 61.32 " in line
+
+
+class _FakeAllocator:
+    """torch.cuda's peak counters over a made-up allocation history."""
+
+    def __init__(self):
+        self.now = self.peak = self.reserved_peak = 0
+
+    def alloc(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+        self.reserved_peak = max(self.reserved_peak, self.now + 1)
+
+    def free(self, n: int) -> None:
+        self.now -= n
+
+    def max_memory_allocated(self, device):
+        return self.peak
+
+    def max_memory_reserved(self, device):
+        return self.reserved_peak
+
+    def reset_peak_memory_stats(self, device):
+        self.peak = self.reserved_peak = self.now
+
+
+def test_phase_peaks_split_each_run_at_its_first_token() -> None:
+    """The prefill's peak and the decode steps' are read apart (the question behind a sparse row's peak
+    above dense's: which phase), over every timed run, and neither run's decode leaks into the next
+    run's prefill."""
+    gib = 2**30
+    fake = _FakeAllocator()
+    peaks = sm.PhasePeaks(fake, "cuda:0")
+    fake.alloc(2 * gib)  # the weights and the cache
+    for prefill, decode in ((10, 4), (8, 6)):
+        peaks.run_starts()
+        fake.alloc(prefill * gib), fake.free(prefill * gib)
+        peaks.prefill_done()
+        fake.alloc(decode * gib), fake.free(decode * gib)
+    got = peaks.fields()
+    assert got == {"peak_gib": 12.0, "peak_reserved_gib": 12.0, "prefill_peak_gib": 12.0, "decode_peak_gib": 8.0}
+    assert sm.PhasePeaks(None, "cpu").fields() == {}
+    whole = sm.PhasePeaks(fake, "cuda:0")  # --timing calls: no clock, no phases
+    whole.run_starts()
+    fake.alloc(gib), fake.free(gib)
+    assert whole.fields() == {"peak_gib": 3.0, "peak_reserved_gib": 3.0}
+
+
+def test_clock_marks_the_prefill_once_at_the_first_new_token() -> None:
+    marks = []
+    clock = sm._Clock((2, 4), lambda: None, lambda: marks.append(clock.calls))
+    for _ in range(5):
+        clock(None, "scores")
+    assert marks == [1] and sorted(clock.stamps) == [2, 4]

@@ -12,7 +12,8 @@ logits processor after new tokens N1 and N2 (``--timing stamps``), or around two
 mode (``fastest_dense``): ``sdpa``, ``sdpa_gqa`` or a PrHS config forced dense (``cis/dense+buffered``),
 whichever ran; ``decode_steps`` (PrHS rows): whether the policy's last decision ran the decode steps
 ``sparse`` or ``dense`` (``policy: auto`` sends a step dense where its cost model says the sets lose,
-so a PrHS row can time the patched dense path). Cells whose KV cache + prefill activation would exceed 90 % of the free GPU
+so a PrHS row can time the patched dense path). On CUDA ``peak_gib`` is the timed runs' peak allocation,
+``prefill_peak_gib`` / ``decode_peak_gib`` its two phases (split at the first new token). Cells whose KV cache + prefill activation would exceed 90 % of the free GPU
 memory are skipped (``memory``), OOMs recorded (``oom``); ``--deadline-s`` stops starting cells. The
 JSON is rewritten after every cell and as each cell's warm-up and timing start (a last row ``started:
 warm-up`` or ``started: timing`` shows where a killed run stopped), the heat map PNG drawn at the end. (``scripts/_bench_common.py``
@@ -155,17 +156,61 @@ def add_speedups(rows: list[dict[str, Any]]) -> None:
 
 
 class _Clock:
-    """A logits processor: synchronise and read the clock after new tokens ``at`` (1 = the prefill's)."""
+    """A logits processor: synchronise and read the clock after new tokens ``at`` (1 = the prefill's);
+    ``after_prefill()`` runs once, at new token 1 (the bench reads and resets the peak memory there)."""
 
-    def __init__(self, at: tuple[int, ...], sync: Callable[[], None]):
-        self.at, self.sync, self.calls, self.stamps = at, sync, 0, {}
+    def __init__(self, at: tuple[int, ...], sync: Callable[[], None],
+                 after_prefill: Callable[[], None] = lambda: None):
+        self.at, self.sync, self.after_prefill, self.calls, self.stamps = at, sync, after_prefill, 0, {}
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         self.calls += 1
+        if self.calls == 1:
+            self.after_prefill()
         if self.calls in self.at:
             self.sync()
             self.stamps[self.calls] = time.perf_counter()
         return scores
+
+
+class PhasePeaks:
+    """The peak memory of the timed runs and, with ``--timing stamps``, of their two phases: the prefill
+    (a run's start to its first new token) and the decode steps (the rest of the run). Call
+    :meth:`run_starts` before each run; the clock calls :meth:`prefill_done`. ``cuda`` is ``torch.cuda``
+    (``None`` off CUDA: no fields). The allocator's counters are the host's view of every allocation
+    asked for, so reading them at the first new token needs no synchronisation."""
+
+    def __init__(self, cuda: Any, device: Any):
+        self.cuda, self.device, self.phase = cuda, device, "prefill"
+        self.peak, self.reserved = {"prefill": 0, "decode": 0}, 0
+
+    def _next(self, phase: str) -> None:
+        """Fold the counters into the phase that ends, and start them again for ``phase``."""
+        if self.cuda is not None:
+            self.peak[self.phase] = max(self.peak[self.phase], self.cuda.max_memory_allocated(self.device))
+            self.reserved = max(self.reserved, self.cuda.max_memory_reserved(self.device))
+            self.cuda.reset_peak_memory_stats(self.device)
+        self.phase = phase
+
+    def run_starts(self) -> None:
+        self._next("prefill")
+
+    def prefill_done(self) -> None:
+        self._next("decode")
+
+    def fields(self) -> dict[str, float]:
+        """``peak_gib`` (the runs' largest allocation total), ``peak_reserved_gib`` (what the allocator
+        held at most, CUDA graphs' private pools included: an OOM with much memory in use but little
+        allocated points there) and, where the clock marked the prefill's end, ``prefill_peak_gib`` and
+        ``decode_peak_gib``."""
+        if self.cuda is None:
+            return {}
+        self._next(self.phase)
+        gib = lambda n: round(n / 2**30, 2)  # noqa: E731
+        out = {"peak_gib": gib(max(self.peak.values())), "peak_reserved_gib": gib(self.reserved)}
+        if self.peak["decode"]:
+            out.update(prefill_peak_gib=gib(self.peak["prefill"]), decode_peak_gib=gib(self.peak["decode"]))
+        return out
 
 
 def _read_texts(path: Path) -> list[str]:
@@ -319,13 +364,13 @@ def measure(target: Target, mode: str, batch: int, length: int, config: str, arg
     sync()
     row: dict[str, Any] = {"warmup_s": round(time.perf_counter() - start, 2)}
     phase("timing")
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
+    peaks = PhasePeaks(torch.cuda if dev.type == "cuda" else None, dev)
 
     def timed_ms() -> float:
         """One timing of the decode steps N1 to N2: ms per step."""
+        peaks.run_starts()
         if args.timing == "stamps":
-            clock = _Clock((args.n1, args.n2), sync)
+            clock = _Clock((args.n1, args.n2), sync, peaks.prefill_done)
             generate(args.n2, clock)
             seconds = clock.stamps[args.n2] - clock.stamps[args.n1]
         else:
@@ -344,11 +389,7 @@ def measure(target: Target, mode: str, batch: int, length: int, config: str, arg
     row.update(ms_per_step=ms, decode_tok_s=1000.0 * batch / ms if ms > 0 else None)
     if args.repeats > 1:
         row["ms_per_step_runs"] = [round(t, 3) for t in runs]
-    if dev.type == "cuda":
-        row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
-        # what the allocator held at its peak, CUDA graphs' private pools included (an OOM with much
-        # memory in use but little allocated points there)
-        row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(dev) / 2**30, 2)
+    row.update(peaks.fields())
     runtime = getattr(model, "_prhs_runtime", None)
     if runtime is not None and not is_dense_baseline(config):  # what the policy ran (its last decision)
         row["decode_steps"] = "sparse" if runtime.decodes_sparse() else "dense"
