@@ -334,7 +334,8 @@ def _synced_gpus(model: nn.Module, synced_gpus: bool | None) -> bool:
 
 def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate: Callable) -> Callable:
     """``generate`` (the model's ``generate()``) in the decode loop of ``generation.stop_check_every``;
-    when it returns, the runtime lets go of the cache it filled (:meth:`PrHSRuntime.release_cache`).
+    when it returns, the runtime lets go of the cache it filled and of the state on it
+    (:meth:`PrHSRuntime.generate_ends`).
 
     With ``stop_check_every`` 1 it is ``generate`` itself. Otherwise, for any decoding mode but a
     ``custom_generate``: the decode steps' attention masks read the batch's padding once
@@ -352,10 +353,11 @@ def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate
 
     @functools.wraps(generate)
     def generate_with_loop(*args, **kwargs):
+        runtime.generate_starts()
         try:
             return _generate_in_loop(*args, **kwargs)
         finally:
-            runtime.release_cache()  # the returned cache is the caller's alone
+            runtime.generate_ends()  # the returned cache, and the state on it, are the caller's alone
 
     def _generate_in_loop(*args, **kwargs):
         every = runtime.resolved.config.generation.stop_check_every

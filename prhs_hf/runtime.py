@@ -50,12 +50,16 @@ class CallState:
         self.prefilled = False
         self.sparse_decode = False
         self.prefill_end: int | None = None
+        # the cache is compileable (a StaticCache): compiled steps over it read the selector's state
+        # without binding it, so a finished generate() leaves it bound (PrHSRuntime._unbind)
+        self.compiled_steps = False
 
     def __deepcopy__(self, memo: dict) -> "CallState":
         if self.runtime.bound is self:  # the selector holds the live objects: take them first
             self.fields = export_call_state(self.runtime.selector)
         twin = CallState(self.runtime, copy.deepcopy(self.fields, memo))
         twin.prefilled, twin.sparse_decode, twin.prefill_end = self.prefilled, self.sparse_decode, self.prefill_end
+        twin.compiled_steps = self.compiled_steps
         return twin
 
     def __reduce__(self):
@@ -119,6 +123,7 @@ class PrHSRuntime:
                         and type(self.selector) is CISSelector and not self.selector.tail_slot
                         and (backend.eager_step == "graphs" or resolved.config.cis.index == "none"))
         self.kv_buffers: list | None = None
+        self._generating = 0  # patched generate() calls running (generate_starts / generate_ends)
         self._graph_pools: dict[torch.device, Any] = {}
         self.retired_graphs: list = []  # StepGraph.run: replaced graphs, kept until the next prefill
         # an eager decode step that the policy sends to dense with nothing else to do (no telemetry,
@@ -192,6 +197,7 @@ class PrHSRuntime:
             if cache is not None:
                 setattr(cache, CALL_STATE_ATTRIBUTE, call)
         self._hold(call)
+        call.compiled_steps = bool(getattr(cache, "is_compileable", False))
         if not self._decoding:
             call.prefilled = True
         elif not call.prefilled:
@@ -303,12 +309,57 @@ class PrHSRuntime:
                     torch._dynamo.mark_static_address(buffer)
             self.geometry = kept
 
-    def release_cache(self) -> None:
-        """Let go of the last forward's cache layers (:attr:`kv_buffers`, which every eager forward sets
-        for itself): called when a ``generate()`` returns, so that a cache its caller drops is freed
-        with its keys and values instead of living until the model's next forward."""
+    def generate_starts(self) -> None:
+        """A patched ``generate()`` begins (:meth:`generate_ends` follows it, also on an error)."""
         with self.forward_lock:
+            self._generating += 1
+
+    def generate_ends(self) -> None:
+        """A patched ``generate()`` has returned: let go of the last forward's cache layers
+        (:attr:`kv_buffers`, which every eager forward sets for itself), so that a cache its caller
+        drops is freed with its keys and values instead of living until the model's next forward.
+        When no other ``generate()`` is running (threads), the selector's state (CIS's anchors and key
+        index) also goes back to the cache it belongs to (:meth:`_unbind`; not a ``StaticCache``'s)
+        and the sparse step's CUDA graphs, with their memory pool, are dropped: a dropped cache then
+        frees all of it. The next forward binds the cache it runs on again; a generation's graphs are
+        made again after its prefill anyway (:meth:`prepare`)."""
+        with self.forward_lock:
+            self._generating -= 1
             self.kv_buffers = None
+            if self._generating == 0:
+                self._unbind()
+                self._drop_graphs()
+
+    def hold(self, cache) -> Any:
+        """Make the state of ``cache``'s generation the selector's, as the next forward over ``cache``
+        would, and return the selector: how to look at a finished generation's CIS anchors or key index
+        (``runtime.hold(out.past_key_values).states``), which :meth:`generate_ends` has given back to
+        its cache. Raises ``ValueError`` for a cache this patch has not prefilled."""
+        call = None if cache is None else cache.__dict__.get(CALL_STATE_ATTRIBUTE)
+        if call is None or call.runtime is not self:
+            raise ValueError("PrHS: this cache holds no state of this patch: pass the past_key_values of a "
+                             "generate() (return_dict_in_generate=True) or forward the patched model ran")
+        with self.forward_lock:
+            self._hold(call)
+        return self.selector
+
+    def _unbind(self) -> None:
+        """The selector's live state back to its :class:`CallState` (on its cache), the selector left
+        with an empty one: it then holds nothing of a finished generation. Not for a compileable cache
+        (a ``StaticCache``, which transformers keeps for the next call anyway): a compiled forward over
+        it, a user's ``torch.compile(model.forward)`` prefill too, reads the selector's state without
+        binding its cache first."""
+        if self.bound is not None and not self.bound.compiled_steps:
+            self.bound.fields = export_call_state(self.selector)
+            import_call_state(self.selector, copy.deepcopy(self._fresh_state))
+            self.bound = None
+
+    def _drop_graphs(self) -> None:
+        """The sparse step's graphs go with their pool; new ones take a new pool."""
+        if self.graphed:
+            for layer in self.layers:
+                layer.graphs = StepGraph()
+            self._graph_pools, self.retired_graphs = {}, []
 
     def prepare(self, device: torch.device, batch: int, dtype: torch.dtype) -> None:
         """At a prefill of ``batch`` sequences in ``dtype`` (eager): pick the backends and allocate the
@@ -319,10 +370,7 @@ class PrHSRuntime:
             self.prefill_function(device, dtype)
         if self.telemetry is not None:
             self.telemetry.prepare(device, batch)
-        if self.graphed:  # the graphs of the last generation go with their pool; new ones take a new pool
-            for layer in self.layers:
-                layer.graphs = StepGraph()
-            self._graph_pools, self.retired_graphs = {}, []
+        self._drop_graphs()  # the last generation's
 
     def ops_for(self, device: torch.device) -> DecodeOps:
         """The decode ops table of ``device``, picked by ``backend.decode`` the first time the device

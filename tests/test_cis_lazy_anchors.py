@@ -53,17 +53,19 @@ def _tensor_bytes(state) -> int:
     return sum(v.numel() * v.element_size() for v in vars(state).values() if isinstance(v, torch.Tensor))
 
 
-def _anchors_made(model) -> bool:
-    states = model._prhs_runtime.selector.states.values()
+def _anchors_made(model, cache=None) -> bool:
+    """Whether the anchor buffers exist: in the generation bound now, or in ``cache``'s."""
+    runtime = model._prhs_runtime
+    states = (runtime.hold(cache) if cache is not None else runtime.selector).states.values()
     made = {st.anchor_q is not None and st.anchor_idx is not None for st in states}
     assert len(made) == 1, "some devices' states have anchors, others not"
     return made.pop()
 
 
-def _assert_no_anchor_buffer(model, layers: int, batch: int, heads: int) -> None:
-    """The bound generation's state holds its anchor counts (int32 per layer, sequence and head) and
-    its step counter (one int64), nothing else."""
-    (state,) = model._prhs_runtime.selector.states.values()
+def _assert_no_anchor_buffer(model, cache, layers: int, batch: int, heads: int) -> None:
+    """The state of ``cache``'s generation holds its anchor counts (int32 per layer, sequence and head)
+    and its step counter (one int64), nothing else."""
+    (state,) = model._prhs_runtime.hold(cache).states.values()
     assert state.anchor_q is None and state.anchor_idx is None and state.tail_k is None
     assert _tensor_bytes(state) == layers * batch * heads * 4 + 8
 
@@ -75,8 +77,8 @@ def test_a_generation_the_policy_decodes_dense_makes_no_anchor_buffer(policy, tm
     ids, mask = padded_batch(PROMPT)
     prhs_hf.patch(model, config)
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
-    _assert_no_anchor_buffer(model, layers=2, batch=2, heads=4)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
+    _assert_no_anchor_buffer(model, out.past_key_values, layers=2, batch=2, heads=4)
 
 
 @pytest.mark.parametrize(("cache", "compiled_overhead_us", "made"), [
@@ -91,14 +93,14 @@ def test_a_prefill_makes_the_anchors_where_the_steps_after_it_run_sparse(cache, 
     ids, mask = padded_batch(PROMPT)
     prhs_hf.patch(model, config)
     with torch.no_grad():  # one forward: the prefill alone
-        model.generate(ids, attention_mask=mask, max_new_tokens=1, cache_implementation=cache,
-                       disable_compile=True, **GREEDY)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=1, cache_implementation=cache,
+                             disable_compile=True, **GREEDY)
     assert model._prhs_runtime.sparse_decode is made
     if made:
-        (state,) = model._prhs_runtime.selector.states.values()
+        (state,) = model._prhs_runtime.hold(out.past_key_values).states.values()
         assert state.anchor_q.shape == (2, 2, 4, 4, 16) and state.anchor_idx.shape[:4] == (2, 2, 4, 4)
     else:
-        _assert_no_anchor_buffer(model, layers=2, batch=2, heads=4)
+        _assert_no_anchor_buffer(model, out.past_key_values, layers=2, batch=2, heads=4)
 
 
 def _track(model) -> tuple[list, object]:
@@ -130,7 +132,7 @@ def test_a_generation_that_turns_sparse_mid_way_makes_the_anchors_at_its_first_s
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=12, **GREEDY)
         hook.remove()
-        runs[when] = (out, seen, _selector_state(model))
+        runs[when] = (out, seen, _selector_state(model, out.past_key_values))
 
     out, seen, state = runs["first sparse step"]
     decisions = [s[0] for s in seen]
@@ -161,7 +163,7 @@ def test_a_stop_check_that_undoes_the_first_sparse_steps_equals_the_check_at_eve
     runs, made = {}, {}
     for every in (1, EVERY):
         runs[every] = _turns(model, config, every, ids, mask, turns[:1])
-        made[every] = _anchors_made(model)
+        made[every] = _anchors_made(model, runs[every][0][0].past_key_values)
         runs[every] += _turns_from(model, runs[every][0][0], ids, mask, turns[1])
     prhs_hf.unpatch(model)
     assert runs[1][0][0].sequences.shape[1] <= ids.shape[1] + 3
@@ -175,7 +177,7 @@ def _turns_from(model, first, ids, mask, kw: dict) -> list[tuple]:
     with torch.no_grad():
         out = model.generate(input_ids=first.sequences, attention_mask=mask_now, past_key_values=first.past_key_values,
                              **GREEDY, **kw)
-    return [(out, None, _selector_state(model))]
+    return [(out, None, _selector_state(model, out.past_key_values))]
 
 
 @pytest.mark.gpu
@@ -183,7 +185,7 @@ def test_graphed_steps_that_turn_sparse_mid_way_equal_the_anchors_made_at_the_pr
     """CUDA graphs of the sparse step (``eager_step: graphs``): the anchors are made before the first
     sparse step's graph key is taken and its capture, and the tokens and logits equal, bit for bit,
     those of a generation whose prefill made them."""
-    from test_eager_step import GPU_SPARSE, _cuda_model
+    from test_eager_step import GPU_SPARSE, _cuda_model, graphs_after_each_forward
 
     model, ids, mask = _cuda_model()  # 2 sequences of 300 slots, 8 query and 4 KV heads
     config = {**GPU_SPARSE, "backend": {**GPU_SPARSE["backend"], "eager_step": "graphs"}}
@@ -195,10 +197,10 @@ def test_graphed_steps_that_turn_sparse_mid_way_equal_the_anchors_made_at_the_pr
             if when == "prefill":
                 handle.runtime.selector.decodes_sparse = lambda: True
             seen, hook = _track(model)
-            with torch.no_grad():
+            with torch.no_grad(), graphs_after_each_forward(model, handle.runtime) as captured:
                 runs[when] = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
             hook.remove()
-            assert all(layer.graphs.graph is not None for layer in handle.runtime.layers), when
+            assert captured[-1], when
             assert [s[0] for s in seen] == [False] * 3 + [True] * 5  # the prefill, contexts 301-302, then 303-307
             assert [s[1] for s in seen] == ([s[0] for s in seen] if when != "prefill" else [True] * 8)
     lazy, reference = runs["first sparse step"], runs["prefill"]

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 
@@ -339,6 +340,65 @@ def test_a_finished_generate_keeps_no_reference_to_its_cache(stop_check_every):
     assert again.shape == (2, ids.shape[1] + 4)
 
 
+def _state_tensors(runtime, cache) -> list:
+    """Weak references to the anchor and key-index tensors of CIS's state, wherever it is held: the
+    selector (the generation bound now) and ``cache``'s own record of its generation."""
+    import weakref
+
+    from prhs_hf.runtime import CALL_STATE_ATTRIBUTE
+    from prhs_hf.selectors.base import export_call_state
+
+    holders = export_call_state(runtime.selector) + cache.__dict__[CALL_STATE_ATTRIBUTE].fields
+    states = {id(st): st for fields in holders for st in fields.get("states", {}).values()}  # shared dicts: once
+    return [weakref.ref(t) for st in states.values()
+            for t in (st.anchor_q, st.anchor_idx, st.key_index_a, st.key_index_b) if t is not None]
+
+
+@pytest.mark.parametrize("eager_step", ["plain", "buffered"])
+def test_a_dropped_cache_frees_cis_anchors_and_key_index_once_generate_returns(eager_step):
+    """CIS's state of a generation (its anchors; the key index, a quarter of the KV cache in fp8) goes
+    back to the generation's cache when ``generate()`` returns, so a cache the caller drops frees it,
+    instead of the selector keeping it until the model's next forward. A continuation from a cache
+    that is kept gets its state back: its tokens equal one generate() of both turns' length."""
+    import gc
+
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=32)
+    ids, mask = padded_batch([40, 33], seed=5)
+    config = {**SPARSE, "cis": {**SPARSE["cis"], "index": "fp8", "rerank_margin": 4},
+              "backend": {**SPARSE["backend"], "eager_step": eager_step}}
+    kw = dict(attention_mask=mask, pad_token_id=0, do_sample=False, return_dict_in_generate=True)
+    with prhs_hf.patch(model, config) as handle, torch.no_grad():
+        out = model.generate(ids, max_new_tokens=6, **kw)
+        held = _state_tensors(handle.runtime, out.past_key_values)
+        assert len(held) == 4 and all(ref() is not None for ref in held)  # anchors and index were made
+        del out
+        gc.collect()
+        assert all(ref() is None for ref in held), "the selector kept a finished generation's state"
+        whole = model.generate(ids, max_new_tokens=9, **kw).sequences
+        first = model.generate(ids, max_new_tokens=6, **kw)
+        mask_now = torch.cat([mask, mask.new_ones(2, 6)], 1)
+        second = model.generate(first.sequences, max_new_tokens=3, past_key_values=first.past_key_values,
+                                **{**kw, "attention_mask": mask_now})
+    assert torch.equal(second.sequences, whole)
+
+
+def test_a_generate_that_ends_while_another_runs_leaves_the_state_bound():
+    """Threads: the state goes back to its cache only when no patched generate() is running, since a
+    compiled decode step of another thread's generation reads the selector's state without binding."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([40, 33], seed=5)
+    with prhs_hf.patch(model, SPARSE) as handle, torch.no_grad():
+        runtime = handle.runtime
+        runtime.generate_starts()  # another generate() in flight
+        try:
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, do_sample=False,
+                                 return_dict_in_generate=True)
+            assert runtime.bound is out.past_key_values.__dict__["_prhs_call_state"]
+        finally:
+            runtime.generate_ends()
+        assert runtime.bound is None
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
@@ -354,6 +414,20 @@ GPU_SPARSE = {"budget": {"sink": 4, "local": 16, "topk": 32}, "cis": {"block_siz
               "backend": {"prefill": "auto", "decode": "triton"}, "policy": {"decode": "sparse", "prefill": "sparse"}}
 
 
+@contextlib.contextmanager
+def graphs_after_each_forward(model, runtime):
+    """Yields a list that gets, after each forward of ``model``, whether every layer holds a captured
+    graph; on leaving, checks that none does any more (a finished ``generate()`` drops its graphs)."""
+    seen = []
+    hook = model.register_forward_hook(
+        lambda *_: seen.append(all(layer.graphs.graph is not None for layer in runtime.layers)))
+    try:
+        yield seen
+    finally:
+        hook.remove()
+    assert not any(layer.graphs.graph is not None for layer in runtime.layers), "generate() kept its graphs"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("selection", ["head", "group"])
 def test_graph_replay_equals_the_uncaptured_step_bit_for_bit(selection):
@@ -365,9 +439,9 @@ def test_graph_replay_equals_the_uncaptured_step_bit_for_bit(selection):
     _assert_same(buffered, graphs)
     assert not torch.isnan(torch.stack(graphs.logits)).any()
     with prhs_hf.patch(model, config, {"backend": {**config["backend"], "eager_step": "graphs"}}) as handle:
-        with torch.no_grad():
+        with torch.no_grad(), graphs_after_each_forward(model, handle.runtime) as captured:
             model.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0, do_sample=False)
-        assert all(layer.graphs.graph is not None for layer in handle.runtime.layers)  # captured and replayed
+        assert captured[-1]  # captured and replayed
 
 
 @pytest.mark.gpu
@@ -378,9 +452,9 @@ def test_the_default_eager_step_captures_graphs_on_cuda_and_equals_the_plain_cac
     _assert_same(_generate(model, GPU_SPARSE, "plain", ids, mask, do_sample=False),
                  _generate(model, GPU_SPARSE, "auto", ids, mask, do_sample=False))
     with prhs_hf.patch(model, GPU_SPARSE) as handle:
-        with torch.no_grad():
+        with torch.no_grad(), graphs_after_each_forward(model, handle.runtime) as captured:
             model.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0, do_sample=False)
-        assert all(layer.graphs.graph is not None for layer in handle.runtime.layers)
+        assert captured[-1]
     indexed = {**GPU_SPARSE, "cis": {**GPU_SPARSE["cis"], "index": "fp8"}}
     _assert_same(_generate(model, indexed, "plain", ids, mask, do_sample=False),
                  _generate(model, indexed, "auto", ids, mask, do_sample=False))

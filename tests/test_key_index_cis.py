@@ -57,13 +57,15 @@ def _generate(model, config, ids, mask, new: int = 10, **kw):
     return out
 
 
-def _selector(model) -> CISSelector:
-    return model._prhs_runtime.selector
+def _selector(model, cache) -> CISSelector:
+    """The selector holding the state of ``cache``'s generation (a finished generate() gave it back to
+    its cache)."""
+    return model._prhs_runtime.hold(cache)
 
 
 def _assert_index_current(model, cache) -> None:
     """The index of every layer equals one written afresh from the cache's keys (every slot)."""
-    selector = _selector(model)
+    selector = _selector(model, cache)
     for layer, cache_layer in enumerate(cache.layers):
         keys = cache_layer.keys
         device, local = selector._slot[layer]
@@ -91,10 +93,11 @@ def test_index_none_runs_no_index_op_and_keeps_no_index():
     prhs_hf.patch(model, _config("none", margin=3))
     model._prhs_runtime._ops[torch.device("cpu")] = _forbidding_ops()  # the table the runtime hands the layers
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
-    state = _selector(model).state
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10,
+                             return_dict_in_generate=True)
+    state = _selector(model, out.past_key_values).state
     assert state.key_index_a is None and state.index_nbytes() == 0
-    assert torch.equal(out, plain)
+    assert torch.equal(out.sequences, plain)
 
 
 def test_the_prompts_index_is_written_on_the_runtimes_ops_table():
@@ -132,7 +135,7 @@ def test_a_dynamic_cache_grows_the_index_and_keeps_it_current(kind):
     model = _model()
     ids, mask = padded_batch([40, 33])
     out = _generate(model, _config(kind, margin=8), ids, mask, new=30)  # 40 + 29 cache slots: grows twice
-    state = _selector(model).state
+    state = _selector(model, out.past_key_values).state
     assert state.index_slots == math.ceil(math.ceil(40 * INDEX_GROWTH) * INDEX_GROWTH) >= 40 + 29
     _assert_index_current(model, out.past_key_values)
 
@@ -144,7 +147,7 @@ def test_a_static_cache_never_grows_the_index():
     out = _generate(model, _config("fp8"), ids, mask, cache_implementation="static", disable_compile=True)
     assert torch.equal(out.sequences, exact.sequences)
     slots = out.past_key_values.layers[0].keys.shape[2]
-    assert _selector(model).state.index_slots == slots
+    assert _selector(model, out.past_key_values).state.index_slots == slots
     _assert_index_current(model, out.past_key_values)
 
 
@@ -242,13 +245,13 @@ def test_index_memory_is_index_bytes_per_slot_of_every_layer_sequence_and_kv_hea
     model = _model()
     ids, mask = padded_batch([70, 52])
     for kind in INDEX_KINDS:
-        _generate(model, _config(kind), ids, mask, new=2)
-        state = _selector(model).state
+        selector = _selector(model, _generate(model, _config(kind), ids, mask, new=2).past_key_values)
+        state = selector.state
         L, B, H = state.key_index_a.shape[:3]
         page = 16 if kind == "pages" else 1
         slots = math.ceil(state.index_slots / page) * page  # pages: whole pages
         per_slot = index_bytes_per_slot(kind, 32, torch.float32, page)
-        assert state.index_nbytes() == L * B * H * slots * per_slot == _selector(model).index_nbytes()
+        assert state.index_nbytes() == L * B * H * slots * per_slot == selector.index_nbytes()
 
 
 def test_int4_on_a_head_size_it_cannot_group_names_the_key():
@@ -330,4 +333,4 @@ def test_an_int4_index_on_cuda_gives_no_speed_warning():
             key = SimpleNamespace(shape=(1, 2, 64, 32), device=torch.device(device), dtype=torch.bfloat16)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
-                assert _selector(model)._index_spec(key).kind == "int4"
+                assert model._prhs_runtime.selector._index_spec(key).kind == "int4"

@@ -30,12 +30,12 @@ STATEFUL = {
 GREEDY = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
 
 
-def _selector_state(model) -> dict:
-    """What of the bound generation's selector state a later step reads, copied: CIS's step, anchor
+def _selector_state(model, cache) -> dict:
+    """What of ``cache``'s generation's selector state a later step reads, copied: CIS's step, anchor
     counts, valid anchors (none: whether or not the anchor buffers were made) and current key index
     entries; a ``LayerStates`` selector's dicts (its tensors, step counters, host ints); nothing of
     the others."""
-    selector = model._prhs_runtime.selector
+    selector = model._prhs_runtime.hold(cache)
     if hasattr(selector, "states"):
         out = {}
         for device, st in selector.states.items():
@@ -79,7 +79,7 @@ def _turns(model, config: dict, every: int, ids, mask, turns: list[dict], cache=
         out, forwards = _counted(model, input_ids=sequences, attention_mask=mask_now, past_key_values=cache,
                                  **GREEDY, **kw)
         assert CALL_STATE_ATTRIBUTE in out.past_key_values.__dict__
-        runs.append((out, forwards, _selector_state(model)))
+        runs.append((out, forwards, _selector_state(model, out.past_key_values)))
         sequences, cache = out.sequences, out.past_key_values
     return runs
 
