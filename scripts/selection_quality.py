@@ -52,6 +52,14 @@ one on the same queries beside it): the top-k overlap of the indexed retrieval w
 the middle region plus the re-ranked candidates' keys, against the exact retrieval's keys (bf16
 keys counted, whatever the run's dtype: ``retrieval_bytes_ratio``).
 
+Shared prefill (``--share-prefill``): the rows differ only in their decode steps, and at long
+prompts on a CPU one prefill costs more than a row's decode steps. With it the dense model
+prefills all but each prompt's last ``SHARED_PREFILL_TAIL`` tokens once, and every row, the dense
+pass too, starts from a copy of that cache and prefills only the tail: a multi-token forward over a
+cache, which the runtime takes as a prompt (CIS starts over and writes its key index for every slot
+of the cache). A row then differs from one that prefills the whole prompt patched only in the
+prefix's keys and values coming from the unpatched dense attention.
+
 Writes ``docs/results/<--name>.{json,md}`` (default ``selection_quality``) and PNG plots there. Example::
 
     python scripts/selection_quality.py --prompts 4 --max-new-tokens 64            # CPU, smollm2-135m
@@ -59,11 +67,14 @@ Writes ``docs/results/<--name>.{json,md}`` (default ``selection_quality``) and P
     python scripts/selection_quality.py --schedule early_select --name selection_quality_early_select --prompts 2
     python scripts/selection_quality.py --schedule cis_tail --name selection_quality_cis_tail --prompts 2
     python scripts/selection_quality.py --schedule key_index --name selection_quality_key_index --prompts 4
+    python scripts/selection_quality.py --model qwen2.5-coder-1.5b --text /usr/lib/python3.11 --length 4096 \
+        --schedule key_index --share-prefill --name selection_quality_key_index_qwen1.5b
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import json
 import math
@@ -89,6 +100,7 @@ from prhs_hf.telemetry_counters import Telemetry, routing_certificate
 
 ROOT = Path(__file__).resolve().parent.parent
 GSM8K_SHOTS = 4
+SHARED_PREFILL_TAIL = 16  # --share-prefill: the prompt tokens every row prefills itself, over the shared prefix
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,15 +174,29 @@ def build_prompts(tokenizer, n: int, datasets: list[str], max_new: int, data_dir
 
 
 @torch.no_grad()
-def teacher_forced(model, prompt: Prompt, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill_prefix(model, prompt: Prompt, device: str, tail: int = SHARED_PREFILL_TAIL):
+    """The cache of all but the prompt's last ``tail`` tokens, prefilled by ``model`` as it is (``--share-prefill``:
+    the unpatched model, once per prompt); None for a prompt of at most ``tail`` tokens (each row prefills it whole)."""
+    from transformers import DynamicCache
+
+    if prompt.prompt.shape[1] <= tail:
+        return None
+    cache = DynamicCache()
+    model(prompt.prompt[:, :-tail].to(device), past_key_values=cache, use_cache=True)
+    return cache
+
+
+@torch.no_grad()
+def teacher_forced(model, prompt: Prompt, device: str, prefix=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill the prompt, then one forward per continuation token: ``(hidden [T, H], logits [T, V])`` fp32.
 
-    Position ``i`` is the output of the decode step that consumed continuation token ``i``.
+    Position ``i`` is the output of the decode step that consumed continuation token ``i``. ``prefix``
+    (:func:`prefill_prefix`): a cache of the prompt's first tokens, of which a copy is extended with the rest.
     """
     from transformers import DynamicCache
 
-    cache = DynamicCache()
-    out = model(prompt.prompt.to(device), past_key_values=cache, use_cache=True)
+    cache = DynamicCache() if prefix is None else copy.deepcopy(prefix)
+    out = model(prompt.prompt[:, cache.get_seq_length():].to(device), past_key_values=cache, use_cache=True)
     hidden, logits = [], []
     for i in range(prompt.continuation.shape[1]):
         out = model(prompt.continuation[:, i : i + 1].to(device), past_key_values=out.past_key_values,
@@ -407,8 +433,10 @@ def match_hshare(target: float, layers: int, heads: int) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, device: str) -> dict[str, Any]:
-    """Patch, run every prompt teacher-forced, unpatch; the row of measurements."""
+def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, device: str,
+                prefixes: list | None = None) -> dict[str, Any]:
+    """Patch, run every prompt teacher-forced (from its ``prefixes`` cache, :func:`prefill_prefix`, if given), unpatch;
+    the row of measurements."""
     rt = prhs_hf.patch(model, variant.config).runtime
     rt.telemetry = RoutingTelemetry(rt.telemetry)
     probe = RetrievalProbe() if variant.probe else None
@@ -417,8 +445,8 @@ def run_variant(model, variant: Variant, prompts: list[Prompt], dense: list, dev
     h_err, l_err, top1 = [], [], []
     start = time.perf_counter()
     try:
-        for prompt, (h_dense, l_dense) in zip(prompts, dense):
-            h_sp, l_sp = teacher_forced(model, prompt, device)
+        for prompt, (h_dense, l_dense), prefix in zip(prompts, dense, prefixes or [None] * len(prompts)):
+            h_sp, l_sp = teacher_forced(model, prompt, device, prefix)
             rt.telemetry.finish_prompt()
             h_err.append(((h_sp - h_dense).norm(dim=-1) / h_dense.norm(dim=-1)).mean().item())
             l_err.append(((l_sp - l_dense).norm(dim=-1) / l_dense.norm(dim=-1)).mean().item())
@@ -520,7 +548,9 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         f"({', '.join(meta['datasets'])}), {meta['continuation']} continuation, ≤ {meta['max_new_tokens']} "
         f"teacher-forced decode steps each; budget sink/local/topk = "
         f"{meta['budget']['sink']}/{meta['budget']['local']}/{meta['budget']['topk']}; "
-        f"mean context {meta['mean_context']:.0f} tokens.  ",
+        f"mean context {meta['mean_context']:.0f} tokens"
+        + (f"; each prompt but its last {meta['shared_prefill_tail']} tokens prefilled once by the dense model, every "
+           f"row from a copy of that cache (--share-prefill)" if meta.get("shared_prefill_tail") else "") + ".  ",
         f"Date {meta['date']}; torch {meta['versions']['torch']}, transformers {meta['versions']['transformers']}, "
         f"prhs_hf {meta['versions']['prhs_hf']} (git {meta['versions']['git']}).",
         "",
@@ -919,6 +949,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "CIS-main, CIS + tail (s = 16 and s = 1) and the oracle; seeds: CIS-main, CIS + tail, "
                          "EarlySelectKV, Double Sparsity, CertKV and the oracle; key_index: CIS with each key "
                          "index kind at each --margins value, its retrieval compared with the exact one")
+    ap.add_argument("--share-prefill", action="store_true",
+                    help=f"prefill all but each prompt's last {SHARED_PREFILL_TAIL} tokens once with the dense model "
+                         "and start every row from a copy of that cache (long prompts: the rows then cost their "
+                         "decode steps, not a prefill each)")
     ap.add_argument("--name", default="selection_quality", help="file name (stem) of the report and its plots")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 24 steps, fewer CIS settings (a smoke run)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
@@ -968,7 +1002,8 @@ def main(argv=None) -> int:
     lengths = [p.prompt.shape[1] for p in prompts]
     print(f"{len(prompts)} prompts, {min(lengths)}-{max(lengths)} tokens, "
           f"{sum(p.continuation.shape[1] for p in prompts)} decode steps in all", file=sys.stderr)
-    dense = [teacher_forced(model, p, args.device) for p in prompts]
+    prefixes = [prefill_prefix(model, p, args.device) if args.share_prefill else None for p in prompts]
+    dense = [teacher_forced(model, p, args.device, prefix) for p, prefix in zip(prompts, prefixes)]
 
     rows: list[dict] = []
     meta = {
@@ -985,6 +1020,7 @@ def main(argv=None) -> int:
         "budget": budget,
         "schedule": args.schedule,
         "es_rank": args.es_rank,
+        "shared_prefill_tail": SHARED_PREFILL_TAIL if args.share_prefill else None,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "prhs_hf": prhs_hf.__version__, "python": platform.python_version(), "git": _git_commit()},
@@ -997,7 +1033,7 @@ def main(argv=None) -> int:
         write_markdown(out_dir / f"{args.name}.md", meta, rows)
 
     def run(variant: Variant) -> dict:
-        row = run_variant(model, variant, prompts, dense, args.device)
+        row = run_variant(model, variant, prompts, dense, args.device, prefixes)
         rows.append(row)
         save()  # after every row, so a long run that stops keeps what it measured
         rho = "n/a" if row["rho_hat"] is None else f"{row['rho_hat']:.3f}"

@@ -141,3 +141,51 @@ def test_key_index_schedule_compares_each_retrieval_with_the_exact_one(tmp_path)
     assert rows["CIS index fp8 m=0"]["retrieval_overlap"] < 1  # the index decides something at margin 0
     report = (tmp_path / "out" / "sq_key_index.md").read_text()
     assert "top-k overlap with exact" in report and "CIS index fp8 m=0: overlap" in report
+
+
+def test_share_prefill_prefills_each_prompt_once_and_measures_the_same(tmp_path, monkeypatch) -> None:
+    """``--share-prefill``: the dense model prefills all but each prompt's last tokens once, and every
+    row (the dense pass too) starts from a copy of that cache, prefilling only the prompt's tail; CIS
+    starts over at that prefill and its key index covers the whole prompt (a covering margin gives
+    the exact retrieval), and the rows are those of the run that prefills every prompt in each row."""
+    selection_quality = _load_script()
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    text = tmp_path / "calib.txt"
+    text.write_text("The keeper logs the wind, the sea and the boats every evening at the lighthouse. " * 60)
+    loaded = selection_quality.fetch.load_model
+    forwards: list[int] = []  # the query tokens of every forward
+
+    def counted(*args, **kwargs):
+        model, tokenizer = loaded(*args, **kwargs)
+        model.model.embed_tokens.register_forward_hook(lambda mod, inputs, out: forwards.append(inputs[0].shape[1]))
+        return model, tokenizer
+
+    monkeypatch.setattr(selection_quality.fetch, "load_model", counted)
+    reports = {}
+    for share in (False, True):
+        forwards.clear()
+        name = f"sq_share_{share}"
+        assert selection_quality.main(["--model", str(checkpoint), "--text", str(text), "--length", "96", "--prompts",
+                                       "2", "--max-new-tokens", "8", "--sink", "4", "--local", "8", "--topk", "16",
+                                       "--schedule", "key_index", "--margins", "0,4096", "--page-size", "4",
+                                       "--name", name, "--out-dir", str(tmp_path / "out"),
+                                       *(["--share-prefill"] if share else [])]) == 0
+        reports[share] = json.loads((tmp_path / "out" / f"{name}.json").read_text())
+        rows = len(reports[share]["rows"])
+        prefills = [n for n in forwards if n > 1]
+        tail = selection_quality.SHARED_PREFILL_TAIL
+        # each prompt's prefix once, then its tail in the dense pass and in every row; unshared: the whole prompt
+        whole = [96] * 2 * (rows + 1)
+        assert sorted(prefills) == (sorted([96 - tail] * 2 + [tail] * 2 * (rows + 1)) if share else whole)
+    assert reports[True]["meta"]["shared_prefill_tail"] == selection_quality.SHARED_PREFILL_TAIL
+    assert reports[False]["meta"]["shared_prefill_tail"] is None
+    shared = {r["variant"]: r for r in reports[True]["rows"]}
+    for row in reports[False]["rows"]:
+        for key in ("rho_hat", "beta_emp", "overlap", "retrieval_overlap", "retrieval_bytes_ratio", "hidden_rel_err"):
+            if row[key] is None:
+                assert shared[row["variant"]][key] is None
+            else:
+                assert abs(shared[row["variant"]][key] - row[key]) <= 1e-4, (row["variant"], key)
+    assert shared["CIS index fp8 m=4096"]["retrieval_overlap"] == 1
+    assert "prefilled once by the dense model" in (tmp_path / "out" / "sq_share_True.md").read_text()
+    assert "prefilled once" not in (tmp_path / "out" / "sq_share_False.md").read_text()
