@@ -241,16 +241,19 @@ def test_long_context_baselines_are_the_baselines_at_cis_lb_budget() -> None:
 
 
 def test_key_index_configs_are_cis_s16_with_only_the_index_changed() -> None:
-    """``cis-fp8`` / ``cis-int4`` / ``cis-pages`` (issue 38's candidates, for ``prhs-hf bench`` and the
-    accuracy runs): ``cis-s16`` with ``cis.index`` set and the shipped margin; nothing else differs."""
+    """``cis-fp8`` / ``cis-fp8-m512`` / ``cis-int4`` / ``cis-pages`` (issue 38's candidates, for ``prhs-hf
+    bench`` and the accuracy runs): ``cis-s16`` with ``cis.index`` set and the shipped margin (``-m512``:
+    512); nothing else differs."""
     from prhs_hf.evaluation.speed_map import prhs_config
 
     ac = accuracy_configs
     base = ac.load_any_config("cis-s16")
     assert base.cis.index == "none"
-    for name, index in (("cis-fp8", "fp8"), ("cis-int4", "int4"), ("cis-pages", "pages")):
+    for name, index, margin in (("cis-fp8", "fp8", 128), ("cis-fp8-m512", "fp8", 512), ("cis-int4", "int4", 128),
+                                ("cis-pages", "pages", 128)):
         cfg = ac.load_any_config(name)
-        assert cfg.cis.index == index and cfg.cis.rerank_margin == base.cis.rerank_margin == 128
+        assert cfg.cis.index == index and cfg.cis.rerank_margin == margin and base.cis.rerank_margin == 128
+        assert dataclasses.replace(cfg.cis, index="none", rerank_margin=128) == base.cis
         assert dataclasses.replace(cfg, cis=base.cis) == base and name not in ac.DEFAULT_CONFIGS
         assert ac.load_any_config(f"{name}-lb").cis.index == index
         assert ac.load_any_config(*prhs_config(f"{name}/sparse")).policy.decode == "sparse"

@@ -31,7 +31,8 @@ head, layer) sharing ratios: ``hshare-1`` (1/2, 1/4, 1/4: ρ̂ = 1/2 · 3/4 · 3
 ``layer_share_ratio``. EarlySelectKV (``early_select``) appears on Quest and on CIS (s = 16, τ = 0.8):
 ``es-quest`` and ``es-cis`` (the mid tap, layer ℓ+1's exact ``W_q``), ``es-cis-early`` (the early tap)
 and ``es-quest-r256`` / ``es-cis-r256`` (the mid tap through a rank-256 SVD of ``W_q``). ``hshare-1-lb``,
-``cis-fp8``, ``cis-int4`` and ``cis-pages`` are ``cis-s16`` retrieving through a key index (``cis.index``).
+``cis-fp8``, ``cis-fp8-m512``, ``cis-int4`` and ``cis-pages`` are ``cis-s16`` retrieving through a key index
+(``cis.index``; ``-m512``: ``cis.rerank_margin`` 512).
 ``quest-lb`` … ``es-cis-lb``, ``cis-tail-lb``, ``cis-group-lb``, ``cis-union-lb``, ``cis-fp8-lb`` …
 (:data:`LONG_CONTEXT_BASELINES`) are those
 baselines, seed selectors and CIS variants at ``cis-lb``'s long-context budget, for the RULER table; ``ds-cal-lb`` is Double Sparsity
@@ -113,13 +114,14 @@ DEFAULT_CONFIGS = tuple(ACCURACY_CONFIGS)
 #: group_union): a speed variant with per-head attention's output, so its accuracy is ``cis-s16``'s and it
 #: is not one of the :data:`DEFAULT_CONFIGS`
 ACCURACY_CONFIGS["cis-union"] = NamedConfig("cis-union", "cis", {"backend": {"sparse_attention": "group_union"}})
-#: ``cis-s16`` retrieving through a key index (``cis.index``: ``docs/notes/key_index.md``) with the shipped
-#: re-rank margin: the candidates of issue 38 for the speed map and the accuracy runs (``prhs-hf bench
-#: --configs cis,cis-fp8``). Not :data:`DEFAULT_CONFIGS`: the index is off by default.
-KEY_INDEX_CONFIGS = ("cis-fp8", "cis-int4", "cis-pages")
+#: ``cis-s16`` retrieving through a key index (``cis.index``: ``docs/notes/key_index.md``), with the shipped
+#: re-rank margin or (``-m512``) the one at which fp8 returns >= 0.99 of the exact top-k on
+#: Qwen2.5-Coder-1.5B at 4k-8k tokens: the candidates of issue 38 for the speed map and the accuracy runs
+#: (``prhs-hf bench --configs cis,cis-fp8``). Not :data:`DEFAULT_CONFIGS`: the index is off by default.
+KEY_INDEX_CONFIGS = {"cis-fp8": {"index": "fp8"}, "cis-fp8-m512": {"index": "fp8", "rerank_margin": 512},
+                     "cis-int4": {"index": "int4"}, "cis-pages": {"index": "pages"}}
 ACCURACY_CONFIGS.update(
-    (name, NamedConfig(name, "cis", {"cis": {"block_size": 16, "index": name.split("-")[1]}}))
-    for name in KEY_INDEX_CONFIGS)
+    (name, NamedConfig(name, "cis", {"cis": {"block_size": 16, **index}})) for name, index in KEY_INDEX_CONFIGS.items())
 
 #: The baselines, the seed selectors and the CIS variants at the long-context budget of ``cis-lb`` (64 sink +
 #: 256 local + 4096 top-k), for the RULER table and the speed map: ``<name>-lb`` is ``<name>`` on
