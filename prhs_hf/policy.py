@@ -22,7 +22,8 @@ The model, per layer and decode step, with ``itemsize`` bytes per element:
   the candidate pages), plus the selection's own work
   ``overhead_us + per_key_ns · B · rows · n`` (its launches, on the host in eager mode, and the
   matching, top-k and composition of every row's set), plus ``topk_latency_ns · k`` for a top-k of
-  ``k`` keys: the select's candidate collection and the dilated set's sort, whose programs work
+  ``k`` keys (with a key index, ``k`` is its first stage's ``top-k + margin`` candidates; pages: its
+  candidate pages): the select's candidate collection and the dilated set's sort, whose programs work
   through a row's k entries one after another, so that their time grows with k and not with the
   rows (on the H100 at B1 × 128k, 32/8 heads: select + dilated set 40 µs at k = 88 against 199 µs
   at k = 4,096, docs/results/bench_decode_attention_lb.md);
@@ -63,7 +64,7 @@ class DecodeShape:
     # pages: the tokens of the candidate pages, key_index.candidate_count)
     scored_key_bytes: float | None = None
     reranked: int = 0
-    topk: int = 0  # the top-k of a retrieval (the budget's k; 0: not priced, as before this field)
+    topk: int = 0  # entries a retrieval's select keeps (the budget's k; with a key index k + margin; 0: not priced)
     # backend.sparse_attention: group_union: the query heads per KV head whose per-head sets are read
     # once as their union (0: each row reads its own set)
     union_group: int = 0

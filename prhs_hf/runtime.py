@@ -235,9 +235,8 @@ class PrHSRuntime:
                 batch=hidden_states.shape[0], context=cached + q_len, kv_heads=self.num_kv_heads,
                 rows=self.num_kv_heads if grouped else self.num_heads, head_dim=self.head_dim,
                 itemsize=hidden_states.element_size(), index_set=self.resolved.index_capacity,
-                topk=self.resolved.config.budget.topk,
                 union_group=self._union_group(grouped),
-                **self._key_index_cost(hidden_states.dtype),
+                **{"topk": self.resolved.config.budget.topk, **self._key_index_cost(hidden_states.dtype)},
             )
             # a compiled step, or an eager one whose sparse layers replay CUDA graphs: few host launches
             compiled = (not self._decoding and isinstance(cache, StaticCache)) or (
@@ -259,10 +258,11 @@ class PrHSRuntime:
         return self.num_heads // self.num_kv_heads if union and not grouped else 0
 
     def _key_index_cost(self, dtype: torch.dtype) -> dict:
-        """The retrieval's reads with a key index (``cis.index``), as :class:`DecodeShape` fields: the
-        index's bytes per key and the candidate tokens a retrieving row re-reads exactly (``top-k +
-        margin``; pages: the tokens of the candidate pages). A few host operations, once per eager
-        forward that the policy decides (not per layer), so it is not kept."""
+        """The retrieval's work with a key index (``cis.index``), as :class:`DecodeShape` fields: the
+        index's bytes per key, the candidate tokens a retrieving row re-reads exactly (``top-k +
+        margin``; pages: the tokens of the candidate pages) and the size of its select, the stage-1
+        top-(k + margin) (pages: of the candidate pages) in place of the top-k. A few host operations,
+        once per eager forward that the policy decides (not per layer), so it is not kept."""
         c = self.resolved.config
         if self.selector is None or c.cis.index == "none":
             return {}
@@ -271,8 +271,8 @@ class PrHSRuntime:
             per_slot = index_bytes_per_slot(c.cis.index, self.head_dim, dtype, page)
         except ValueError:  # an index the head size cannot take: the selector's prefill says so (cis.index)
             return {}
-        reranked = candidate_count(c.budget.topk, c.cis.rerank_margin, page) * page
-        return {"scored_key_bytes": per_slot, "reranked": reranked}
+        candidates = candidate_count(c.budget.topk, c.cis.rerank_margin, page)
+        return {"scored_key_bytes": per_slot, "reranked": candidates * page, "topk": candidates}
 
     def last_query_slot(self) -> int | None:
         """The cache slot of the current eager forward's last query row, known on the host without a

@@ -40,19 +40,40 @@ def test_a_key_index_lowers_the_retrieval_cost_so_sparse_wins_no_later():
         assert H200.decode_times_us(_shape(1, L, **fp8), True)[1] < H200.decode_times_us(_shape(1, L), True)[1]
 
 
+@pytest.mark.parametrize(("index", "select"), [("none", 16), ("fp8", 16 + 8)])
+def test_the_policy_prices_the_select_a_key_index_runs(index, select, tmp_path, monkeypatch):
+    """With a key index the retrieval's select keeps top-k + margin candidates, and the cost model's top-k
+    term is priced on that count (a larger margin moves the select past the one-launch tilemax)."""
+    fields = {f: 0.0 for f in CostModel.__dataclass_fields__}
+    fields.update(bandwidth_gbs=1.0, margin=1.0, min_sparse_prefill=1 << 30)
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(fields))
+    seen = []
+    decide = CostModel.sparse_decode_wins
+    monkeypatch.setattr(CostModel, "sparse_decode_wins", lambda self, shape, compiled: (
+        seen.append(shape.topk), decide(self, shape, compiled))[1])
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=32)
+    ids, mask = padded_batch([60, 48])
+    config = {**SPARSE, "cis": {**SPARSE["cis"], "index": index, "rerank_margin": 8},
+              "policy": {"decode": "auto", "cost_model": str(path)}}
+    with prhs_hf.patch(model, config), torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert seen and set(seen) == {select}
+
+
 def test_the_runtime_prices_the_configs_key_index():
     model = tiny_model("llama")
     handle = prhs_hf.patch(model, {**SPARSE, "cis": {**SPARSE["cis"], "index": "fp8", "rerank_margin": 8}})
     runtime = handle.runtime
     cost = runtime._key_index_cost(torch.bfloat16)
-    assert cost == {"scored_key_bytes": runtime.head_dim + 4, "reranked": 16 + 8}
+    assert cost == {"scored_key_bytes": runtime.head_dim + 4, "reranked": 16 + 8, "topk": 16 + 8}  # select: k + m
     prhs_hf.unpatch(model)
     # pages: the re-rank reads every token of its candidate pages, room for the region's cut end pages included
     handle = prhs_hf.patch(model, {**SPARSE, "cis": {**SPARSE["cis"], "index": "pages", "index_page": 4,
                                                      "rerank_margin": 8}})
     cost = handle.runtime._key_index_cost(torch.bfloat16)
     pages = 8  # ceil((16 + 8 + 2 * 3) / 4)
-    assert cost == {"scored_key_bytes": 2 * runtime.head_dim * 2 / 4, "reranked": pages * 4}
+    assert cost == {"scored_key_bytes": 2 * runtime.head_dim * 2 / 4, "reranked": pages * 4, "topk": pages}
     prhs_hf.unpatch(model)
     handle = prhs_hf.patch(model, SPARSE)
     assert handle.runtime._key_index_cost(torch.bfloat16) == {}
