@@ -117,6 +117,8 @@ CONFIGS: dict[str, PatchConfig | None] = {
     "cis": PatchConfig(ROOT / "configs" / "cis.yaml", {}),
     # the same with group-shared selection (one set per KV head): its real rho-hat and speed
     "cis-group": PatchConfig(ROOT / "configs" / "cis.yaml", {"cis": {"selection": "group"}}),
+    # the same retrieving through the fp8 key index (cis.index; issue 38), for its per-stage profile
+    "cis-fp8": PatchConfig(ROOT / "configs" / "cis.yaml", {"cis": {"index": "fp8"}}),
     # tau 0.7 + keep_anchor_local + dilation +-2: about half cis's retrievals (GSM8K 8-shot rho-hat 9.7 %)
     "cis-low-rho": PatchConfig(ROOT / "configs" / "cis_low_rho.yaml", {}),
     "cpe-calibrated": PatchConfig(ROOT / "configs" / "cpe_qwen2.5-coder-1.5b.yaml", {}),
@@ -366,7 +368,8 @@ KERNEL_FAMILIES = (
     ("cis match", ("_cis_match_kernel",)),
     ("retrieval", ("_compact_kernel", "_group_score_kernel", "_tilemax_select_kernel", "_radix_pass_kernel",
                    "_radix_collect_kernel", "_block_sort_kernel", "_merge_rank_kernel", "_merge_count_kernel",
-                   "_rank_scatter_kernel")),
+                   "_rank_scatter_kernel", "_rerank_kernel")),
+    ("key index write", ("_index_write_kernel",)),
     ("composition", ("_dilate_compose_kernel", "_dilated_set_kernel", "_dilated_mark_kernel", "_dilated_collect_kernel",
                      "_dilated_count_kernel", "_dilated_write_kernel", "_compose_sets_kernel", "_compose_kernel")),
     ("sparse attention", ("_sparse_attn_kernel", "_combine_kernel", "_union_mark_kernel", "_union_count_kernel",

@@ -370,6 +370,8 @@ def test_bench_e2e_decode_profile_names_a_family_for_every_decode_kernel():
         assert kernels, file
         for name in kernels:
             assert bench._family(f"{name}_0d1d2d") == family, (file, name)
+    assert bench._family("_rerank_kernel_0d1d") == "retrieval"  # the key index's second stage (cis.index)
+    assert bench._family("_index_write_kernel_0d1d") == "key index write"
     assert bench._family("triton_poi_fused_add_0") == "inductor (fused glue)"
     assert bench._family("nvjet_tst_128x64") == "linear (proj, MLP, head)"
 
@@ -542,6 +544,7 @@ def test_bench_e2e_decode_configs_name_their_base_file():
         "cpe-calibrated": prhs_hf_load(REPO / "configs" / "cpe_qwen2.5-coder-1.5b.yaml", on),
         "cis-group": prhs_hf_load(REPO / "configs" / "cis.yaml", {"cis": {"selection": "group"}, **on}),
         "cis-low-rho": prhs_hf_load(REPO / "configs" / "cis_low_rho.yaml", on),
+        "cis-fp8": prhs_hf_load(REPO / "configs" / "cis.yaml", {"cis": {"index": "fp8"}, **on}),
         "cis-s16-share": prhs_hf_load(REPO / "configs" / "cpe.yaml", {"cis": {"block_size": 16, "tau": -1.0},
                                                                       "psaw": {"enabled": False},
                                                                       "etf": {"enabled": False}, **on}),
