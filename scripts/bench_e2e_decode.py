@@ -184,9 +184,11 @@ class ProfileWindow(transformers.LogitsProcessor):
         return scores
 
 
-def build_model(shape: str, device: torch.device, dtype: torch.dtype):
-    config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=32768, eos_token_id=None,
-                                      bos_token_id=None, pad_token_id=0)
+def build_model(shape: str, device: torch.device, dtype: torch.dtype, max_positions: int = 32768):
+    """The random-weight llama of ``shape``, with room for ``max_positions`` tokens (at least 32,768): a
+    case's prompt plus its new tokens (the rotary tables and StaticCache are sized from it)."""
+    config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=max(32768, max_positions),
+                                      eos_token_id=None, bos_token_id=None, pad_token_id=0)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
@@ -722,7 +724,8 @@ def main(argv=None) -> int:
             model = None
             torch.cuda.empty_cache() if device.type == "cuda" else None
             if model_dir is None:
-                model, model_key = build_model(shape, device, dtype), shape
+                longest = max(length for s, _, length in cases if s == shape) + args.new_tokens
+                model, model_key = build_model(shape, device, dtype, longest), shape
             else:
                 model, tokenizer = load_checkpoint(model_dir, device, dtype)
                 model_key, prompts = shape, TextPrompts(Path(args.prompts).expanduser(), tokenizer, texts)

@@ -341,6 +341,15 @@ def test_bench_e2e_decode_repeats_report_the_median_run_and_every_run(tmp_path):
     assert f"({min(runs):.2f}–{max(runs):.2f}, 3 runs)" in (tmp_path / "bench_e2e_decode.md").read_text()
 
 
+def test_bench_e2e_decode_model_has_room_for_its_longest_case():
+    """The random-weight model was made with 32,768 positions whatever the cases, so a 128k case needed a
+    hand edit (issue 37); it is made for the longest prompt plus its new tokens."""
+    bench = load_script("bench_e2e_decode")
+    assert bench.build_model("tiny", torch.device("cpu"), torch.float32).config.max_position_embeddings == 32768
+    model = bench.build_model("tiny", torch.device("cpu"), torch.float32, 131072 + 48)
+    assert model.config.max_position_embeddings == 131072 + 48
+
+
 def test_bench_e2e_decode_repeats_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         load_script("bench_e2e_decode").main(["--quick", "--repeats", "0"])
