@@ -247,6 +247,7 @@ def test_a_cell_run_twice_shows_the_range_of_its_repeats() -> None:
     assert sm.heat_cell([row(1.2)]) == (pytest.approx(math.log2(1.2)), "1.20")
     assert sm.heat_cell([row(1.201), row(1.199)])[1] == "1.20"
     assert sm.heat_cell([row(None, "oom")]) == (None, sm.SHORT["oom"])
+    assert sm.heat_cell([row(None, "started: warm-up")]) == (None, "cut")  # a killed run's last row, not "?"
 
 
 def test_repeats_time_a_row_several_times_and_keep_the_median(tmp_path, capsys) -> None:

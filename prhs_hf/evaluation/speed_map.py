@@ -484,6 +484,8 @@ def heat_cell(repeats: list[dict[str, Any]]) -> tuple[Optional[float], str]:
     speeds = sorted(r["speedup_vs_fastest_dense"] for r in repeats if r.get("speedup_vs_fastest_dense"))
     if not speeds:
         status = repeats[-1]["status"]
+        if status.startswith("started"):  # the run was killed in this row's warm-up or timing
+            return None, "cut"
         return None, SHORT.get(status, "n/a" if status == "ok" else "?")
     low, high = f"{speeds[0]:.2f}", f"{speeds[-1]:.2f}"
     return math.log2(statistics.median(speeds)), low if low == high else f"{low}–{high}"
