@@ -325,6 +325,7 @@ def test_phase_peaks_split_each_run_at_its_first_token() -> None:
     run's prefill."""
     gib = 2**30
     fake = _FakeAllocator()
+    fake.alloc(30 * gib), fake.free(30 * gib)  # the warm-up's peak, before the timed runs
     peaks = sm.PhasePeaks(fake, "cuda:0")
     fake.alloc(2 * gib)  # the weights and the cache
     for prefill, decode in ((10, 4), (8, 6)):

@@ -183,6 +183,8 @@ class PhasePeaks:
     def __init__(self, cuda: Any, device: Any):
         self.cuda, self.device, self.phase = cuda, device, "prefill"
         self.peak, self.reserved = {"prefill": 0, "decode": 0}, 0
+        if cuda is not None:  # the counters start here: the warm-up's peak is not the timed runs'
+            cuda.reset_peak_memory_stats(device)
 
     def _next(self, phase: str) -> None:
         """Fold the counters into the phase that ends, and start them again for ``phase``."""
