@@ -67,7 +67,8 @@ TEXT_FIELDS = ("story", "text", "context", "input")
 #: statuses ``--resume`` keeps (the others, ``error``, ``not run: deadline`` and the ``started: <phase>`` of a
 #: killed run, run again)
 KEPT = ("ok", "memory", "positions", "oom")
-SHORT = {"memory": "mem", "oom": "oom", "positions": "pos", "error": "err", "not run: deadline": "–"}
+SHORT = {"memory": "mem", "oom": "oom", "positions": "pos", "error": "err", "not run: deadline": "–",
+         "started: warm-up": "cut", "started: timing": "cut"}  # started: the last row of a run killed in it
 EXAMPLES = """examples:
   prhs-hf bench --quick --out /tmp/sm/speed_map.json            # tiny random llama, any device, seconds
   prhs-hf bench --modes eager --deadline-s 480                  # llama3-8b shape, random weights
@@ -486,8 +487,6 @@ def heat_cell(repeats: list[dict[str, Any]]) -> tuple[Optional[float], str]:
     speeds = sorted(r["speedup_vs_fastest_dense"] for r in repeats if r.get("speedup_vs_fastest_dense"))
     if not speeds:
         status = repeats[-1]["status"]
-        if status.startswith("started"):  # the run was killed in this row's warm-up or timing
-            return None, "cut"
         return None, SHORT.get(status, "n/a" if status == "ok" else "?")
     low, high = f"{speeds[0]:.2f}", f"{speeds[-1]:.2f}"
     return math.log2(statistics.median(speeds)), low if low == high else f"{low}–{high}"
