@@ -191,8 +191,8 @@ class PrHSRuntime:
         compiled step continues the generation that the eager forward before it bound)."""
         if self.selector is None:
             return
-        call = None if cache is None else cache.__dict__.get(CALL_STATE_ATTRIBUTE)
-        if call is None or call.runtime is not self:
+        call = self.call_state_of(cache)
+        if call is None:
             call = CallState(self, copy.deepcopy(self._fresh_state))
             if cache is not None:
                 setattr(cache, CALL_STATE_ATTRIBUTE, call)
@@ -330,13 +330,18 @@ class PrHSRuntime:
                 self._unbind()
                 self._drop_graphs()
 
+    def call_state_of(self, cache) -> CallState | None:
+        """The :class:`CallState` this patch keeps on ``cache`` (None: no cache, or none of this patch's)."""
+        call = None if cache is None else cache.__dict__.get(CALL_STATE_ATTRIBUTE)
+        return call if call is not None and call.runtime is self else None
+
     def hold(self, cache) -> Any:
         """Make the state of ``cache``'s generation the selector's, as the next forward over ``cache``
         would, and return the selector: how to look at a finished generation's CIS anchors or key index
         (``runtime.hold(out.past_key_values).states``), which :meth:`generate_ends` has given back to
         its cache. Raises ``ValueError`` for a cache this patch has not prefilled."""
-        call = None if cache is None else cache.__dict__.get(CALL_STATE_ATTRIBUTE)
-        if call is None or call.runtime is not self:
+        call = self.call_state_of(cache)
+        if call is None:
             raise ValueError("PrHS: this cache holds no state of this patch: pass the past_key_values of a "
                              "generate() (return_dict_in_generate=True) or forward the patched model ran")
         with self.forward_lock:
@@ -451,8 +456,8 @@ class SelectorRollback:
     def of(cls, runtime: PrHSRuntime, cache, prompt_slots: int) -> "SelectorRollback | None":
         """The rollback of ``cache``'s generation, whose prompt (the first forward of the loop) left
         ``prompt_slots`` cache slots; None where there is no selector state to undo."""
-        call = None if cache is None else cache.__dict__.get(CALL_STATE_ATTRIBUTE)
-        if runtime.selector is None or call is None or call.runtime is not runtime:
+        call = runtime.call_state_of(cache)
+        if runtime.selector is None or call is None:
             return None
         if not undoes_steps(runtime.selector):
             raise RuntimeError(f"{type(runtime.selector).__name__} cannot undo decode steps: the loop must check "

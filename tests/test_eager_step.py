@@ -345,10 +345,9 @@ def _state_tensors(runtime, cache) -> list:
     selector (the generation bound now) and ``cache``'s own record of its generation."""
     import weakref
 
-    from prhs_hf.runtime import CALL_STATE_ATTRIBUTE
     from prhs_hf.selectors.base import export_call_state
 
-    holders = export_call_state(runtime.selector) + cache.__dict__[CALL_STATE_ATTRIBUTE].fields
+    holders = export_call_state(runtime.selector) + runtime.call_state_of(cache).fields
     states = {id(st): st for fields in holders for st in fields.get("states", {}).values()}  # shared dicts: once
     return [weakref.ref(t) for st in states.values()
             for t in (st.anchor_q, st.anchor_idx, st.key_index_a, st.key_index_b) if t is not None]
@@ -393,7 +392,7 @@ def test_a_generate_that_ends_while_another_runs_leaves_the_state_bound():
         try:
             out = model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, do_sample=False,
                                  return_dict_in_generate=True)
-            assert runtime.bound is out.past_key_values.__dict__["_prhs_call_state"]
+            assert runtime.bound is runtime.call_state_of(out.past_key_values) is not None
         finally:
             runtime.generate_ends()
         assert runtime.bound is None
