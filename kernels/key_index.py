@@ -23,6 +23,15 @@ Index kinds (:data:`INDEX_KINDS`), all over cache *slots* (slot = pad + real ind
   far, left-pad slots included: the bound is an upper bound of every written key of the page,
   the real ones among them.
 
+Centred codes (``KeyIndex.center``, fp8 and int4): the codes then hold ``key - center`` with
+``center [B, Hkv, D]`` fp32 one vector per (sequence, KV head), the mean of the prompt's keys
+(:func:`key_index_center`, set by the caller before the first write). Many models' keys share a
+large component (a ``k_proj`` bias, slow RoPE channels); quantising what is left of each key
+keeps the rounding error small against the differences between keys' scores. Stage 1 omits
+``q . center``, the same for every key of a row, so a centred index ranks per-head rows as
+``q . (code * s + center)`` would; a grouped row's maximum over its heads would not be, so
+grouped rows take an index without a centre.
+
 Stage 1 scores: fp8 ``scale * (q . code) * s_slot``; int4 ``scale * q . (code * s_group)``; pages
 the Quest bound ``scale * sum_d max(q_d * max_d, q_d * min_d)``, computed as
 ``scale * (q+ . max + q- . min)`` (``q+ = max(q, 0)``, ``q- = min(q, 0)``: the same value, two
@@ -60,6 +69,7 @@ __all__ = [
     "update_key_index_reference",
     "topk_retrieval_indexed_reference",
     "dequantize_key_index",
+    "key_index_center",
     "write_key_index",
     "update_key_index",
     "topk_retrieval_indexed",
@@ -88,6 +98,7 @@ class KeyIndex(NamedTuple):
     a: torch.Tensor  # fp8: [B, Hkv, S, D] uint8; int4: [B, Hkv, S, D // 2] uint8; pages: [B, Hkv, P, D] page max
     b: torch.Tensor  # fp8: [B, Hkv, S] fp32; int4: [B, Hkv, S, D // INT4_GROUP] fp32; pages: [B, Hkv, P, D] page min
     page: int  # tokens per page (pages); 1 otherwise
+    center: torch.Tensor | None = None  # fp8 / int4: [B, Hkv, D] fp32 subtracted before quantising (None: 0)
 
 
 def _check_kind(kind: str, head_dim: int, page: int) -> None:
@@ -104,10 +115,21 @@ def _check_index(index: KeyIndex, head_dim: int) -> None:
     _check_kind(index.kind, head_dim, index.page)
     if index.kind != "pages" and index.page != 1:
         raise ValueError(f"{index.kind} key index: page={index.page}; expected 1 (pages are the 'pages' kind's)")
+    if index.center is not None and (index.kind == "pages" or index.center.shape != (*index.a.shape[:2], head_dim)
+                                     or index.center.dtype != torch.float32):
+        raise ValueError(f"{index.kind} key index: center of shape {tuple(index.center.shape)} "
+                         f"({index.center.dtype}); expected [B, Hkv, {head_dim}] float32, fp8 and int4 only")
     width = head_dim // 2 if index.kind == "int4" else head_dim
     if index.a.dim() != 4 or index.a.shape[-1] != width:
         raise ValueError(f"{index.kind} key index: a of shape {tuple(index.a.shape)}; expected [B, Hkv, slots, {width}]"
                          f" for head_dim {head_dim} (allocate_key_index makes one)")
+
+
+def _check_rows(index: KeyIndex, grouped: bool) -> None:
+    """Raise for a centred index asked to rank grouped rows (its stage 1 omits each head's ``q . center``)."""
+    if grouped and index.center is not None:
+        raise ValueError("topk_retrieval_indexed: a centred key index (KeyIndex.center) ranks per-head rows only "
+                         "(grouped=False); grouped rows take an index without a centre")
 
 
 def index_bytes_per_slot(kind: str, head_dim: int, dtype: torch.dtype, page: int) -> float:
@@ -147,9 +169,22 @@ def _true_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
     return x / torch.full_like(x, divisor)
 
 
-def _quantize(kind: str, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, b)`` entries of ``keys [..., D]`` for ``fp8`` / ``int4`` (module docstring)."""
-    kf = keys.float()
+def key_index_center(k_cache: torch.Tensor, pad: torch.Tensor, end: int) -> torch.Tensor:
+    """The centre of a centred index (module docstring): the mean of each (sequence, KV head)'s keys
+    in its real slots ``[pad[b], end)`` of ``k_cache [B, Hkv, S, D]``, ``[B, Hkv, D]`` fp32 (0 for a
+    sequence with none). Any centre gives a correct index; this one makes it most precise."""
+    B, H, S, D = k_cache.shape
+    end = min(int(end), S)
+    slot = torch.arange(end, device=k_cache.device)
+    real = (slot[None, :] >= pad.long().view(B, 1)).to(torch.float32)  # [B, end]
+    total = torch.einsum("bs,bhsd->bhd", real, k_cache[:, :, :end].float())
+    return total / real.sum(dim=1).clamp_min(1.0).view(B, 1, 1)
+
+
+def _quantize(kind: str, keys: torch.Tensor, center: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)`` entries of ``keys [..., D]`` for ``fp8`` / ``int4`` (module docstring), of
+    ``keys - center`` where a centre (broadcasting to ``keys``) is given."""
+    kf = keys.float() if center is None else keys.float() - center
     if kind == "fp8":
         amax = kf.abs().amax(dim=-1)
         s = torch.where(amax > 0, _true_div(amax, FP8_MAX), torch.ones_like(amax))
@@ -172,7 +207,14 @@ def _int4_codes(a: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_key_index(index: KeyIndex) -> torch.Tensor:
-    """``code * scale`` of every slot of an ``fp8`` / ``int4`` index, ``[B, Hkv, S, D]`` fp32."""
+    """The keys an ``fp8`` / ``int4`` index stands for, ``code * scale`` (plus the centre of a centred
+    one) of every slot, ``[B, Hkv, S, D]`` fp32."""
+    codes = _dequantize_codes(index)
+    return codes if index.center is None else codes + index.center.unsqueeze(2)
+
+
+def _dequantize_codes(index: KeyIndex) -> torch.Tensor:
+    """``code * scale`` of every slot (a centred index's keys less its centre), ``[B, Hkv, S, D]`` fp32."""
     if index.kind == "fp8":
         return index.a.view(torch.float8_e4m3fn).float() * index.b.unsqueeze(-1)
     if index.kind == "int4":
@@ -212,7 +254,8 @@ def write_key_index_reference(index: KeyIndex, k_cache: torch.Tensor, start: int
         index.a[:, :, p0:p1] = mx.to(index.a.dtype)
         index.b[:, :, p0:p1] = mn.to(index.b.dtype)
         return
-    a, b = _quantize(index.kind, k_cache[:, :, start:end])
+    center = None if index.center is None else index.center.unsqueeze(2)
+    a, b = _quantize(index.kind, k_cache[:, :, start:end], center)
     index.a[:, :, start:end] = a
     index.b[:, :, start:end] = b
 
@@ -238,7 +281,7 @@ def update_key_index_reference(index: KeyIndex, k_cache: torch.Tensor, slot: tor
         index.a.index_put_((bi, hi, pg[:, None]), mx.to(index.a.dtype))
         index.b.index_put_((bi, hi, pg[:, None]), mn.to(index.b.dtype))
         return
-    a, b = _quantize(index.kind, k_cache[bi, hi, slot[:, None]])  # [B, H, D] keys
+    a, b = _quantize(index.kind, k_cache[bi, hi, slot[:, None]], index.center)  # [B, H, D] keys
     index.a.index_put_((bi, hi, slot[:, None]), a)
     index.b.index_put_((bi, hi, slot[:, None]), b)
 
@@ -252,7 +295,7 @@ def _approx_scores(q: torch.Tensor, index: KeyIndex, scale: float) -> torch.Tens
         codes = index.a.view(torch.float8_e4m3fn).float()
         return torch.matmul(qf, codes.transpose(-1, -2)) * index.b.unsqueeze(2) * scale
     if index.kind == "int4":
-        return torch.matmul(qf, dequantize_key_index(index).transpose(-1, -2)) * scale
+        return torch.matmul(qf, _dequantize_codes(index).transpose(-1, -2)) * scale
     qpos, qneg = qf.clamp_min(0), qf.clamp_max(0)
     return (torch.matmul(qpos, index.a.float().transpose(-1, -2))
             + torch.matmul(qneg, index.b.float().transpose(-1, -2))) * scale
@@ -295,6 +338,7 @@ def topk_retrieval_indexed_reference(q: torch.Tensor, k_cache: torch.Tensor, ind
         padded: a retrieving row holds ``min(k, region)`` indices.
     """
     _check_index(index, q.shape[-1])
+    _check_rows(index, grouped)
     B, Hq, D = q.shape
     S = k_cache.shape[2]
     n_cand = candidate_count(k, margin, index.page)
@@ -350,15 +394,17 @@ def _fp8_e4m3_bits(x):
 
 @triton.jit
 def _index_write_kernel(
-    K, A, BS, SLOT, start, end,
+    K, A, BS, C, SLOT, start, end,
     stride_kb, stride_kh, stride_ks, stride_ab, stride_ah, stride_as, stride_bb, stride_bh, stride_bs,
+    stride_cb, stride_ch,
     HKV: tl.constexpr, KIND: tl.constexpr, FROM_SLOT: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CENTERED: tl.constexpr,
 ):
     """Index entries of one (sequence, KV head) (program 0 axis) from the keys of K. FROM_SLOT (the
     update): the slot ``SLOT[b]``; else (the write) block ``program_id(1)`` of slots ``[start, end)``.
     KIND 1 fp8, 2 int4 (BLOCK_S slots per program, one with FROM_SLOT); 3 pages (one page per
-    program, PAGE = BLOCK_S: its bounds over its slots up to the slot / below ``end``)."""
+    program, PAGE = BLOCK_S: its bounds over its slots up to the slot / below ``end``). CENTERED (1, 2):
+    the codes of ``key - C[b, h]``."""
     pid = tl.program_id(0)
     b = pid // HKV
     h = pid % HKV
@@ -392,6 +438,8 @@ def _index_write_kernel(
         tl.store(b_base + pg * stride_bs + offs_d, mn.to(BS.dtype.element_ty), mask=dmask)
     elif KIND == 1:
         kt = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
+        if CENTERED:
+            kt = kt - tl.load(C + b.to(tl.int64) * stride_cb + h * stride_ch + offs_d, mask=dmask, other=0.0)[None, :]
         amax = tl.max(tl.abs(kt), axis=1)
         sc = tl.where(amax > 0, tl.div_rn(amax, tl.full([BLOCK_S], 448.0, tl.float32)), 1.0)
         x = tl.div_rn(kt, tl.broadcast_to(sc[:, None], [BLOCK_S, BLOCK_D]))
@@ -400,6 +448,8 @@ def _index_write_kernel(
         tl.store(b_base + rows.to(tl.int64) * stride_bs, sc, mask=m)
     else:
         kt = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
+        if CENTERED:
+            kt = kt - tl.load(C + b.to(tl.int64) * stride_cb + h * stride_ch + offs_d, mask=dmask, other=0.0)[None, :]
         kg = tl.reshape(kt, [BLOCK_S, BLOCK_D // 32, 32])
         amax = tl.max(tl.abs(kg), axis=2)
         sc = tl.where(amax > 0, tl.div_rn(amax, tl.full([BLOCK_S, BLOCK_D // 32], 7.0, tl.float32)), 1.0)
@@ -496,12 +546,13 @@ def _write(index: KeyIndex, k_cache: torch.Tensor, start: int, end: int, slot: t
         grid = (B * H, n)
         slot = torch.zeros(1, dtype=torch.int32, device=k_cache.device)  # unused
     a, bs = index.a, index.b
+    center = bs if index.center is None else index.center.contiguous()  # unused without a centre
     _index_write_kernel[grid](
-        k_cache, a, bs, slot, start, end,
+        k_cache, a, bs, center, slot, start, end,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), a.stride(0), a.stride(1), a.stride(2),
-        bs.stride(0), bs.stride(1), bs.stride(2),
+        bs.stride(0), bs.stride(1), bs.stride(2), center.stride(0), center.stride(1),
         HKV=H, KIND=kind, FROM_SLOT=from_slot, PAGE=index.page, BLOCK_S=block_s, D=D,
-        BLOCK_D=next_pow2(D, 32), num_warps=4,
+        BLOCK_D=next_pow2(D, 32), CENTERED=index.center is not None, num_warps=4,
     )
 
 
@@ -532,6 +583,7 @@ def topk_retrieval_indexed(q: torch.Tensor, k_cache: torch.Tensor, index: KeyInd
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     _check_index(index, D)
+    _check_rows(index, grouped)
     n_cand = candidate_count(k, margin, index.page)
     tokens = n_cand * index.page
     if tokens > RERANK_MAX:

@@ -14,7 +14,7 @@ call the launcher directly (a custom op adds dispatcher overhead to every call),
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -171,50 +171,52 @@ def _compose_indices_via_op(t, lo, hi, win_start, sel_idx, dilate, sink, dil_m, 
 
 
 @torch.library.custom_op("prhs::write_key_index", mutates_args=("a", "b"))
-def write_key_index_op(a: Tensor, b: Tensor, kind: str, page: int, k_cache: Tensor, start: int, end: int) -> None:
-    write_key_index(KeyIndex(kind, a, b, page), k_cache, start, end)
+def write_key_index_op(a: Tensor, b: Tensor, kind: str, page: int, center: Optional[Tensor], k_cache: Tensor,
+                       start: int, end: int) -> None:
+    write_key_index(KeyIndex(kind, a, b, page, center), k_cache, start, end)
 
 
 @write_key_index_op.register_fake
-def _(a, b, kind, page, k_cache, start, end):
+def _(a, b, kind, page, center, k_cache, start, end):
     return None
 
 
 @torch.library.custom_op("prhs::update_key_index", mutates_args=("a", "b"))
-def update_key_index_op(a: Tensor, b: Tensor, kind: str, page: int, k_cache: Tensor, slot: Tensor) -> None:
-    update_key_index(KeyIndex(kind, a, b, page), k_cache, slot)
+def update_key_index_op(a: Tensor, b: Tensor, kind: str, page: int, center: Optional[Tensor], k_cache: Tensor,
+                        slot: Tensor) -> None:
+    update_key_index(KeyIndex(kind, a, b, page, center), k_cache, slot)
 
 
 @update_key_index_op.register_fake
-def _(a, b, kind, page, k_cache, slot):
+def _(a, b, kind, page, center, k_cache, slot):
     return None
 
 
 @torch.library.custom_op("prhs::topk_retrieval_indexed", mutates_args=())
 def topk_retrieval_indexed_op(
-    q: Tensor, k_cache: Tensor, a: Tensor, b: Tensor, kind: str, page: int, pad: Tensor, lo: Tensor, hi: Tensor,
-    retrieve: Tensor, k: int, margin: int, scale: float, grouped: bool,
+    q: Tensor, k_cache: Tensor, a: Tensor, b: Tensor, kind: str, page: int, center: Optional[Tensor], pad: Tensor,
+    lo: Tensor, hi: Tensor, retrieve: Tensor, k: int, margin: int, scale: float, grouped: bool,
 ) -> Tensor:
-    return topk_retrieval_indexed(q, k_cache, KeyIndex(kind, a, b, page), pad, lo, hi, retrieve, k, margin, scale,
-                                  grouped)
+    return topk_retrieval_indexed(q, k_cache, KeyIndex(kind, a, b, page, center), pad, lo, hi, retrieve, k, margin,
+                                  scale, grouped)
 
 
 @topk_retrieval_indexed_op.register_fake
-def _(q, k_cache, a, b, kind, page, pad, lo, hi, retrieve, k, margin, scale, grouped):
+def _(q, k_cache, a, b, kind, page, center, pad, lo, hi, retrieve, k, margin, scale, grouped):
     return _int32(q.shape[0], k_cache.shape[1] if grouped else q.shape[1], int(k), like=q)
 
 
 def _write_key_index_via_op(index: KeyIndex, k_cache: Tensor, start: int, end: int) -> None:
-    write_key_index_op(index.a, index.b, index.kind, index.page, k_cache, start, end)
+    write_key_index_op(index.a, index.b, index.kind, index.page, index.center, k_cache, start, end)
 
 
 def _update_key_index_via_op(index: KeyIndex, k_cache: Tensor, slot: Tensor) -> None:
-    update_key_index_op(index.a, index.b, index.kind, index.page, k_cache, slot)
+    update_key_index_op(index.a, index.b, index.kind, index.page, index.center, k_cache, slot)
 
 
 def _topk_retrieval_indexed_via_op(q, k_cache, index: KeyIndex, pad, lo, hi, retrieve, k, margin, scale, grouped):
-    return topk_retrieval_indexed_op(q, k_cache, index.a, index.b, index.kind, index.page, pad, lo, hi, retrieve,
-                                     k, margin, scale, grouped)
+    return topk_retrieval_indexed_op(q, k_cache, index.a, index.b, index.kind, index.page, index.center, pad, lo, hi,
+                                     retrieve, k, margin, scale, grouped)
 
 
 _OPS: dict[Callable, Callable] = {

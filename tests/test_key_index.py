@@ -33,6 +33,7 @@ from prhs_hf.kernels.key_index import (
     allocate_key_index,
     dequantize_key_index,
     index_bytes_per_slot,
+    key_index_center,
     topk_retrieval_indexed_reference,
     update_key_index_reference,
     write_key_index_reference,
@@ -252,6 +253,57 @@ def test_update_ragged_slots_and_pad_pages():
         assert (bound >= (q * kc[0, :, pad + j]).sum(-1) - 1e-5).all()
 
 
+def test_key_index_center_is_the_mean_of_each_sequences_real_keys():
+    g = torch.Generator().manual_seed(6)
+    kc = torch.randn(2, 3, 10, 8, generator=g).to(torch.bfloat16)
+    center = key_index_center(kc, i32([0, 4]), 7)
+    assert center.shape == (2, 3, 8) and center.dtype == torch.float32
+    torch.testing.assert_close(center[0], kc[0, :, :7].float().mean(1))
+    torch.testing.assert_close(center[1], kc[1, :, 4:7].float().mean(1))
+    assert (key_index_center(kc, i32([0, 9]), 7)[1] == 0).all()  # no real key below the end: 0
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_a_centred_index_keeps_the_top_k_of_keys_that_share_a_large_component(kind):
+    """Keys with a large shared component (a k_proj bias; Qwen2.5's keys have one): quantising what is
+    left of each key after the centre keeps the exact top-k at a small margin, where the plain codes'
+    rounding of the shared part, the same size for every key, loses some. The centred index's keys
+    (dequantised) are within half a code step of what is left of each key."""
+    g = torch.Generator().manual_seed(12)
+    B, Hq, Hkv, S, D, k, margin = 2, 4, 2, 400, 64, 24, 8
+    shared = torch.zeros(1, Hkv, 1, D)
+    shared[..., :4] = 40.0  # a few large channels, as in real models
+    kc = (torch.randn(B, Hkv, S, D, generator=g) + shared).to(torch.bfloat16)
+    q = torch.randn(B, Hq, D, generator=g).to(torch.bfloat16)
+    pad, lo, hi = i32([0, 0]), i32([0, 0]), i32([S, S])
+    retrieve = torch.ones(B, Hq, dtype=torch.bool)
+    exact = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 0.125)
+    plain = build(kind, kc)
+    centered = allocate_key_index(kind, B, Hkv, S, D, kc.dtype, "cpu")._replace(center=key_index_center(kc, pad, S))
+    write_key_index_reference(centered, kc, 0, S)
+
+    def overlap(index):
+        got = topk_retrieval_indexed_reference(q, kc, index, pad, lo, hi, retrieve, k, margin, 0.125, False)
+        return (got.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).float().mean().item()
+
+    assert overlap(centered) >= 0.98 > overlap(plain) + 0.02, (overlap(centered), overlap(plain))
+    rest = kc.float() - centered.center.unsqueeze(2)
+    if kind == "fp8":  # half an fp8 step, as test_fp8_codes_and_scales_against_naive, of what is left
+        bound = torch.maximum(rest.abs() * 2.0**-4, centered.b.unsqueeze(-1) * 2.0**-10)
+    else:  # half a code step of each group's scale
+        bound = centered.b.repeat_interleave(INT4_GROUP, -1) / 2
+    assert ((dequantize_key_index(centered) - kc.float()).abs() <= bound * (1 + 1e-5) + 1e-6).all()
+
+
+def test_a_centred_index_refuses_grouped_rows():
+    q, kc, pad, lo, hi, g = retrieval_case(2, 4, 2, 32, 20, [0, 3], 7)
+    index = build("fp8", kc)._replace(center=key_index_center(kc, pad, 20))
+    with pytest.raises(ValueError, match="centred key index"):
+        topk_retrieval_indexed_reference(q, kc, index, pad, lo, hi, flags(2, 2, g), 4, 2, 0.3, True)
+    with pytest.raises(ValueError, match="center of shape"):
+        write_key_index_reference(build("fp8", kc)._replace(center=torch.zeros(2, 2, 31)), kc, 0, 4)
+
+
 def test_sizes_and_bad_input():
     assert index_bytes_per_slot("fp8", 128, torch.bfloat16, 1) == 132
     assert index_bytes_per_slot("int4", 128, torch.bfloat16, 1) == 64 + 16
@@ -464,22 +516,28 @@ def _on(*xs):
 
 
 def _index_on(index):
-    return KeyIndex(index.kind, index.a.to(DEV), index.b.to(DEV), index.page)
+    center = None if index.center is None else index.center.to(DEV)
+    return KeyIndex(index.kind, index.a.to(DEV), index.b.to(DEV), index.page, center)
 
 
 @needs_triton
-@pytest.mark.parametrize("kind", INDEX_KINDS)
+@pytest.mark.parametrize("kind,centered", [*((kind, False) for kind in INDEX_KINDS), ("fp8", True), ("int4", True)])
 @pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 64), (torch.float32, 96)])
-def test_write_and_update_kernels_equal_the_reference(kind, dtype, D):
+def test_write_and_update_kernels_equal_the_reference(kind, centered, dtype, D):
     """A chunked prefill (two writes, the second starting inside a page) and decode steps at ragged slots,
-    bit for bit; one update launch per step."""
+    bit for bit; one update launch per step. Centred: keys with a shared offset, codes of key - centre."""
     from prhs_hf.kernels.key_index import update_key_index, write_key_index
 
     g = torch.Generator().manual_seed(40)
     B, H, S = 3, 2, 45
-    kc = (torch.randn(B, H, S, D, generator=g) * torch.rand(B, H, S, 1, generator=g) * 3).to(dtype)
+    kc = torch.randn(B, H, S, D, generator=g) * torch.rand(B, H, S, 1, generator=g) * 3
+    if centered:
+        kc = kc + torch.randn(1, H, 1, D, generator=g) * 8
+    kc = kc.to(dtype)
     kc[0, 1, 7] = 0  # a zero key
     ref = allocate_key_index(kind, B, H, S, D, dtype, "cpu", page=8)
+    if centered:
+        ref = ref._replace(center=key_index_center(kc, i32([0, 3, 9]), 21))
     out = _index_on(ref)
     for start, end in ((0, 21), (21, 30)):
         write_key_index_reference(ref, kc, start, end)
@@ -535,6 +593,24 @@ def test_indexed_kernel_equals_the_reference(kind, dtype, Hq, Hkv, grouped):
     for k, margin in ((4, 0), (9, 7), (16, 100), (70, 3)):
         out = _check_indexed(q, kc, index, pad, lo, hi, retrieve, k, margin, 0.3, grouped)
     assert (out[1] == -1).all() and (out[~retrieve] == -1).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_indexed_kernel_on_a_centred_index_equals_the_reference(kind):
+    """Per-head rows of a centred index (GQA 6, ragged padding, keys with a shared offset); grouped rows
+    are refused by the kernel's launcher as by the reference."""
+    from prhs_hf.kernels.key_index import topk_retrieval_indexed
+
+    q, kc, pad, lo, hi, g = retrieval_case(3, 12, 2, 32, 70, [0, 5, 11], 61, torch.bfloat16)
+    kc = (kc.float() + torch.randn(1, 2, 1, 32, generator=g) * 6).to(torch.bfloat16)
+    index = allocate_key_index(kind, 3, 2, 70, 32, kc.dtype, "cpu")._replace(center=key_index_center(kc, pad, 70))
+    write_key_index_reference(index, kc, 0, 70)
+    retrieve = flags(3, 12, g)
+    for k, margin in ((4, 0), (9, 7), (16, 100)):
+        _check_indexed(q, kc, index, pad, lo, hi, retrieve, k, margin, 0.3, False)
+    with pytest.raises(ValueError, match="centred key index"):
+        topk_retrieval_indexed(*_on(q, kc), _index_on(index), *_on(pad, lo, hi, flags(3, 2, g)), 4, 2, 0.3, True)
 
 
 @needs_triton
@@ -611,17 +687,18 @@ def test_indexed_kernel_errors():
 
 
 @needs_triton
-@pytest.mark.parametrize("kind", INDEX_KINDS)
-def test_key_index_ops_compile_fullgraph(kind):
+@pytest.mark.parametrize("kind,centered", [*((kind, False) for kind in INDEX_KINDS), ("fp8", True)])
+def test_key_index_ops_compile_fullgraph(kind, centered):
     """TRITON_OPS' key-index ops under torch.compile (fullgraph): the update mutates the index in
     place (a view of a per-layer state buffer, as the selector holds it) and the retrieval reads
-    it, with the eager results."""
+    it, with the eager results; a centred index's centre passes through the ops."""
     q, kc, pad, lo, hi, g = retrieval_case(2, 4, 2, 32, 40, [0, 3], 90, torch.bfloat16)
     lo[1], hi[1] = 2, 30
     retrieve = flags(2, 4, g)
     layers = [allocate_key_index(kind, 2, 2, 40, 32, kc.dtype, DEV, page=8) for _ in range(2)]
     state_a, state_b = torch.stack([x.a for x in layers]), torch.stack([x.b for x in layers])  # [L, ...]
-    view = KeyIndex(kind, state_a[1], state_b[1], layers[1].page)
+    center = key_index_center(kc, pad, 36) if centered else None
+    view = KeyIndex(kind, state_a[1], state_b[1], layers[1].page, None if center is None else center.to(DEV))
     TRITON_OPS.write_key_index(view, kc.to(DEV), 0, 36)
     slot = i32([36, 38]).to(DEV)
 
@@ -632,7 +709,8 @@ def test_key_index_ops_compile_fullgraph(kind):
     args = [x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve, slot)]
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
     got_a, got_b = state_a.clone(), state_b.clone()
-    ref = build(kind, kc, page=8, upto=36)
+    ref = allocate_key_index(kind, 2, 2, 40, 32, kc.dtype, "cpu", page=8)._replace(center=center)
+    write_key_index_reference(ref, kc, 0, 36)
     update_key_index_reference(ref, kc, slot.cpu())
     assert torch.equal(got_a[1].cpu(), ref.a) and torch.equal(got_b[1].cpu(), ref.b)
     assert (got_a[0] == 0).all()  # the other layer untouched

@@ -73,7 +73,7 @@ def _assert_index_current(model, cache) -> None:
         held = state.key_index(local, keys.shape[2])
         B, H, S, D = keys.shape
         fresh = allocate_key_index(held.kind, B, H, S, D, keys.dtype, keys.device, held.page)
-        write_key_index_reference(fresh, keys, 0, S)
+        write_key_index_reference(fresh._replace(center=held.center), keys, 0, S)  # the prompt's centre
         assert torch.equal(held.a, fresh.a), f"layer {layer}: index codes differ from the cache's"
         assert torch.equal(held.b, fresh.b), f"layer {layer}: index scales/bounds differ from the cache's"
 
@@ -251,7 +251,33 @@ def test_index_memory_is_index_bytes_per_slot_of_every_layer_sequence_and_kv_hea
         page = 16 if kind == "pages" else 1
         slots = math.ceil(state.index_slots / page) * page  # pages: whole pages
         per_slot = index_bytes_per_slot(kind, 32, torch.float32, page)
-        assert state.index_nbytes() == L * B * H * slots * per_slot == selector.index_nbytes()
+        center = 0 if kind == "pages" else L * B * H * 32 * 4  # fp32 [L, B, Hkv, D]: one key's worth per head
+        assert state.index_nbytes() == L * B * H * slots * per_slot + center == selector.index_nbytes()
+
+
+@pytest.mark.parametrize("selection,centered", [("head", True), ("group_mean", True), ("group", False)])
+def test_the_index_is_centred_on_the_prompts_mean_key_but_for_grouped_max_rows(selection, centered):
+    """fp8 / int4 codes hold each key less its (sequence, KV head)'s prompt mean, over the real slots
+    of a left-padded batch (a chunked prefill: of its first chunk, kept through the later chunks), kept
+    through the decode steps; rows ranked by their group's maximum (``cis.selection: group``) take no
+    centre."""
+    model = _model()
+    ids, mask = padded_batch([70, 52])
+    pad = (mask == 0).sum(1)
+    for chunk in (None, 32):
+        extra = {} if chunk is None else {"prefill_chunk_size": chunk}
+        out = _generate(model, _config("fp8", selection=selection), ids, mask, new=4, **extra)
+        selector = _selector(model, out.past_key_values)
+        for layer, cache_layer in enumerate(out.past_key_values.layers):
+            device, local = selector._slot[layer]
+            held = selector.states[device].key_index(local, cache_layer.keys.shape[2])
+            if not centered:
+                assert held.center is None
+                continue
+            keys = cache_layer.keys[:, :, :chunk or ids.shape[1]].float()
+            for b in range(2):
+                torch.testing.assert_close(held.center[b], keys[b, :, int(pad[b]):].mean(1))
+        _assert_index_current(model, out.past_key_values)
 
 
 def test_int4_on_a_head_size_it_cannot_group_names_the_key():

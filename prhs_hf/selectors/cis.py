@@ -67,7 +67,7 @@ from ..geometry import SequenceGeometry
 from ..kernels.decode_ops import REFERENCE_OPS, CISSelection, DecodeOps, cis_select, group_query
 from ..kernels.dilated_set import SET_NONE
 from ..config import ConfigError
-from ..kernels.key_index import INDEX_KINDS, INT4_GROUP, KeyIndex
+from ..kernels.key_index import INDEX_KINDS, INT4_GROUP, KeyIndex, key_index_center
 from ..kernels.side_stream import fork_cis_select, join_cis_select
 from .set_steps import tail_summaries
 
@@ -206,7 +206,22 @@ class CISSelector:
         if self.index == "int4" and key.shape[-1] % INT4_GROUP:
             raise ConfigError(f"cis.index: int4 needs a head size that is a multiple of {INT4_GROUP} (its scale "
                               f"groups); this model's is {key.shape[-1]}: use fp8 or pages")
-        return KeyIndexSpec(self.index, key.shape[1], key.shape[-1], key.dtype, self.index_page)
+        # codes centred on the prompt's mean key, but for grouped rows ranked by their heads' maximum
+        # (kernels/key_index.py: stage 1 omits q . center, which differs between a group's heads)
+        centered = self.index != "pages" and not (self.grouped and self.group_score == "max")
+        return KeyIndexSpec(self.index, key.shape[1], key.shape[-1], key.dtype, self.index_page, centered)
+
+    @staticmethod
+    def _write_index(ops: DecodeOps, index: KeyIndex, k_cache: torch.Tensor, start: int, end: int,
+                     pad: torch.Tensor | None) -> None:
+        """``ops.write_key_index`` of slots ``[start, end)``; a write from slot 0 (the prompt's, or the
+        first after steps that ran without the index) first sets a centred index's centre to the mean
+        of the keys it writes (``pad``: each sequence's left padding, None: none), eager."""
+        if start == 0 and index.center is not None:
+            if pad is None:
+                pad = torch.zeros(k_cache.shape[0], dtype=torch.int32, device=k_cache.device)
+            index.center.copy_(key_index_center(k_cache, pad, end))
+        ops.write_key_index(index, k_cache, start, end)
 
     def _write_prompt_index(self, keys: dict[int, torch.Tensor], q_len: int, geom: SequenceGeometry | None) -> None:
         """Write the index entries of the slots this prefill wrote (the ``q_len`` slots from the first
@@ -218,8 +233,8 @@ class CISSelector:
         for layer, key in keys.items():
             device, local = self._slot[layer]
             state = self.states[device]
-            self.ops_for(device).write_key_index(state.key_index(local, key.shape[2]), key,
-                                                 min(state.index_end, start), end)
+            self._write_index(self.ops_for(device), state.key_index(local, key.shape[2]), key,
+                              min(state.index_end, start), end, None if geom is None else geom.pad)
         for state in self.states.values():
             state.index_end = end
 
@@ -344,7 +359,7 @@ class CISSelector:
             if local == 0:
                 self._open_index_step(state, slots, geom)
             if state.index_gap is not None:
-                ops.write_key_index(index, k_cache, *state.index_gap)
+                self._write_index(ops, index, k_cache, *state.index_gap, geom.pad)
         ops.update_key_index(index, k_cache, geom.pad + geom.t_last - 1)
         return index
 

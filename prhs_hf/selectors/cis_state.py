@@ -38,13 +38,15 @@ INDEX_GROWTH = 1.5
 
 class KeyIndexSpec(NamedTuple):
     """The layout of a model's key index: ``kind`` (``fp8``, ``int4``, ``pages``), the cache's KV
-    heads, head size and dtype, and ``page`` (tokens per page of ``pages``; 1 otherwise)."""
+    heads, head size and dtype, ``page`` (tokens per page of ``pages``; 1 otherwise) and whether its
+    codes are centred (``KeyIndex.center``: fp8 and int4 for per-head rows)."""
 
     kind: str
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
     page: int
+    centered: bool = False
 
 
 class CISState:
@@ -99,6 +101,7 @@ class CISState:
         self.index_gap: tuple[int, int] | None = None
         self.key_index_a: torch.Tensor | None = None
         self.key_index_b: torch.Tensor | None = None
+        self.key_index_center: torch.Tensor | None = None  # [L, B, Hkv, D] fp32 with a centred index
         if index is not None:
             self._make_key_index(index_slots)
 
@@ -134,6 +137,10 @@ class CISState:
         self.key_index_a = made.a.view(layers, batch, *made.a.shape[1:])
         self.key_index_b = made.b.view(layers, batch, *made.b.shape[1:])
         self.index_slots = slots
+        if spec.centered and self.key_index_center is None:  # kept when the index grows
+            self.key_index_center = torch.zeros(layers, batch, spec.kv_heads, spec.head_dim, dtype=torch.float32,
+                                                device=self.device)
+            torch._dynamo.mark_static_address(self.key_index_center)
         for buffer in (self.key_index_a, self.key_index_b):
             torch._dynamo.mark_static_address(buffer)
 
@@ -160,12 +167,14 @@ class CISState:
         the ops write in place; not contiguous where the capacity exceeds ``slots``)."""
         rows = self._index_rows(slots)
         spec = self.index_spec
+        center = None if self.key_index_center is None else self.key_index_center[layer]
         return KeyIndex(spec.kind, self.key_index_a[layer, :, :, :rows], self.key_index_b[layer, :, :, :rows],
-                        spec.page)
+                        spec.page, center)
 
     def index_nbytes(self) -> int:
         """Bytes the key index buffers hold (0 without an index)."""
-        return sum(b.numel() * b.element_size() for b in (self.key_index_a, self.key_index_b) if b is not None)
+        buffers = (self.key_index_a, self.key_index_b, self.key_index_center)
+        return sum(b.numel() * b.element_size() for b in buffers if b is not None)
 
     @torch.compiler.disable
     def ensure_tails(self, dim: int) -> None:
@@ -193,7 +202,8 @@ class CISState:
         anchors = () if self.anchor_q is None else (self.anchor_q, self.anchor_idx)
         tails = () if self.tail_k is None else (self.tail_k, self.tail_v, self.tail_log_mass)
         index = () if self.key_index_a is None else (self.key_index_a, self.key_index_b)
-        return (*anchors, self.anchor_count, *tails, *index)
+        center = () if self.key_index_center is None else (self.key_index_center,)
+        return (*anchors, self.anchor_count, *tails, *index, *center)
 
     def matches(
         self, layers: int, batch: int, heads: int, head_dim: int, device: torch.device,
