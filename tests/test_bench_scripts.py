@@ -813,3 +813,25 @@ def test_probe_group_union_set_mass_of_the_sets_the_steps_attended():
         assert (row["status"] == "ok") == (config == "cis")
     assert "attended to" in probe.markdown(dict(date="2026-01-01", command="x", model="m", dtype="f", prompts=1,
                                                  length=200, text="t", new_tokens=3, rows=[row]))
+
+
+def test_probe_key_index_center_scores_centred_codes_of_keys_with_a_shared_part(tmp_path):
+    """scripts/probe_key_index_center.py: on keys that share a large component, the centred codes keep the
+    exact top-k at a small margin where the plain ones lose some; a margin past the region keeps all of
+    it; the command writes its JSON and table (a small real model, a short prompt)."""
+    probe = load_script("probe_key_index_center")
+    g = torch.Generator().manual_seed(3)
+    shared = torch.zeros(1, 2, 1, 64)
+    shared[..., :4] = 40.0
+    keys = torch.randn(1, 2, 300, 64, generator=g) + shared
+    queries = torch.randn(1, 4, 3, 64, generator=g)
+    got = probe.overlaps([(queries, keys)], k=16, margins=[4, 400], sink=4, local=8, center_tokens=100)
+    assert got["fp8 centred on the prompt m4"] > got["fp8 m4"] + 0.02
+    assert got["int4 centred on the prompt m4"] > got["int4 m4"] + 0.02
+    assert all(value == 1.0 for name, value in got.items() if name.endswith("m400"))
+    out = tmp_path / "probe"
+    assert probe.main(["--model", "smollm2-135m", "--length", "160", "--queries", "2", "--k", "16",
+                       "--margins", "0,8", "--center-tokens", "64", "--out", str(out)]) == 0
+    result = json.loads((tmp_path / "probe.json").read_text())
+    assert len(result["rows"]) == 2 * 3 * 2 and all(0 <= row["overlap"] <= 1 for row in result["rows"])
+    assert len(result["mean_key_share_by_layer"]) == 30 and (tmp_path / "probe.md").exists()
