@@ -737,10 +737,10 @@ def compile_sm90(fn, constexprs, types, num_warps=4):
 
 n = 0
 for kind, a, b in ((1, "*u8", "*fp32"), (2, "*u8", "*fp32"), (3, "*bf16", "*bf16")):
-    for from_slot in (True, False):
+    for from_slot, centered in ((True, False), (False, False), *(((True, True), (False, True)) if kind != 3 else ())):
         compile_sm90(ki._index_write_kernel, dict(HKV=8, KIND=kind, FROM_SLOT=from_slot, PAGE=16 if kind == 3 else 1,
-                     BLOCK_S=16 if kind == 3 or not from_slot else 1, D=128, BLOCK_D=128),
-                     {"K": "*bf16", "A": a, "BS": b})
+                     BLOCK_S=16 if kind == 3 or not from_slot else 1, D=128, BLOCK_D=128, CENTERED=centered),
+                     {"K": "*bf16", "A": a, "BS": b, "C": "*fp32"})
         n += 1
     base = dict(D=128, BLOCK_D=128, BLOCK_N=128, TILE_MAX=True, SUB=32, ZERO_SCRATCH=False, HIST_ROW=1024, HKV=8,
                 GROUP=4, BLOCK_M=16, IEEE=False, COMPACT=True, BLOCK_R=512, FGP=4, NGP=128, KFMT=kind)
@@ -761,9 +761,10 @@ print("compiled", n)
 @pytest.mark.slow
 @pytest.mark.skipif(not _has_cuda_backend(), reason="needs Triton with its CUDA backend (ptxas)")
 def test_key_index_kernels_compile_for_sm90():
-    """The write/update kernel (each kind, both modes), the group score kernel on each index format (per
-    head and grouped) and the re-rank at its largest candidate count compile to sm_90 cubins at d 128
-    (a subprocess without the interpreter: the interpreter does not see compiler-only errors)."""
+    """The write/update kernel (each kind, both modes, fp8 and int4 centred or not), the group score
+    kernel on each index format (per head and grouped) and the re-rank at its largest candidate count
+    compile to sm_90 cubins at d 128 (a subprocess without the interpreter: the interpreter does not
+    see compiler-only errors)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -772,7 +773,7 @@ def test_key_index_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, "-c", _SM90_CHECK], env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled 14" in res.stdout
+    assert "compiled 18" in res.stdout
 
 
 # ----------------------------------------------------------------------------- GPU, realistic sizes
