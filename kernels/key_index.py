@@ -429,17 +429,16 @@ def _index_write_kernel(
     kp = K + b.to(tl.int64) * stride_kb + h * stride_kh + rows.to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
     a_base = A + b.to(tl.int64) * stride_ab + h * stride_ah
     b_base = BS + b.to(tl.int64) * stride_bb + h * stride_bh
+    kt = tl.load(kp, mask=mk, other=0.0).to(tl.float32)  # pages: min / max exact in fp32, stored back exactly
+    if CENTERED:  # fp8 / int4 (the launcher's): the codes of key - C[b, h]
+        kt = kt - tl.load(C + b.to(tl.int64) * stride_cb + h * stride_ch + offs_d, mask=dmask, other=0.0)[None, :]
     if KIND == 3:
-        kt = tl.load(kp, mask=mk, other=0.0).to(tl.float32)  # min / max exact in fp32, stored back exactly
         mx = tl.max(tl.where(mk, kt, float("-inf")), axis=0)
         mn = tl.min(tl.where(mk, kt, float("inf")), axis=0)
         pg = first // PAGE
         tl.store(a_base + pg * stride_as + offs_d, mx.to(A.dtype.element_ty), mask=dmask)
         tl.store(b_base + pg * stride_bs + offs_d, mn.to(BS.dtype.element_ty), mask=dmask)
     elif KIND == 1:
-        kt = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
-        if CENTERED:
-            kt = kt - tl.load(C + b.to(tl.int64) * stride_cb + h * stride_ch + offs_d, mask=dmask, other=0.0)[None, :]
         amax = tl.max(tl.abs(kt), axis=1)
         sc = tl.where(amax > 0, tl.div_rn(amax, tl.full([BLOCK_S], 448.0, tl.float32)), 1.0)
         x = tl.div_rn(kt, tl.broadcast_to(sc[:, None], [BLOCK_S, BLOCK_D]))
@@ -447,9 +446,6 @@ def _index_write_kernel(
         tl.store(a_base + rows.to(tl.int64)[:, None] * stride_as + offs_d[None, :], code, mask=mk)
         tl.store(b_base + rows.to(tl.int64) * stride_bs, sc, mask=m)
     else:
-        kt = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
-        if CENTERED:
-            kt = kt - tl.load(C + b.to(tl.int64) * stride_cb + h * stride_ch + offs_d, mask=dmask, other=0.0)[None, :]
         kg = tl.reshape(kt, [BLOCK_S, BLOCK_D // 32, 32])
         amax = tl.max(tl.abs(kg), axis=2)
         sc = tl.where(amax > 0, tl.div_rn(amax, tl.full([BLOCK_S, BLOCK_D // 32], 7.0, tl.float32)), 1.0)
