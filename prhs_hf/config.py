@@ -128,10 +128,10 @@ class CISConfig:
     # retrieval scores first; its best k + rerank_margin candidates are then re-ranked exactly on the
     # cache's keys. "none": every retrieval scores the cache itself (bit-identical to no index)
     index: str = "none"
-    # m: candidates beyond k re-ranked exactly (pages: rounded up to whole pages). At 128 fp8 returns 0.98-0.985
-    # of the exact top-k on Qwen2.5-Coder-1.5B at 4k-8k tokens, beta_emp within 1 % of no index, and
-    # k + m stays within the one-launch select at cis.yaml's k; 512 returns >= 0.99 there
-    # (docs/results/selection_quality_key_index_qwen1.5b*.md, docs/notes/key_index.md)
+    # m: candidates beyond k re-ranked exactly (pages: rounded up to whole pages). At 128, with codes centred on
+    # the prompt's mean key, fp8 and int4 return >= 0.999 of the exact top-k on Qwen2.5-Coder-1.5B at 4k-8k
+    # tokens, beta_emp within 0.6 % of no index, and k + m stays within the one-launch select at cis.yaml's k
+    # (docs/results/selection_quality_key_index_centred_qwen1.5b*.md, docs/notes/key_index.md)
     rerank_margin: int = 128
     index_page: int = 16  # index: pages, tokens per page (a power of two in [4, 128])
 
