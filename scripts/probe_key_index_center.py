@@ -32,7 +32,7 @@ import torch
 import _bench_common as common  # beside this script (its folder is first on sys.path)
 from prhs_hf.calibration.texts import calibration_texts, pack_prompts
 from prhs_hf.hub import fetch
-from prhs_hf.kernels.key_index import KeyIndex, _quantize, dequantize_key_index
+from prhs_hf.kernels.key_index import allocate_key_index, dequantize_key_index, write_key_index_reference
 
 
 def _captured_attention(model, queries: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -54,8 +54,9 @@ def _captured_attention(model, queries: int) -> list[tuple[torch.Tensor, torch.T
 
 def _dequantized(kind: str, keys: torch.Tensor, center: Optional[torch.Tensor]) -> torch.Tensor:
     """The keys ``[B, H, S, D]`` an fp8 / int4 index of ``keys`` stands for (centred on ``center [B, H, D]``)."""
-    a, b = _quantize(kind, keys, None if center is None else center.unsqueeze(2))
-    return dequantize_key_index(KeyIndex(kind, a, b, 1, center))
+    index = allocate_key_index(kind, *keys.shape, keys.dtype, keys.device)._replace(center=center)
+    write_key_index_reference(index, keys, 0, keys.shape[2])
+    return dequantize_key_index(index)
 
 
 def overlaps(records, k: int, margins: list[int], sink: int, local: int, center_tokens: int) -> dict[str, float]:
