@@ -40,10 +40,12 @@ def test_quick_map_writes_the_json_the_table_and_the_png(tmp_path, capsys) -> No
     assert data["command"].startswith("prhs-hf bench --model tiny-llama")
     assert {"torch", "transformers", "triton", "prhs_hf"} <= set(data["versions"])
     rows = data["rows"]
-    configs = ["sdpa", "sdpa_gqa", f"{cli.DEFAULT_CONFIG}/dense", cli.DEFAULT_CONFIG, "cis"]
-    assert len(rows) == 2 * 2 * 2 * len(configs)  # modes x B x L x configs
-    assert {(r["mode"], r["batch"], r["length"], r["config"]) for r in rows} == {
-        (m, b, n, c) for m in ("eager", "static") for b in (1, 2) for n in (64, 128) for c in configs}
+    # the dense baselines in transformers' loop (1) and in the PrHS configs' (8, as shipped)
+    configs = [("sdpa", 1), ("sdpa_gqa", 1), ("sdpa", 8), ("sdpa_gqa", 8), (f"{cli.DEFAULT_CONFIG}/dense", 8),
+               (cli.DEFAULT_CONFIG, 8), ("cis", 8)]
+    assert len(rows) == 2 * 2 * 2 * len(configs)  # modes x B x L x (config, loop)
+    assert {(r["mode"], r["batch"], r["length"], r["config"], r["stop_check_every"]) for r in rows} == {
+        (m, b, n, c, e) for m in ("eager", "static") for b in (1, 2) for n in (64, 128) for c, e in configs}
     for r in rows:
         assert r["status"] == "ok", r
         assert r["ms_per_step"] > 0 and r["new_tokens"] == [2, 4] and r["prompt_len"] == r["length"]
@@ -54,6 +56,8 @@ def test_quick_map_writes_the_json_the_table_and_the_png(tmp_path, capsys) -> No
         assert sm.is_dense_baseline(r["fastest_dense"])
         ref = next(d for d in rows if d["config"] == r["fastest_dense"] and sm._key(d) == sm._key(r))
         assert r["speedup_vs_fastest_dense"] == pytest.approx(ref["ms_per_step"] / r["ms_per_step"])
+        assert ref["stop_check_every"] == r["stop_check_every"]
+        assert (r["loop_speedup"] is not None) == (r["config"] in sm.DENSE_CONFIGS and r["stop_check_every"] == 8)
     printed = capsys.readouterr().out
     assert "ms/step" in printed and "fastest dense" in printed
     png = tmp_path / "speed_map.png"
@@ -91,6 +95,51 @@ def test_a_config_forced_dense_is_a_dense_baseline() -> None:
         ("cis/dense+buffered", 25.0 / 30.0), ("cis/dense+buffered", 1.0), ("cis/dense+buffered", 1.25)]
     assert [c for _, _, _, c, _ in sm.plan_cells([1], [4096], ["eager"], ["cis+graphs", "cis/dense+buffered", "sdpa"])] \
         == ["cis/dense+buffered", "sdpa", "cis+graphs"]
+
+
+def test_a_prhs_row_is_against_the_dense_of_its_own_loop_and_the_loop_gain_is_a_column_apart() -> None:
+    """Issue 52: the patched loop (the all-finished flag read every N steps) against transformers' (every
+    step) is a gain of its own, not sparsity's. A PrHS row's speedup is against the fastest dense in its
+    loop; each unpatched dense baseline runs in both loops, and its patched-loop row carries the loop's
+    gain (``loop_speedup``)."""
+    own = {"sdpa": 1, "sdpa_gqa": 1, "cis/dense": 8, "cis": 8, "cis_longbench": 4}
+    assert sm.config_loops(list(own), own) == {"sdpa": [1, 4, 8], "sdpa_gqa": [1, 4, 8], "cis/dense": [8],
+                                               "cis": [8], "cis_longbench": [4]}
+    assert sm.config_loops(["sdpa_gqa"], {"sdpa_gqa": 1}) == {"sdpa_gqa": [1]}  # no PrHS row: its own loop only
+    assert sm.config_loops(["sdpa_gqa", "cis"], own, [8, 1]) == {"sdpa_gqa": [8, 1], "cis": [8, 1]}
+    configs = ["cis", "sdpa_gqa", "cis/dense"]
+    plan = sm.plan_cells([1], [4096], ["eager"], configs, sm.config_loops(configs, own))
+    assert [(c, e) for *_, c, e in plan] == [("sdpa_gqa", 1), ("sdpa_gqa", 8), ("cis/dense", 8), ("cis", 8)]
+    rows = [{"model": "m", "prompts": "p", "mode": "eager", "batch": 1, "length": 4096, "config": c,
+             "stop_check_every": e, "status": "ok", "ms_per_step": ms}
+            for c, e, ms in (("sdpa_gqa", 1, 10.0), ("sdpa_gqa", 8, 8.0), ("cis/dense", 8, 9.0), ("cis", 8, 4.0))]
+    sm.add_speedups(rows)
+    got = [(r["fastest_dense"], r["speedup_vs_fastest_dense"], r["loop_speedup"]) for r in rows]
+    assert got == [("sdpa_gqa", 1.0, None), ("sdpa_gqa", 1.0, 1.25), ("sdpa_gqa", 8.0 / 9.0, None),
+                   ("sdpa_gqa", 2.0, None)]  # cis: 2.0x in one loop, not 2.5x across two
+    lines = sm.format_table(rows).splitlines()
+    assert "loop gain" in lines[0] and "1.25x" in lines[3] and "2.00x" in lines[5]
+
+
+def test_the_default_map_runs_the_dense_baselines_in_the_prhs_loop_too(tmp_path, monkeypatch) -> None:
+    """By default the unpatched dense baseline runs as the unpatched model (transformers' loop) and,
+    for the PrHS rows' loop, patched with a dense config: its own attention, the patched loop."""
+    seen, select = [], sm._select
+
+    def spy(model, name, telemetry, stop_check_every=None):
+        select(model, name, telemetry, stop_check_every)
+        runtime = getattr(model, "_prhs_runtime", None)
+        seen.append((name, stop_check_every, model.config._attn_implementation,
+                     None if runtime is None else runtime.resolved.config.generation.stop_check_every))
+
+    monkeypatch.setattr(sm, "_select", spy)
+    data = _bench(tmp_path, "--quick", "--modes", "eager", "--batches", "1", "--lengths", "64",
+                  "--configs", "sdpa_gqa,cis")
+    assert seen == [("sdpa_gqa", 1, "sdpa_gqa", None), ("sdpa_gqa", 8, "sdpa_gqa", 8), ("cis", 8, "prhs", 8)]
+    cis = data["rows"][-1]
+    assert (cis["config"], cis["fastest_dense"], cis["loop_speedup"]) == ("cis", "sdpa_gqa", None)
+    assert cis["speedup_vs_fastest_dense"] == pytest.approx(data["rows"][1]["ms_per_step"] / cis["ms_per_step"])
+    assert "transformers' loop (1)" in data["loops"] and "stop_check_every 1" in data["loop_speedup"]
 
 
 def test_static_cells_leave_out_the_eager_step_entries_and_the_default_has_the_patched_dense() -> None:
@@ -136,7 +185,7 @@ def test_memory_estimate_and_skip() -> None:
 def test_cells_over_the_free_memory_are_skipped_not_run(tmp_path, capsys) -> None:
     rows = _bench(tmp_path, "--quick", "--modes", "eager", "--configs", "sdpa,cis", "--lengths", "64",
                   "--assume-free-gib", "1e-6")["rows"]
-    assert [r["status"] for r in rows] == ["memory"] * 4
+    assert [r["status"] for r in rows] == ["memory"] * 6  # sdpa in both loops, cis: 3 rows x 2 B
     assert all("ms_per_step" not in r and r["free_gib"] == 0.0 and r["estimate_gib"] >= 0 for r in rows)
     assert "mem" in capsys.readouterr().out or not importlib.util.find_spec("matplotlib")
 
@@ -151,9 +200,10 @@ def test_an_oom_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(sm, "measure", failing)
     rows = _bench(tmp_path, "--quick", "--modes", "static", "--batches", "2", "--configs", "sdpa_gqa,cis")["rows"]
-    assert [(r["length"], r["config"], r["status"]) for r in rows] == [
-        (64, "sdpa_gqa", "ok"), (64, "cis", "oom"), (128, "sdpa_gqa", "ok"), (128, "cis", "oom")]
-    assert "Tried to allocate" in rows[1]["error"] and rows[1]["speedup_vs_fastest_dense"] is None
+    assert [(r["length"], r["config"], r["stop_check_every"], r["status"]) for r in rows] == [
+        (64, "sdpa_gqa", 1, "ok"), (64, "sdpa_gqa", 8, "ok"), (64, "cis", 8, "oom"),
+        (128, "sdpa_gqa", 1, "ok"), (128, "sdpa_gqa", 8, "ok"), (128, "cis", 8, "oom")]
+    assert "Tried to allocate" in rows[2]["error"] and rows[2]["speedup_vs_fastest_dense"] is None
 
 
 def test_deadline_then_resume(tmp_path) -> None:
@@ -163,20 +213,21 @@ def test_deadline_then_resume(tmp_path) -> None:
     assert not sm.Deadline(None).passed()
 
     first = _bench(tmp_path, "--quick", "--deadline-s", "0")
-    # 2 modes x 5 configs x 2 B x 2 L
-    assert len(first["rows"]) == 40 and {r["status"] for r in first["rows"]} == {"not run: deadline"}
+    # 2 modes x 7 (config, loop) x 2 B x 2 L: sdpa and sdpa_gqa in two loops
+    assert len(first["rows"]) == 56 and {r["status"] for r in first["rows"]} == {"not run: deadline"}
     second = _bench(tmp_path, "--quick", "--resume", "--modes", "eager", "--batches", "1", "--lengths", "64",
                     "--configs", "sdpa,sdpa_gqa")
     ran = [r for r in second["rows"] if r["status"] != "not run: deadline"]
     assert [(r["mode"], r["batch"], r["length"], r["config"], r["status"]) for r in ran] == [
         ("eager", 1, 64, "sdpa", "ok"), ("eager", 1, 64, "sdpa_gqa", "ok")]
-    assert len(second["rows"]) == 40  # the cells this run did not plan keep their "not run" rows
+    assert len(second["rows"]) == 56  # the cells this run did not plan keep their "not run" rows
     assert len(second["commands"]) == 2 and "--deadline-s 0" in second["commands"][0]
     third = _bench(tmp_path, "--quick", "--resume", "--modes", "eager", "--batches", "1", "--lengths", "64",
                    "--configs", "sdpa,sdpa_gqa,cis")
-    ran3 = [r for r in third["rows"] if r["status"] == "ok"]
-    assert [r["config"] for r in ran3] == ["sdpa", "sdpa_gqa", "cis"] and len(third["rows"]) == 40
-    assert ran3[0]["ms_per_step"] == ran[0]["ms_per_step"]  # kept, not measured again
+    ran3 = {(r["config"], r["stop_check_every"]): r for r in third["rows"] if r["status"] == "ok"}
+    assert sorted(ran3) == [("cis", 8), ("sdpa", 1), ("sdpa", 8), ("sdpa_gqa", 1), ("sdpa_gqa", 8)]
+    assert len(third["rows"]) == 56
+    assert ran3[("sdpa", 1)]["ms_per_step"] == ran[0]["ms_per_step"]  # kept, not measured again
 
 
 def test_checkpoint_folder_and_its_position_limit(tmp_path) -> None:
@@ -202,7 +253,7 @@ def test_checkpoint_with_real_text_prompts(tmp_path) -> None:
     assert ids.shape == (2, 96) and not torch.equal(ids[0], ids[1])  # sequence b starts at record b
     rows = _bench(tmp_path, *argv[1:])["rows"]
     assert [(r["prompts"], r["weights"], r["config"], r["status"]) for r in rows] == [
-        ("coqa_validation.jsonl", "real", "sdpa_gqa", "ok"), ("coqa_validation.jsonl", "real", "cis", "ok")]
+        ("coqa_validation.jsonl", "real", c, "ok") for c in ("sdpa_gqa", "sdpa_gqa", "cis")]
     with pytest.raises(ValueError, match="--prompts"):
         sm._read_texts(data / "gsm8k_test.jsonl")  # question/answer records: no text field
 
@@ -236,7 +287,7 @@ def test_a_chunked_prefill_needs_one_chunks_activation_and_runs(tmp_path) -> Non
     assert whole - chunked == 3 * 8 * (65536 - 4096) * 14336 * 2
     data = _bench(tmp_path, "--quick", "--prefill-chunk", "32", "--modes", "eager", "--configs", "sdpa_gqa,cis")
     assert "--prefill-chunk 32" in data["command"]
-    assert all(r["status"] == "ok" for r in data["rows"]) and len(data["rows"]) == 2 * 2 * 2
+    assert all(r["status"] == "ok" for r in data["rows"]) and len(data["rows"]) == 3 * 2 * 2
 
 
 def test_a_cell_run_twice_shows_the_range_of_its_repeats() -> None:

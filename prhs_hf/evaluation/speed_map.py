@@ -19,14 +19,21 @@ JSON is rewritten after every cell and as each cell's warm-up and timing start (
 warm-up`` or ``started: timing`` shows where a killed run stopped), the heat map PNG drawn at the end. (``scripts/_bench_common.py``
 is not importable from an installed package: the little it would give here is re-implemented.)
 
-``--stop-check-every N[,M]``: the decode loop of every row (``generation.stop_check_every``,
-:mod:`prhs_hf.patching`), recorded in each row and part of its cell: speedups compare rows of the same
-loop. With ``N`` > 1 the dense baselines run in the same sync-free loop as the PrHS rows: the model
-patched with a dense config (``{generation: {stop_check_every: N}}``), which keeps its own
+The decode loop (``generation.stop_check_every``, :mod:`prhs_hf.patching`) is part of every row
+(``stop_check_every``) and of its cell: a speedup compares rows of one loop. By default each PrHS
+config runs in its own loop (the patched ``generate()``, which reads "all finished?" every N steps,
+N = 8 as shipped), and each unpatched dense baseline (``sdpa``, ``sdpa_gqa``) twice: in its own loop
+(transformers', a device read at every step: ``stop_check_every`` 1) and in the PrHS rows' loop,
+the model patched with a dense config (``{generation: {stop_check_every: N}}``), which keeps its own
 ``sdpa`` / ``sdpa_gqa`` attention and adds only the loop, the fastest dense ``generate()`` a user can
 have (``sdpa`` keeps transformers' mask builder, which reads the padding at every step; ``sdpa_gqa``'s
-reads it once). With ``1`` they are the unpatched model (transformers' own loop) and the PrHS rows
-check every step too.
+reads it once). A config forced dense (``NAME/dense``) is patched, so already in the patched loop.
+The headline ``speedup_vs_fastest_dense`` of a PrHS row is then against the fastest dense of ITS loop,
+and the loop's own gain is a column of the dense rows: ``loop_speedup``, the same config's ms/step in
+transformers' loop over the row's (a transformers ``StoppingCriteria`` cannot give an unpatched model
+the patched loop: transformers reads the all-finished flag at every step whatever the criteria say).
+``--stop-check-every N[,M]`` runs every row, PrHS and dense, in each loop given instead (``1``:
+transformers' loop for all).
 """
 
 from __future__ import annotations
@@ -46,8 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["DENSE_CONFIGS", "Deadline", "add_arguments", "add_speedups", "draw_heatmap", "estimate_bytes", "fits",
-           "format_table", "heat_cell", "is_dense_baseline", "main", "parse_lengths", "plan_cells"]
+__all__ = ["DENSE_CONFIGS", "Deadline", "add_arguments", "add_speedups", "config_loops", "draw_heatmap",
+           "estimate_bytes", "fits", "format_table", "heat_cell", "is_dense_baseline", "main", "parse_lengths", "plan_cells"]
 
 #: dense config name -> the attention implementation the unpatched model runs with
 #: (``"sdpa_gqa"`` is :data:`prhs_hf.attention.GQA_SDPA_NAME`, registered by ``prhs_hf.attention.register``)
@@ -116,15 +123,31 @@ class Deadline:
         return self.seconds is not None and self.clock() - self.start >= self.seconds
 
 
+def config_loops(configs: list[str], own: dict[str, int],
+                 given: Optional[list[int]] = None) -> dict[str, list[int]]:
+    """The decode loops (``stop_check_every``) each ``--configs`` entry runs in: every loop of
+    ``given`` (``--stop-check-every``) for every entry; else (``None``) each PrHS entry's own
+    (``own[config]``, its ``generation.stop_check_every``) and each unpatched dense baseline
+    (:data:`DENSE_CONFIGS`) in transformers' loop (1) and in every loop of the PrHS entries, so each
+    PrHS row has its dense baselines in its own loop (see the module docstring)."""
+    if given is not None:
+        return {c: list(given) for c in configs}
+    patched = sorted({own[c] for c in configs if c not in DENSE_CONFIGS} - {1})
+    return {c: [1, *patched] if c in DENSE_CONFIGS else [own[c]] for c in configs}
+
+
 def plan_cells(batches: list[int], lengths: list[int], modes: list[str], configs: list[str],
-               loops: Optional[list[int]] = None) -> list[tuple[str, int, int, str, Optional[int]]]:
+               loops: Optional[dict[str, list[int]]] = None) -> list[tuple[str, int, int, str, Optional[int]]]:
     """(mode, B, L, config, stop_check_every) in run order: cheapest B·L first, both modes, each loop
-    (``loops``; ``None``: each config's own), dense baselines first in a cell. A static cell leaves out
-    the entries that set ``backend.eager_step`` (``NAME+buffered``): a ``StaticCache`` has no eager
-    step, so such a row would repeat ``NAME``'s."""
+    (``loops``: :func:`config_loops`; ``None``: each config once, loop ``None``), dense baselines first
+    in a cell and loop. A static cell leaves out the entries that set ``backend.eager_step``
+    (``NAME+buffered``): a ``StaticCache`` has no eager step, so such a row would repeat ``NAME``'s."""
+    loops = loops or {c: [None] for c in configs}
     cells = sorted(((b, n) for b in batches for n in lengths), key=lambda c: (c[0] * c[1], c[1]))
     ordered = [c for c in configs if is_dense_baseline(c)] + [c for c in configs if not is_dense_baseline(c)]
-    return [(m, b, n, c, e) for b, n in cells for m in modes for e in (loops or [None]) for c in ordered
+    every = list(dict.fromkeys(e for c in ordered for e in loops[c]))
+    every = sorted(every, key=lambda e: -1 if e is None else e)
+    return [(m, b, n, c, e) for b, n in cells for m in modes for e in every for c in ordered if e in loops[c]
             if m != "static" or "eager_step" not in prhs_config(c)[1].get("backend", {})]
 
 
@@ -142,18 +165,27 @@ def _key(row: dict[str, Any]) -> tuple:
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
-    """Set ``fastest_dense`` and ``speedup_vs_fastest_dense`` (its ms/step over the row's) on every
-    measured row, against the dense row (:func:`is_dense_baseline`) with the fewest ms/step of the same
-    model, prompts, mode, B, L and decode loop (``stop_check_every``)."""
+    """Set on every measured row ``fastest_dense`` and ``speedup_vs_fastest_dense`` (its ms/step over
+    the row's), against the dense row (:func:`is_dense_baseline`) with the fewest ms/step of the same
+    model, prompts, mode, B, L and decode loop (``stop_check_every``), and ``loop_speedup``: the same
+    config's ms/step in transformers' loop (``stop_check_every`` 1) over the row's (``None`` where the
+    row is in that loop or its config did not run there)."""
     best: dict[tuple, dict[str, Any]] = {}
+    every_step: dict[tuple, float] = {}
     for r in rows:
-        if is_dense_baseline(r["config"]) and r["status"] == "ok":
-            if _key(r) not in best or r["ms_per_step"] < best[_key(r)]["ms_per_step"]:
-                best[_key(r)] = r
+        if r["status"] != "ok":
+            continue
+        if is_dense_baseline(r["config"]) and (_key(r) not in best or r["ms_per_step"] < best[_key(r)]["ms_per_step"]):
+            best[_key(r)] = r
+        if r.get("stop_check_every") == 1:
+            every_step[_key(r)[:-1] + (r["config"],)] = r["ms_per_step"]
     for r in rows:
-        ref = best.get(_key(r)) if r["status"] == "ok" else None
+        ok = r["status"] == "ok"
+        ref = best.get(_key(r)) if ok else None
+        own = every_step.get(_key(r)[:-1] + (r["config"],)) if ok and r.get("stop_check_every") not in (None, 1) else None
         r["fastest_dense"] = ref["config"] if ref else None
         r["speedup_vs_fastest_dense"] = ref["ms_per_step"] / r["ms_per_step"] if ref else None
+        r["loop_speedup"] = own / r["ms_per_step"] if own else None
 
 
 class _Clock:
@@ -463,18 +495,23 @@ def _cell(target: Target, mode: str, batch: int, length: int, config: str, args:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a fixed-width text table. ``warm-up s`` is the row's untimed first ``generate()``
-    (a static cell's compilation is in it); ``peak GiB`` the memory PyTorch allocated at most."""
+    """The rows as a fixed-width text table. ``N`` is the row's decode loop (``stop_check_every``; 1:
+    transformers' loop), ``speedup`` against the fastest dense of the same loop, ``loop gain`` the
+    config's ms/step in transformers' loop over the row's (``loop_speedup``). ``warm-up s`` is the
+    row's untimed first ``generate()`` (a static cell's compilation is in it); ``peak GiB`` the memory
+    PyTorch allocated at most."""
     head = (f"{'model':<22} {'mode':<6} {'N':>4} {'B':>3} {'L':>7} {'config':<20} {'ms/step':>9} {'speedup':>8} "
-            f"{'fastest dense':<20} {'rho_hat':>7} {'steps':<6} {'warm-up s':>9} {'peak GiB':>8}  status")
+            f"{'fastest dense':<20} {'loop gain':>9} {'rho_hat':>7} {'steps':<6} {'warm-up s':>9} {'peak GiB':>8}  status")
     lines = [head, "-" * len(head)]
+    times = lambda x: "" if x is None else f"{x:.2f}x"  # noqa: E731
     for r in rows:
-        ms, sp, rho = r.get("ms_per_step"), r.get("speedup_vs_fastest_dense"), r.get("rho_hat")
+        ms, rho = r.get("ms_per_step"), r.get("rho_hat")
         every, warm, peak = r.get("stop_check_every"), r.get("warmup_s"), r.get("peak_gib")
         lines.append(f"{r['model'][:22]:<22} {r['mode']:<6} {'' if every is None else every:>4} {r['batch']:>3} "
                      f"{r['length']:>7} {r['config'][:20]:<20} "
-                     f"{'' if ms is None else f'{ms:.2f}':>9} {'' if sp is None else f'{sp:.2f}x':>8} "
-                     f"{(r.get('fastest_dense') or '')[:20]:<20} {'' if rho is None else f'{100 * rho:.1f}%':>7} "
+                     f"{'' if ms is None else f'{ms:.2f}':>9} {times(r.get('speedup_vs_fastest_dense')):>8} "
+                     f"{(r.get('fastest_dense') or '')[:20]:<20} {times(r.get('loop_speedup')):>9} "
+                     f"{'' if rho is None else f'{100 * rho:.1f}%':>7} "
                      f"{r.get('decode_steps') or '':<6} {'' if warm is None else f'{warm:.0f}':>9} "
                      f"{'' if peak is None else f'{peak:.2f}':>8}  {r['status']}")
     return "\n".join(lines)
@@ -570,9 +607,9 @@ def add_arguments(parser: argparse.ArgumentParser, default_config: str) -> None:
       help="stamps: clock read after new tokens N1 and N2 of one generate(); calls: two generate() calls "
            "(default %(default)s)")
     a("--stop-check-every", default=None,
-      help="comma list of N: the decode loop reads the all-finished flag every N steps (generation.stop_check_every; "
-           "1: every step, transformers' loop); dense baselines run in the same loop (default: each config's own, "
-           "the unpatched loop for the dense baselines)")
+      help="comma list of N: every row runs in each of these decode loops, which read the all-finished flag every "
+           "N steps (generation.stop_check_every; 1: every step, transformers' loop) (default: each PrHS config in "
+           "its own loop, the dense baselines sdpa/sdpa_gqa in transformers' loop and in the PrHS configs' loops)")
     a("--prefill-chunk", type=int, default=None,
       help="prefill in chunks of this many tokens (generate's prefill_chunk_size): long batched prompts fit")
     a("--deadline-s", type=float, default=None, help="start no cell after this many seconds (rest: 'not run: deadline')")
@@ -674,7 +711,12 @@ def _meta(args: argparse.Namespace, device: Any, earlier: dict[str, Any]) -> dic
                       + (f"; the median of {args.repeats} timed runs" if args.repeats > 1 else ""),
             "speedup": "fastest_dense's ms/step / the row's; fastest of the dense rows (sdpa, sdpa_gqa, a config "
                        "forced dense) of the same model, "
-                       "prompts, mode, B, L and stop_check_every (the decode loop)"}
+                       "prompts, mode, B, L and stop_check_every (the decode loop)",
+            "loop_speedup": "the same config's ms/step in transformers' loop (stop_check_every 1) / the row's: "
+                            "the patched loop's own gain, apart from sparsity",
+            "loops": "each PrHS config in its own loop (generation.stop_check_every), the unpatched dense "
+                     "baselines in transformers' loop (1) and in the PrHS configs' loops"
+                     if args.loop_list is None else f"every config in each loop of {args.loop_list}"}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -693,12 +735,12 @@ def main(args: argparse.Namespace) -> int:
     import prhs_hf
     from prhs_hf.evaluation.accuracy.configs import load_any_config
 
-    for name in args.config_list:
-        if name not in DENSE_CONFIGS:
-            load_any_config(*prhs_config(name))  # a wrong name fails now, not after the first cells
+    own = {name: 1 if name in DENSE_CONFIGS  # a wrong name fails now, not after the first cells
+           else load_any_config(*prhs_config(name)).generation.stop_check_every for name in args.config_list}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, weights, prompts = _identity(args)
-    plan = plan_cells(args.batch_list, args.length_list, args.mode_list, args.config_list, args.loop_list)
+    loops = config_loops(args.config_list, own, args.loop_list)
+    plan = plan_cells(args.batch_list, args.length_list, args.mode_list, args.config_list, loops)
     planned = {(model, prompts, *cell) for cell in plan}
     earlier = json.loads(out.read_text()) if args.resume and out.is_file() else {}
     rows = [r for r in earlier.get("rows", []) if r["status"] in KEPT or _planned_key(r) not in planned]
