@@ -42,10 +42,11 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["CostModel", "DecodeShape", "H200", "cost_model_for", "load_cost_model"]
+__all__ = ["CostModel", "DecodeBytes", "DecodeShape", "H200", "cost_model_for", "load_cost_model"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,15 @@ class DecodeShape:
     union_group: int = 0
 
 
+class DecodeBytes(NamedTuple):
+    """The bytes of one layer's decode step (:meth:`CostModel.decode_bytes`)."""
+
+    dense: float  # dense attention: every key and value
+    gathered: float  # PrHS's sparse attention: the selected keys and values
+    scored: float  # a retrieval's score: the retrieving KV groups' keys (or key index entries)
+    reranked: float  # a key index's exact re-read of its candidates' keys
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Constants of one GPU (see the module docstring for the model)."""
@@ -85,24 +95,29 @@ class CostModel:
     # distinct keys / summed keys of a KV group's per-head sets (group_union's reads, module docstring)
     union_fraction: float = 0.33
 
-    def decode_times_us(self, shape: DecodeShape, compiled: bool) -> tuple[float, float]:
-        """``(dense, sparse)`` microseconds of one layer's decode step of ``shape``."""
-        s = shape
-        per_us = self.bandwidth_gbs * 1e3  # bytes per microsecond
+    def decode_bytes(self, shape: DecodeShape, retrieval_rate: float | None = None) -> DecodeBytes:
+        """The bytes one layer's decode step of ``shape`` reads (the module docstring), a retrieval
+        reading the keys of ``retrieval_rate`` of the KV groups (default: :attr:`retrieval_rate`)."""
+        s, rate = shape, self.retrieval_rate if retrieval_rate is None else retrieval_rate
         token_bytes = s.head_dim * s.itemsize  # one key (or one value) of one head
-        dense = s.batch * s.kv_heads * s.context * 2 * token_bytes / per_us
         if s.union_group:
             union = max(s.index_set, self.union_fraction * s.union_group * s.index_set)
             gathered = s.batch * s.kv_heads * min(union, s.context) * 2 * token_bytes
         else:
             gathered = s.batch * s.rows * min(s.index_set, s.context) * 2 * token_bytes
         key_bytes = token_bytes if s.scored_key_bytes is None else s.scored_key_bytes
-        scored = self.retrieval_rate * s.batch * (
-            s.kv_heads * s.context * key_bytes + s.rows * min(s.reranked, s.context) * token_bytes)
+        return DecodeBytes(dense=s.batch * s.kv_heads * s.context * 2 * token_bytes, gathered=gathered,
+                           scored=rate * s.batch * s.kv_heads * s.context * key_bytes,
+                           reranked=rate * s.batch * s.rows * min(s.reranked, s.context) * token_bytes)
+
+    def decode_times_us(self, shape: DecodeShape, compiled: bool) -> tuple[float, float]:
+        """``(dense, sparse)`` microseconds of one layer's decode step of ``shape``."""
+        s, moved = shape, self.decode_bytes(shape)
+        per_us = self.bandwidth_gbs * 1e3  # bytes per microsecond
         launches = self.compiled_overhead_us if compiled else self.eager_overhead_us
         overhead = (launches + self.per_key_ns * 1e-3 * s.batch * s.rows * s.index_set
                     + self.topk_latency_ns * 1e-3 * s.topk)
-        return dense, overhead + (gathered + scored) / per_us
+        return moved.dense / per_us, overhead + (moved.gathered + moved.scored + moved.reranked) / per_us
 
     def sparse_decode_wins(self, shape: DecodeShape, compiled: bool) -> bool:
         """Whether PrHS's decode step of ``shape`` beats the fair dense one by the margin."""

@@ -230,18 +230,23 @@ class PrHSRuntime:
         if policy.prefill == "auto":
             self.sparse_prefill = model is None or model.sparse_prefill_wins(q_len, cached)
         if policy.decode == "auto":
-            grouped = getattr(self.selector, "grouped", False)
-            shape = DecodeShape(
-                batch=hidden_states.shape[0], context=cached + q_len, kv_heads=self.num_kv_heads,
-                rows=self.num_kv_heads if grouped else self.num_heads, head_dim=self.head_dim,
-                itemsize=hidden_states.element_size(), index_set=self.resolved.index_capacity,
-                union_group=self._union_group(grouped),
-                **{"topk": self.resolved.config.budget.topk, **self._key_index_cost(hidden_states.dtype)},
-            )
+            shape = self.decode_shape(hidden_states.shape[0], cached + q_len, hidden_states.dtype)
             # a compiled step, or an eager one whose sparse layers replay CUDA graphs: few host launches
             compiled = (not self._decoding and isinstance(cache, StaticCache)) or (
                 self.graphed and hidden_states.device.type == "cuda" and isinstance(cache, DynamicCache))
             self.sparse_decode = model is None or model.sparse_decode_wins(shape, compiled)
+
+    def decode_shape(self, batch: int, context: int, dtype: torch.dtype) -> DecodeShape:
+        """What the cost model prices of this patch's decode step of one layer: ``batch`` sequences
+        attending to ``context`` tokens, the cache in ``dtype`` (:class:`~prhs_hf.policy.DecodeShape`)."""
+        grouped = getattr(self.selector, "grouped", False)
+        return DecodeShape(
+            batch=batch, context=context, kv_heads=self.num_kv_heads,
+            rows=self.num_kv_heads if grouped else self.num_heads, head_dim=self.head_dim,
+            itemsize=dtype.itemsize, index_set=self.resolved.index_capacity,
+            union_group=self._union_group(grouped),
+            **{"topk": self.resolved.config.budget.topk, **self._key_index_cost(dtype)},
+        )
 
     def geometry_on(self, device: torch.device) -> SequenceGeometry:
         """The current forward's geometry on ``device``: the buffers themselves on the first
