@@ -835,3 +835,68 @@ def test_probe_key_index_center_scores_centred_codes_of_keys_with_a_shared_part(
     result = json.loads((tmp_path / "probe.json").read_text())
     assert len(result["rows"]) == 2 * 3 * 2 and all(0 <= row["overlap"] <= 1 for row in result["rows"])
     assert len(result["mean_key_share_by_layer"]) == 30 and (tmp_path / "probe.md").exists()
+
+
+# ----------------------------------------------------------------------------- the stage table (issue 52, item 4)
+
+
+def test_stage_table_splits_the_retrieval_and_bounds_each_stage():
+    """The retrieval family splits by kernel into its score (K read), its select and the key index's
+    exact re-read; the host gap is the timed step minus every kernel; each stage's bound is its bytes
+    at the bandwidth, its fraction bound / measured; the bandwidth is the GPU's unless given."""
+    table = load_script("stage_table")
+    families = {"retrieval": 1.0, "linear (proj, MLP, head)": 2.0, "sparse attention": 0.25, "cis match": 0.05,
+                "key index write": 0.01, "inductor (fused glue)": 0.3, "aten (copy, index, reduce)": 0.1,
+                "all kernels": 3.71}
+    kernels = {"_group_score_kernel": {"ms": 0.5}, "_compact_kernel": {"ms": 0.02}, "_rerank_kernel": {"ms": 0.08},
+               "_tilemax_select_kernel": {"ms": 0.4}, "_sparse_attn_kernel": {"ms": 0.25}}
+    ms = table.stage_ms(families, kernels, ms_per_step=5.0)
+    assert ms["score (K read)"] == pytest.approx(0.52) and ms["top-k select"] == pytest.approx(0.40)
+    assert ms["key index"] == pytest.approx(0.09) and ms["sparse attention + match + compose"] == pytest.approx(0.3)
+    assert ms["glue"] == pytest.approx(0.4) and ms["host gap"] == pytest.approx(1.29) and ms["dense attention"] == 0
+    assert sum(ms.values()) == pytest.approx(5.0) and list(ms) == list(table.STAGES)
+    moved = {s: 0.0 for s in table.STAGES} | {"linear layers": 3.0e9, "score (K read)": 1.0e9}
+    got = table.table_rows(ms, moved, 5.0, gbs=4000.0)
+    assert got["stages"]["linear layers"] == {"ms": 2.0, "bytes": 3.0e9, "bound_ms": 0.75, "fraction": 0.375}
+    assert got["stages"]["score (K read)"]["fraction"] == pytest.approx(0.25 / 0.52, abs=1e-4)
+    assert got["step"] == {"ms": 5.0, "bytes": 4.0e9, "bound_ms": 1.0, "fraction": 0.2}
+    assert got["stages"]["dense attention"]["fraction"] is None  # nothing measured: no fraction
+    assert table.bandwidth_gbs("NVIDIA H100 80GB HBM3", None) == 3350.0
+    assert table.bandwidth_gbs("NVIDIA H200", None) == 4800.0 and table.bandwidth_gbs("NVIDIA H100 PCIe", None) == 2000.0
+    assert table.bandwidth_gbs("cpu (x86_64)", 50.0) == 50.0
+    with pytest.raises(ValueError, match="--bandwidth-gbs"):
+        table.bandwidth_gbs("cpu (x86_64)", None)
+
+
+def test_stage_table_on_a_cpu(tmp_path):
+    """The GPU's code path on a tiny random llama: a dense and a CIS row, each stage's bytes from the
+    policy's byte model (one home: CostModel.decode_bytes), the JSON and the markdown."""
+    from prhs_hf.evaluation import speed_map as sm
+    from prhs_hf.policy import H200, DecodeShape
+
+    table = load_script("stage_table")
+    assert table.main(["--model", "tiny-llama", "--mode", "eager", "--batch", "2", "--length", "600", "--configs",
+                       "sdpa_gqa,cis", "--steps", "2", "--new-tokens", "6", "--bandwidth-gbs", "50", "--prefill-chunk", "256",
+                       "--name", "cpu", "--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "stage_table_cpu.json").read_text())
+    assert set(META_FIELDS) <= set(data) and "--configs sdpa_gqa,cis" in data["command"]
+    assert data["bandwidth_gbs"] == 50.0 and data["stop_check_every"] == 8 and data["stages"] == list(table.STAGES)
+    dense, cis = data["rows"]
+    shape = sm.SHAPES["tiny-llama"]
+    assert (dense["config"], dense["decode_steps"], cis["config"], cis["decode_steps"]) == (
+        "sdpa_gqa", "dense", "cis", "sparse")
+    context, kv, d = 600 + 1, shape["num_key_value_heads"], shape["head_dim"]
+    assert dense["stages"]["dense attention"]["bytes"] == 2 * kv * context * d * 2 * 4  # B2, K and V, fp32
+    assert dense["stages"]["score (K read)"]["bytes"] == 0
+    one_layer = DecodeShape(batch=2, context=context, kv_heads=kv, rows=shape["num_attention_heads"], head_dim=d,
+                            itemsize=4, index_set=round(cis["processed_kv"]), topk=88)
+    moved = H200.decode_bytes(one_layer, retrieval_rate=cis["kv_group_rho_hat"])
+    assert cis["stages"]["score (K read)"]["bytes"] == pytest.approx(moved.scored) and moved.scored > 0
+    assert cis["stages"]["sparse attention + match + compose"]["bytes"] == pytest.approx(moved.gathered)
+    assert cis["stages"]["dense attention"]["bytes"] == 0
+    for r in (dense, cis):
+        assert r["step"]["bytes"] == pytest.approx(sum(e["bytes"] for e in r["stages"].values()))
+        assert r["stages"]["linear layers"]["bytes"] == dense["stages"]["linear layers"]["bytes"] > 0
+        assert r["stages"]["host gap"]["ms"] == pytest.approx(r["ms_per_step"], abs=1e-3)  # a CPU: no CUDA kernels
+    md = (tmp_path / "stage_table_cpu.md").read_text()
+    assert "| cis | score (K read) |" in md and "| sdpa_gqa | **step** (dense) |" in md and "50 GB/s" in md
