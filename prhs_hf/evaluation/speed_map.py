@@ -27,7 +27,7 @@ N = 8 as shipped), and each unpatched dense baseline (``sdpa``, ``sdpa_gqa``) tw
 the model patched with a dense config (``{generation: {stop_check_every: N}}``), which keeps its own
 ``sdpa`` / ``sdpa_gqa`` attention and adds only the loop, the fastest dense ``generate()`` a user can
 have (``sdpa`` keeps transformers' mask builder, which reads the padding at every step; ``sdpa_gqa``'s
-reads it once). A config forced dense (``NAME/dense``) is patched, so already in the patched loop.
+reads it once). A config forced dense (``NAME/dense``) runs in its own loop and in the PrHS rows'.
 The headline ``speedup_vs_fastest_dense`` of a PrHS row is then against the fastest dense of ITS loop,
 and the loop's own gain is a column of the dense rows: ``loop_speedup``, the same config's ms/step in
 transformers' loop over the row's (a transformers ``StoppingCriteria`` cannot give an unpatched model
@@ -126,14 +126,15 @@ class Deadline:
 def config_loops(configs: list[str], own: dict[str, int],
                  given: Optional[list[int]] = None) -> dict[str, list[int]]:
     """The decode loops (``stop_check_every``) each ``--configs`` entry runs in: every loop of
-    ``given`` (``--stop-check-every``) for every entry; else (``None``) each PrHS entry's own
-    (``own[config]``, its ``generation.stop_check_every``) and each unpatched dense baseline
-    (:data:`DENSE_CONFIGS`) in transformers' loop (1) and in every loop of the PrHS entries, so each
-    PrHS row has its dense baselines in its own loop (see the module docstring)."""
+    ``given`` (``--stop-check-every``) for every entry; else (``None``) each entry's own
+    (``own[config]``: 1, transformers' loop, for the unpatched dense baselines, else the config's
+    ``generation.stop_check_every``) and, for a dense baseline (:func:`is_dense_baseline`), every loop
+    of the PrHS entries too, so each PrHS row has its dense baselines in its own loop (see the module
+    docstring)."""
     if given is not None:
         return {c: list(given) for c in configs}
-    patched = sorted({own[c] for c in configs if c not in DENSE_CONFIGS} - {1})
-    return {c: [1, *patched] if c in DENSE_CONFIGS else [own[c]] for c in configs}
+    prhs = {own[c] for c in configs if not is_dense_baseline(c)}
+    return {c: sorted({own[c]} | prhs) if is_dense_baseline(c) else [own[c]] for c in configs}
 
 
 def plan_cells(batches: list[int], lengths: list[int], modes: list[str], configs: list[str],
