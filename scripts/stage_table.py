@@ -39,7 +39,7 @@ of MLP activation beside the 28 GB cache, past an H100's memory; the decode step
 
 On a CPU (a tiny random llama; the numbers mean nothing, the code path is the GPU's)::
 
-    python scripts/stage_table.py --model tiny-llama --mode eager --batch 2 --length 64 \\
+    python scripts/stage_table.py --model tiny-llama --mode eager --batch 2 --length 600 \\
         --configs sdpa_gqa,cis --bandwidth-gbs 50 --name cpu --out-dir /tmp/stage
 """
 
