@@ -74,3 +74,14 @@ def test_a_candidate_compiles_to_the_static_eager_tokens(name):
     compiled, stats = _generate(model, ids, mask, static=True, compiled=True)
     prhs_hf.unpatch(model)
     assert stats.sparse_sequence_steps > 0 and torch.equal(static, compiled)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "glm", "glm4", "qwen2_moe", "qwen3_moe", "glm4_moe"])
+def test_group_sets_with_a_relative_budget_and_a_key_index_run_on_every_family(family):
+    model = tiny_model(family, layers=2, heads=4, kv_heads=2)
+    ids, mask = padded_batch([1400, 1370])
+    prhs_hf.patch(model, load_any_config("cis-group-f16-fp8", CPU_SPARSE))
+    eager, stats = _generate(model, ids, mask, static=False)
+    static, _ = _generate(model, ids, mask, static=True)
+    prhs_hf.unpatch(model)
+    assert stats.sparse_sequence_steps == 2 * 5 and torch.equal(eager, static)
