@@ -98,11 +98,38 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class BudgetConfig:
-    """Token budget of a sparse decode step: sinks, recent (local) tokens and top-k middle tokens."""
+    """Token budget of a sparse decode step: sinks, recent (local) tokens and top-k middle tokens.
+
+    ``topk_fraction`` (null: off) makes the top-k relative to the context: a generation's k is
+    ``clamp(round(topk_fraction * context), topk, topk_max)`` (:meth:`topk_for`), with ``topk`` the
+    floor and ``topk_max`` (null: none) the cap, ``context`` the cache slots after the generation's
+    prefill (the batch's longest prompt under left padding). Every decode step of the generation
+    keeps that k, until the next prefill.
+    """
 
     sink: int = 8
     local: int = 32
     topk: int = 88
+    topk_fraction: float | None = None
+    topk_max: int | None = None
+
+    def topk_for(self, context: int) -> int:
+        """The top-k of a generation whose prefill leaves ``context`` cache slots: ``topk`` without a
+        ``topk_fraction``, else ``round(topk_fraction * context)`` (halves up) clamped to
+        ``[topk, topk_max]``.
+
+        Per generation, not per step or per sequence: k is the width of a retrieval's result and of a
+        CIS anchor's set (one tensor for the batch, the same for every step of a block), a constant of
+        a compiled step and of a CUDA graph's capture, and a step-by-step k would compile and capture
+        again every ``1 / topk_fraction`` tokens. A generation's decode steps add their tokens to a
+        context that its prompt sets (RULER, LongBench: 4k-128k prompts, at most a few hundred new
+        tokens), so the fraction is of the prompt."""
+        if self.topk_fraction is None:
+            return self.topk
+        k = math.floor(self.topk_fraction * context + 0.5)
+        if self.topk_max is not None:
+            k = min(k, self.topk_max)
+        return max(k, self.topk)
 
 
 @dataclass(frozen=True)
@@ -334,6 +361,15 @@ class PrHSConfig:
                                       f"(8 sink + 32 local + 88 top-k)")
         return ResolvedConfig(self, num_layers, psaw_start, etf_start, self._dilation_topm())
 
+    def with_topk(self, topk: int) -> "PrHSConfig":
+        """This config with the fixed top-k ``topk`` in place of its budget's (a context-relative
+        budget's k for one generation, :meth:`BudgetConfig.topk_for`; ``topk_fraction`` and
+        ``topk_max`` off). Not validated again: ``topk`` must lie within the budget's bounds."""
+        if self.budget.topk_fraction is None and topk == self.budget.topk:
+            return self
+        budget = dataclasses.replace(self.budget, topk=topk, topk_fraction=None, topk_max=None)
+        return dataclasses.replace(self, budget=budget)
+
     def _dilation_topm(self) -> int:
         """``cis.dilation_topm`` with ``null`` filled: floor(top-k / 3)."""
         return self.budget.topk // 3 if self.cis.dilation_topm is None else self.cis.dilation_topm
@@ -384,6 +420,15 @@ class ResolvedConfig:
         """Largest index set of a CIS step: the budget plus the dilation neighbours."""
         return self.config._index_set(self.dilation_topm)
 
+    def at_topk(self, topk: int) -> "ResolvedConfig":
+        """This resolved config with the fixed top-k ``topk`` (:meth:`PrHSConfig.with_topk`): what a
+        generation whose context-relative budget came to ``topk`` runs with (its ``dilation_topm``
+        follows a ``null`` ``cis.dilation_topm``: floor(topk / 3))."""
+        config = self.config.with_topk(topk)
+        if config is self.config:
+            return self
+        return dataclasses.replace(self, config=config, dilation_topm=config._dilation_topm())
+
 
 # --------------------------------------------------------------------------- parsing
 
@@ -411,6 +456,8 @@ _RULES: dict[str, tuple] = {
     "budget.sink": ("int", 0, MAX_TOKENS, False, False),
     "budget.local": ("int", 0, MAX_TOKENS, False, False),
     "budget.topk": ("int", 1, MAX_TOKENS, False, False),
+    "budget.topk_fraction": ("float", 0.0, 1.0, True, True),
+    "budget.topk_max": ("int", 1, MAX_TOKENS, False, True),
     "cis.enabled": ("bool",),
     "cis.block_size": ("int", 1, MAX_TOKENS, False, False),
     "cis.tau": ("float", -1.0, MAX_TAU, False, False),
@@ -577,9 +624,27 @@ def _require_budget(config: PrHSConfig, key: str, minimum: int, why: str, fix: s
         raise ConfigError(f"budget.{key}: {value} {why}; allowed >= {minimum}{fix}")
 
 
+def _check_relative_topk(config: PrHSConfig) -> None:
+    """``budget.topk_fraction`` and ``budget.topk_max``: a cap goes with a fraction, at or above the
+    floor ``budget.topk``; the fraction sizes CIS's retrievals (the baselines keep a fixed k)."""
+    b = config.budget
+    if b.topk_max is not None:
+        if b.topk_fraction is None:
+            raise ConfigError(f"budget.topk_max: {b.topk_max} caps a context-relative top-k and this config has "
+                              f"none (set budget.topk_fraction, or budget.topk_max: null)")
+        if b.topk_max < b.topk:
+            raise ConfigError(f"budget.topk_max: {b.topk_max} is out of range; allowed [budget.topk={b.topk}, "
+                              f"{MAX_TOKENS}] or null (budget.topk is the floor of a context-relative top-k)")
+    if b.topk_fraction is not None and not (config.cis.enabled and config.baseline.name is None):
+        selector = f"baseline.name: {config.baseline.name}" if config.baseline.name else "no selector (cis is off)"
+        raise ConfigError(f"budget.topk_fraction: applies to CIS (a cis section, no baseline.name); this config has "
+                          f"{selector} (set budget.topk_fraction: null)")
+
+
 def _check_sizes(config: PrHSConfig) -> None:
     """The bounds that involve several keys: ``dilation_topm`` within top-k, the index set and the CIS state."""
     b, cis = config.budget, config.cis
+    _check_relative_topk(config)
     if cis.dilation_topm is not None and cis.dilation_topm > b.topk:
         raise ConfigError(f"cis.dilation_topm: {cis.dilation_topm} is out of range; allowed [0, budget.topk={b.topk}]")
     if config.baseline.name == "certkv" and config.baseline.tail_slot:
@@ -613,7 +678,8 @@ def _check_sizes(config: PrHSConfig) -> None:
         _require_no_baseline(config, "early_select.side_stream", "ES-CIS", "set early_select.side_stream: false")
         _require_budget(config, "local", 1, "with early_select.side_stream: the side stream reads the middle while "
                         "the current token's key is written")
-    index_set = config._index_set(config._dilation_topm())
+    largest = config.with_topk(b.topk_max) if b.topk_max is not None else config  # the cap's k, where one is set
+    index_set = largest._index_set(largest._dilation_topm())
     if index_set > MAX_INDEX_SET:
         raise ConfigError(
             f"budget: the index set (budget.sink + budget.local + budget.topk + 2 * cis.dilation_radius * "

@@ -98,20 +98,37 @@ class PrHSLayer:
         # PSAW or ETF work to plan at a prefill: only such a layer (and the first) has a pre-hook
         self.plans_prefill = self.psaw_prefill or self.etf
         self.window_decode = r.psaw_decode and self.psaw_fraction is not None
-        self.decode_params = DecodeParams(
-            sink=c.budget.sink,
-            local=c.budget.local,
-            topk=c.budget.topk,
-            tau=c.cis.tau,
-            dilation_topm=r.dilation_topm,
-            dilation_radius=c.cis.dilation_radius,
-            capacity=r.index_capacity,
-            window_fraction=self.psaw_fraction if self.window_decode else None,
-        )
+        # top-k -> this layer's DecodeParams at it (a context-relative budget's k per generation:
+        # use_budget); one object per k, so that a compiled step that returns to a k finds its own
+        self._params_at: dict[int, DecodeParams] = {}
+        self.decode_params = self._params(r)
         self.plan: PrefillPlan | None = None
         self.graphs = StepGraph()  # backend.eager_step: graphs (CUDA)
         # backend.sparse_attention: group_union: per-query-head sets read once per KV group (GQA)
         self.reads_group_union = c.backend.sparse_attention == "group_union"
+
+    def _params(self, r) -> DecodeParams:
+        """The :class:`DecodeParams` of the resolved config ``r`` (the runtime's, or that at one
+        generation's top-k), made once per top-k."""
+        c = r.config
+        params = self._params_at.get(c.budget.topk)
+        if params is None:
+            params = self._params_at[c.budget.topk] = DecodeParams(
+                sink=c.budget.sink,
+                local=c.budget.local,
+                topk=c.budget.topk,
+                tau=c.cis.tau,
+                dilation_topm=r.dilation_topm,
+                dilation_radius=c.cis.dilation_radius,
+                capacity=r.index_capacity,
+                window_fraction=self.psaw_fraction if self.window_decode else None,
+            )
+        return params
+
+    def use_budget(self, at_topk) -> None:
+        """Decode steps from now on run the budget of ``at_topk`` (the runtime's resolved config at the
+        current generation's top-k, :meth:`~prhs_hf.config.ResolvedConfig.at_topk`); eager."""
+        self.decode_params = self._params(at_topk)
 
     # ------------------------------------------------------------------ prefill
 
@@ -241,7 +258,7 @@ class PrHSLayer:
         state, local = selector.step_state(self.index)  # the anchors made before the capture
         return (key.data_ptr(), value.data_ptr(), tuple(key.shape), tuple(q.shape), q.dtype, q.device,
                 geom.pad.data_ptr(), state.anchor_q.data_ptr(), state.anchor_idx.data_ptr(), state.step.data_ptr(),
-                local, ops.name, scaling)
+                local, ops.name, scaling, self.decode_params.topk)
 
     def record_dense_decode(self, geom: SequenceGeometry, heads: int) -> None:
         """Telemetry of a decode step that attends to every token (no-op with telemetry off)."""

@@ -21,7 +21,7 @@ from .kernels.group_union import MAX_GROUP
 from .kernels.key_index import candidate_count, index_bytes_per_slot
 from .layer import PrHSLayer, StepGraph
 from .policy import DecodeShape, cost_model_for
-from .selectors import CISSelector, make_selector
+from .selectors import CISSelector, cis_set_size, make_selector
 from .selectors.base import StepMark, export_call_state, import_call_state, undo_period, undoes_steps
 from .telemetry_counters import Telemetry
 
@@ -131,6 +131,13 @@ class PrHSRuntime:
         self.dense_step = False
         self._never_sparse = self.selector is None and not any(layer.window_decode for layer in self.layers)
         self._taps = getattr(self.selector, "attach", None) is not None  # hooks that read the geometry
+        # the resolved config at the top-k of the generation bound now (budget.topk_fraction: one k
+        # per generation, set at its prefill, use_budget); the layers' decode params and the policy's
+        # pricing follow it
+        self.step_config = resolved
+        # the CIS selector whose anchor sets follow the generation's k (ES-CIS: the one EarlySelectKV wraps)
+        base = getattr(self.selector, "base", self.selector)
+        self._cis = base if isinstance(base, CISSelector) else None
 
     def begin_forward(self, hidden_states: torch.Tensor, kwargs: dict) -> None:
         """The first decoder layer's pre-hook: this forward's geometry, computed once for all layers.
@@ -162,6 +169,8 @@ class PrHSRuntime:
         if not compiling:
             self._decoding = q_len == 1 and cached > 0
             self._bind(cache)
+            prefill_end = self.bound.prefill_end if self._decoding and self.bound is not None else None
+            self.use_budget(cached + q_len if prefill_end is None else prefill_end)
             self._decide(cache, cached, q_len, hidden_states)
             if self.bound is not None:  # the generation's record of this forward (SelectorRollback)
                 self.bound.sparse_decode = self.sparse_decode
@@ -207,6 +216,23 @@ class PrHSRuntime:
                 "the patched model with this cache first, or start from input_ids alone"
             )
 
+    def use_budget(self, context: int) -> None:
+        """Run the top-k of a generation whose prefill left ``context`` cache slots
+        (:meth:`~prhs_hf.config.BudgetConfig.topk_for`: ``budget.topk`` unless ``budget.topk_fraction``
+        is set) from this forward on: every layer's decode params, the CIS anchor sets that the next
+        prefill makes, the policy's pricing (:attr:`step_config`). An eager forward calls it with the
+        slots of the prefill that began the cache's generation (a decode step: the bound
+        ``CallState.prefill_end``), so a generation keeps its k whatever other caches ran in
+        between; a compiled step keeps the last eager forward's."""
+        topk = self.resolved.config.budget.topk_for(context)
+        if topk == self.step_config.config.budget.topk:
+            return
+        self.step_config = self.resolved.at_topk(topk)
+        for layer in self.layers:
+            layer.use_budget(self.step_config)
+        if self._cis is not None:
+            self._cis.set_size = cis_set_size(self.step_config)
+
     def _hold(self, call: CallState) -> None:
         """Make ``call``'s state the selector's, keeping the state it held on its own :class:`CallState`."""
         if call is not self.bound:
@@ -243,9 +269,9 @@ class PrHSRuntime:
         return DecodeShape(
             batch=batch, context=context, kv_heads=self.num_kv_heads,
             rows=self.num_kv_heads if grouped else self.num_heads, head_dim=self.head_dim,
-            itemsize=dtype.itemsize, index_set=self.resolved.index_capacity,
+            itemsize=dtype.itemsize, index_set=self.step_config.index_capacity,
             union_group=self._union_group(grouped),
-            **{"topk": self.resolved.config.budget.topk, **self._key_index_cost(dtype)},
+            **{"topk": self.step_config.config.budget.topk, **self._key_index_cost(dtype)},
         )
 
     def geometry_on(self, device: torch.device) -> SequenceGeometry:
@@ -276,7 +302,7 @@ class PrHSRuntime:
             per_slot = index_bytes_per_slot(c.cis.index, self.head_dim, dtype, page)
         except ValueError:  # an index the head size cannot take: the selector's prefill says so (cis.index)
             return {}
-        candidates = candidate_count(c.budget.topk, c.cis.rerank_margin, page)
+        candidates = candidate_count(self.step_config.config.budget.topk, c.cis.rerank_margin, page)
         return {"scored_key_bytes": per_slot, "reranked": candidates * page, "topk": candidates}
 
     def last_query_slot(self) -> int | None:

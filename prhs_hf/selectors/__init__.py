@@ -25,6 +25,7 @@ from .streaming import StreamingSelector
 __all__ = [
     "Selector",
     "make_selector",
+    "cis_set_size",
     "CISSelector",
     "SELECTORS",
     "OracleSelector",
@@ -80,6 +81,14 @@ def make_selector(resolved: ResolvedConfig, num_heads: int,
                                side_stream=es.side_stream)
 
 
+def cis_set_size(resolved: ResolvedConfig) -> int:
+    """Entries of a CIS anchor's dilated set under ``resolved``'s budget (its ``budget.topk``: use
+    :meth:`~prhs_hf.config.ResolvedConfig.at_topk` for a context-relative budget's k)."""
+    c = resolved.config
+    kept = c.budget.topk - (1 if c.cis.tail_slot else 0)  # the tail slot is charged to the top-k
+    return dilated_set_size(kept, resolved.dilation_topm, c.cis.dilation_radius)
+
+
 def _base_selector(resolved: ResolvedConfig, num_heads: int,
                    ops_for: Callable[[torch.device], DecodeOps] | None,
                    last_query_slot: Callable[[], int | None] | None,
@@ -89,9 +98,7 @@ def _base_selector(resolved: ResolvedConfig, num_heads: int,
     if name is None:
         if not c.cis.enabled:
             return None
-        kept = c.budget.topk - (1 if c.cis.tail_slot else 0)  # the tail slot is charged to the top-k
-        set_size = dilated_set_size(kept, resolved.dilation_topm, c.cis.dilation_radius)
-        return CISSelector(resolved.num_layers, c.cis.block_size, set_size, grouped=c.cis.selection != "head",
+        return CISSelector(resolved.num_layers, c.cis.block_size, cis_set_size(resolved), grouped=c.cis.selection != "head",
                            group_score="mean" if c.cis.selection == "group_mean" else "max",
                            keep_anchor_local=c.cis.keep_anchor_local, tail_slot=c.cis.tail_slot,
                            index=c.cis.index, rerank_margin=c.cis.rerank_margin, index_page=c.cis.index_page,

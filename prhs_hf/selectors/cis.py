@@ -260,6 +260,8 @@ class CISSelector:
         self._slot = {layer: (dev, i) for dev, layers in per_device.items() for i, layer in enumerate(layers)}
         for dev, layers in per_device.items():
             state = self.states.get(dev)
+            if state is not None and state.set_size != self.set_size:
+                state = None  # anchor sets of another top-k (budget.topk_fraction: the runtime sets set_size)
             if state is not None and index is not None and state.index_spec == index:
                 state.grow_key_index(index_slots)
             if state is None or not state.matches(len(layers), batch, heads, head_dim, dev, index, index_slots):

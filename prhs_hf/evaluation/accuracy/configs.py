@@ -38,6 +38,15 @@ and ``es-quest-r256`` / ``es-cis-r256`` (the mid tap through a rank-256 SVD of `
 baselines, seed selectors and CIS variants at ``cis-lb``'s long-context budget, for the RULER table; ``ds-cal-lb`` is Double Sparsity
 with the label channels calibrated for Qwen2.5-Coder-1.5B (``ds_qwen2.5-coder-1.5b.yaml``) at that budget. Anything else given as a name is a YAML path.
 
+The frontier candidates of issue 54 (:data:`FRONTIER_CONFIGS`), all ``cis_longbench.yaml`` (sink 64, window
+256, s = 16, τ 0.8, ±1 dilation of the best floor(k/3)) with a smaller or context-relative top-k, named
+``cis-<sets>-<budget>[-fp8]``: ``<sets>`` is ``group`` (``cis.selection: group``, one set per KV head) or
+``head`` (a set per query head); ``<budget>`` is ``2k`` / ``1k`` (``budget.topk`` 2,048 / 1,024) or
+``f8`` / ``f16`` (``budget.topk_fraction`` 1/8 / 1/16 of the prompt, floor 1,024, cap 8,192); ``-fp8`` adds
+the fp8 key index (``cis.index: fp8``, the shipped margin 128; with group sets its codes are not centred,
+which a group's largest score cannot use: docs/notes/key_index.md). The k 4,096 ones are ``cis-lb``,
+``cis-group-lb``, ``cis-fp8-lb`` and ``cis-group-fp8-lb``.
+
 These names are what the result files (``docs/results/accuracy*.json``, ``ruler_*.json``) call their
 rows, and :func:`load_any_config` loads them wherever a config is given by name: ``prhs-hf generate
 --config``, ``prhs-hf bench --configs`` and lm-eval's ``prhs_config``, beside the shipped configs
@@ -54,7 +63,8 @@ from typing import Any, Mapping
 
 import prhs_hf
 
-__all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "KEY_INDEX_CONFIGS", "LONG_CONTEXT_BASELINES",
+__all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "FRONTIER_CONFIGS", "KEY_INDEX_CONFIGS",
+           "LONG_CONTEXT_BASELINES",
            "named_config", "load_named_config", "load_any_config", "known_config_names"]
 
 
@@ -139,6 +149,27 @@ ACCURACY_CONFIGS.update(
 #: (``configs/ds_qwen2.5-coder-1.5b.yaml``, the accuracy table's DS row) at ``cis-lb``'s budget.
 ACCURACY_CONFIGS["ds-cal-lb"] = NamedConfig("ds-cal-lb", "ds_qwen2.5-coder-1.5b", {
     "budget": {"sink": 64, "local": 256, "topk": 4096}})
+
+#: Issue 54's frontier candidates on ``cis_longbench.yaml`` (module docstring: ``cis-<sets>-<budget>[-fp8]``),
+#: for the RULER table and the speed map; the sets' selection and the budget of each, the ``-fp8`` twins
+#: added below. Not :data:`DEFAULT_CONFIGS`: below their budget (1,344 tokens and up) they attend to every key.
+_RELATIVE = {"topk": 1024, "topk_max": 8192}
+_FRONTIER_SHAPES = {
+    "cis-group-2k": ("group", {"topk": 2048}),
+    "cis-group-1k": ("group", {"topk": 1024}),
+    "cis-head-2k": ("head", {"topk": 2048}),
+    "cis-head-1k": ("head", {"topk": 1024}),
+    "cis-group-f8": ("group", {**_RELATIVE, "topk_fraction": 1 / 8}),
+    "cis-group-f16": ("group", {**_RELATIVE, "topk_fraction": 1 / 16}),
+}
+FRONTIER_CONFIGS: dict[str, NamedConfig] = {}
+for _name, (_selection, _budget) in _FRONTIER_SHAPES.items():
+    for _index, _suffix in (("none", ""), ("fp8", "-fp8")):
+        FRONTIER_CONFIGS[_name + _suffix] = NamedConfig(_name + _suffix, "cis_longbench", {
+            "budget": _budget, "cis": {"selection": _selection, "index": _index}})
+FRONTIER_CONFIGS["cis-group-fp8-lb"] = NamedConfig("cis-group-fp8-lb", "cis_longbench", {
+    "cis": {"selection": "group", "index": "fp8"}})
+ACCURACY_CONFIGS.update(FRONTIER_CONFIGS)
 
 
 def named_config(name: str) -> NamedConfig:
