@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(accuracy_configs.DEFAULT_CONFIGS),
                    help="comma list of named configs (" + ", ".join(accuracy_configs.ACCURACY_CONFIGS)
                         + ") or YAML paths; default all")
+    p.add_argument("--policy", choices=accuracy_configs.ACCURACY_POLICIES, default="sparse",
+                   help="policy.decode and policy.prefill of every config (default sparse: every forward of a sparse "
+                        "config runs sparse, so a row measures the method whatever this machine's cost model would "
+                        "pick; config: each config's own policy section)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="override every task's generation length (default: gsm8k 384, gsm8k_cot 256, coqa 256)")
     p.add_argument("--data-dir", default=None,
@@ -228,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     names = [n for t in names for n in (direct.ruler_task_names(args.data_dir) if t == "ruler" else [t])]
     tasks = [direct.task_named(t) for t in names]
-    configs = [accuracy_configs.named_config(c.strip()) for c in args.configs.split(",") if c.strip()]
+    configs = [accuracy_configs.with_policy(accuracy_configs.named_config(c.strip()), args.policy)
+               for c in args.configs.split(",") if c.strip()]
     device = _device(args.device)
     if args.threads:
         import torch
@@ -238,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": shlex.join(["scripts/run_accuracy.py", *(sys.argv[1:] if argv is None else argv)]),
         "model": args.model, "engine": args.engine, "dtype": args.dtype, "device": device,
         "batch_size": args.batch_size, "batch_tokens": args.batch_tokens, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+        "policy": args.policy,
         "tasks": [t.name for t in tasks], "configs": [c.name for c in configs],
         "environment": report.environment(device),
         "commit": common.git_commit(),  # PRHS_GIT_COMMIT on the GPU machine (its copy has no .git)

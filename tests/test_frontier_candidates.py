@@ -14,8 +14,8 @@ from prhs_hf.config import load_config
 from prhs_hf.evaluation.accuracy.configs import ACCURACY_CONFIGS, FRONTIER_CONFIGS, load_any_config, named_config
 from tiny_models import padded_batch, tiny_model
 
-NAME = re.compile(r"cis-(group|head)-(2k|1k|f8|f16)(-fp8)?|cis-group-fp8-lb")
-BUDGETS = {"2k": {"topk": 2048}, "1k": {"topk": 1024},
+NAME = re.compile(r"cis-(group|head)-(8k|2k|1k|f8|f16)(-fp8)?|cis-group-fp8-lb")
+BUDGETS = {"8k": {"topk": 8192}, "2k": {"topk": 2048}, "1k": {"topk": 1024},
            "f8": {"topk": 1024, "topk_fraction": 1 / 8, "topk_max": 8192},
            "f16": {"topk": 1024, "topk_fraction": 1 / 16, "topk_max": 8192}}
 

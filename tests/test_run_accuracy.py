@@ -413,3 +413,27 @@ def test_prefill_time_ends_at_the_first_logits(checkpoint) -> None:
     assert gen.prefill_seconds >= 0.1 and total - gen.prefill_seconds >= 0.05 * decode_steps
     texts = ("Once upon a time", "Hi")
     assert gen.prompt_tokens == sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+
+
+def test_rows_run_their_decode_steps_sparse_unless_told_otherwise(checkpoint, data_dir, tmp_path, monkeypatch) -> None:
+    """Issue 54 measures each candidate's accuracy with its decode steps forced sparse: a shipped config
+    says ``policy: auto``, which on a GPU runs dense wherever the cost model says sparse loses, so a row
+    of it would measure dense's accuracy. ``--policy`` (default sparse) forces every forward; ``config``
+    keeps each config's own section."""
+    config = accuracy_configs.NamedConfig("cis-tiny-auto", "cis", {
+        "budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4},
+        "policy": {"decode": "auto", "prefill": "auto"}})
+    monkeypatch.setitem(accuracy_configs.ACCURACY_CONFIGS, config.name, config)
+    policies = {}
+    for flag in ([], ["--policy", "config"], ["--policy", "dense"]):
+        out = tmp_path / f"acc{len(policies)}.json"
+        assert run_accuracy.main(_args(checkpoint, data_dir, out, "--configs", config.name, "--tasks", "coqa",
+                                       "--limit", "1", *flag)) == 0
+        report = json.loads(out.read_text())
+        (row,) = report["rows"]
+        policies[report["meta"]["policy"]] = row["prhs_config"]["policy"]
+    assert policies["sparse"]["decode"] == policies["sparse"]["prefill"] == "sparse"
+    assert policies["config"]["decode"] == "auto" and policies["dense"]["decode"] == "dense"
+    assert accuracy_configs.with_policy(config, "config") is config
+    with pytest.raises(ValueError, match="allowed sparse, auto, dense, config"):
+        accuracy_configs.with_policy(config, "fast")

@@ -41,7 +41,7 @@ with the label channels calibrated for Qwen2.5-Coder-1.5B (``ds_qwen2.5-coder-1.
 The frontier candidates of issue 54 (:data:`FRONTIER_CONFIGS`), all ``cis_longbench.yaml`` (sink 64, window
 256, s = 16, τ 0.8, ±1 dilation of the best floor(k/3)) with a smaller or context-relative top-k, named
 ``cis-<sets>-<budget>[-fp8]``: ``<sets>`` is ``group`` (``cis.selection: group``, one set per KV head) or
-``head`` (a set per query head); ``<budget>`` is ``2k`` / ``1k`` (``budget.topk`` 2,048 / 1,024) or
+``head`` (a set per query head); ``<budget>`` is ``8k`` / ``2k`` / ``1k`` (``budget.topk`` 8,192 / 2,048 / 1,024) or
 ``f8`` / ``f16`` (``budget.topk_fraction`` 1/8 / 1/16 of the prompt, floor 1,024, cap 8,192); ``-fp8`` adds
 the fp8 key index (``cis.index: fp8``, the shipped margin 128; with group sets its codes are not centred,
 which a group's largest score cannot use: docs/notes/key_index.md). The k 4,096 ones are ``cis-lb``,
@@ -57,6 +57,8 @@ such as ``cpe-s16-share``; each of its result files maps them to a base YAML and
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -65,7 +67,7 @@ import prhs_hf
 
 __all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "FRONTIER_CONFIGS", "KEY_INDEX_CONFIGS",
            "LONG_CONTEXT_BASELINES",
-           "named_config", "load_named_config", "load_any_config", "known_config_names"]
+           "ACCURACY_POLICIES", "with_policy", "named_config", "load_named_config", "load_any_config", "known_config_names"]
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ ACCURACY_CONFIGS["ds-cal-lb"] = NamedConfig("ds-cal-lb", "ds_qwen2.5-coder-1.5b"
 #: added below. Not :data:`DEFAULT_CONFIGS`: below their budget (1,344 tokens and up) they attend to every key.
 _RELATIVE = {"topk": 1024, "topk_max": 8192}
 _FRONTIER_SHAPES = {
+    "cis-group-8k": ("group", {"topk": 8192}),
     "cis-group-2k": ("group", {"topk": 2048}),
     "cis-group-1k": ("group", {"topk": 1024}),
     "cis-head-2k": ("head", {"topk": 2048}),
@@ -184,6 +187,25 @@ def named_config(name: str) -> NamedConfig:
     if name.endswith((".yaml", ".yml")):
         return NamedConfig(Path(name).stem, name)
     raise ValueError(f"unknown config {name!r}; {known_config_names()}; or a .yaml path")
+
+
+#: What ``scripts/run_accuracy.py --policy`` takes: ``sparse`` (every forward of a sparse config runs
+#: sparse, whatever the cost model of the machine would pick: the accuracy of the method), ``auto`` or
+#: ``dense``, or ``config`` (each config's own ``policy`` section).
+ACCURACY_POLICIES = ("sparse", "auto", "dense", "config")
+
+
+def with_policy(config: NamedConfig, policy: str) -> NamedConfig:
+    """``config`` with ``policy.decode`` and ``policy.prefill`` set to ``policy`` (one of
+    :data:`ACCURACY_POLICIES`; ``config`` returns it unchanged). The row keeps its name: its
+    ``prhs_config`` records the policy it ran with."""
+    if policy not in ACCURACY_POLICIES:
+        raise ValueError(f"policy {policy!r}: allowed {', '.join(ACCURACY_POLICIES)}")
+    if policy == "config":
+        return config
+    overrides = {**config.overrides, "policy": {**config.overrides.get("policy", {}),
+                                                "decode": policy, "prefill": policy}}
+    return dataclasses.replace(config, overrides=overrides)
 
 
 def load_named_config(config: NamedConfig) -> prhs_hf.PrHSConfig:
