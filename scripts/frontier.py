@@ -47,6 +47,7 @@ class Candidate:
     selection: str
     ruler_name: str
     speed_map_names: tuple[str, ...]  # its rows in the speed maps, forced sparse or as the policy ran them
+    topk: Optional[int] = None  # its top-k where it is not the budget file's (the file's sink and window kept)
 
 
 CANDIDATES = (
@@ -54,11 +55,14 @@ CANDIDATES = (
     Candidate("cis_longbench", "cis_longbench.yaml", "head", "cis-lb",
               ("cis_longbench/sparse", "cis_longbench", "cis_longbench+graphs")),
     Candidate("cis-group-lb", "cis_longbench.yaml", "group", "cis-group-lb", ("cis-group-lb", "cis-group-lb/sparse")),
+    Candidate("cis-group-8k", "cis_longbench.yaml", "group", "cis-group-8k", ("cis-group-8k", "cis-group-8k/sparse"),
+              topk=8192),
     Candidate("cis", "cis.yaml", "head", "cis-s16", ("cis", "cis/sparse", "cis+graphs")),
     Candidate("cis-group", "cis.yaml", "group", "cis-group", ("cis-group", "cis-group/sparse")),
 )
 DEFAULT_SPEED_MAPS = ("speed_map_static_h100_b1_128k.json", "speed_map_eager_h100.json",
                       "speed_map_eager_h100_b4_64k.json", "speed_map_h100_af76502.json")
+DEFAULT_RULER = ("ruler_qwen1.5b.json", "ruler_qwen1.5b_frontier_table.json")
 DEFAULT_MASSES = ("probe_group_mass_qwen1.5b.json", "probe_group_mass_qwen1.5b_16k.json",
                   "probe_group_mass_qwen1.5b_cis.json", "probe_group_set_mass_qwen1.5b_16k.json")
 
@@ -73,7 +77,7 @@ def dropped_masses(probes: list[tuple[str, dict]], cand: Candidate) -> list[dict
     from prhs_hf.config import load_config
 
     config = Path(cand.budget).stem
-    k = str(load_config(REPO / "configs" / cand.budget).budget.topk)
+    k = str(cand.topk or load_config(REPO / "configs" / cand.budget).budget.topk)
     who = "group" if cand.selection == "group" else "head"
     exact = [dict(file=name, model=data["model"], length=data["length"], k=int(k), sets="exact top-k",
                   mean=row["dropped_mass"][k][who]["mean"], p90=row["dropped_mass"][k][who]["p90"],
@@ -101,6 +105,16 @@ def ruler_accuracy(ruler: dict, name: str) -> Optional[dict]:
                 score=sum(own[k]["score"] for k in shared) / len(shared))
 
 
+def merge_ruler(reports: list[dict]) -> dict:
+    """The rows of several ``ruler_report.py`` JSONs as one report; a (config, task, length) cell in
+    several keeps the first report's row."""
+    cells: dict[tuple, dict] = {}
+    for report in reports:
+        for r in report["rows"]:
+            cells.setdefault((r["config"], r["task"], r["length"]), r)
+    return {"rows": list(cells.values())}
+
+
 def operator_speeds(operator: dict, cand: Candidate) -> list[dict]:
     """The candidate's whole-step speedups in the operator file: one per shape with its budget."""
     if not cand.budget:
@@ -108,7 +122,12 @@ def operator_speeds(operator: dict, cand: Candidate) -> list[dict]:
     column = "cis16_group" if cand.selection == "group" else "cis16"
     return [dict(shape=_shape(r), speedup=r[f"{column}_speedup_vs_fastest_dense"], ms=r[f"{column}_ms"],
                  dense_ms=r["fastest_dense_ms"], dense=r["fastest_dense"])
-            for r in operator["rows"] if r["budget"] == cand.budget]
+            for r in operator["rows"] if _measures(r, cand)]
+
+
+def _measures(row: dict, cand: Candidate) -> bool:
+    """Whether an operator row ran ``cand``'s budget (its file, and its top-k where the candidate sets one)."""
+    return row["budget"] == cand.budget and (cand.topk is None or row["k"] == cand.topk)
 
 
 def _shape(row: dict) -> str:
@@ -141,7 +160,7 @@ def build(ruler: dict, operator: dict, speed_maps: list[tuple[str, dict]],
     out = []
     for cand in CANDIDATES:
         ops = operator_speeds(operator, cand)
-        by_shape = {_shape(r): r for r in operator["rows"] if r["budget"] == cand.budget}
+        by_shape = {_shape(r): r for r in operator["rows"] if _measures(r, cand)}
         for op in ops:
             op["policy_auto"] = policy_decision(by_shape[op["shape"]], cand) if cand.budget else None
         out.append(dict(asdict(cand), operator=ops, end_to_end=end_to_end(speed_maps, cand),
@@ -167,7 +186,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "Speed: the whole CIS-16 decode step against the fastest dense of the same run "
              f"([{meta['operator']}]({meta['operator']}): {meta['operator_gpu']}, llama3-8b attention shape, half the "
              "rows retrieving); in brackets what `policy: auto` runs there (its cost model). RULER: points against "
-             f"dense over the cells both ran ([{meta['ruler']}]({meta['ruler']}), Qwen2.5-Coder-1.5B-Instruct). "
+             "dense over the cells both ran ("
+             + ", ".join(f"[{name}]({name})" for name in meta["ruler"].split(", "))
+             + ", Qwen2.5-Coder-1.5B-Instruct; a candidate's RULER rows ran every decode step sparse). "
              "Dropped mass (a CPU proxy, not an accuracy): the mean attention mass per (step, layer, query head) "
              "outside the candidate's sets, on a prompt of Python source: its exact per-step sets (sink, window, "
              "top-k, its selection; no sharing, no dilation; `scripts/probe_group_union.py --mass-k`) and the sets "
@@ -228,7 +249,8 @@ def plot(rows: list[dict], path: Path, shape: str) -> bool:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ruler", default=str(RESULTS / "ruler_qwen1.5b.json"))
+    ap.add_argument("--ruler", default=",".join(str(RESULTS / f) for f in DEFAULT_RULER),
+                    help="scripts/ruler_report.py JSONs, comma-separated (a cell in several: the first file's)")
     ap.add_argument("--operator", default=str(RESULTS / "bench_decode_attention_lb.json"))
     ap.add_argument("--speed-maps", default=",".join(str(RESULTS / f) for f in DEFAULT_SPEED_MAPS))
     ap.add_argument("--masses", default=",".join(str(RESULTS / f) for f in DEFAULT_MASSES),
@@ -236,19 +258,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "frontier"), help="output stem (.json, .md, .png)")
     args = ap.parse_args(argv)
     mass_paths = [Path(p) for p in args.masses.split(",") if p]
-    paths = [Path(args.ruler), Path(args.operator)] + [Path(p) for p in args.speed_maps.split(",") if p] + mass_paths
-    missing = [str(p) for p in paths if not p.is_file()]
+    ruler_paths = [Path(p) for p in args.ruler.split(",") if p]
+    speed_paths = [Path(p) for p in args.speed_maps.split(",") if p]
+    missing = [str(p) for p in [*ruler_paths, Path(args.operator), *speed_paths, *mass_paths] if not p.is_file()]
     if missing:
         ap.error(f"missing result files: {', '.join(missing)}")
-    ruler, operator = (json.loads(p.read_text()) for p in paths[:2])
-    speed_maps = [(p.name, json.loads(p.read_text())) for p in paths[2:len(paths) - len(mass_paths)]]
+    ruler = merge_ruler([json.loads(p.read_text()) for p in ruler_paths])
+    operator = json.loads(Path(args.operator).read_text())
+    speed_maps = [(p.name, json.loads(p.read_text())) for p in speed_paths]
     probes = tuple((p.name, json.loads(p.read_text())) for p in mass_paths)
     rows = build(ruler, operator, speed_maps, probes)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(command="python scripts/frontier.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                ruler=Path(args.ruler).name, operator=Path(args.operator).name,
+                ruler=", ".join(p.name for p in ruler_paths), operator=Path(args.operator).name,
                 operator_gpu=operator.get("gpu"), operator_commit=operator.get("git_commit"),
                 speed_maps=[n for n, _ in speed_maps], masses=[n for n, _ in probes])
     (out.parent / f"{out.name}.json").write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")

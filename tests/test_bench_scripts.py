@@ -691,12 +691,17 @@ def test_bench_e2e_decode_warm_up_and_rho_run_shapes(tmp_path, monkeypatch):
 
 def test_frontier_reads_the_measured_results_and_leaves_unmeasured_cells_empty(tmp_path):
     """scripts/frontier.py on the committed results: every candidate's operator speed at each shape of its
-    budget, the policy's decision there, and RULER points only where a RULER run exists (cis-group-lb has
-    none: "not run", never a guess); the Pareto set keeps a point that no other beats on both axes."""
+    budget, the policy's decision there, and RULER points only where a RULER run exists (cis-group has
+    none: "not run", never a guess), from every --ruler file; the Pareto set keeps a point that no other
+    beats on both axes."""
     frontier = load_script("frontier")
     assert frontier.main(["--out", str(tmp_path / "f_1.5b")]) == 0  # a dot in the stem is kept
     rows = {r["name"]: r for r in json.loads((tmp_path / "f_1.5b.json").read_text())["rows"]}
-    assert rows["cis-group-lb"]["ruler"] is None and "not run" in (tmp_path / "f_1.5b.md").read_text()
+    assert rows["cis-group"]["ruler"] is None and "not run" in (tmp_path / "f_1.5b.md").read_text()
+    # the group-set candidates' rows come from the second RULER file (ruler_qwen1.5b_frontier_table.json)
+    assert rows["cis-group-lb"]["ruler"]["cells"] == rows["cis-group-8k"]["ruler"]["cells"] == 24
+    assert rows["cis-group-8k"]["operator"] == []  # no operator row at k 8,192: nothing borrowed from k 4,096
+    assert {m["k"] for m in rows["cis-group-8k"]["dropped_mass"]} == {8192}
     assert rows["dense"]["ruler"]["delta_points"] == 0.0
     assert rows["cis"]["ruler"]["cells"] >= 24 and rows["cis"]["ruler"]["delta_points"] < -1
     lb = {o["shape"]: o for o in rows["cis_longbench"]["operator"]}
