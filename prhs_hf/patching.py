@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 from transformers.generation import utils as generation_utils
 
 from . import attention
+from .compat import assistant_generate_kwargs
 from .config import PrHSConfig, load_config
 from .families import check_model, decoder_layers
 from .geometry import DeferredLayoutCheck, deferred_layout_checks, raise_if_broken
@@ -353,6 +354,7 @@ def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate
 
     @functools.wraps(generate)
     def generate_with_loop(*args, **kwargs):
+        kwargs = assistant_generate_kwargs(kwargs)  # (transformers >= 5.18 calls an assistant without its mask)
         runtime.generate_starts()
         try:
             return _generate_in_loop(*args, **kwargs)

@@ -23,7 +23,7 @@ KERNELS = ROOT / "kernels"
 
 #: The top of ``prhs_hf/``: the runtime core, the command line, and the concern folders.
 TOP_LEVEL = {
-    "__init__.py", "__main__.py", "attention.py", "backends.py", "cli.py", "config.py", "decode.py",
+    "__init__.py", "__main__.py", "attention.py", "backends.py", "cli.py", "compat.py", "config.py", "decode.py",
     "families.py", "fetch.py", "geometry.py", "layer.py", "patching.py", "policy.py", "runtime.py",
     "schedules.py", "telemetry_counters.py",
     "calibration", "evaluation", "hub", "selectors",
@@ -175,7 +175,7 @@ def test_is_patched_has_one_home_with_the_patch() -> None:
 def test_the_top_of_the_package_is_the_runtime_core_and_the_concern_folders() -> None:
     entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__" and not p.name.endswith(".pyc")}
     assert entries == TOP_LEVEL
-    assert len(entries) <= 20
+    assert len(entries) <= 21  # (compat.py: what differs between the transformers versions supported)
 
 
 @pytest.mark.parametrize("folder", ["hub", "calibration", "evaluation", "selectors"])
