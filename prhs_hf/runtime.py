@@ -223,6 +223,7 @@ class PrHSRuntime:
         compiling = torch.compiler.is_compiling()
         if not compiling:
             _check_room(cache, cached, q_len)
+            _check_batch(cache, cached, batch)
             self._last_query_slot = last_query_slot
         if self.passthrough and self.telemetry is None:
             return  # the model's own attention runs every layer: nothing of this forward is needed
@@ -696,6 +697,19 @@ def _check_room(cache, cached: int | None, q_len: int) -> None:
             "Start a new generation (a new cache), make the static cache longer (a larger max_cache_len, or "
             "max_new_tokens in the first generate() call), or use a DynamicCache"
         )
+
+
+def _check_batch(cache, cached: int, batch: int) -> None:
+    """Raise where a cache that holds tokens holds another number of sequences than this forward's
+    ``batch`` (transformers' concatenation or PrHS's buffer write would fail inside the layer)."""
+    layers = getattr(cache, "layers", None) if cached else None
+    keys = getattr(layers[0], "keys", None) if layers else None
+    if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[0] != batch:
+        raise ValueError(
+            f"the cache holds {keys.shape[0]} sequences and this forward has {batch}: generate() repeats input_ids "
+            "for num_return_sequences and num_beams, not a cache passed in. Expand the cache first "
+            "(cache.batch_repeat_interleave(n), which carries its PrHS state along), or pass as many sequences "
+            "as it holds (a beam search's cache holds every beam)")
 
 
 def _cached_tokens(cache) -> int | None:

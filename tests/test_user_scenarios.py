@@ -970,3 +970,25 @@ def test_torch_save_of_a_patched_model_loads_patched(tmp_path):
     _same(_gen(model, ids, mask), expected, what="the saved model")
     prhs_hf.unpatch(loaded)
     assert loaded.config._attn_implementation == "sdpa"
+
+
+def test_a_prefix_cache_for_several_return_sequences_is_expanded_first():
+    """generate(num_return_sequences=2) on a batch-1 prefix cache: transformers repeats input_ids, not
+    the cache (unpatched, a size mismatch deep in the cache's update). Patched, the error says what to do;
+    expanded with its own ``batch_repeat_interleave`` the cache carries its CIS state along, and both
+    returned sequences are the one continuation of the prefix (sampling from the top 1: greedy)."""
+    model = tiny_model("llama", layers=2)
+    ids, _ = padded_batch([96], seed=3)
+    _patch(model, "sparse")
+    with torch.no_grad():
+        prefix = DynamicCache(config=model.config)
+        model(ids[:, :95], past_key_values=prefix, use_cache=True)
+    single = _gen(model, ids, _ones(ids), new=8, past_key_values=copy.deepcopy(prefix))
+    two = dict(new=8, num_return_sequences=2, do_sample=True, top_k=1)
+    with pytest.raises(ValueError, match=r"holds 1 sequences.*batch_repeat_interleave"):
+        _gen(model, ids, _ones(ids), past_key_values=copy.deepcopy(prefix), **two)
+    expanded = copy.deepcopy(prefix)
+    expanded.batch_repeat_interleave(2)
+    got = _gen(model, ids, _ones(ids), past_key_values=expanded, **two)
+    assert torch.equal(got.sequences, single.sequences.repeat(2, 1))
+    _assert_sparse_and_sharing(model)
