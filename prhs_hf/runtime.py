@@ -112,9 +112,10 @@ class FollowBatchEdit:
         self.cache = cache
         self.name = name
 
-    def __call__(self, arg):
+    def __call__(self, *args, **kwargs):
         cache = self.cache
-        getattr(type(cache), self.name)(cache, arg)
+        getattr(type(cache), self.name)(cache, *args, **kwargs)
+        arg = args[0] if args else next(iter(kwargs.values()))  # (the beam / kept indices, or the repeats)
         call = cache.__dict__.get(CALL_STATE_ATTRIBUTE)
         if call is None or call.batch is None:
             return None

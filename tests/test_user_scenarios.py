@@ -813,10 +813,10 @@ def test_batch_select_and_repeat_of_the_cache_carry_the_state(family, edit):
     cache = copy.deepcopy(first.past_key_values)
     if edit == "select":
         rows = torch.tensor([1])
-        cache.batch_select_indices(rows)
+        cache.batch_select_indices(indices=rows)  # (by keyword, as the methods' signatures allow)
     else:
         rows = torch.tensor([0, 0, 1, 1])
-        cache.batch_repeat_interleave(2)
+        cache.batch_repeat_interleave(repeats=2)
     got = _continue(model, first, ids, mask, rows=rows, past_key_values=cache)
     assert torch.equal(got.sequences, expected.sequences[rows])
     _assert_sparse_and_sharing(model)
