@@ -704,7 +704,13 @@ def _check_batch(cache, cached: int, batch: int) -> None:
     """Raise where a cache that holds tokens holds another number of sequences than this forward's
     ``batch`` (transformers' concatenation or PrHS's buffer write would fail inside the layer)."""
     layers = getattr(cache, "layers", None) if cached else None
-    keys = getattr(layers[0], "keys", None) if layers else None
+    if not layers:
+        return
+    # (a BufferedLayer's whole buffer: its keys are a view, which would be one more op per step)
+    if isinstance(layers[0], BufferedLayer):
+        keys = None if layers[0].whole_buffers is None else layers[0].whole_buffers[0]
+    else:
+        keys = getattr(layers[0], "keys", None)
     if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[0] != batch:
         raise ValueError(
             f"the cache holds {keys.shape[0]} sequences and this forward has {batch}: generate() repeats input_ids "
