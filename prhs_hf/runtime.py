@@ -119,11 +119,12 @@ class FollowBatchEdit:
         call = cache.__dict__.get(CALL_STATE_ATTRIBUTE)
         if call is None or call.batch is None:
             return None
-        rows = torch.arange(call.batch)
+        # on the index's device, no read (beam search reorders at every step)
+        rows = torch.arange(call.batch, device=arg.device if isinstance(arg, torch.Tensor) else None)
         if self.name == "batch_repeat_interleave":
             rows = rows.repeat_interleave(arg)
         else:  # a reordering (beam search), or the sequences kept (any index: tensor, list, mask)
-            rows = rows[arg.cpu() if isinstance(arg, torch.Tensor) else arg]
+            rows = rows[arg]
         call.runtime.follow_batch(call, rows)
         return None
 
