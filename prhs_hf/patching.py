@@ -575,7 +575,11 @@ def patch(
     path, a dict or a :class:`PrHSConfig`) says.
 
     Supported: the families in :data:`prhs_hf.families.SUPPORTED_FAMILIES`, fp16/bf16/fp32,
-    ``DynamicCache`` and ``StaticCache``, left padding. Patching a patched model replaces its
+    ``DynamicCache`` and ``StaticCache``, left padding; a returned cache's ``reorder_cache``,
+    ``batch_select_indices``, ``batch_repeat_interleave`` and ``crop`` (its PrHS state follows them:
+    :class:`~prhs_hf.runtime.CallState`). Assisted decoding attends densely, with a warning;
+    ``output_attentions=True`` under a config that changes attention, and ``set_attn_implementation``
+    after patching, raise. Patching a patched model replaces its
     patch (and a ``with`` block around the new one restores it on exit). The model's ``generate()``
     then runs the decode loop of ``generation.stop_check_every`` (:func:`generate_without_step_reads`:
     the device read every N steps, not at each; the same output). Returns a :class:`PatchHandle`

@@ -992,3 +992,21 @@ def test_a_prefix_cache_for_several_return_sequences_is_expanded_first():
     got = _gen(model, ids, _ones(ids), past_key_values=expanded, **two)
     assert torch.equal(got.sequences, single.sequences.repeat(2, 1))
     _assert_sparse_and_sharing(model)
+
+
+@pytest.mark.parametrize("cis", [{"index": "fp8"}, {"tail_slot": True}, {"selection": "group"}],
+                         ids=["key_index", "tail_slot", "group"])
+def test_batch_edits_carry_every_part_of_the_cis_state(cis):
+    """The key index, the tail pairs and grouped anchors have a batch axis too: a repeat then a select of
+    the returned cache continue each row as the whole batch's continuation does."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([44, 33], seed=1)
+    prhs_hf.patch(model, "cis", overrides={**SPARSE, "cis": {**SPARSE["cis"], **cis}})
+    first = _gen(model, ids, mask, new=3)
+    expected = _continue(model, first, ids, mask, past_key_values=copy.deepcopy(first.past_key_values))
+    cache = copy.deepcopy(first.past_key_values)
+    cache.batch_repeat_interleave(2)
+    cache.batch_select_indices(torch.tensor([3, 0]))
+    got = _continue(model, first, ids, mask, rows=torch.tensor([1, 0]), past_key_values=cache)
+    assert torch.equal(got.sequences, expected.sequences[[1, 0]])
+    _assert_sparse_and_sharing(model)
