@@ -4,9 +4,10 @@ Patching selects the ``"prhs"`` attention implementation (registered with transf
 ``AttentionInterface`` and ``AttentionMaskInterface``), attaches a :class:`~prhs_hf.layer.PrHSLayer`
 to every attention module, adds one forward pre-hook per decoder layer (the PSAW/ETF prefill
 plan), wraps ``q_proj``/``o_proj``/``mlp`` of ETF layers so frozen rows are not computed, registers
-the hooks a selector asks for (``selector.attach(layers, runtime)``: EarlySelectKV's taps), lets beam
-search reorder the CIS state, and wraps the model's ``generate()`` in the sync-free decode loop
-(:func:`generate_without_step_reads`). Unpatching removes all of it and restores the original
+the hooks a selector asks for (``selector.attach(layers, runtime)``: EarlySelectKV's taps), and
+wraps the model's ``generate()`` in the sync-free decode loop (:func:`generate_without_step_reads`);
+the state of a generation lives on its cache and follows the cache's batch edits and crops
+(:class:`~prhs_hf.runtime.CallState`). Unpatching removes all of it and restores the original
 attention implementation; patching twice replaces the first patch, and leaving the `with` block of the
 second puts the first back (nested blocks nest).
 """
@@ -18,6 +19,7 @@ import copy
 import functools
 import inspect
 import threading
+import warnings
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -34,7 +36,7 @@ from .config import PrHSConfig, load_config
 from .families import check_model, decoder_layers
 from .geometry import DeferredLayoutCheck, deferred_layout_checks, raise_if_broken
 from .layer import install_row_skip, remove_row_skip
-from .runtime import BufferedLayer, PrHSRuntime, SelectorRollback, buffer_cache
+from .runtime import DENSE_RUNTIMES, BufferedLayer, PrHSRuntime, SelectorRollback, buffer_cache
 from .selectors.base import undoes_steps
 from .telemetry_counters import TelemetryReport
 
@@ -85,11 +87,23 @@ def _check_cache(cache: Any) -> None:
         raise TypeError(f"PrHS supports the caches {names}; got {type(cache).__name__}")
 
 
+def _check_attention(decoder_layer: nn.Module, runtime: PrHSRuntime) -> None:
+    """Refuse a forward whose attention is no longer PrHS's (``set_attn_implementation`` after ``patch``)."""
+    implementation = decoder_layer.self_attn.config._attn_implementation
+    if not runtime.passthrough and implementation != attention.ATTENTION_NAME:
+        raise ValueError(
+            f"PrHS: the model's attention implementation was set to {implementation!r} after prhs_hf.patch(), "
+            f"which needs {attention.ATTENTION_NAME!r}: unpatch (prhs_hf.unpatch), set the implementation, then "
+            "patch again (the patch keeps the model's own 'sdpa' or 'eager' where it attends densely)")
+
+
 def _make_pre_hook(layer, first: bool):
     def hook(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
         if first:
             _check_cache(kwargs.get("past_key_values"))
+            if not torch.compiler.is_compiling():
+                _check_attention(module, layer.runtime)
             layer.runtime.begin_forward(hidden, kwargs)
         if layer.plans_prefill:
             layer.plan_prefill(hidden, _execution_device(module, hidden))
@@ -126,6 +140,28 @@ def _deepcopy_patched(model: nn.Module):
         return twin
 
     return deepcopy_model
+
+
+def _reduce_patched(model: nn.Module):
+    """``__reduce_ex__`` of a patched model (pickle, ``torch.save(model)``): a copy of the unpatched
+    model (made while pickling: the model's memory once more, for that time), which loads patched
+    anew with the same config, as :func:`_deepcopy_patched`'s copy (the hooks, closures, do not pickle)."""
+
+    def reduce_model(protocol: int):
+        runtime = _uninstall(model)
+        try:
+            plain = copy.deepcopy(model)
+        finally:
+            _install(model, runtime)
+        return (_patched_model, (plain, runtime.resolved.config))
+
+    return reduce_model
+
+
+def _patched_model(model: nn.Module, config: PrHSConfig) -> nn.Module:
+    """``model`` patched with ``config`` (an unpickled patched model: :func:`_reduce_patched`)."""
+    patch(model, config)
+    return model
 
 
 # ------------------------------------------------------------------------------------ the generate() loop
@@ -253,6 +289,8 @@ class PeriodicStopCheck(generation_utils.StopCheck):
             _roll_back(self.cache, self.undo, self.length - 1)
         if self.rollback is not None:
             self.rollback.undo()
+            if self.undo:
+                self.rollback.call.cut(self.length - 1 - self.undo)
         return self.undo
 
 
@@ -348,7 +386,8 @@ def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate
     cache whose steps cannot be undone exactly (sliding-window, quantized or offloaded layers), and
     with a selector that cannot undo its own (one without
     :class:`~prhs_hf.selectors.base.UndoesSteps`); beam search and assisted generation keep
-    transformers' stop checks.
+    transformers' stop checks. In assisted decoding (:func:`_assisted`) the model attends densely, with
+    a warning (:data:`ASSISTED_DENSE`): its verification forwards are not decode steps.
     """
     signature = inspect.signature(generate)
 
@@ -356,14 +395,21 @@ def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate
     def generate_with_loop(*args, **kwargs):
         kwargs = assistant_generate_kwargs(kwargs)  # (transformers >= 5.18 calls an assistant without its mask)
         runtime.generate_starts()
+        token = None
         try:
-            return _generate_in_loop(*args, **kwargs)
+            given = signature.bind_partial(*args, **kwargs).arguments
+            config = _generation_config(model, given)
+            if not runtime.passthrough and _assisted(given, config):
+                warnings.warn(ASSISTED_DENSE, stacklevel=2)
+                token = DENSE_RUNTIMES.set(DENSE_RUNTIMES.get() | {runtime})
+            return _generate_in_loop(given, config, *args, **kwargs)
         finally:
+            if token is not None:
+                DENSE_RUNTIMES.reset(token)
             runtime.generate_ends()  # the returned cache, and the state on it, are the caller's alone
 
-    def _generate_in_loop(*args, **kwargs):
+    def _generate_in_loop(given, config, *args, **kwargs):
         every = runtime.resolved.config.generation.stop_check_every
-        given = signature.bind_partial(*args, **kwargs).arguments
         if every == 1 or given.get("custom_generate") is not None:
             return generate(*args, **kwargs)
         periodic = (_DEFERRED_STOP_CHECK is not None and given.get("streamer") is None
@@ -373,7 +419,7 @@ def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate
             layout = stack.enter_context(deferred_layout_checks())
             if periodic:
                 stack.enter_context(_stop_check_switch())
-            plan = _LoopPlan(every, layout, runtime, _draws(model, given)) if periodic else None
+            plan = _LoopPlan(every, layout, runtime, _draws(model, config)) if periodic else None
             token = _PLAN.set(plan)
             try:
                 return generate(*args, **kwargs)
@@ -383,11 +429,31 @@ def generate_without_step_reads(model: nn.Module, runtime: PrHSRuntime, generate
     return generate_with_loop
 
 
-def _draws(model: nn.Module, given: dict[str, Any]) -> bool:
-    """Whether the decode steps of ``model.generate()`` called with ``given`` (its bound arguments)
-    draw from the RNG: a sampling generation (``do_sample`` as transformers resolves it, from the
-    call's arguments, its ``generation_config`` and the model's), or a model in train mode (dropout)."""
+ASSISTED_DENSE = (
+    "PrHS: assisted decoding (assistant_model, prompt_lookup_num_tokens, assistant_early_exit, use_mtp) runs this "
+    "model's attention densely: its verification forwards check several tokens at once, which PrHS's sparse decode "
+    "step does not; the tokens are those of the dense model")
+
+
+def _generation_config(model: nn.Module, given: dict[str, Any]) -> Any:
+    """The generation config of ``model.generate()`` called with ``given`` (its bound arguments), as
+    transformers resolves it from the call's arguments, its ``generation_config`` and the model's."""
     config, _ = model._prepare_generation_config(given.get("generation_config"), **given.get("kwargs", {}))
+    return config
+
+
+def _assisted(given: dict[str, Any], config: Any) -> bool:
+    """Whether ``model.generate()`` called with ``given`` (its bound arguments; ``config``, its generation
+    config) decodes assisted (an assistant model, prompt lookup, early exit or MTP drafts), whose
+    verification forwards the patched model runs densely (``runtime.DENSE_RUNTIMES``)."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    return config.get_generation_mode(given.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION
+
+
+def _draws(model: nn.Module, config: Any) -> bool:
+    """Whether the decode steps of a ``model.generate()`` of generation config ``config`` draw from the
+    RNG: a sampling generation, or a model in train mode (dropout)."""
     return bool(config.do_sample) or model.training
 
 
@@ -511,7 +577,11 @@ def patch(
     path, a dict or a :class:`PrHSConfig`) says.
 
     Supported: the families in :data:`prhs_hf.families.SUPPORTED_FAMILIES`, fp16/bf16/fp32,
-    ``DynamicCache`` and ``StaticCache``, left padding. Patching a patched model replaces its
+    ``DynamicCache`` and ``StaticCache``, left padding; a returned cache's ``reorder_cache``,
+    ``batch_select_indices``, ``batch_repeat_interleave`` and ``crop`` (its PrHS state follows them:
+    :class:`~prhs_hf.runtime.CallState`). Assisted decoding attends densely, with a warning;
+    ``output_attentions=True`` under a config that changes attention, and ``set_attn_implementation``
+    after patching, raise. Patching a patched model replaces its
     patch (and a ``with`` block around the new one restores it on exit). The model's ``generate()``
     then runs the decode loop of ``generation.stop_check_every`` (:func:`generate_without_step_reads`:
     the device read every N steps, not at each; the same output). Returns a :class:`PatchHandle`
@@ -565,7 +635,9 @@ def _tensor_parallel_group(model: nn.Module):
 
 
 def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
-    """Attach ``runtime`` to ``model``: attention function, pre-hooks, ETF row skipping, beam reordering."""
+    """Attach ``runtime`` to ``model``: attention function, pre-hooks, ETF row skipping, the generate() loop.
+    (Beam search reorders the state with the cache: the cache's own ``reorder_cache``,
+    :class:`~prhs_hf.runtime.FollowBatchEdit`.)"""
     attention.register()
     runtime.hooks = []
     runtime.wrapped = []
@@ -589,13 +661,8 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
     if not runtime.passthrough:  # a config that changes nothing keeps the model's own attention (eager, flex…)
         model.set_attn_implementation(attention.ATTENTION_NAME)
 
-    def reorder_cache(cache, beam_idx):
-        cache.reorder_cache(beam_idx)
-        runtime.reorder(beam_idx)
-        return cache
-
-    model._reorder_cache = reorder_cache
     model.__deepcopy__ = _deepcopy_patched(model)  # copy.deepcopy looks it up on the instance
+    model.__reduce_ex__ = _reduce_patched(model)  # and pickle
     runtime.own_generate = model.__dict__.get("generate")  # a generate() set on the instance, put back on unpatch
     if hasattr(model, "generate"):
         model.generate = generate_without_step_reads(model, runtime, model.generate)
@@ -616,16 +683,16 @@ def _uninstall(model: nn.Module) -> PrHSRuntime | None:
         remove_row_skip(module)
     for decoder_layer in decoder_layers(model):
         decoder_layer.self_attn.__dict__.pop("_prhs_layer", None)
-    model.__dict__.pop("_reorder_cache", None)
     model.__dict__.pop("__deepcopy__", None)
+    model.__dict__.pop("__reduce_ex__", None)
     model.__dict__.pop("generate", None)
     if getattr(runtime, "own_generate", None) is not None:
         model.generate = runtime.own_generate
     model.__dict__.pop("_prefill", None)
     if getattr(runtime, "own_prefill", None) is not None:
         model._prefill = runtime.own_prefill
-    if model.config._attn_implementation != runtime.original_attn_implementation:
-        model.set_attn_implementation(runtime.original_attn_implementation)
+    if model.config._attn_implementation == attention.ATTENTION_NAME != runtime.original_attn_implementation:
+        model.set_attn_implementation(runtime.original_attn_implementation)  # (not one the user set since)
     return runtime
 
 

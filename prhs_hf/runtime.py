@@ -7,6 +7,8 @@ import copy
 import functools
 import math
 import threading
+import warnings
+from contextvars import ContextVar
 from typing import Any, Callable
 
 import torch
@@ -25,10 +27,18 @@ from .selectors import CISSelector, cis_set_size, make_selector
 from .selectors.base import StepMark, export_call_state, import_call_state, undo_period, undoes_steps
 from .telemetry_counters import Telemetry
 
-__all__ = ["BufferedLayer", "CallState", "PrHSRuntime", "SelectorRollback", "CALL_STATE_ATTRIBUTE", "buffer_cache"]
+__all__ = ["BufferedLayer", "CallState", "PrHSRuntime", "SelectorRollback", "CALL_STATE_ATTRIBUTE", "DENSE_RUNTIMES",
+           "buffer_cache"]
 
 CALL_STATE_ATTRIBUTE = "_prhs_call_state"
 """The cache attribute that holds the :class:`CallState` of the generation that fills the cache."""
+
+DENSE_RUNTIMES: ContextVar[frozenset] = ContextVar("prhs_dense_runtimes", default=frozenset())
+"""The runtimes whose forwards in this context attend densely whatever the policy decides (a
+patched ``generate()`` in assisted decoding: ``prhs_hf.patching.generate_without_step_reads``)."""
+
+#: the batch edits of a ``Cache`` that the state on it follows (:class:`FollowBatchEdit`)
+BATCH_EDITS = ("reorder_cache", "batch_select_indices", "batch_repeat_interleave")
 
 
 class CallState:
@@ -42,6 +52,14 @@ class CallState:
     Of the last eager forward over the cache (what :class:`SelectorRollback` reads):
     ``sparse_decode``, the policy's decision (a compiled decode step that follows keeps it), and
     ``prefill_end``, the cache's slots after the last prefill (None before any).
+
+    So that the state follows what transformers does to the cache between forwards: ``batch``, the
+    sequences of the last prefill (``Cache.reorder_cache``, ``batch_select_indices`` and
+    ``batch_repeat_interleave`` carry the state along: :class:`FollowBatchEdit`); ``slots``, the
+    cache's tokens after the last eager forward, against which the next one sees a ``Cache.crop``;
+    and ``history``, ``(slots, mark)`` before each of the last sparse decode steps since the last
+    prefill (``history_complete``: none dropped), to which a crop puts the state back
+    (:meth:`PrHSRuntime._follow_crop`).
     """
 
     def __init__(self, runtime: "PrHSRuntime", fields: list[dict[str, Any]]):
@@ -53,6 +71,16 @@ class CallState:
         # the cache is compileable (a StaticCache): compiled steps over it read the selector's state
         # without binding it, so a finished generate() leaves it bound (PrHSRuntime._unbind)
         self.compiled_steps = False
+        self.batch: int | None = None
+        self.slots: int | None = None
+        self.history: list[tuple[int, StepMark]] = []
+        self.history_complete = True
+
+    def cut(self, slots: int) -> None:
+        """The cache was cut back to ``slots`` tokens and the state put back to match (the periodic
+        stop check's undo): the marks of the steps undone go."""
+        self.slots = slots
+        self.history = [entry for entry in self.history if entry[0] < slots]
 
     def __deepcopy__(self, memo: dict) -> "CallState":
         if self.runtime.bound is self:  # the selector holds the live objects: take them first
@@ -60,6 +88,8 @@ class CallState:
         twin = CallState(self.runtime, copy.deepcopy(self.fields, memo))
         twin.prefilled, twin.sparse_decode, twin.prefill_end = self.prefilled, self.sparse_decode, self.prefill_end
         twin.compiled_steps = self.compiled_steps
+        twin.batch, twin.slots, twin.history_complete = self.batch, self.slots, self.history_complete
+        twin.history = copy.deepcopy(self.history, memo)
         return twin
 
     def __reduce__(self):
@@ -70,6 +100,46 @@ class CallState:
 
 def _no_call_state() -> None:
     return None
+
+
+class FollowBatchEdit:
+    """One of a cache's :data:`BATCH_EDITS`, set on the cache instance when a patch first keeps its
+    state there: it runs the cache's own method, then makes the state of every sequence follow its
+    row (:meth:`PrHSRuntime.follow_batch`). A copy of the cache (``copy.deepcopy``) gets its own; a
+    pickled cache, which leaves its state behind (``CallState.__reduce__``), gets the plain method."""
+
+    def __init__(self, cache, name: str):
+        self.cache = cache
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        cache = self.cache
+        getattr(type(cache), self.name)(cache, *args, **kwargs)
+        arg = args[0] if args else next(iter(kwargs.values()))  # (the beam / kept indices, or the repeats)
+        call = cache.__dict__.get(CALL_STATE_ATTRIBUTE)
+        if call is None or call.batch is None:
+            return None
+        # on the index's device, no read (beam search reorders at every step)
+        rows = torch.arange(call.batch, device=arg.device if isinstance(arg, torch.Tensor) else None)
+        if self.name == "batch_repeat_interleave":
+            rows = rows.repeat_interleave(arg)
+        else:  # a reordering (beam search), or the sequences kept (any index: tensor, list, mask)
+            rows = rows[arg]
+        call.runtime.follow_batch(call, rows)
+        return None
+
+    def __deepcopy__(self, memo: dict) -> "FollowBatchEdit":
+        return FollowBatchEdit(copy.deepcopy(self.cache, memo), self.name)
+
+    def __reduce__(self):  # (pickle only: a copy keeps following, __deepcopy__)
+        return (getattr, (self.cache, self.name))
+
+
+def _follow_batch_edits(cache) -> None:
+    """Make ``cache``'s :data:`BATCH_EDITS` carry its PrHS state along (:class:`FollowBatchEdit`)."""
+    for name in BATCH_EDITS:
+        if callable(getattr(type(cache), name, None)) and name not in cache.__dict__:
+            setattr(cache, name, FollowBatchEdit(cache, name))
 
 
 class PrHSRuntime:
@@ -153,11 +223,16 @@ class PrHSRuntime:
         batch, q_len = hidden_states.shape[:2]
         device = hidden_states.device
         mask = kwargs.get("attention_mask")
+        if kwargs.get("output_attentions") and not self.passthrough:
+            raise ValueError(
+                "PrHS attention returns no attention weights: output_attentions=True needs a model that runs its "
+                "own attention, the unpatched model or one patched with 'dense' (on attn_implementation 'eager')")
         cached = _cached_tokens(cache)  # None only under torch.compile with a StaticCache
         last_query_slot = None if cached is None else cached + q_len - 1
         compiling = torch.compiler.is_compiling()
         if not compiling:
             _check_room(cache, cached, q_len)
+            _check_batch(cache, cached, batch)
             self._last_query_slot = last_query_slot
         if self.passthrough and self.telemetry is None:
             return  # the model's own attention runs every layer: nothing of this forward is needed
@@ -168,14 +243,14 @@ class PrHSRuntime:
             )
         if not compiling:
             self._decoding = q_len == 1 and cached > 0
-            self._bind(cache)
+            self._bind(cache, cached, batch)
             prefill_end = self.bound.prefill_end if self._decoding and self.bound is not None else None
             self.use_budget(cached + q_len if prefill_end is None else prefill_end)
             self._decide(cache, cached, q_len, hidden_states)
+            if self in DENSE_RUNTIMES.get():  # (assisted decoding: generate_without_step_reads)
+                self.sparse_decode = self.sparse_prefill = False
             if self.bound is not None:  # the generation's record of this forward (SelectorRollback)
-                self.bound.sparse_decode = self.sparse_decode
-                if not self._decoding:
-                    self.bound.prefill_end = cached + q_len
+                self._record(self.bound, cache, cached, q_len, batch)
             self.kv_buffers = buffer_cache(cache, self.kv_growth) if self.kv_growth is not None else None
             # a dense decode step needs no geometry: SDPA reads the mask, and the layout check guards
             # only the sparse steps' reading of slots (a prefill and every sparse step still check it)
@@ -194,10 +269,12 @@ class PrHSRuntime:
             for layer in self.layers:  # the model's own attention runs: count its steps here
                 layer.record_dense_decode(self.geometry, self.num_heads)
 
-    def _bind(self, cache) -> None:
+    def _bind(self, cache, cached: int, batch: int) -> None:
         """Give the selector the state of ``cache``'s generation (a new one if the cache has none
         of this patch's), keeping the state it held on its own cache (eager forwards only: a
-        compiled step continues the generation that the eager forward before it bound)."""
+        compiled step continues the generation that the eager forward before it bound). A decode
+        step first follows a ``Cache.crop`` since the last forward (``cached``: the tokens the cache
+        holds now) and refuses a batch of ``batch`` sequences that the state does not hold."""
         if self.selector is None:
             return
         call = self.call_state_of(cache)
@@ -205,16 +282,107 @@ class PrHSRuntime:
             call = CallState(self, copy.deepcopy(self._fresh_state))
             if cache is not None:
                 setattr(cache, CALL_STATE_ATTRIBUTE, call)
+                _follow_batch_edits(cache)
         self._hold(call)
         call.compiled_steps = bool(getattr(cache, "is_compileable", False))
         if not self._decoding:
             call.prefilled = True
-        elif not call.prefilled:
+            return
+        if not call.prefilled:
             raise ValueError(
                 "PrHS: a decode step on a cache whose prompt this patch did not prefill (a cache filled by "
                 "the unpatched model, by another patch, or by a copy of the model): run the prompt through "
                 "the patched model with this cache first, or start from input_ids alone"
             )
+        if call.batch is not None and batch != call.batch:
+            raise ValueError(
+                f"PrHS: a decode step of {batch} sequences on a cache whose PrHS state holds {call.batch}: its "
+                "batch was changed other than through the cache's reorder_cache, batch_select_indices or "
+                "batch_repeat_interleave (which the state follows); run the prompt again on a new cache")
+        if call.slots is not None and cached < call.slots:
+            self._follow_crop(call, cached)
+
+    def _record(self, call: CallState, cache, cached: int, q_len: int, batch: int) -> None:
+        """Keep on ``call`` what this eager forward (``q_len`` tokens after ``cached``, a batch of
+        ``batch``) leaves: the policy's decision, the slots, and before a sparse decode step the
+        selector's mark (the history a crop goes back to; not for a cache that cannot be cropped)."""
+        call.sparse_decode = self.sparse_decode
+        call.slots = cached + q_len
+        if not self._decoding:
+            call.prefill_end, call.batch = cached + q_len, batch
+            call.history, call.history_complete = [], True
+        elif self.sparse_decode and not self._never_sparse and not isinstance(cache, StaticCache) and undoes_steps(
+                self.selector):
+            call.history.append((cached, self.selector.mark_step()))
+            if len(call.history) > self._history_length():
+                del call.history[0]
+                call.history_complete = False
+
+    def _history_length(self) -> int:
+        """Marks a :class:`CallState` keeps: two blocks and one (an undo is exact back to the step after
+        the last block end but one, and to any block end); 32 for a selector that undoes any steps."""
+        period = undo_period(self.selector)
+        return 32 if period is None else 2 * period + 1
+
+    def _follow_crop(self, call: CallState, cached: int) -> None:
+        """The state of a cache cut back to ``cached`` tokens since its last forward (``Cache.crop``,
+        eager): the state before the first sparse step past ``cached`` where an undo to it is exact
+        (:class:`~prhs_hf.selectors.base.UndoesSteps`: within reach of the kept marks, not across a block
+        end that a later step overwrote); a cut into the last prefill's tokens starts over as a prefill
+        of what is left does. Elsewhere the state starts over (the next step opens a new block) with a
+        warning: keep a ``copy.deepcopy`` of a cache to go back to a point exactly."""
+        history, call.history = call.history, []
+        if not undoes_steps(self.selector):  # (it keeps no marks)
+            history, call.history_complete = [(cached, None)], False
+        if call.prefill_end is not None and cached < call.prefill_end:
+            self._restart(cached, 0)
+            call.prefill_end, call.history_complete = cached, True
+            return
+        later = [i for i, (slots, _) in enumerate(history) if slots >= cached]
+        if not later:  # no sparse step ran past ``cached``: the state is the one it had there
+            call.history = history
+            return
+        first = later[0]
+        slots, mark = history[first]
+        if mark is not None and (first > 0 or call.history_complete) and self._undo_is_exact(mark):
+            self.selector.undo_to(mark)
+            call.history = history[:first]
+            return
+        self._restart(cached, cached)
+        call.history_complete = False
+        warnings.warn(
+            f"PrHS: this cache was cut back (Cache.crop) to {cached} tokens, further than its CIS state can be "
+            "put back exactly (past the end of a block of decode steps that a later step overwrote); the state "
+            "starts over there, as after a prefill: the next decode step opens a new block. To go back to a "
+            "point of a generation exactly, keep a copy.deepcopy of its cache there", stacklevel=2)
+
+    def _undo_is_exact(self, mark: StepMark) -> bool:
+        """Whether undoing the steps after ``mark`` is exact (one read of the selector's step counters)."""
+        period = undo_period(self.selector)
+        if period is None:
+            return True
+        now = self.selector.mark_step().counter
+        then_count, now_count = torch.stack([mark.counter, now.to(mark.counter.device)]).tolist()
+        return then_count % period == 0 or (now_count - 1) // period == then_count // period
+
+    def _restart(self, cached: int, index_valid: int) -> None:
+        """The selector's state starts over at ``cached`` tokens (:meth:`CISSelector.restart`, whose key
+        index entries from ``index_valid`` on are written again)."""
+        restart = getattr(self.selector, "restart", None)
+        if restart is None:
+            raise ValueError(
+                f"PrHS: this cache was cut back (Cache.crop) to {cached} tokens, and the {type(self.selector).__name__} "
+                "selector cannot follow a crop: run the prompt again on a new cache")
+        restart(index_valid)
+
+    def follow_batch(self, call: CallState, rows: torch.Tensor) -> None:
+        """Make ``call``'s state follow a batch edit of its cache: sequence ``i`` becomes old sequence
+        ``rows[i]`` (:class:`FollowBatchEdit`). The marks of a crop go (they hold the old rows)."""
+        with self.forward_lock:
+            self._hold(call)
+            self.selector.reorder(rows)
+            call.batch = rows.numel()
+            call.history, call.history_complete = [], False
 
     def use_budget(self, context: int) -> None:
         """Run the top-k of a generation whose prefill left ``context`` cache slots
@@ -441,11 +609,6 @@ class PrHSRuntime:
                 self.resolved.config.backend.prefill, device, dtype, self.head_dim)
         return self._dense_prefill[key]
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
-        """Follow beam search: reorder the selector's state (CIS anchors) with the cache."""
-        if self.selector is not None:
-            self.selector.reorder(beam_idx)
-
     def reset(self) -> None:
         """Forget CIS anchors (of the generation bound now) and telemetry (a new, unrelated generation follows)."""
         for layer in self.layers:
@@ -569,6 +732,25 @@ def _check_room(cache, cached: int | None, q_len: int) -> None:
         )
 
 
+def _check_batch(cache, cached: int, batch: int) -> None:
+    """Raise where a cache that holds tokens holds another number of sequences than this forward's
+    ``batch`` (transformers' concatenation or PrHS's buffer write would fail inside the layer)."""
+    layers = getattr(cache, "layers", None) if cached else None
+    if not layers:
+        return
+    # (a BufferedLayer's whole buffer: its keys are a view, which would be one more op per step)
+    if isinstance(layers[0], BufferedLayer):
+        keys = None if layers[0].whole_buffers is None else layers[0].whole_buffers[0]
+    else:
+        keys = getattr(layers[0], "keys", None)
+    if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[0] != batch:
+        raise ValueError(
+            f"the cache holds {keys.shape[0]} sequences and this forward has {batch}: generate() repeats input_ids "
+            "for num_return_sequences and num_beams, not a cache passed in. Expand the cache first "
+            "(cache.batch_repeat_interleave(n), which carries its PrHS state along), or pass as many sequences "
+            "as it holds (a beam search's cache holds every beam)")
+
+
 def _cached_tokens(cache) -> int | None:
     """Tokens the cache held before this forward; ``None`` where only the device knows (a
     ``StaticCache`` inside a compiled step)."""
@@ -666,6 +848,7 @@ class BufferedLayer(DynamicLayer):
                 self._empty = value if value.numel() == 0 else self._empty
             return None
         n = value.shape[-2]
+        buffer = _writable(buffer)
         fits = (buffer is not None and buffer.shape[:2] == value.shape[:2] and buffer.shape[-1] == value.shape[-1]
                 and n <= buffer.shape[-2] and buffer.dtype == value.dtype and buffer.device == value.device)
         if not fits:
@@ -686,6 +869,7 @@ class BufferedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, new = self._n[0], key_states.shape[-2]
+        self._k, self._v = _writable(self._k), _writable(self._v)
         k = self._k
         if k is None or self._v is None or n + new > min(k.shape[-2], self._v.shape[-2]):
             grown_k, grown_v = self._allocate(key_states, n + new), self._allocate(value_states, n + new)
@@ -700,6 +884,15 @@ class BufferedLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self._n[0]
+
+
+def _writable(buffer: torch.Tensor | None) -> torch.Tensor | None:
+    """``buffer``, or a normal copy of it where it was made under ``torch.inference_mode`` and is written
+    outside it now (a turn under ``no_grad`` after one under ``inference_mode``), which PyTorch refuses
+    for an inference tensor; ``DynamicLayer``'s ``torch.cat`` makes a new tensor anyway."""
+    if buffer is not None and buffer.is_inference() and not torch.is_inference_mode_enabled():
+        return buffer.clone()
+    return buffer
 
 
 def buffer_cache(cache, growth: float, reserve: int | None = None) -> list | None:

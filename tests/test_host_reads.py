@@ -187,3 +187,14 @@ def test_cuda_sync_debug_mode_sees_no_synchronisation_between_stop_checks(tmp_pa
             assert syncs["steady_syncs"] == 0 and r["steady_reads"] == 0 and syncs["syncs"] <= 1, r
         else:
             assert syncs["syncs_per_step"] >= 1, r
+
+
+def test_beam_search_reorders_the_cis_state_without_reading_the_device():
+    """Beam search reorders the cache at every step, and the CIS state with it (the cache's own
+    ``reorder_cache``: ``runtime.FollowBatchEdit``): the reordering reads nothing on the host."""
+    model = tiny_model("llama", layers=2)
+    prhs_hf.patch(model, "cis", overrides={**BACKENDS, "budget": {"sink": 4, "local": 8, "topk": 16},
+                                           "policy": {"decode": "sparse"}})
+    recorder, _ = _recorded_generate(model, num_beams=2)
+    sites = recorder.per_step(2, NEW - 1)["sites"]
+    assert not [site for site in sites if site.startswith("prhs_hf/runtime.py")], sites

@@ -1,7 +1,9 @@
 """Real ``generate()`` usage of a patched model, on a tiny random model of every supported family,
 against the unpatched model: multi-turn cache reuse, prefix caches and deepcopy, ``copy.deepcopy``
 of a patched model, threads, assisted generation, streaming, sampling with several sequences, beam
-search, ``inputs_embeds``, save/load, dtype moves, eager attention and training with dropout.
+search, ``inputs_embeds``, save/load, dtype moves, eager attention and training with dropout; a
+returned cache's own edits (``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``,
+``crop``), ``output_attentions``, ``inference_mode``, ``set_attn_implementation`` and ``torch.save``.
 
 What each scenario must give (README, "Supported"):
 
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import pytest
 import torch
@@ -365,8 +368,9 @@ def test_two_threads_generate_as_sequential_calls(family, config):
 def test_assisted_generation(family):
     """Greedy assisted decoding writes the main model's greedy tokens. The prompts are batch 1:
     transformers 5.17 refuses more ("assisted generate is only supported for batch_size = 1"), patched
-    or not. Under the sparse budget the main model's verification forwards (several tokens over the
-    cache) are prefills, so only "runs, right shape" is asserted there."""
+    or not. The main model attends densely in assisted decoding (its verification forwards check
+    several tokens at once: test_assisted_decoding_under_a_sparse_config_is_dense_and_says_so); a
+    patched assistant drafts with its own config."""
     model = tiny_model(family, layers=2)
     assistant = tiny_model(family, layers=1, seed=1)
     ids, mask = padded_batch([20], seed=10)
@@ -388,7 +392,8 @@ def test_assisted_generation(family):
             _patch(assistant, "sparse")
         else:
             prhs_hf.unpatch(assistant)
-        out = _gen(model, ids, mask, new=8, assistant_model=assistant)
+        with pytest.warns(UserWarning, match="assisted decoding"):
+            out = _gen(model, ids, mask, new=8, assistant_model=assistant)
         assert out.sequences.shape == (1, 72)
         assert torch.equal(out.sequences[:, :64], ids) and int(out.sequences.max()) < 128
 
@@ -759,3 +764,249 @@ def test_chunked_prefill_gives_the_unchunked_tokens(family):
         chunked = model.generate(ids, prefill_chunk_size=32, **kw)
     assert torch.equal(whole, chunked)
     assert handle.telemetry().sparse_sequence_steps > 0
+
+
+# ------------------------------------------------------------- transformers' edits of a returned cache
+
+
+def _continue(model, first, ids, mask, rows=None, new: int = 6, **kw):
+    """Continue ``first`` (a generate() output) from its cache with its sequences (their last token is
+    not in the cache yet: the continuation's first forward is a decode step), rows ``rows`` of them."""
+    seq = first.sequences
+    mask2 = torch.cat([mask, _ones(seq[:, ids.shape[1]:])], 1)
+    if rows is not None:
+        seq, mask2 = seq[rows], mask2[rows]
+    return _gen(model, seq, mask2, new=new, **kw)
+
+
+@families
+def test_reordered_cache_continues_each_row_with_its_own_state(family):
+    """``cache.reorder_cache(perm)`` moves every row's CIS state with its keys: the continuation of the
+    permuted rows is the permuted continuation. Turn 1 stops mid-block (2 of 4 steps), so the anchors
+    of the block in progress are read by the next steps."""
+    model = tiny_model(family, layers=2)
+    ids, mask = padded_batch([44, 33], seed=1)
+    _patch(model, "sparse")
+    first = _gen(model, ids, mask, new=3)
+    expected = _continue(model, first, ids, mask, past_key_values=copy.deepcopy(first.past_key_values))
+    perm = torch.tensor([1, 0])
+    cache = copy.deepcopy(first.past_key_values)
+    cache.reorder_cache(perm)
+    got = _continue(model, first, ids, mask, rows=perm, past_key_values=cache)
+    assert torch.equal(got.sequences, expected.sequences[perm])
+    for a, b in zip(got.logits, expected.logits):  # (MoE experts sum the rows in another order: not bit for bit)
+        torch.testing.assert_close(a, b[perm], rtol=1e-5, atol=1e-6)
+    _assert_sparse_and_sharing(model)
+
+
+@families
+@pytest.mark.parametrize("edit", ["select", "repeat"])
+def test_batch_select_and_repeat_of_the_cache_carry_the_state(family, edit):
+    """``batch_select_indices`` / ``batch_repeat_interleave`` of a returned cache (what transformers does
+    to expand or prune a batch) change the batch of the CIS state with the cache's: the continuation of
+    the kept (or repeated) rows writes their tokens of the whole batch's continuation."""
+    model = tiny_model(family, layers=2)
+    ids, mask = padded_batch([44, 33], seed=1)
+    _patch(model, "sparse")
+    first = _gen(model, ids, mask, new=3)
+    expected = _continue(model, first, ids, mask, past_key_values=copy.deepcopy(first.past_key_values))
+    cache = copy.deepcopy(first.past_key_values)
+    if edit == "select":
+        rows = torch.tensor([1])
+        cache.batch_select_indices(indices=rows)  # (by keyword, as the methods' signatures allow)
+    else:
+        rows = torch.tensor([0, 0, 1, 1])
+        cache.batch_repeat_interleave(repeats=2)
+    got = _continue(model, first, ids, mask, rows=rows, past_key_values=cache)
+    assert torch.equal(got.sequences, expected.sequences[rows])
+    _assert_sparse_and_sharing(model)
+
+
+@families
+def test_cropped_cache_continues_as_the_shorter_generation(family):
+    """``cache.crop(-n)`` (a rewind) puts the CIS state back with the cache where that is exact: turn 1
+    runs 4 decode steps, the crop removes the last 2 (steps 3 and 4 of a block of 4), and the
+    continuation is the one of a generation that stopped there, bit for bit, with no warning."""
+    model = tiny_model(family, layers=2)
+    ids, mask = padded_batch([44, 33], seed=1)
+    _patch(model, "sparse")
+    whole = _gen(model, ids, mask, new=9)
+    first = _gen(model, ids, mask, new=5)  # the prompt's token, then 4 decode steps
+    cache = first.past_key_values
+    cache.crop(-2)
+    shorter = first.sequences[:, : ids.shape[1] + 3]  # 3 new tokens; the last one is not in the cache
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _gen(model, shorter, torch.cat([mask, _ones(shorter[:, ids.shape[1]:])], 1), new=6, past_key_values=cache)
+    assert torch.equal(got.sequences, whole.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, whole.logits[3:])):
+        assert torch.equal(a, b), f"logits of step {step} differ from the uncropped generation"
+    _assert_sparse_and_sharing(model)
+
+
+def test_crop_past_a_block_end_starts_the_state_over_with_a_warning():
+    """A crop back past the end of a block that a later step overwrote cannot put the anchors back: the
+    next step says so and starts CIS over (as after a prefill). A crop into the prompt starts over
+    silently, as a prefill of what is left does."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([44, 33], seed=1)
+    _patch(model, "sparse")
+    first = _gen(model, ids, mask, new=8)  # 7 decode steps: a block ended at step 4, step 5 overwrote it
+    cache = first.past_key_values
+    cache.crop(-5)
+    shorter = first.sequences[:, : ids.shape[1] + 3]
+    mask2 = torch.cat([mask, _ones(shorter[:, ids.shape[1]:])], 1)
+    with pytest.warns(UserWarning, match=r"crop.*starts over"):
+        out = _gen(model, shorter, mask2, past_key_values=cache)
+    assert torch.equal(out.sequences[:, : shorter.shape[1]], shorter)
+
+    def into_the_prompt(decode_steps: int):
+        """Continue from 40 of the prompt's 44 tokens, cropped off a cache that ran ``decode_steps``."""
+        cache = _gen(model, ids, mask, new=decode_steps + 1).past_key_values
+        cache.crop(-(cache.get_seq_length() - 40))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return _gen(model, ids[:, :41], mask[:, :41], past_key_values=cache)
+
+    _same(into_the_prompt(7), into_the_prompt(0), what="crop into the prompt")
+
+
+def test_a_batch_changed_behind_the_states_back_is_refused():
+    """A cache whose batch was changed other than through its own methods (its layers' tensors
+    replaced) holds no state for the new rows: the decode step says so instead of failing inside CIS."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([44, 33], seed=1)
+    _patch(model, "covering")
+    first = _gen(model, ids, mask, new=3)
+    cache = first.past_key_values
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:1], layer.values[:1]
+    with pytest.raises(ValueError, match=r"(?i)batch.*reorder_cache, batch_select_indices"):
+        _continue(model, first, ids, mask, rows=torch.tensor([0]), past_key_values=cache)
+
+
+# --------------------------------------------------------------- assisted decoding, attention weights
+
+
+@pytest.mark.parametrize("how", ["assistant_model", "prompt_lookup"])
+def test_assisted_decoding_under_a_sparse_config_is_dense_and_says_so(how):
+    """Assisted and prompt-lookup decoding verify several tokens in one forward, which the sparse decode
+    step does not run: the patched model says so and attends densely throughout, so the tokens are the
+    unpatched model's greedy tokens (not a mix of dense verification forwards and sparse single steps)."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([64], seed=11)
+    kw = {"assistant_model": tiny_model("llama", layers=1, seed=1)} if how == "assistant_model" else {
+        "prompt_lookup_num_tokens": 3}
+    unpatched = _gen(model, ids, mask, new=20)
+    _patch(model, "sparse")
+    with pytest.warns(UserWarning, match=r"assisted decoding.*densely"):
+        got = _gen(model, ids, mask, new=20, **kw)
+    _same(got, unpatched, logits=False, what=how)
+    assert prhs_hf.telemetry(model).sparse_sequence_steps == 0
+    assert _gen(model, ids, mask, new=6).sequences.shape == (1, 70)  # and the next plain call is sparse again
+    assert prhs_hf.telemetry(model).sparse_sequence_steps > 0
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_output_attentions_under_a_sparse_config_is_refused(attn):
+    """PrHS attention computes no weights: asking for them is an error that says what gives them, not
+    empty tuples. A config that keeps the model's own attention ("dense") still returns them."""
+    model = tiny_model("llama", layers=2)
+    model.set_attn_implementation(attn)
+    ids, mask = padded_batch([44, 33], seed=1)
+    _patch(model, "sparse")
+    with pytest.raises(ValueError, match=r"output_attentions.*'dense'"), torch.no_grad():
+        model(ids, attention_mask=mask, output_attentions=True)
+    with pytest.raises(ValueError, match=r"output_attentions"):
+        _gen(model, ids, mask, output_attentions=True)
+    assert _gen(model, ids, mask).sequences.shape == (2, 48)  # the model still works
+
+
+# ------------------------------------------------------------------- PyTorch and transformers operations
+
+
+def test_second_turn_under_no_grad_after_a_first_under_inference_mode():
+    """lm-eval style: turn 1 under ``torch.inference_mode()``, turn 2 on its cache under ``no_grad``. The
+    cache's buffers made in inference mode must not make turn 2's in-place writes fail."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([44, 33], seed=1)
+    _patch(model, "sparse")
+    first = _gen(model, ids, mask, new=3)
+    expected = _continue(model, first, ids, mask, past_key_values=copy.deepcopy(first.past_key_values))
+    with torch.inference_mode():
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                               output_logits=True)
+    _same(_continue(model, first, ids, mask, past_key_values=first.past_key_values), expected, what="turn 2")
+
+
+def test_set_attn_implementation_after_patch_is_refused_and_unpatch_keeps_it():
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([44, 33], seed=1)
+    _patch(model, "sparse")
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match=r"set to 'eager' after prhs_hf.patch"):
+        _gen(model, ids, mask)
+    prhs_hf.unpatch(model)
+    assert model.config._attn_implementation == "eager"  # the user's choice stays
+    _patch(model, "sparse")  # and patching again works
+    assert _gen(model, ids, mask).sequences.shape == (2, 48)
+    prhs_hf.unpatch(model)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_torch_save_of_a_patched_model_loads_patched(tmp_path):
+    """``torch.save(model)`` pickles the model: a patched one loads patched with the same config (as
+    ``copy.deepcopy`` gives), and the saved model stays patched."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([44, 33], seed=1)
+    _patch(model, "sparse")
+    expected = _gen(model, ids, mask)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert prhs_hf.is_patched(loaded) and loaded.config._attn_implementation == "prhs"
+    assert getattr(loaded, RUNTIME_ATTRIBUTE).resolved.config == getattr(model, RUNTIME_ATTRIBUTE).resolved.config
+    _same(_gen(loaded, ids, mask), expected, what="the loaded model")
+    assert prhs_hf.is_patched(model)
+    _same(_gen(model, ids, mask), expected, what="the saved model")
+    prhs_hf.unpatch(loaded)
+    assert loaded.config._attn_implementation == "sdpa"
+
+
+def test_a_prefix_cache_for_several_return_sequences_is_expanded_first():
+    """generate(num_return_sequences=2) on a batch-1 prefix cache: transformers repeats input_ids, not
+    the cache (unpatched, a size mismatch deep in the cache's update). Patched, the error says what to do;
+    expanded with its own ``batch_repeat_interleave`` the cache carries its CIS state along, and both
+    returned sequences are the one continuation of the prefix (sampling from the top 1: greedy)."""
+    model = tiny_model("llama", layers=2)
+    ids, _ = padded_batch([96], seed=3)
+    _patch(model, "sparse")
+    with torch.no_grad():
+        prefix = DynamicCache(config=model.config)
+        model(ids[:, :95], past_key_values=prefix, use_cache=True)
+    single = _gen(model, ids, _ones(ids), new=8, past_key_values=copy.deepcopy(prefix))
+    two = dict(new=8, num_return_sequences=2, do_sample=True, top_k=1)
+    with pytest.raises(ValueError, match=r"holds 1 sequences.*batch_repeat_interleave"):
+        _gen(model, ids, _ones(ids), past_key_values=copy.deepcopy(prefix), **two)
+    expanded = copy.deepcopy(prefix)
+    expanded.batch_repeat_interleave(2)
+    got = _gen(model, ids, _ones(ids), past_key_values=expanded, **two)
+    assert torch.equal(got.sequences, single.sequences.repeat(2, 1))
+    _assert_sparse_and_sharing(model)
+
+
+@pytest.mark.parametrize("cis", [{"index": "fp8"}, {"tail_slot": True}, {"selection": "group"}],
+                         ids=["key_index", "tail_slot", "group"])
+def test_batch_edits_carry_every_part_of_the_cis_state(cis):
+    """The key index, the tail pairs and grouped anchors have a batch axis too: a repeat then a select of
+    the returned cache continue each row as the whole batch's continuation does."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch([44, 33], seed=1)
+    prhs_hf.patch(model, "cis", overrides={**SPARSE, "cis": {**SPARSE["cis"], **cis}})
+    first = _gen(model, ids, mask, new=3)
+    expected = _continue(model, first, ids, mask, past_key_values=copy.deepcopy(first.past_key_values))
+    cache = copy.deepcopy(first.past_key_values)
+    cache.batch_repeat_interleave(2)
+    cache.batch_select_indices(torch.tensor([3, 0]))
+    got = _continue(model, first, ids, mask, rows=torch.tensor([1, 0]), past_key_values=cache)
+    assert torch.equal(got.sequences, expected.sequences[[1, 0]])
+    _assert_sparse_and_sharing(model)

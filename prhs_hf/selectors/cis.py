@@ -479,3 +479,12 @@ class CISSelector:
         """Forget the anchors (the buffers stay)."""
         for state in self.states.values():
             state.reset()
+
+    def restart(self, index_valid: int) -> None:
+        """Start over on a cache that was cut back (``Cache.crop``): no anchors, step 0, as after a
+        prefill; the key index entries of the slots from ``index_valid`` on are written again by the
+        next step (``index_valid`` 0: all of them, a centred index's centre too, as a prompt's)."""
+        for state in self.states.values():
+            state.reset()
+            state.index_end = min(state.index_end, index_valid)
+            state.index_gap = None

@@ -198,12 +198,12 @@ class CISState:
         """``(tail_k, tail_v, tail_log_mass)`` of ``layer`` (views; after :meth:`ensure_tails`)."""
         return self.tail_k[layer], self.tail_v[layer], self.tail_log_mass[layer]
 
+    #: the buffers with a batch axis (axis 1), as attribute names (those not made yet are None)
+    BATCHED = ("anchor_q", "anchor_idx", "anchor_count", "tail_k", "tail_v", "tail_log_mass", "key_index_a",
+               "key_index_b", "key_index_center")
+
     def _buffers(self) -> tuple[torch.Tensor, ...]:
-        anchors = () if self.anchor_q is None else (self.anchor_q, self.anchor_idx)
-        tails = () if self.tail_k is None else (self.tail_k, self.tail_v, self.tail_log_mass)
-        index = () if self.key_index_a is None else (self.key_index_a, self.key_index_b)
-        center = () if self.key_index_center is None else (self.key_index_center,)
-        return (*anchors, self.anchor_count, *tails, *index, *center)
+        return tuple(b for b in (getattr(self, name) for name in self.BATCHED) if b is not None)
 
     def matches(
         self, layers: int, batch: int, heads: int, head_dim: int, device: torch.device,
@@ -278,7 +278,20 @@ class CISState:
         ops.record_anchors(self.anchor_q, self.anchor_idx, self.anchor_count, layer, q, indices, best, self.step)
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Follow a beam reordering: sequence ``i`` becomes old sequence ``index[i]`` in every layer."""
+        """Follow the cache's batch: sequence ``i`` becomes old sequence ``index[i]`` in every layer (a
+        beam reordering, in place: the addresses stay fixed; or ``Cache.batch_select_indices`` /
+        ``batch_repeat_interleave``, whose ``index`` has another length: new buffers of that batch)."""
         index = index.to(self.device)
-        for buffer in self._buffers():
-            buffer.copy_(buffer.index_select(1, index))  # in place: addresses stay fixed
+        if index.numel() == self.shape[1]:
+            for buffer in self._buffers():
+                buffer.copy_(buffer.index_select(1, index))
+            return
+        with torch.inference_mode(False):  # normal tensors, as the state's others (CISSelector._allocate)
+            for name in self.BATCHED:
+                buffer = getattr(self, name)
+                if buffer is not None:
+                    moved = buffer.index_select(1, index)
+                    torch._dynamo.mark_static_address(moved)
+                    setattr(self, name, moved)
+        layers, _, heads, head_dim = self.shape
+        self.shape = (layers, index.numel(), heads, head_dim)

@@ -148,8 +148,15 @@ class LabelCache:
                 and self.label.device == device)
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Follow a beam reordering: sequence ``i`` becomes old sequence ``index[i]`` in every layer."""
+        """Follow the cache's batch: sequence ``i`` becomes old sequence ``index[i]`` in every layer (in
+        place for a beam reordering; new buffers where ``index`` changes the batch size)."""
         index = index.to(self.label.device)
+        if index.numel() != self.label.shape[1]:
+            with torch.inference_mode(False):
+                self.label, self.channels = self.label.index_select(1, index), self.channels.index_select(1, index)
+            for buffer in (self.label, self.channels):
+                torch._dynamo.mark_static_address(buffer)
+            return
         for buffer in (self.label, self.channels):
             buffer.copy_(buffer.index_select(1, index))  # in place: addresses stay fixed
 
