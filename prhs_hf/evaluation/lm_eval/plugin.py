@@ -23,6 +23,11 @@ Model arguments besides HFLM's own (which all pass through):
 - ``prhs.SECTION.KEY=VALUE``: one override each, for the comma form of ``--model_args``
   (``prhs.budget.topk=72,prhs.cis.block_size=8``); these win over ``prhs_overrides``.
 
+Batches are scored as if each request were alone: lm-eval right-pads a ``loglikelihood`` (and
+``loglikelihood_rolling``) batch and calls the model without an attention mask, which PrHS's
+prefill (PSAW windows, ETF's frozen rows) would read as real tokens; the plugin left-pads each such
+batch and passes the mask and the position ids, as ``generate()`` does (:meth:`PrHSLM._model_call`).
+
 Telemetry is always on. It is reset before each task's requests and read after them, and
 :meth:`PrHSLM.get_model_info` hands it to lm-eval, which writes it into ``results["config"]["prhs"]``
 (the dict that ``simple_evaluate`` returns and the file that ``--output_path`` writes);
@@ -31,13 +36,16 @@ Telemetry is always on. It is reset before each task's requests and read after t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence, TypeVar
 
+import torch
 import yaml
 from lm_eval.api.instance import Instance
+from lm_eval.models import huggingface as _hflm_module
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
@@ -168,6 +176,62 @@ class PrHSLM(HFLM):
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         return self._per_task("loglikelihood_rolling",
                               lambda r: super(PrHSLM, self).loglikelihood_rolling(r, disable_tqdm), requests)
+
+    # ------------------------------------------------------------------------------ padding
+
+    #: the real length of each row of the batch that lm-eval right-padded last (set by
+    #: :meth:`_loglikelihood_tokens`, taken by the next :meth:`_model_call`)
+    _row_lengths: "list[int] | None" = None
+
+    def _loglikelihood_tokens(self, requests: Any, disable_tqdm: bool = False,
+                              override_bs: int | None = None) -> list[tuple[float, bool]]:
+        """HFLM's, with the real length of each row of every batch it pads recorded for :meth:`_model_call`."""
+        with self._recording_row_lengths():
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+
+    @contextlib.contextmanager
+    def _recording_row_lengths(self) -> Iterator[None]:
+        """While active, HFLM's ``pad_and_concat`` also records the lengths of the rows it right-pads
+        (HFLM pads a batch with it just before the model call; nothing else tells the lengths)."""
+        original = _hflm_module.pad_and_concat
+
+        def pad_and_record(max_length: int, tensors: list[torch.Tensor], padding_side: str = "right") -> torch.Tensor:
+            if padding_side == "right":
+                self._row_lengths = [int(t.shape[-1]) for t in tensors]
+            return original(max_length, tensors, padding_side=padding_side)
+
+        _hflm_module.pad_and_concat = pad_and_record
+        try:
+            yield
+        finally:
+            _hflm_module.pad_and_concat = original
+            self._row_lengths = None
+
+    def _model_call(self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                    labels: torch.Tensor | None = None) -> torch.Tensor:
+        """HFLM's model call, but a right-padded batch (rows of the lengths recorded by
+        :meth:`_loglikelihood_tokens`) runs left-padded with its attention mask and position ids,
+        and its logits come back right-aligned as HFLM expects: each row's logits are those of the
+        row alone (PrHS refuses right padding, and without a mask it would take the pads for tokens)."""
+        lengths, self._row_lengths = self._row_lengths, None
+        if attn_mask is not None or labels is not None or lengths is None or min(lengths) == inps.shape[1]:
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+        if len(lengths) != inps.shape[0] or max(lengths) > inps.shape[1]:
+            raise RuntimeError(f"prhs: the recorded row lengths {lengths} do not fit the padded batch of shape "
+                               f"{tuple(inps.shape)} (an lm-eval version whose loglikelihood batching this plugin "
+                               f"does not know)")
+        width = inps.shape[1]
+        columns = torch.arange(width, device=inps.device)
+        shift = width - torch.tensor(lengths, device=inps.device)  # [B] pads each row gets on the left
+        source = columns[None, :] - shift[:, None]  # left-padded column j holds right-padded column j - shift
+        mask = source >= 0
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
+        left = torch.where(mask, inps.gather(1, source.clamp(min=0)), pad_id)
+        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                             enabled=self.mixed_precision_dtype is not None):
+            logits = self.model(input_ids=left, attention_mask=mask.long(), position_ids=source.clamp(min=0)).logits
+        back = (columns[None, :] + shift[:, None]).clamp(max=width - 1)  # right-aligned again; past a row's end: unused
+        return logits.gather(1, back[..., None].expand(-1, -1, logits.shape[-1]))
 
     # ------------------------------------------------------------------------------ results
 
