@@ -529,3 +529,55 @@ def test_the_recorded_lengths_must_fit_the_batch(sharp_model) -> None:
     lm._row_lengths = [3, 5, 2]
     with pytest.raises(RuntimeError, match="row lengths"):
         lm._model_call(torch.ones(2, 5, dtype=torch.long))
+
+
+# ------------------------------------------------------------- device= and batch_size= in --model_args
+
+
+@pytest.fixture()
+def local_task_index(monkeypatch) -> None:
+    """lm-eval's command line indexes the local tasks only (its own take most of a minute here)."""
+    import functools
+
+    import lm_eval.tasks
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(lm_eval.tasks.TaskManager, include_defaults=False))
+
+
+def test_device_and_batch_size_in_model_args_reach_the_model(hflm_arguments, local_task_index) -> None:
+    """lm-eval's command line always passes --device and --batch_size (its defaults cuda:0 and 1), so
+    device= in --model_args, which `prhs-hf lm-eval --help` documents, crashed with "multiple values
+    for keyword argument 'device'"."""
+    with pytest.raises(_Captured):
+        shim.main(["--tasks", "gsm8k_local", "--model_args", "pretrained=org/some-model,device=cpu,batch_size=2"])
+    assert (hflm_arguments["device"], str(hflm_arguments["batch_size"])) == ("cpu", "2")
+
+
+def test_device_given_twice_must_agree(hflm_arguments, local_task_index) -> None:
+    with pytest.raises(ValueError, match="device=cpu in the model arguments and --device cuda:1 disagree"):
+        shim.main(["--tasks", "gsm8k_local", "--device", "cuda:1", "--model_args", "pretrained=org/x,device=cpu"])
+    with pytest.raises(_Captured):  # the same value twice is fine
+        shim.main(["--tasks", "gsm8k_local", "--device", "cpu", "-b", "3", "--model_args",
+                   "pretrained=org/x,device=cpu,batch_size=3"])
+    assert (hflm_arguments["device"], str(hflm_arguments["batch_size"])) == ("cpu", "3")
+    import prhs_hf.evaluation.lm_eval as ple
+
+    assert ple.register().defaulted_options == frozenset()  # the run's defaults are not left behind
+    with pytest.raises(ValueError, match="batch_size=8 in the model arguments and --batch_size 4 disagree"):
+        ple.register().create_from_arg_obj({"pretrained": "org/x", "batch_size": 8}, {"batch_size": 4})
+
+
+def test_lm_eval_outside_a_git_repository_prints_no_git_error(monkeypatch, tmp_path, capfd) -> None:
+    """lm-eval records the commit it ran in with `git describe`, whose "fatal: not a git repository"
+    went to the terminal of every run outside a repository."""
+    pytest.importorskip("lm_eval")
+    import lm_eval.__main__
+    import lm_eval.evaluator
+
+    seen = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append(lm_eval.evaluator.get_git_commit_hash()))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above tmp_path either
+    assert shim.main(["--tasks", "gsm8k_local"]) == 0
+    assert seen == [None]
+    assert "fatal" not in capfd.readouterr().err

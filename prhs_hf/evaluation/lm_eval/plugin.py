@@ -12,6 +12,11 @@ first use), a ``.gguf`` file, a folder holding one GGUF, a checkpoint folder or 
 ``pretrained=DIR,gguf_file=NAME`` and a model object work as in HFLM. ``device`` defaults to what
 is there (``cuda`` when available, else ``cpu``; HFLM's own default is ``cuda``).
 
+``device``, ``batch_size`` and ``max_batch_size`` may be given in ``model_args`` as well as through
+lm-eval's own options (``--device``, ``simple_evaluate(device=...)``): given in both, they must agree
+(else :class:`ValueError` naming both); a value that lm-eval's command line filled in by default
+(``prhs-hf lm-eval`` tells which: :attr:`PrHSLM.defaulted_options`) gives way to ``model_args``.
+
 Model arguments besides HFLM's own (which all pass through):
 
 - ``prhs_config``: a shipped config by name (``cis``, ``cpe``, ``dense``), a named config of the
@@ -54,7 +59,8 @@ from prhs_hf.config import resolve_config_path
 from prhs_hf.evaluation.accuracy.configs import ACCURACY_CONFIGS, load_any_config
 from prhs_hf.hub import fetch
 
-__all__ = ["MODEL_NAME", "DEFAULT_CONFIG", "PrHSLM", "parse_overrides", "default_device"]
+__all__ = ["MODEL_NAME", "DEFAULT_CONFIG", "LM_EVAL_OPTIONS", "PrHSLM", "parse_overrides", "default_device",
+           "merge_model_args"]
 
 MODEL_NAME = "prhs"
 DEFAULT_CONFIG = "cis_longbench"
@@ -88,6 +94,32 @@ def parse_overrides(overrides: "Mapping[str, Any] | str | None", dotted: Mapping
     return out
 
 
+LM_EVAL_OPTIONS = {"device": ("--device",), "batch_size": ("--batch_size", "-b"), "max_batch_size": ("--max_batch_size",)}
+"""The model arguments that lm-eval also passes from options of its own, and those options' spellings."""
+
+
+def merge_model_args(model_args: Mapping[str, Any], lm_eval_args: Mapping[str, Any] | None,
+                     defaulted: "frozenset[str] | set[str]" = frozenset()) -> dict[str, Any]:
+    """``model_args`` plus what lm-eval adds (``lm_eval_args``: ``device``, ``batch_size``, ...; ``None``
+    values are left out, as lm-eval does). A key in both must have the same value in both, unless it
+    is in ``defaulted`` (lm-eval's default, not the user's): then ``model_args`` wins.
+
+    >>> merge_model_args({"device": "cpu"}, {"device": "cuda:0", "batch_size": 1}, {"device"})
+    {'device': 'cpu', 'batch_size': 1}
+    """
+    out = dict(model_args)
+    for key, value in (lm_eval_args or {}).items():
+        if value is None:
+            continue
+        if key not in out:
+            out[key] = value
+        elif key not in defaulted and str(out[key]) != str(value):
+            option = LM_EVAL_OPTIONS.get(key, (key,))[0]
+            raise ValueError(f"{key}={out[key]} in the model arguments and {option} {value} disagree; give it once "
+                             f"(in --model_args or as {option})")
+    return out
+
+
 def default_device() -> str:
     """``cuda`` when a CUDA device is there, else ``cpu``."""
     import torch
@@ -114,6 +146,22 @@ class PrHSLM(HFLM):
     #: the :meth:`prhs_info` of every :meth:`get_model_info` call in this process, oldest first:
     #: ``prhs-hf lm-eval`` prints the telemetry summary of those its run added
     reported: ClassVar[list[dict[str, Any]]] = []
+    #: the keys of :data:`LM_EVAL_OPTIONS` whose lm-eval option the user did not give (its value is
+    #: lm-eval's default and gives way to ``model_args``); set by ``prhs-hf lm-eval`` for its run
+    defaulted_options: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> "PrHSLM":
+        """lm-eval's constructor from ``key=value,...``, with :func:`merge_model_args` (lm-eval's own
+        passes ``device`` twice when ``model_args`` has it too)."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None) -> "PrHSLM":
+        """lm-eval's constructor from a dict, with :func:`merge_model_args`."""
+        return cls(**merge_model_args(arg_dict, additional_config, cls.defaulted_options))
 
     def __init__(
         self,
