@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ..suggestions import did_you_mean
+
 __all__ = [
     "DEFAULT_MODEL",
     "MODELS",
@@ -211,4 +213,4 @@ def _lookup(table: dict[str, _Spec], name: str, what: str) -> _Spec:
     try:
         return table[name]
     except KeyError:
-        raise UnknownNameError(f"unknown {what} {name!r}; known {known_names()}") from None
+        raise UnknownNameError(f"unknown {what} {name!r}; {did_you_mean(name, table)}known {known_names()}") from None
