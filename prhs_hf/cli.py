@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         examples=[line.strip() for line in speed_map.EXAMPLES.splitlines()[1:]],
     )
     speed_map.add_arguments(p_bench, DEFAULT_CONFIG)
+    p_bench.add_argument("--allow-cpu", action="store_true",
+                         help="run the full grid without a GPU (refused otherwise: hours, and the default shape's "
+                              "weights alone take 32 GB in float32); --quick runs anywhere")
     p_bench.set_defaults(func=_cmd_bench)
 
     # Listed for --help only: main() hands `prhs-hf lm-eval ...` to lm-eval before parsing, since
@@ -695,8 +698,34 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from prhs_hf.evaluation import speed_map
 
+    if not args.replot and fetch.check_device("auto") == "cpu":
+        if not (args.quick or args.allow_cpu):
+            raise ValueError("no CUDA GPU here: the full speed map (llama3-8b-shape, B up to 32, L up to 128k) is "
+                             "a GPU benchmark that would run for hours on the CPU and can exhaust its memory; give "
+                             "--quick (a tiny model, any device, seconds) or --allow-cpu to run this grid here anyway")
+        _check_host_memory_for_weights(args)
     _status("importing torch and transformers…")
     return speed_map.main(args)
+
+
+def _check_host_memory_for_weights(args: argparse.Namespace) -> None:
+    """A CPU bench of a random shape whose float32 weights do not fit the available memory is
+    refused before they are allocated (the kernel would end the process; each cell's own estimate
+    comes later, with the weights loaded)."""
+    from prhs_hf.evaluation import speed_map
+
+    shape = speed_map.SHAPES.get(args.model or (speed_map.QUICK_SHAPE_NAME if args.quick else speed_map.RANDOM_SHAPE))
+    available = speed_map.available_host_bytes()
+    if shape is None or available is None:
+        return
+    h, q, kv = shape["hidden_size"], shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    per_layer = 4 * (2 * h * q + 2 * h * kv + 3 * h * shape["intermediate_size"])  # float32 q/o, k/v, MLP
+    layers = args.layers or shape["num_hidden_layers"]
+    need = 4 * 2 * shape["vocab_size"] * h + layers * per_layer  # embeddings and head, then the layers
+    if need > speed_map.MEMORY_FRACTION * available:
+        raise ValueError(f"the {layers}-layer random shape's float32 weights take {need / 2**30:.1f} GiB, more than "
+                         f"{speed_map.MEMORY_FRACTION:.0%} of the {available / 2**30:.1f} GiB available here; give "
+                         f"--layers N (about {per_layer / 2**30:.2f} GiB a layer) or --quick")
 
 
 def _cmd_calibrate_ds(args: argparse.Namespace) -> int:

@@ -536,3 +536,44 @@ def test_an_unsupported_model_is_refused_before_the_dense_run(tiny_checkpoint, m
     assert rc == 1 and dense_runs == []
     assert "PrHS supports dtypes float16, bfloat16, float32; the model is float64" in capsys.readouterr().err
     assert not prhs_hf.is_patched(real_load(tiny_checkpoint)[0])
+
+
+def test_bench_without_a_gpu_needs_quick_or_allow_cpu(monkeypatch, capsys) -> None:
+    """The full grid on a machine without a GPU showed 0/40 for 392 s and was killed for memory."""
+    import time
+
+    from prhs_hf.evaluation import speed_map
+
+    runs = []
+    monkeypatch.setattr(fetch, "_torch_built_with_cuda", lambda: False)
+    monkeypatch.setattr(speed_map, "main", lambda args: runs.append(args) or 0)
+    start = time.perf_counter()
+    assert cli.main(["bench"]) == 1 and runs == []
+    assert time.perf_counter() - start < 5
+    err = capsys.readouterr().err
+    assert "no CUDA GPU here" in err and "--quick" in err and "--allow-cpu" in err, err
+    assert cli.main(["bench", "--quick"]) == 0 and len(runs) == 1
+    monkeypatch.setattr(speed_map, "available_host_bytes", lambda: 64 * 2**30)
+    assert cli.main(["bench", "--allow-cpu"]) == 0 and len(runs) == 2
+
+
+def test_bench_on_the_cpu_refuses_weights_that_do_not_fit(monkeypatch, capsys) -> None:
+    from prhs_hf.evaluation import speed_map
+
+    runs = []
+    monkeypatch.setattr(fetch, "_torch_built_with_cuda", lambda: False)
+    monkeypatch.setattr(speed_map, "main", lambda args: runs.append(args) or 0)
+    monkeypatch.setattr(speed_map, "available_host_bytes", lambda: 8 * 2**30)
+    assert cli.main(["bench", "--allow-cpu"]) == 1 and runs == []
+    err = capsys.readouterr().err
+    assert "32-layer random shape's float32 weights take 29.9 GiB" in err and "--layers N" in err, err
+    assert cli.main(["bench", "--allow-cpu", "--layers", "4"]) == 0 and len(runs) == 1  # 5.1 GiB
+
+
+def test_each_bench_cell_is_checked_against_the_memory_of_a_cpu() -> None:
+    """Off CUDA the free memory was unknown (None), so every cell counted as fitting."""
+    from prhs_hf.evaluation import speed_map
+
+    free = speed_map._free_bytes(torch.device("cpu"))
+    assert free == pytest.approx(speed_map.available_host_bytes(), rel=0.2)
+    assert free is not None or not Path("/proc/meminfo").is_file()
