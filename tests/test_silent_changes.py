@@ -4,8 +4,11 @@ is refused at once naming what to do (issue 53 item 8)."""
 from __future__ import annotations
 
 import pytest
+import torch
+
 import prhs_hf
 from prhs_hf.config import ConfigError
+from tiny_models import padded_batch, tiny_model
 
 
 @pytest.mark.parametrize("override, message", [
@@ -38,3 +41,24 @@ def test_every_named_config_still_loads() -> None:
 
     for name in [*shipped_configs(), *ACCURACY_CONFIGS]:
         load_any_config(name, {"telemetry": {"enabled": True}})
+
+
+RANDOM_EXPANSION = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4},
+                    "baseline": {"name": "random_expansion", "seed": 3},
+                    "backend": {"prefill": "torch", "decode": "torch"}}
+
+
+def test_random_expansion_gives_each_sequence_the_same_tokens_alone_and_in_a_batch() -> None:
+    """Its draws came from one generator stream over the whole batch's [B, H, slots]: a sequence's
+    random indices depended on the batch it was in."""
+    model = tiny_model("llama")
+    lengths = [70, 45, 58]
+    ids, mask = padded_batch(lengths)
+    prhs_hf.patch(model, RANDOM_EXPANSION)
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+        for i, n in enumerate(lengths):
+            alone = model.generate(ids[i:i + 1, -n:], attention_mask=mask[i:i + 1, -n:], do_sample=False,
+                                   max_new_tokens=12)
+            assert torch.equal(batch[i, -12:], alone[0, -12:]), f"sequence {i}"
+    prhs_hf.unpatch(model)
