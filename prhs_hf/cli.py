@@ -405,7 +405,8 @@ def _cmd_ruler_prepare(args: argparse.Namespace) -> int:
         _status(f"{path}: {len(rows)} rows, prompt tokens {min(tokens)}-{max(tokens)}")
 
     manifest = lc.write_prepared(args.out, tokenizer, tasks, lengths, args.n, seed=args.seed,
-                                 tokenizer_name=str(args.model), cache_dir=args.cache_dir, on_file=wrote)
+                                 tokenizer_name=str(args.model), cache_dir=args.cache_dir, on_file=wrote,
+                                 status=_status)
     print(manifest)
     return 0
 
