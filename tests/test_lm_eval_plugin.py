@@ -581,3 +581,27 @@ def test_lm_eval_outside_a_git_repository_prints_no_git_error(monkeypatch, tmp_p
     assert shim.main(["--tasks", "gsm8k_local"]) == 0
     assert seen == [None]
     assert "fatal" not in capfd.readouterr().err
+
+
+def test_a_bad_config_or_cuda_device_is_refused_before_the_model_loads(hflm_arguments) -> None:
+    """A misspelled prhs_config was found only after HFLM had loaded the model; a CUDA device that is
+    not there only when the first batch went to it."""
+    import prhs_hf.evaluation.lm_eval as ple
+    from prhs_hf.config import ConfigError
+
+    with pytest.raises(ConfigError, match="did you mean 'cis_longbench'"):
+        ple.register()(pretrained="org/some-model", prhs_config="cis_longbnech")
+    with pytest.raises(ConfigError, match="psaw.phi: the config leaves psaw off"):
+        ple.register()(pretrained="org/some-model", prhs_config="cis", **{"prhs.psaw.phi": 0.5})
+    with pytest.raises(ValueError, match="device 'cuda:99'"):
+        ple.register()(pretrained="org/some-model", device="cuda:99")
+    assert hflm_arguments == {}  # HFLM never started
+
+
+def test_lm_evals_default_device_gives_way_to_what_is_there(hflm_arguments, local_task_index) -> None:
+    """Without --device lm-eval passes cuda:0: the plugin's default (cuda if there, else cpu) applies."""
+    import torch
+
+    with pytest.raises(_Captured):
+        shim.main(["--tasks", "gsm8k_local", "--model_args", "pretrained=org/some-model"])
+    assert hflm_arguments["device"] == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -15,7 +15,9 @@ is there (``cuda`` when available, else ``cpu``; HFLM's own default is ``cuda``)
 ``device``, ``batch_size`` and ``max_batch_size`` may be given in ``model_args`` as well as through
 lm-eval's own options (``--device``, ``simple_evaluate(device=...)``): given in both, they must agree
 (else :class:`ValueError` naming both); a value that lm-eval's command line filled in by default
-(``prhs-hf lm-eval`` tells which: :attr:`PrHSLM.defaulted_options`) gives way to ``model_args``.
+(``prhs-hf lm-eval`` tells which: :attr:`PrHSLM.defaulted_options`) gives way to ``model_args``, and
+its default device (``cuda:0``) to the plugin's own (what is there). A CUDA device that is not there,
+the config and the model are checked before the model loads.
 
 Model arguments besides HFLM's own (which all pass through):
 
@@ -102,14 +104,17 @@ def merge_model_args(model_args: Mapping[str, Any], lm_eval_args: Mapping[str, A
                      defaulted: "frozenset[str] | set[str]" = frozenset()) -> dict[str, Any]:
     """``model_args`` plus what lm-eval adds (``lm_eval_args``: ``device``, ``batch_size``, ...; ``None``
     values are left out, as lm-eval does). A key in both must have the same value in both, unless it
-    is in ``defaulted`` (lm-eval's default, not the user's): then ``model_args`` wins.
+    is in ``defaulted`` (lm-eval's default, not the user's): then ``model_args`` wins, and a defaulted
+    ``device`` is left out altogether (the plugin then takes what is there).
 
     >>> merge_model_args({"device": "cpu"}, {"device": "cuda:0", "batch_size": 1}, {"device"})
     {'device': 'cpu', 'batch_size': 1}
+    >>> merge_model_args({}, {"device": "cuda:0", "batch_size": 1}, {"device", "batch_size"})
+    {'batch_size': 1}
     """
     out = dict(model_args)
     for key, value in (lm_eval_args or {}).items():
-        if value is None:
+        if value is None or (key == "device" and key in defaulted):  # the plugin's own default: what is there
             continue
         if key not in out:
             out[key] = value
@@ -171,12 +176,17 @@ class PrHSLM(HFLM):
         **kwargs: Any,
     ) -> None:
         dotted = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(_DOTTED_PREFIX)}
+        # what can be wrong with the arguments is found before the model loads: the config, the model, the device
+        overrides = parse_overrides(prhs_overrides, dotted)
+        self._config_in_force(prhs_config, overrides)
         pretrained = _resolve_pretrained(pretrained, kwargs)
         if kwargs.get("device") in (None, "auto"):
             kwargs["device"] = default_device()
+        elif str(kwargs["device"]).startswith("cuda"):
+            fetch.check_device(str(kwargs["device"]))
         super().__init__(pretrained=pretrained, **kwargs)
         self.prhs_telemetry: dict[str, dict[str, Any]] = {}
-        self.configure(prhs_config, parse_overrides(prhs_overrides, dotted))
+        self.configure(prhs_config, overrides)
 
     # ------------------------------------------------------------------------------ configuration
 
@@ -184,21 +194,27 @@ class PrHSLM(HFLM):
                   overrides: Mapping[str, Any] | None = None) -> prhs_hf.PrHSConfig:
         """(Re-)patch the model with ``config`` plus ``overrides`` (telemetry forced on) and forget
         the telemetry gathered so far. Returns the config in force."""
-        source = DEFAULT_CONFIG if config is None else config
-        self.prhs_overrides = dict(overrides or {})
-        if isinstance(source, (str, Path)):
-            text = str(source)
-            cfg = load_any_config(text, self.prhs_overrides)  # a bad name fails here, listing the names
-            named = text in ACCURACY_CONFIGS  # a named config of the result tables is recorded by its name
-            self.prhs_config_source = text if named else str(resolve_config_path(text).resolve())
-        else:
-            self.prhs_config_source = "<object>"
-            cfg = prhs_hf.load_config(source, self.prhs_overrides)
-        cfg = prhs_hf.load_config(cfg, _TELEMETRY_ON)
+        cfg, source = self._config_in_force(config, overrides)
         prhs_hf.patch(self.model, cfg)
+        self.prhs_overrides, self.prhs_config_source = dict(overrides or {}), source
         self.prhs_config = cfg
         self.prhs_telemetry = {}
         return cfg
+
+    @staticmethod
+    def _config_in_force(config: "str | Path | Mapping[str, Any] | prhs_hf.PrHSConfig | None",
+                         overrides: Mapping[str, Any] | None) -> "tuple[prhs_hf.PrHSConfig, str]":
+        """``(config plus overrides with telemetry on, how the results name its source)``; a bad name
+        or value raises here (the closest config name first)."""
+        source = DEFAULT_CONFIG if config is None else config
+        if isinstance(source, (str, Path)):
+            text = str(source)
+            cfg = load_any_config(text, dict(overrides or {}))
+            named = text in ACCURACY_CONFIGS  # a named config of the result tables is recorded by its name
+            recorded = text if named else str(resolve_config_path(text).resolve())
+        else:
+            recorded, cfg = "<object>", prhs_hf.load_config(source, dict(overrides or {}))
+        return prhs_hf.load_config(cfg, _TELEMETRY_ON), recorded
 
     # ------------------------------------------------------------------------------ requests
 
