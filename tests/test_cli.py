@@ -482,8 +482,8 @@ def _mistral_checkpoint(folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["generate", "--config", "cis_longbnech"], "cis_longbnech: not a config name and no such file; did you mean "
-                                                "'cis_longbench'?"),
+    (["generate", "--config", "cis_longbnech"], "unknown config 'cis_longbnech': not a config name and no such "
+                                                "file; did you mean 'cis_longbench'?"),
     (["generate", "--model", "smollm2-13m"], "unknown model 'smollm2-13m': did you mean 'smollm2-135m'?"),
     (["generate", "--dtype", "float16x"], "dtype 'float16x': did you mean 'float16'? allowed: auto, float16, "
                                           "bfloat16, float32"),

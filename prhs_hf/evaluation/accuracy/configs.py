@@ -174,14 +174,14 @@ def unknown_config_message(name: str) -> str:
     """Why ``name`` is no config: the closest known name first, if one is close (then the named configs
     of the result tables are counted, not listed), else every name."""
     from prhs_hf.config import shipped_configs
-    from prhs_hf.suggestions import did_you_mean
+    from prhs_hf.hub.registry import did_you_mean
 
     hint = did_you_mean(name, [*shipped_configs(), *ACCURACY_CONFIGS])
     names = (f"shipped configs: {', '.join(shipped_configs())}; {len(ACCURACY_CONFIGS)} named configs of the "
              f"result tables (cis-s16, cis-lb, ...: `prhs-hf lm-eval --help` lists them)") if hint else (
         f"{known_config_names()} (the timing labels of scripts/bench_e2e_decode.py, such as cpe-s16-share, are "
         f"that script's own: its result files give each one's base YAML and overrides)")
-    return f"{name}: not a config name and no such file; {hint}{names}; or a YAML path"
+    return f"unknown config {name!r}: not a config name and no such file; {hint}{names}; or a YAML path"
 
 
 def load_any_config(name: "str | Path", overrides: Mapping[str, Any] | None = None) -> prhs_hf.PrHSConfig:
