@@ -595,6 +595,8 @@ def test_a_bad_config_or_cuda_device_is_refused_before_the_model_loads(hflm_argu
         ple.register()(pretrained="org/some-model", prhs_config="cis", **{"prhs.psaw.phi": 0.5})
     with pytest.raises(ValueError, match="device 'cuda:99'"):
         ple.register()(pretrained="org/some-model", device="cuda:99")
+    with pytest.raises(ValueError, match="unknown model 'smollm2-13m': did you mean 'smollm2-135m'"):
+        ple.register()(pretrained="smollm2-13m")
     assert hflm_arguments == {}  # HFLM never started
 
 
