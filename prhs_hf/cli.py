@@ -199,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     speed_map.add_arguments(p_bench, DEFAULT_CONFIG)
     p_bench.add_argument("--allow-cpu", action="store_true",
-                         help="run the full grid without a GPU (refused otherwise: hours, and the default shape's "
-                              "weights alone take 32 GB in float32); --quick runs anywhere")
+                         help="run the full grid (the default shape, or the default batches or lengths) without a "
+                              "GPU (refused otherwise: hours, and the default shape's weights alone take 32 GB in "
+                              "float32); --quick, or your own --batches, --lengths (and --layers), run anywhere")
     p_bench.set_defaults(func=_cmd_bench)
 
     # Listed for --help only: main() hands `prhs-hf lm-eval ...` to lm-eval before parsing, since
@@ -700,10 +701,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from prhs_hf.evaluation import speed_map
 
     if not args.replot and fetch.check_device("auto") == "cpu":
-        if not (args.quick or args.allow_cpu):
-            raise ValueError("no CUDA GPU here: the full speed map (llama3-8b-shape, B up to 32, L up to 128k) is "
-                             "a GPU benchmark that would run for hours on the CPU and can exhaust its memory; give "
-                             "--quick (a tiny model, any device, seconds) or --allow-cpu to run this grid here anyway")
+        full_shape = (args.model or speed_map.RANDOM_SHAPE) == speed_map.RANDOM_SHAPE and not args.layers
+        full_grid = args.batches is None or args.lengths is None or full_shape
+        if full_grid and not (args.quick or args.allow_cpu):
+            raise ValueError("no CUDA GPU here: the full speed map (the 32-layer llama3-8b-shape, or B up to 32 and "
+                             "L up to 128k) is a GPU benchmark that would run for hours on the CPU and can exhaust its "
+                             "memory; give --quick (a tiny model, any device, seconds), a grid of your own (--batches "
+                             "and --lengths; --layers for the random shape), or --allow-cpu to run this one here anyway")
         _check_host_memory_for_weights(args)
     _status("importing torch and transformers…")
     return speed_map.main(args)

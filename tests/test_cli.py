@@ -555,6 +555,10 @@ def test_bench_without_a_gpu_needs_quick_or_allow_cpu(monkeypatch, capsys) -> No
     assert cli.main(["bench", "--quick"]) == 0 and len(runs) == 1
     monkeypatch.setattr(speed_map, "available_host_bytes", lambda: 64 * 2**30)
     assert cli.main(["bench", "--allow-cpu"]) == 0 and len(runs) == 2
+    assert cli.main(["bench", "--batches", "1", "--lengths", "4k"]) == 1 and len(runs) == 2  # still 32 layers
+    assert cli.main(["bench", "--batches", "1", "--lengths", "4k", "--layers", "2"]) == 0 and len(runs) == 3
+    assert cli.main(["bench", "--model", "./ckpt", "--lengths", "4k"]) == 1 and len(runs) == 3  # batches to 32
+    assert cli.main(["bench", "--model", "./ckpt", "--batches", "1", "--lengths", "4k"]) == 0 and len(runs) == 4
 
 
 def test_bench_on_the_cpu_refuses_weights_that_do_not_fit(monkeypatch, capsys) -> None:
