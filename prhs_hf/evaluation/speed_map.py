@@ -53,8 +53,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["DENSE_CONFIGS", "Deadline", "add_arguments", "add_speedups", "config_loops", "draw_heatmap",
-           "estimate_bytes", "fits", "format_table", "heat_cell", "is_dense_baseline", "main", "parse_lengths", "plan_cells"]
+__all__ = ["DENSE_CONFIGS", "Deadline", "add_arguments", "add_speedups", "available_host_bytes", "config_loops",
+           "draw_heatmap", "estimate_bytes", "fits", "format_table", "heat_cell", "is_dense_baseline", "main",
+           "parse_lengths", "plan_cells"]
 
 #: dense config name -> the attention implementation the unpatched model runs with
 #: (``"sdpa_gqa"`` is :data:`prhs_hf.attention.GQA_SDPA_NAME`, registered by ``prhs_hf.attention.register``)
@@ -434,16 +435,31 @@ def measure(target: Target, mode: str, batch: int, length: int, config: str, arg
     return row
 
 
+def available_host_bytes() -> Optional[int]:
+    """The memory a new process could take without swapping (``MemAvailable`` of ``/proc/meminfo``);
+    ``None`` where that file is not there."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _free_bytes(device: Any) -> Optional[int]:
     """Free GPU memory plus what torch's allocator holds unused, after a collection
-    (:func:`prhs_hf.patching.free_device_bytes`); ``None`` off CUDA."""
+    (:func:`prhs_hf.patching.free_device_bytes`); off CUDA the host's available memory
+    (:func:`available_host_bytes`), so a cell that cannot fit is refused there too."""
     import torch
 
     from prhs_hf.patching import free_device_bytes
 
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
+    gc.collect()
+    if device.type != "cuda":
+        return available_host_bytes()
+    torch.cuda.empty_cache()
     return free_device_bytes(device)
 
 

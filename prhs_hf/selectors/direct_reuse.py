@@ -57,13 +57,15 @@ class DirectReuseSelector(LayerStates):
         st["anchor"] = torch.where(retrieve[..., None], fresh, st["anchor"])
         st["has"] = has | retrieve
         middle = torch.where(retrieve[..., None], fresh, torch.where(reuse[..., None], st["anchor"], -1))
-        extra = self.expansion(frame, middle, reuse, params, k_cache.shape[-2])
+        extra = self.expansion(frame, middle, reuse, params, k_cache.shape[-2], layer=layer, step=step)
         if extra is not None:
             middle = torch.cat([middle, extra], dim=-1)
         return compose(frame, middle, params, retrieved=retrieve)
 
     def expansion(
-        self, frame: StepFrame, middle: torch.Tensor, reuse: torch.Tensor, params: DecodeParams, slots: int
+        self, frame: StepFrame, middle: torch.Tensor, reuse: torch.Tensor, params: DecodeParams, slots: int, *,
+        layer: int, step: int,
     ) -> torch.Tensor | None:
-        """Middle indices added to the reused rows' sets (none: DirectReuse adds nothing)."""
+        """Middle indices added to the reused rows' sets at decode step ``step`` of ``layer`` (none:
+        DirectReuse adds nothing)."""
         return None

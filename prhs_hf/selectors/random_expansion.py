@@ -10,8 +10,10 @@ positions not already selected ("the eligible non-sink and non-local region"). R
 add nothing (CIS does not dilate a fresh retrieval). The set therefore has exactly the size of
 the CIS set that shares the same anchor, and at most ``params.capacity`` entries.
 
-Draws come from a ``torch.Generator`` seeded with ``baseline.seed`` (re-seeded by ``reset``);
-the paper averages 42 seeds.
+The draws are a counter-based hash of (``baseline.seed``, layer, decode step, the sequence's length,
+head, real position), not a generator's stream over the batch: a sequence draws the same indices
+alone and in any batch, at any padding, and a step that is undone draws the same again. The paper
+averages 42 seeds.
 """
 
 from __future__ import annotations
@@ -20,46 +22,45 @@ import torch
 
 from ..decode import DecodeParams
 from ..kernels.compose_indices import compose_indices_reference
-from .base import StepMark
 from .set_steps import StepFrame
 from .direct_reuse import DirectReuseSelector
 
 __all__ = ["RandomExpansionSelector"]
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply) of ``x`` (int64 values in ``[0, 2**32)``; no overflow:
+    the multiplier is below ``2**27``)."""
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
 class RandomExpansionSelector(DirectReuseSelector):
     """DirectReuse whose reused sets get CIS's dilation count of uniformly random middle indices."""
-
-    CALL_STATE = (*DirectReuseSelector.CALL_STATE, "_generators")  # each generation's stream starts at seed
 
     def __init__(self, block_size: int, seed: int = 0):
         super().__init__(block_size)
         self.seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generators[device]
-
-    def reset(self) -> None:
-        """Forget the state and restart the random stream from ``seed``."""
-        super().reset()
-        self._generators.clear()
-
-    def mark_step(self) -> StepMark:
-        """DirectReuse's mark and each random stream's position (a generator's state is host data)."""
-        return StepMark((super().mark_step(), {device: g.get_state() for device, g in self._generators.items()}))
-
-    def undo_to(self, mark: StepMark) -> None:
-        """Put the state and the random streams back to ``mark``."""
-        layers, streams = mark.state
-        super().undo_to(layers)
-        for device, position in streams.items():
-            self._generators[device].set_state(position)
+    def draws(self, frame: StepFrame, layer: int, step: int, heads: int, slots: int) -> torch.Tensor:
+        """``[B, Hq, slots]`` int64: a distinct pseudo-random value per real position of each (sequence,
+        head), a function of ``seed``, ``layer``, ``step``, the sequence's length ``t``, the head and the
+        position only (the position in the low 21 bits keeps the values distinct, so ``topk`` has no ties)."""
+        device = frame.t.device
+        key = _mix32(torch.tensor([self.seed & _MASK32, layer, step], dtype=torch.int64, device=device))
+        key = _mix32(key[0] ^ _mix32(key[1] ^ _mix32(key[2] ^ frame.t.long())))  # [B]
+        head = torch.arange(heads, device=device, dtype=torch.int64)
+        pos = torch.arange(slots, device=device, dtype=torch.int64)
+        row = _mix32(key[:, None] ^ _mix32(head + 0x9E3779B))  # [B, Hq]
+        return (_mix32(row[..., None] ^ pos) << 21) | pos  # positions < 2**20 (MAX_TOKENS)
 
     def expansion(
-        self, frame: StepFrame, middle: torch.Tensor, reuse: torch.Tensor, params: DecodeParams, slots: int
+        self, frame: StepFrame, middle: torch.Tensor, reuse: torch.Tensor, params: DecodeParams, slots: int, *,
+        layer: int, step: int,
     ) -> torch.Tensor | None:
         """``[B, Hq, 2rm]`` random middle indices (``-1`` padded): as many per row as CIS's dilation adds."""
         m, r = min(params.dilation_topm, middle.shape[-1]), params.dilation_radius
@@ -75,8 +76,7 @@ class RandomExpansionSelector(DirectReuseSelector):
         taken = torch.zeros(B, H, slots + 1, dtype=torch.bool, device=middle.device)
         taken.scatter_(-1, torch.where(middle >= 0, middle.long(), slots), True)
         eligible = eligible[:, None, :] & ~taken[..., :slots]
-        draw = torch.rand(B, H, slots, generator=self._generator(middle.device), device=middle.device)
-        draw = torch.where(eligible, draw, -1.0)
+        draw = torch.where(eligible, self.draws(frame, layer, step, H, slots), -1)
         width = min(2 * r * m, slots)
         value, index = draw.topk(width, dim=-1)
         keep = (value >= 0) & (torch.arange(width, device=middle.device) < n_extra[..., None])

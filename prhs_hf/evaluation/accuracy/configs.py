@@ -66,8 +66,8 @@ from typing import Any, Mapping
 import prhs_hf
 
 __all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "FRONTIER_CONFIGS", "KEY_INDEX_CONFIGS",
-           "LONG_CONTEXT_BASELINES",
-           "ACCURACY_POLICIES", "with_policy", "named_config", "load_named_config", "load_any_config", "known_config_names"]
+           "LONG_CONTEXT_BASELINES", "ACCURACY_POLICIES", "with_policy", "named_config", "load_named_config",
+           "load_any_config", "known_config_names", "unknown_config_message"]
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def named_config(name: str) -> NamedConfig:
         return NamedConfig(name, name)
     if name.endswith((".yaml", ".yml")):
         return NamedConfig(Path(name).stem, name)
-    raise ValueError(f"unknown config {name!r}; {known_config_names()}; or a .yaml path")
+    raise ValueError(unknown_config_message(name))
 
 
 #: What ``scripts/run_accuracy.py --policy`` takes: ``sparse`` (every forward of a sparse config runs
@@ -223,6 +223,20 @@ def known_config_names() -> str:
             f"{', '.join(ACCURACY_CONFIGS)}")
 
 
+def unknown_config_message(name: str) -> str:
+    """Why ``name`` is no config: the closest known name first, if one is close (then the named configs
+    of the result tables are counted, not listed), else every name."""
+    from prhs_hf.config import shipped_configs
+    from prhs_hf.hub.registry import did_you_mean
+
+    hint = did_you_mean(name, [*shipped_configs(), *ACCURACY_CONFIGS])
+    names = (f"shipped configs: {', '.join(shipped_configs())}; {len(ACCURACY_CONFIGS)} named configs of the "
+             f"result tables (cis-s16, cis-lb, ...: `prhs-hf lm-eval --help` lists them)") if hint else (
+        f"{known_config_names()} (the timing labels of scripts/bench_e2e_decode.py, such as cpe-s16-share, are "
+        f"that script's own: its result files give each one's base YAML and overrides)")
+    return f"unknown config {name!r}: not a config name and no such file; {hint}{names}; or a YAML path"
+
+
 def load_any_config(name: "str | Path", overrides: Mapping[str, Any] | None = None) -> prhs_hf.PrHSConfig:
     """The config ``name`` plus ``overrides``: a named config of the result tables
     (:data:`ACCURACY_CONFIGS`, e.g. ``cis-s16``, ``cis-lb``), a shipped config (``cis``,
@@ -241,7 +255,5 @@ def load_any_config(name: "str | Path", overrides: Mapping[str, Any] | None = No
         return prhs_hf.load_config(config, overrides) if overrides else config
     bare = isinstance(name, str) and "/" not in text and "\\" not in text and Path(text).suffix not in (".yaml", ".yml")
     if bare and text not in shipped_configs() and not Path(text).is_file():
-        raise ConfigError(f"{text}: not a config name and no such file; {known_config_names()}; or a YAML path "
-                          f"(the timing labels of scripts/bench_e2e_decode.py, such as cpe-s16-share, are that "
-                          f"script's own: its result files give each one's base YAML and overrides)")
+        raise ConfigError(unknown_config_message(text))
     return prhs_hf.load_config(name, overrides)

@@ -15,9 +15,12 @@ help. After a run, the PrHS telemetry of each task is printed in a few lines
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 import sys
 import textwrap
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from . import LOCAL_TASKS, TASKS_DIR, register
 
@@ -62,7 +65,8 @@ def model_help(width: int = 100) -> str:
                                   f"YAML path"),
         ("prhs_overrides=YAML", "overrides in the config schema, e.g. {budget: {topk: 72}}"),
         ("prhs.SECTION.KEY=VALUE", "one override each, e.g. prhs.budget.topk=72,prhs.cis.block_size=8"),
-        ("device=auto|cpu|cuda", "default: cuda when there is one, else cpu"),
+        ("device=auto|cpu|cuda", "default: cuda when there is one, else cpu (given both here and as --device, "
+                                 "the two must agree)"),
     ]
     column = max(len(name) for name, _ in arguments) + 4
     paragraphs = [
@@ -107,6 +111,29 @@ def _wants_help(args: Sequence[str]) -> bool:
     return any(a in ("-h", "--help") for a in options)
 
 
+@contextlib.contextmanager
+def _quiet_git_describe() -> Iterator[None]:
+    """While active, lm-eval's record of the git commit it runs in (``git describe`` in the working
+    folder) keeps git's "fatal: not a git repository" off the terminal; the result is the same."""
+    import lm_eval.evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    original = lm_eval.evaluator.get_git_commit_hash
+
+    def quiet() -> str | None:
+        try:
+            done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(os.getcwd())  # as lm-eval's: a .git folder read directly
+        return done.stdout.strip()
+
+    lm_eval.evaluator.get_git_commit_hash = quiet
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = original
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run lm-eval's command line (``lm_eval.__main__.cli_evaluate``) on ``argv`` (default ``sys.argv[1:]``)."""
     args = lm_eval_argv(sys.argv[1:] if argv is None else argv)
@@ -115,15 +142,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(model_help(), flush=True)
     from lm_eval.__main__ import cli_evaluate
 
+    from .plugin import LM_EVAL_OPTIONS
+
     seen = len(model.reported)
-    saved = sys.argv
+    saved = sys.argv, model.defaulted_options
     sys.argv = ["lm-eval", *args]
+    # what lm-eval fills in itself (--device cuda:0, --batch_size 1) gives way to --model_args; with a
+    # --config file, which may set them too, every value counts as given
+    given_config = _has_option(args, "--config") or _has_option(args, "-C")
+    model.defaulted_options = frozenset(
+        key for key, options in LM_EVAL_OPTIONS.items()
+        if not given_config and not any(_has_option(args, option) for option in options))
     try:
-        cli_evaluate()
+        with _quiet_git_describe():
+            cli_evaluate()
     except SystemExit as exc:  # argparse's --help and errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
-        sys.argv = saved
+        sys.argv, model.defaulted_options = saved
     summaries = telemetry_summaries(model.reported[seen:])
     if summaries:
         print(f"\n{summaries}")
