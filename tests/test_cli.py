@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prhs_hf import cli
+from prhs_hf.evaluation import compare
 from prhs_hf.hub import fetch
 
 @pytest.fixture(scope="module")
@@ -84,10 +85,10 @@ def test_python_dash_m_runs_the_cli() -> None:
 
 
 def test_texts_side_by_side_or_one_after_the_other() -> None:
-    wide = cli._render_texts("dense text", "sparse text", 100)
+    wide = compare.render_texts("dense text", "sparse text", 100)
     assert wide.splitlines()[0].startswith("dense") and "│ PrHS" in wide.splitlines()[0]
     assert "dense text" in wide.splitlines()[2] and wide.splitlines()[2].endswith("│ sparse text")
-    narrow = cli._render_texts("dense text", "sparse text", 40)
+    narrow = compare.render_texts("dense text", "sparse text", 40)
     assert narrow.splitlines() == ["── dense ──", "dense text", "", "── PrHS ──", "sparse text"]
 
 
@@ -100,14 +101,14 @@ def _report(**fields):
 
 
 def test_stats_block() -> None:
-    dense = cli.Generation([1, 2, 3, 4], "", 2.0, prefill_seconds=0.5)
-    sparse = cli.Generation([1, 2, 9, 4], "", 4.0, prefill_seconds=1.0)
+    dense = compare.Generation([1, 2, 3, 4], "", 2.0, prefill_seconds=0.5)
+    sparse = compare.Generation([1, 2, 9, 4], "", 4.0, prefill_seconds=1.0)
     text = cli._render_stats(dense, sparse, _report())
     values = ["3 of 3", "128.0 vs dense 512.0 (25.0 % of dense)", "17.3 %", "dense 0.5, PrHS 1.0",
               "dense 2.0, PrHS 1.0", "first 2 of 4"]
     lines = text.splitlines()[1:]
     assert [line.endswith(v) for line, v in zip(lines, values)] == [True] * 6, text
-    columns = {cli._display_len(line[: line.index(v)]) for line, v in zip(lines, values)}
+    columns = {compare.display_len(line[: line.index(v)]) for line, v in zip(lines, values)}
     assert len(columns) == 1, text  # ρ̂'s combining hat does not shift its value
     empty = cli._render_stats(dense, sparse, _report(retrieval_ratio=None, processed_kv_per_step=0.0,
                                                      dense_kv_per_step=0.0, sparse_sequence_steps=0))
@@ -116,8 +117,8 @@ def test_stats_block() -> None:
 
 def test_decode_speed_leaves_the_prefill_out() -> None:
     """4 new tokens in 5 s of which 2 s were the prefill: 3 decode steps in 3 s."""
-    assert cli.Generation([1, 2, 3, 4], "", 5.0, prefill_seconds=2.0).decode_tokens_per_second == pytest.approx(1.0)
-    assert cli.Generation([1], "", 5.0, prefill_seconds=2.0).decode_tokens_per_second != 1.0  # nan: no decode step
+    assert compare.Generation([1, 2, 3, 4], "", 5.0, prefill_seconds=2.0).decode_tokens_per_second == pytest.approx(1.0)
+    assert compare.Generation([1], "", 5.0, prefill_seconds=2.0).decode_tokens_per_second != 1.0  # nan: no decode step
 
 
 def test_what_prhs_did_says_the_share_of_keys_and_why_a_cpu_shows_no_speed_up() -> None:
@@ -465,3 +466,17 @@ def test_sequence_steps_count_every_sequence_of_a_batch(tiny_checkpoint) -> None
     report = handle.telemetry()
     assert (report.decode_steps, report.decode_sequence_steps, report.sparse_sequence_steps) == (5, 10, 10)
     assert "5 decode steps, 10 of 10 sequence-steps sparse (100.0 %)" in report.summary()
+
+
+def test_side_by_side_says_whether_the_tokens_agree_and_the_speed_of_each() -> None:
+    """The quick start's printout: both texts, agreement, decode tokens/s, and on a CPU one line that
+    speed is measured on a GPU."""
+    dense = compare.Generation([1, 2, 3, 4], "the box", 2.0, prefill_seconds=0.5)
+    same = compare.Generation([1, 2, 3, 4], "the box", 4.0, prefill_seconds=1.0)
+    text = compare.side_by_side(dense, same, columns=100)
+    assert "same tokens as dense: yes, all 4 new tokens" in text
+    assert "decode tokens/s: dense 2.0, PrHS 1.0" in text
+    assert text.splitlines()[-1] == compare.CPU_SPEED_NOTE and "measured on a GPU" in compare.CPU_SPEED_NOTE
+    other = compare.Generation([1, 2, 9, 4], "the bag", 4.0, prefill_seconds=1.0, device="cuda")
+    gpu = compare.side_by_side(compare.Generation([1, 2, 3, 4], "the box", 2.0, 0.5, "cuda"), other, columns=100)
+    assert "same tokens as dense: no, the first 2 of 4 new tokens" in gpu and compare.CPU_SPEED_NOTE not in gpu
