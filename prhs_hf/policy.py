@@ -29,11 +29,17 @@ The model, per layer and decode step, with ``itemsize`` bytes per element:
   at k = 4,096, docs/results/bench_decode_attention_lb.md);
 - sparse runs where its time is below ``margin`` times dense's, both at ``bandwidth_gbs``.
 
-The shipped constants (:data:`H200`) come from measured decode steps on an H200
-(docs/results/policy_h200.md); on a CPU there is no speed to win and ``auto`` runs sparse (the
-accuracy studies' behaviour). On another GPU, measure the speed map with the policy forced each
-way (``prhs-hf bench --policy sparse`` and ``--policy dense``) and write the constants that
-reproduce its crossover to a JSON file of :class:`CostModel` fields, named by ``policy.cost_model``.
+The shipped constants: :data:`H200` on CUDA, from measured decode steps on an H200
+(docs/results/policy_h200.md), and :data:`CPU` on a CPU, from decode steps of SmolLM2-135M on two
+cores (docs/results/policy_cpu.md). On a CPU a sparse step runs the PyTorch reference ops, whose
+work per selected key (the gather and the set's composition) dwarfs what dense attention reads, so
+``auto`` decodes dense there at every context a CPU runs (``cis``'s 128-key sets would win past
+about 80k tokens on SmolLM2's shape, ``cis_longbench``'s past millions) and a CPU user does not get
+a slower decode by default; the accuracy studies and the tests that check sparse steps force
+``policy.decode: sparse``. On other devices (no model) ``auto`` runs sparse. On another GPU, measure
+the speed map with the policy forced each way (``prhs-hf bench --configs cis/sparse,cis/dense``) and
+write the constants that reproduce its crossover to a JSON file of :class:`CostModel` fields, named
+by ``policy.cost_model``.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["CostModel", "DecodeBytes", "DecodeShape", "H200", "cost_model_for", "load_cost_model"]
+__all__ = ["CPU", "CostModel", "DecodeBytes", "DecodeShape", "H200", "cost_model_for", "load_cost_model"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,25 @@ H200 = CostModel(
 )
 
 
+#: Fitted to decode steps of SmolLM2-135M (fp32, 9 query / 3 KV heads, head size 64) on two CPU cores,
+#: dense against forced-sparse PrHS (docs/results/policy_cpu.md): ``cis_longbench``'s 7,146-key sets cost
+#: about 0.3 s per layer and step beyond dense at 1k and at 4.7k tokens alike (its step 9-10x dense's),
+#: ``cis``'s 186-key sets about nothing, so the cost is per selected key and row (``per_key_ns``), not
+#: per token of the context. ``bandwidth_gbs``: what dense attention reads per second from memory on
+#: such a CPU (an estimate: its attention is a small part of a CPU decode step, too small to fit).
+#: The prefill keeps the sparse path (``min_sparse_prefill`` 0), as before: PSAW/ETF on a CPU not measured.
+CPU = CostModel(
+    bandwidth_gbs=10.0,
+    eager_overhead_us=0.0,
+    compiled_overhead_us=0.0,
+    per_key_ns=4700.0,
+    retrieval_rate=0.5,
+    topk_latency_ns=0.0,
+    margin=0.9,
+    min_sparse_prefill=0,
+)
+
+
 def load_cost_model(path: str | Path) -> CostModel:
     """A :class:`CostModel` from a JSON object of its fields (``policy.cost_model``); the fields it
     leaves out keep :data:`H200`'s."""
@@ -168,8 +193,8 @@ def load_cost_model(path: str | Path) -> CostModel:
 
 
 def cost_model_for(device: torch.device, path: str | None = None) -> CostModel | None:
-    """The cost model of ``device``: ``path``'s where given, the H200 constants on CUDA, else
-    ``None`` (``auto`` then runs sparse)."""
+    """The cost model of ``device``: ``path``'s where given, :data:`H200`'s constants on CUDA,
+    :data:`CPU`'s on a CPU, else ``None`` (``auto`` then runs sparse)."""
     if path is not None:
         return load_cost_model(path)
-    return H200 if torch.device(device).type == "cuda" else None
+    return {"cuda": H200, "cpu": CPU}.get(torch.device(device).type)

@@ -19,6 +19,36 @@ def _seed():
     torch.manual_seed(0)
 
 
+CPU_POLICY_MARKER = "cpu_policy"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{CPU_POLICY_MARKER}: sees the CPU's own `policy: auto` decision (the "
+                                       "rest of the suite runs `auto` sparse on a CPU, see _auto_runs_sparse_on_a_cpu)")
+
+
+@pytest.fixture(autouse=True)
+def _auto_runs_sparse_on_a_cpu(request, monkeypatch):
+    """Sparse steps wherever a config says ``policy: auto``, on a CPU.
+
+    The suite checks PrHS's sparse decode on tiny models on a CPU, many tests through the shipped
+    configs, whose ``policy: auto`` decodes dense there (:data:`prhs_hf.policy.CPU`: its sparse steps
+    are slower than dense). So every test in this process runs ``auto`` sparse on a CPU, as before that
+    cost model, and says so here; a test marked ``cpu_policy`` sees the CPU's own decision. A script a
+    test runs in a subprocess forces ``policy.decode: sparse`` in its config where it checks sparse steps.
+    """
+    if CPU_POLICY_MARKER in request.keywords:
+        return
+    from prhs_hf import policy, runtime
+
+    def sparse_on_a_cpu(device, path=None):
+        if path is None and torch.device(device).type == "cpu":
+            return None  # no cost model: `auto` runs sparse (prhs_hf.runtime)
+        return policy.cost_model_for(device, path)
+
+    monkeypatch.setattr(runtime, "cost_model_for", sparse_on_a_cpu)
+
+
 def triton_available() -> bool:
     """True where Triton kernels can run: on CUDA, or on the CPU through TRITON_INTERPRET=1."""
     try:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prhs_hf import cli
+from prhs_hf.evaluation import compare
 from prhs_hf.hub import fetch
 
 @pytest.fixture(scope="module")
@@ -84,10 +85,10 @@ def test_python_dash_m_runs_the_cli() -> None:
 
 
 def test_texts_side_by_side_or_one_after_the_other() -> None:
-    wide = cli._render_texts("dense text", "sparse text", 100)
+    wide = compare.render_texts("dense text", "sparse text", 100)
     assert wide.splitlines()[0].startswith("dense") and "│ PrHS" in wide.splitlines()[0]
     assert "dense text" in wide.splitlines()[2] and wide.splitlines()[2].endswith("│ sparse text")
-    narrow = cli._render_texts("dense text", "sparse text", 40)
+    narrow = compare.render_texts("dense text", "sparse text", 40)
     assert narrow.splitlines() == ["── dense ──", "dense text", "", "── PrHS ──", "sparse text"]
 
 
@@ -100,14 +101,14 @@ def _report(**fields):
 
 
 def test_stats_block() -> None:
-    dense = cli.Generation([1, 2, 3, 4], "", 2.0, prefill_seconds=0.5)
-    sparse = cli.Generation([1, 2, 9, 4], "", 4.0, prefill_seconds=1.0)
+    dense = compare.Generation([1, 2, 3, 4], "", 2.0, prefill_seconds=0.5)
+    sparse = compare.Generation([1, 2, 9, 4], "", 4.0, prefill_seconds=1.0)
     text = cli._render_stats(dense, sparse, _report())
     values = ["3 of 3", "128.0 vs dense 512.0 (25.0 % of dense)", "17.3 %", "dense 0.5, PrHS 1.0",
               "dense 2.0, PrHS 1.0", "first 2 of 4"]
     lines = text.splitlines()[1:]
     assert [line.endswith(v) for line, v in zip(lines, values)] == [True] * 6, text
-    columns = {cli._display_len(line[: line.index(v)]) for line, v in zip(lines, values)}
+    columns = {compare.display_len(line[: line.index(v)]) for line, v in zip(lines, values)}
     assert len(columns) == 1, text  # ρ̂'s combining hat does not shift its value
     empty = cli._render_stats(dense, sparse, _report(retrieval_ratio=None, processed_kv_per_step=0.0,
                                                      dense_kv_per_step=0.0, sparse_sequence_steps=0))
@@ -116,8 +117,8 @@ def test_stats_block() -> None:
 
 def test_decode_speed_leaves_the_prefill_out() -> None:
     """4 new tokens in 5 s of which 2 s were the prefill: 3 decode steps in 3 s."""
-    assert cli.Generation([1, 2, 3, 4], "", 5.0, prefill_seconds=2.0).decode_tokens_per_second == pytest.approx(1.0)
-    assert cli.Generation([1], "", 5.0, prefill_seconds=2.0).decode_tokens_per_second != 1.0  # nan: no decode step
+    assert compare.Generation([1, 2, 3, 4], "", 5.0, prefill_seconds=2.0).decode_tokens_per_second == pytest.approx(1.0)
+    assert compare.Generation([1], "", 5.0, prefill_seconds=2.0).decode_tokens_per_second != 1.0  # nan: no decode step
 
 
 def test_what_prhs_did_says_the_share_of_keys_and_why_a_cpu_shows_no_speed_up() -> None:
@@ -164,11 +165,14 @@ def _patch_available() -> bool:
 
 
 @pytest.mark.skipif(not _patch_available(), reason="prhs_hf.patch / prhs_hf.load_config are not importable yet")
-def test_generate_dense_then_prhs(tiny_checkpoint, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("policy", ["", pytest.param("policy: {decode: auto}\n", marks=pytest.mark.cpu_policy, id="auto")])
+def test_generate_dense_then_prhs(tiny_checkpoint, tmp_path, capsys, policy) -> None:
+    """The demo's sparse steps; a config with ``policy: auto``, which decodes dense on a CPU, the demo forces
+    sparse (it is there to show PrHS's selection) and says so."""
     config = tmp_path / "small.yaml"
     config.write_text("budget: {sink: 4, local: 8, topk: 16}\n"
                       "cis: {enabled: true, block_size: 4, tau: 0.8}\n"
-                      "psaw: {enabled: false}\netf: {enabled: false}\n")
+                      "psaw: {enabled: false}\netf: {enabled: false}\n" + policy)
     rc = cli.main(["generate", "--model", str(tiny_checkpoint), "--config", str(config),
                    "--prompt", "Tom reads 12 pages on Monday and twice as many on Tuesday. " * 2,
                    "--max-new-tokens", "6", "--device", "cpu"])
@@ -179,6 +183,7 @@ def test_generate_dense_then_prhs(tiny_checkpoint, tmp_path, capsys) -> None:
     steps = next(line for line in out.splitlines() if "sparse decode steps" in line).split()
     assert int(steps[-3]) > 0 and int(steps[-3]) <= int(steps[-1]), out
     assert "What PrHS did" in out and "docs/results/README.md" in out, out
+    assert (f"policy.decode: sparse, forced for the demo ({config} has auto" in out) == bool(policy), out
 
 
 def test_generate_reports_a_missing_config(tiny_checkpoint, capsys) -> None:
@@ -529,7 +534,7 @@ def test_an_unsupported_model_is_refused_before_the_dense_run(tiny_checkpoint, m
     import prhs_hf
 
     dense_runs = []
-    monkeypatch.setattr(cli, "_greedy", lambda *a, **k: dense_runs.append(a))
+    monkeypatch.setattr(cli, "timed_generate", lambda *a, **k: dense_runs.append(a))
     real_load = fetch.load_model
     monkeypatch.setattr(fetch, "load_model", lambda *a, **k: (lambda m, t: (m.double(), t))(*real_load(*a, **k)))
     rc = cli.main(["generate", "--model", str(tiny_checkpoint), "--config", "cis", "--device", "cpu", "--prompt", "hi"])
@@ -581,3 +586,17 @@ def test_each_bench_cell_is_checked_against_the_memory_of_a_cpu() -> None:
     free = speed_map._free_bytes(torch.device("cpu"))
     assert free == pytest.approx(speed_map.available_host_bytes(), rel=0.2)
     assert free is not None or not Path("/proc/meminfo").is_file()
+
+
+def test_side_by_side_says_whether_the_tokens_agree_and_the_speed_of_each() -> None:
+    """The quick start's printout: both texts, agreement, decode tokens/s, and on a CPU one line that
+    speed is measured on a GPU."""
+    dense = compare.Generation([1, 2, 3, 4], "the box", 2.0, prefill_seconds=0.5)
+    same = compare.Generation([1, 2, 3, 4], "the box", 4.0, prefill_seconds=1.0)
+    text = compare.side_by_side(dense, same, columns=100)
+    assert "same tokens as dense: yes, all 4 new tokens" in text
+    assert "decode tokens/s: dense 2.0, PrHS 1.0" in text
+    assert text.splitlines()[-1] == compare.CPU_SPEED_NOTE and "measured on a GPU" in compare.CPU_SPEED_NOTE
+    other = compare.Generation([1, 2, 9, 4], "the bag", 4.0, prefill_seconds=1.0, device="cuda")
+    gpu = compare.side_by_side(compare.Generation([1, 2, 3, 4], "the box", 2.0, 0.5, "cuda"), other, columns=100)
+    assert "same tokens as dense: no, the first 2 of 4 new tokens" in gpu and compare.CPU_SPEED_NOTE not in gpu

@@ -244,8 +244,9 @@ def test_python_api_local_tasks(checkpoint, local_tasks, offline) -> None:
 def test_cli_shim_writes_results_with_telemetry(checkpoint, data_dir, tmp_path) -> None:
     pytest.importorskip("lm_eval")
     out = tmp_path / "out"
-    args = ["--model_args", f"pretrained={checkpoint},prhs_config=cis,prhs.budget.sink=4,"
-                            "prhs.budget.local=8,prhs.budget.topk=16,dtype=float32",
+    args = ["--model_args", f"pretrained={checkpoint},prhs_config=cis,prhs.budget.sink=4,"  # sparse forced: on a
+                            "prhs.budget.local=8,prhs.budget.topk=16,prhs.policy.decode=sparse,"  # CPU auto is dense
+                            "dtype=float32",
             "--device", "cpu", "--tasks", "gsm8k_local,coqa_local", "--limit", "10", "--batch_size", "4",
             "--gen_kwargs", f"max_gen_toks={MAX_NEW}", "--metadata", json.dumps({"data_dir": str(data_dir)}),
             "--output_path", str(out)]

