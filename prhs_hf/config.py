@@ -65,6 +65,7 @@ __all__ = [
     "MAX_EXPONENT",
     "MAX_INDEX_SET",
     "MAX_CIS_STATE",
+    "MAX_RERANK_TOKENS",
 ]
 
 PHASES = ("prefill", "decode")
@@ -452,6 +453,10 @@ CIS_INDEXES = ("none", "fp8", "int4", "pages")
 """``cis.index``: ``none``, or a key index kind that ``prhs_hf.kernels.key_index`` implements
 (``INDEX_KINDS``; tests/test_config.py checks that the two agree)."""
 MIN_INDEX_PAGE, MAX_INDEX_PAGE = 4, 128
+MAX_RERANK_TOKENS = 8192
+"""Most candidate tokens a key index's re-rank takes per row (``prhs_hf.kernels.key_index.RERANK_MAX``,
+which tests/test_config.py checks this against): ``k + cis.rerank_margin``; ``pages``: the tokens of
+``ceil((k + margin + 2 * (index_page - 1)) / index_page)`` pages."""
 
 _RULES: dict[str, tuple] = {
     "budget.sink": ("int", 0, MAX_TOKENS, False, False),
@@ -642,6 +647,24 @@ def _check_relative_topk(config: PrHSConfig) -> None:
                           f"{selector} (set budget.topk_fraction: null)")
 
 
+def _check_rerank_room(config: PrHSConfig) -> None:
+    """A key index re-ranks at most :data:`MAX_RERANK_TOKENS` candidates per row: the largest k (the cap of a
+    context-relative top-k, which must then be set) plus ``cis.rerank_margin`` must fit."""
+    b, cis = config.budget, config.cis
+    if b.topk_fraction is not None and b.topk_max is None:
+        raise ConfigError(f"budget.topk_max: null leaves a context-relative top-k unbounded, and cis.index: "
+                          f"{cis.index} re-ranks at most {MAX_RERANK_TOKENS} candidate tokens per row (k + "
+                          f"cis.rerank_margin); set budget.topk_max <= {MAX_RERANK_TOKENS - cis.rerank_margin}")
+    key, k = ("budget.topk_max", b.topk_max) if b.topk_fraction is not None else ("budget.topk", b.topk)
+    page = cis.index_page if cis.index == "pages" else 1
+    tokens = math.ceil((k + cis.rerank_margin + 2 * (page - 1)) / page) * page
+    if tokens > MAX_RERANK_TOKENS:
+        pages = f" (pages of {page}: {tokens} tokens)" if page > 1 else ""
+        raise ConfigError(f"{key}: {k} with cis.index: {cis.index} and cis.rerank_margin: {cis.rerank_margin} gives "
+                          f"{k + cis.rerank_margin} candidates{pages} to re-rank per row; allowed up to "
+                          f"{MAX_RERANK_TOKENS} (lower {key} or cis.rerank_margin, or set cis.index: none)")
+
+
 def _check_sizes(config: PrHSConfig) -> None:
     """The bounds that involve several keys: ``dilation_topm`` within top-k, the index set and the CIS state."""
     b, cis = config.budget, config.cis
@@ -658,6 +681,8 @@ def _check_sizes(config: PrHSConfig) -> None:
     if cis.index_page & (cis.index_page - 1):
         raise ConfigError(f"cis.index_page: {cis.index_page} is not a power of two; allowed 4, 8, 16, 32, 64 or 128")
     es = config.early_select
+    if cis.index != "none" and cis.enabled:
+        _check_rerank_room(config)
     if cis.index != "none":
         _require_no_baseline(config, "cis.index", "CIS", "the baselines score the cache itself: set cis.index: none")
         if not cis.enabled:

@@ -20,6 +20,17 @@ chosen (the dropped mass δ: 0 when the set holds everything the head attends to
 own exact top-k and for its group's. The sink and window are the config's; no CIS sharing and no
 dilation (the exact per-step sets, so the two selections differ only in whose scores rank the keys).
 
+With ``--set-mass`` it measures the mass outside the sets the decode steps attended to (CIS sharing and
+dilation included) for any config, and the K/V rows each KV group's attention reads per step: a group
+set's size (``cis.selection: group``), or for per-head sets the sum of the heads' sizes (``per_head``) and
+their union (``backend.sparse_attention: group_union``).
+
+``--share-prefill``: the prompt but its last two tokens is prefilled once, by the unpatched model (dense),
+and each config's ``generate()`` continues a copy of that cache: its patched prefill is the last two tokens
+(a prefill over the cache, which sets up the selector's state and a context-relative k for the whole
+prompt), then the decode steps. Every config here prefills densely anyway (CIS alone), so only the
+prefill's rounding differs (transformers' SDPA against the patch's grouped SDPA); it saves a prefill per config.
+
     python scripts/probe_group_union.py --model qwen2.5-coder-0.5b --length 4096 --new-tokens 24 \\
         --out docs/results/probe_group_union
 """
@@ -27,6 +38,7 @@ dilation (the exact per-step sets, so the two selections differ only in whose sc
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import json
 import platform
@@ -60,6 +72,7 @@ class UnionRecorder:
         self.mass: dict[tuple[int, str], list[float]] = {}
         self.set_mass = set_mass
         self.set_dropped: list[float] = []  # with set_mass: one per (layer, sequence, query head) of each step
+        self.group_reads: list[int] = []  # with set_mass and group sets: one set size per (layer, sequence, KV group)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -92,6 +105,8 @@ class UnionRecorder:
                     chosen = idx[b, row, :int(count[b, row])].long()
                     self.set_dropped.append(max(0.0, 1.0 - float(probs[h, chosen].sum())))
             if not per_head:
+                if self.set_mass:  # the K/V rows a group set's attention reads: the set, once per KV group
+                    self.group_reads.extend(int(c) for c in count[b])
                 continue
             if mass_k:
                 for (k, who), value in dropped_mass(scores, group, mass_k, self.sink, self.local).items():
@@ -130,7 +145,9 @@ def dropped_mass(scores: torch.Tensor, group: int, ks: tuple[int, ...], sink: in
 
 
 def measure(model: Any, prompts: torch.Tensor, config: str, new_tokens: int,
-            mass_k: tuple[int, ...] = (), set_mass: bool = False) -> dict[str, Any]:
+            mass_k: tuple[int, ...] = (), set_mass: bool = False, prefilled: Any = None) -> dict[str, Any]:
+    """One config's row; ``prefilled``: a dense cache of all but the prompts' last tokens, which a copy of
+    continues (``--share-prefill``)."""
     cfg = load_any_config(config, {"policy": {"decode": "sparse", "prefill": "sparse"},
                                    "backend": {"decode": "torch", "prefill": "torch"}})
     text_cfg = model.config.get_text_config()
@@ -138,19 +155,25 @@ def measure(model: Any, prompts: torch.Tensor, config: str, new_tokens: int,
     t0 = time.time()
     with prhs_hf.patch(model, cfg) as handle, torch.no_grad():
         budget = handle.runtime.resolved.config.budget
+        cache = {} if prefilled is None else {"past_key_values": copy.deepcopy(prefilled)}
         recorder = UnionRecorder(handle.runtime.selector, kv_heads, mass_k, budget.sink, budget.local, set_mass)
         handle.runtime.selector = recorder
         try:
             model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **cache)
         finally:
             handle.runtime.selector = recorder.inner
+        topk = handle.runtime.step_config.config.budget.topk  # the generation's k (budget.topk_fraction)
     rows = recorder.rows
     set_mass = (dict(set_dropped_mass=dict(mean=statistics.fmean(recorder.set_dropped),
                                            p90=_quantile(recorder.set_dropped, 0.9), samples=len(recorder.set_dropped)))
                 if recorder.set_dropped else {})
+    set_mass["topk"] = topk
+    if recorder.group_reads:
+        set_mass["group_set_reads"] = statistics.fmean(recorder.group_reads)
     if not rows:
-        return dict(config=config, status="no per-head sets (one per KV head, or none sparse)", **set_mass)
+        return dict(config=config, status="no per-head sets (one per KV head, or none sparse)", **set_mass,
+                    seconds=round(time.time() - t0, 1))
     ratios = [u / s for _, s, u in rows if s > 0]
     by_layer: dict[int, list[float]] = {}
     for layer, s, u in rows:
@@ -198,15 +221,26 @@ def markdown(result: dict[str, Any]) -> str:
             "config's sink and window, exact per-step sets (no sharing, no dilation): the head's own top-k "
             "against one set per KV group ranked by the group's largest score (`cis.selection: group`). Mean (p90).",
             ["config", "k", "own top-k", "group top-k", "group − own"], mass_rows)
-    set_rows = [f"| `{r['config']}` | {m['mean']:.4f} ({m['p90']:.4f}) | {m['samples']} |"
-                for r in result["rows"] if (m := r.get("set_dropped_mass"))]
+    set_rows = [f"| `{r['config']}` | {r.get('topk', '–')} | {m['mean']:.4f} ({m['p90']:.4f}) | {_reads(r)} | "
+                f"{m['samples']} |" for r in result["rows"] if (m := r.get("set_dropped_mass"))]
     if set_rows:
         lines += [""] + _table(
             "Dropped attention mass δ of the sets the decode steps attended to (`--set-mass`: CIS sharing, "
             "dilation, sink and window as configured; a group set counts for each of its heads), per (step, "
-            "layer, query head), against the dense attention of the same query. Mean (p90).",
-            ["config", "δ mean (p90)", "samples"], set_rows)
+            "layer, query head), against the dense attention of the same query. Mean (p90). K/V rows read per "
+            "KV group and step: a group set's size; per-head sets: their sum (`per_head`) / their union "
+            "(`group_union`).",
+            ["config", "k", "δ mean (p90)", "rows read per KV group", "samples"], set_rows)
     return "\n".join(lines) + "\n"
+
+
+def _reads(row: dict[str, Any]) -> str:
+    """The K/V rows per KV group and step of a row: the group set's, or per-head sum / union."""
+    if "group_set_reads" in row:
+        return f"{row['group_set_reads']:.0f}"
+    if row.get("status") == "ok":
+        return f"{row['mean_sum']:.0f} / {row['mean_union']:.0f}"
+    return "–"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -222,6 +256,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "attention mass of each head's own top-k and of its KV group's (e.g. 88,512,1024,2048,4096)")
     ap.add_argument("--set-mass", action="store_true", help="also measure the attention mass outside the sets each "
                     "step attends to (CIS sharing and dilation included; any config, group selection too)")
+    ap.add_argument("--share-prefill", action="store_true", help="prefill all but the prompts' last two tokens once "
+                    "(unpatched, dense) and continue a copy of that cache under each config (module docstring)")
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "probe_group_union"), help="output stem (.json, .md)")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.length < 2 or args.new_tokens < 1:
@@ -243,8 +279,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         new_tokens=args.new_tokens, torch=torch.__version__, machine=platform.machine(), rows=[])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    prefilled = None
+    if args.share_prefill:
+        t0 = time.time()
+        with torch.no_grad():
+            prefilled = model(prompts[:, :-2], use_cache=True).past_key_values
+        result["shared_prefill_seconds"] = round(time.time() - t0, 1)
     for config in args.configs.split(","):
-        result["rows"].append(measure(model, prompts, config, args.new_tokens, mass_k, args.set_mass))
+        result["rows"].append(measure(model, prompts, config, args.new_tokens, mass_k, args.set_mass, prefilled))
         (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps({k: v for k, v in result["rows"][-1].items() if k not in ("union_over_sum_by_layer", "dropped_mass")}),
               flush=True)

@@ -820,6 +820,37 @@ def test_probe_group_union_set_mass_of_the_sets_the_steps_attended():
                                                  length=200, text="t", new_tokens=3, rows=[row]))
 
 
+def test_probe_group_union_shared_prefill_rows_read_and_the_generations_k(tmp_path):
+    """scripts/probe_group_union.py --share-prefill: a config continuing a dense cache of all but the prompt's
+    last two tokens measures what a whole patched prefill does (same samples, masses to rounding) and takes
+    its context-relative k from the whole prompt; --set-mass records the rows a group set reads per KV group."""
+    import yaml
+
+    from tiny_models import tiny_model
+
+    probe = load_script("probe_group_union")
+    model = tiny_model("llama", layers=2)
+    prompts = torch.randint(1, 100, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        prefilled = model(prompts[:, :-2], use_cache=True).past_key_values
+    relative = tmp_path / "relative.yaml"
+    relative.write_text(yaml.safe_dump({"budget": {"sink": 8, "local": 32, "topk": 8, "topk_fraction": 0.25},
+                                        "cis": {"selection": "group"}}))
+    for config, k in (("cis-group", 88), (str(relative), 50)):
+        whole = probe.measure(model, prompts, config, 3, set_mass=True)
+        shared = probe.measure(model, prompts, config, 3, set_mass=True, prefilled=prefilled)
+        assert whole["topk"] == shared["topk"] == k
+        assert whole["set_dropped_mass"]["samples"] == shared["set_dropped_mass"]["samples"] > 0
+        assert shared["set_dropped_mass"]["mean"] == pytest.approx(whole["set_dropped_mass"]["mean"], abs=1e-4)
+        assert 8 + 32 + k <= shared["group_set_reads"] <= 8 + 32 + k + 2 * (k // 3)
+    per_head = probe.measure(model, prompts, "cis", 3, set_mass=True, prefilled=prefilled)
+    assert "group_set_reads" not in per_head and per_head["mean_union"] <= per_head["mean_sum"]
+    table = probe.markdown(dict(date="2026-01-01", command="x", model="m", dtype="f", prompts=1, length=200, text="t",
+                                new_tokens=3, rows=[shared, per_head]))
+    assert f"| {shared['group_set_reads']:.0f} |" in table
+    assert f"| {per_head['mean_sum']:.0f} / {per_head['mean_union']:.0f} |" in table
+
+
 def test_probe_key_index_center_scores_centred_codes_of_keys_with_a_shared_part(tmp_path):
     """scripts/probe_key_index_center.py: on keys that share a large component, the centred codes keep the
     exact top-k at a small margin where the plain ones lose some; a margin past the region keeps all of

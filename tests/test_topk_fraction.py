@@ -42,6 +42,29 @@ def test_bad_relative_budgets_name_the_key_and_the_allowed_range(budget, cis, ba
         load_config(data)
 
 
+@pytest.mark.parametrize("budget, cis, text", [
+    ({"topk": 8100}, {"index": "fp8"}, r"budget.topk: 8100 with cis.index: fp8 and cis.rerank_margin: 128 gives 8228 "
+                                       r"candidates to re-rank per row; allowed up to 8192"),
+    ({"topk": 1024, "topk_fraction": 0.125, "topk_max": 8192}, {"index": "int4"}, r"budget.topk_max: 8192 with"),
+    ({"topk": 1024, "topk_fraction": 0.125}, {"index": "fp8"}, r"budget.topk_max: null leaves .* set budget.topk_max "
+                                                               r"<= 8064"),
+    ({"topk": 8050}, {"index": "pages", "rerank_margin": 160}, r"budget.topk: 8050 .* gives 8210 candidates \(pages of 16: 8240 tokens\)"),
+])
+def test_a_key_index_needs_room_to_re_rank_the_largest_k(budget, cis, text):
+    with pytest.raises(ConfigError, match=text):
+        load_config({"budget": budget, "cis": cis})
+    if cis["index"] != "pages":  # k + the default margin 128 = 8,192 fits
+        fitting = {**budget, "topk_max": 8064} if "topk_fraction" in budget else {**budget, "topk": 8064}
+        load_config({"budget": fitting, "cis": {"index": cis["index"]}})
+
+
+def test_the_configs_re_rank_bound_is_the_kernels():
+    from prhs_hf.config import MAX_RERANK_TOKENS
+    from prhs_hf.kernels.key_index import RERANK_MAX
+
+    assert MAX_RERANK_TOKENS == RERANK_MAX
+
+
 def test_topk_for_rounds_the_fraction_of_the_context_into_floor_and_cap():
     b = load_config({"budget": {"topk": 1024, "topk_fraction": 0.125, "topk_max": 8192}, "cis": {}}).budget
     assert [b.topk_for(n) for n in (0, 8192, 16384, 30000, 30004, 128000)] == [1024, 1024, 2048, 3750, 3751, 8192]

@@ -44,7 +44,8 @@ The frontier candidates of issue 54 (:data:`FRONTIER_CONFIGS`), all ``cis_longbe
 ``head`` (a set per query head); ``<budget>`` is ``8k`` / ``2k`` / ``1k`` (``budget.topk`` 8,192 / 2,048 / 1,024) or
 ``f8`` / ``f16`` (``budget.topk_fraction`` 1/8 / 1/16 of the prompt, floor 1,024, cap 8,192); ``-fp8`` adds
 the fp8 key index (``cis.index: fp8``, the shipped margin 128; with group sets its codes are not centred,
-which a group's largest score cannot use: docs/notes/key_index.md). The k 4,096 ones are ``cis-lb``,
+which a group's largest score cannot use: docs/notes/key_index.md; ``f8``/``f16`` then cap k at 8,064, as
+the re-rank takes at most 8,192 candidates, k + margin). The k 4,096 ones are ``cis-lb``,
 ``cis-group-lb``, ``cis-fp8-lb`` and ``cis-group-fp8-lb``.
 
 These names are what the result files (``docs/results/accuracy*.json``, ``ruler_*.json``) call their
@@ -64,6 +65,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import prhs_hf
+from prhs_hf.config import MAX_RERANK_TOKENS
 
 __all__ = ["NamedConfig", "ACCURACY_CONFIGS", "DEFAULT_CONFIGS", "FRONTIER_CONFIGS", "KEY_INDEX_CONFIGS",
            "LONG_CONTEXT_BASELINES", "ACCURACY_POLICIES", "with_policy", "named_config", "load_named_config",
@@ -167,9 +169,11 @@ _FRONTIER_SHAPES = {
 }
 FRONTIER_CONFIGS: dict[str, NamedConfig] = {}
 for _name, (_selection, _budget) in _FRONTIER_SHAPES.items():
-    for _index, _suffix in (("none", ""), ("fp8", "-fp8")):
-        FRONTIER_CONFIGS[_name + _suffix] = NamedConfig(_name + _suffix, "cis_longbench", {
-            "budget": _budget, "cis": {"selection": _selection, "index": _index}})
+    FRONTIER_CONFIGS[_name] = NamedConfig(_name, "cis_longbench", {"budget": _budget, "cis": {"selection": _selection}})
+    # the index re-ranks at most MAX_RERANK_TOKENS candidates, k + the margin (128): a cap of 8,064
+    _indexed = {**_budget, "topk_max": MAX_RERANK_TOKENS - 128} if "topk_max" in _budget else _budget
+    FRONTIER_CONFIGS[f"{_name}-fp8"] = NamedConfig(f"{_name}-fp8", "cis_longbench", {
+        "budget": _indexed, "cis": {"selection": _selection, "index": "fp8"}})
 FRONTIER_CONFIGS["cis-group-fp8-lb"] = NamedConfig("cis-group-fp8-lb", "cis_longbench", {
     "cis": {"selection": "group", "index": "fp8"}})
 ACCURACY_CONFIGS.update(FRONTIER_CONFIGS)
