@@ -35,6 +35,7 @@ def test_each_candidate_is_cis_longbench_with_the_sets_budget_and_index_its_name
         assert named_config(name) is ACCURACY_CONFIGS[name]  # run_accuracy.py --configs, prhs-hf bench --configs
     assert load_any_config("cis-group-f16").budget.topk_for(32768) == 2048
     assert load_any_config("cis-group-f8").budget.topk_for(131072) == 8192
+    assert "cis-group-8k-fp8" not in FRONTIER_CONFIGS  # k 8,192 + margin 128: more than the re-rank takes
 
 
 def _generate(model, ids, mask, static: bool, compiled: bool = False):

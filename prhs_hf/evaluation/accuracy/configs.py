@@ -170,7 +170,10 @@ _FRONTIER_SHAPES = {
 FRONTIER_CONFIGS: dict[str, NamedConfig] = {}
 for _name, (_selection, _budget) in _FRONTIER_SHAPES.items():
     FRONTIER_CONFIGS[_name] = NamedConfig(_name, "cis_longbench", {"budget": _budget, "cis": {"selection": _selection}})
-    # the index re-ranks at most MAX_RERANK_TOKENS candidates, k + the margin (128): a cap of 8,064
+    # the index re-ranks at most MAX_RERANK_TOKENS candidates, k + the margin (128): a cap of 8,064, and
+    # no fp8 twin for a fixed k above it (cis-group-8k)
+    if _budget.get("topk", 0) + 128 > MAX_RERANK_TOKENS:
+        continue
     _indexed = {**_budget, "topk_max": MAX_RERANK_TOKENS - 128} if "topk_max" in _budget else _budget
     FRONTIER_CONFIGS[f"{_name}-fp8"] = NamedConfig(f"{_name}-fp8", "cis_longbench", {
         "budget": _indexed, "cis": {"selection": _selection, "index": "fp8"}})
