@@ -40,7 +40,7 @@ from prhs_hf.hub import fetch
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from prhs_hf.config import PrHSConfig
+    from prhs_hf.config import BudgetConfig, PrHSConfig
     from prhs_hf.telemetry_counters import TelemetryReport
 
 __all__ = ["DEFAULT_PROMPT", "DEFAULT_CONFIG", "LM_EVAL_COMMAND", "build_parser", "main", "no_sparse_step_note",
@@ -500,7 +500,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print()
     if report.sparse_sequence_steps:
         speed = (dense.decode_tokens_per_second, sparse.decode_tokens_per_second)
-        print(what_prhs_did(report, config, args.config, on_gpu, speed))
+        print(what_prhs_did(report, config, args.config, on_gpu, speed, prompt_len))
     else:
         print(no_sparse_step_note(prompt_len, len(sparse.token_ids), config, args.config))
     return 0
@@ -514,33 +514,43 @@ def no_sparse_step_note(prompt_len: int, new_tokens: int, config: "PrHSConfig", 
     that with no sparse step means the config selects nothing in decode (CIS off, no baseline).
     """
     b = config.budget
-    budget = b.sink + b.local + b.topk
+    k = b.topk_for(prompt_len)
+    budget = b.sink + b.local + k
     if prompt_len + new_tokens > budget + 1:
         why = (f"Why no sparse step: the context outgrew the budget {budget}, but {config_name} does no "
                f"sparse decoding (cis.enabled is false and no baseline.name is set); use --config cis or cpe.")
     else:
         why = (f"Why no sparse step: the prompt has {prompt_len} tokens and, with {new_tokens} new ones, "
                f"the context never outgrew the budget sink + local + topk = {b.sink} + {b.local} + "
-               f"{b.topk} = {budget} of {config_name}, so every decode step attended to the whole cache "
+               f"{_topk_words(b, k)} = {budget} of {config_name}, so every decode step attended to the whole cache "
                f"(as dense does). Give a prompt of more than {budget} tokens (--prompt), more new tokens "
                f"(--max-new-tokens), or a config with a smaller budget (--config, budget.topk and "
                f"budget.local).")
     return textwrap.fill(why, width=100)
 
 
+def _topk_words(budget: "BudgetConfig", k: int) -> str:
+    """The top-k of a generation in words: ``k``, and where it came from with ``budget.topk_fraction``."""
+    if budget.topk_fraction is None:
+        return f"{k}"
+    return f"{k} (budget.topk_fraction {budget.topk_fraction:g} of the prompt, within [{budget.topk}, {budget.topk_max}])"
+
+
 def what_prhs_did(report: "TelemetryReport", config: "PrHSConfig", config_name: str, on_gpu: bool,
-                  decode_speed: tuple[float, float] | None = None) -> str:
+                  decode_speed: tuple[float, float] | None = None, prompt_len: int | None = None) -> str:
     """The statistics of a generation with sparse steps in words: the keys read against dense and
     why, what the retrieval ratio means, and what the speed on this device does and does not show
-    (``decode_speed``: dense's and PrHS's decode tokens/s, where measured)."""
+    (``decode_speed``: dense's and PrHS's decode tokens/s, where measured; ``prompt_len``: the
+    prompt's tokens, which size a ``budget.topk_fraction``'s top-k)."""
     b = config.budget
-    budget = b.sink + b.local + b.topk
+    k = b.topk if prompt_len is None else b.topk_for(prompt_len)
+    budget = b.sink + b.local + k
     share = report.processed_kv_per_step / report.dense_kv_per_step if report.dense_kv_per_step else 1.0
     parts = [
         f"What PrHS did: at each decode step every query head read {100 * share:.1f} % of the keys that dense "
         f"attention read ({report.processed_kv_per_step:,.0f} of {report.dense_kv_per_step:,.0f} on average). "
         f"That share is the budget over the context: {config_name} keeps sink {b.sink} + local {b.local} + "
-        f"top-k {b.topk} = {budget:,} keys, so it falls as the context grows past the budget "
+        f"top-k {_topk_words(b, k)} = {budget:,} keys, so it falls as the context grows past the budget "
         f"(at 32k tokens the budget is {100 * budget / 32768:.0f} % of the context)."]
     if report.retrieval_ratio is not None and config.cis.enabled and not config.baseline.name:
         parts.append(

@@ -600,3 +600,18 @@ def test_side_by_side_says_whether_the_tokens_agree_and_the_speed_of_each() -> N
     other = compare.Generation([1, 2, 9, 4], "the bag", 4.0, prefill_seconds=1.0, device="cuda")
     gpu = compare.side_by_side(compare.Generation([1, 2, 3, 4], "the box", 2.0, 0.5, "cuda"), other, columns=100)
     assert "same tokens as dense: no, the first 2 of 4 new tokens" in gpu and compare.CPU_SPEED_NOTE not in gpu
+
+
+def test_the_notes_give_the_top_k_a_relative_budget_ran_with() -> None:
+    """With budget.topk_fraction the notes said the floor budget.topk was the top-k (and so a wrong budget)."""
+    import prhs_hf
+
+    config = prhs_hf.load_config("cis_longbench", {"budget": {"topk": 1024, "topk_fraction": 0.125, "topk_max": 8192}})
+    note = cli.no_sparse_step_note(1000, 4, config, "rel")
+    assert "64 + 256 + 1024 (budget.topk_fraction 0.125 of the prompt, within [1024, 8192]) = 1344" in " ".join(
+        note.split()), note
+    from types import SimpleNamespace
+
+    report = SimpleNamespace(processed_kv_per_step=1570.0, dense_kv_per_step=20_000.0, retrieval_ratio=None)
+    did = " ".join(cli.what_prhs_did(report, config, "rel", on_gpu=True, prompt_len=20_000).split())
+    assert "top-k 2500 (budget.topk_fraction 0.125" in did and "= 2,820 keys" in did, did
