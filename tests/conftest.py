@@ -35,7 +35,8 @@ def _auto_runs_sparse_on_a_cpu(request, monkeypatch):
     configs, whose ``policy: auto`` decodes dense there (:data:`prhs_hf.policy.CPU`: its sparse steps
     are slower than dense). So every test in this process runs ``auto`` sparse on a CPU, as before that
     cost model, and says so here; a test marked ``cpu_policy`` sees the CPU's own decision. A script a
-    test runs in a subprocess forces ``policy.decode: sparse`` in its config where it checks sparse steps.
+    test runs in a subprocess does the same (``subprocess_site/sitecustomize.py``), unless its
+    environment sets ``PRHS_TEST_CPU_POLICY=1``.
     """
     if CPU_POLICY_MARKER in request.keywords:
         return

@@ -1,18 +1,23 @@
 """Imported by Python at start-up in the scripts the tests run as subprocesses (their PYTHONPATH
-begins with this folder): the test suite's Triton interpreter speed-ups, as in the test process.
+begins with this folder): what the test process does to the library, done in the script too.
 
-Installed when the script first imports the interpreter (``import triton`` does), not here: a
-subprocess that never runs Triton neither imports it nor pays its ~0.5 s import."""
+- The test suite's Triton interpreter speed-ups, installed when the script first imports the
+  interpreter (``import triton`` does), not here: a subprocess that never runs Triton neither imports
+  it nor pays its ~0.5 s import.
+- ``policy: auto`` runs sparse on a CPU, as ``tests/conftest.py``'s ``_auto_runs_sparse_on_a_cpu``
+  makes it in the test process (the scripts' CPU tests check sparse steps through the shipped configs,
+  whose ``auto`` decodes dense on a CPU, :data:`prhs_hf.policy.CPU`), set when ``prhs_hf.runtime``
+  loads. A test that checks the CPU's own decision in a subprocess sets ``PRHS_TEST_CPU_POLICY=1``.
+"""
 
 import importlib.abc
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
-_INTERPRETER = "triton.runtime.interpreter"
 
-
-def _install() -> None:
+def _install_speedups(module) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     try:
         import triton_interpreter_speedups
@@ -22,9 +27,27 @@ def _install() -> None:
         del sys.path[0]
 
 
-class _InstallAfterTheInterpreterLoads(importlib.abc.MetaPathFinder):
+def _auto_runs_sparse_on_a_cpu(runtime) -> None:
+    import torch
+
+    from prhs_hf import policy
+
+    def sparse_on_a_cpu(device, path=None):
+        if path is None and torch.device(device).type == "cpu":
+            return None  # no cost model: `auto` runs sparse (prhs_hf.runtime)
+        return policy.cost_model_for(device, path)
+
+    runtime.cost_model_for = sparse_on_a_cpu
+
+
+class _AfterLoading(importlib.abc.MetaPathFinder):
+    """Runs ``then(module)`` once, after the module ``name`` is first loaded."""
+
+    def __init__(self, name, then):
+        self.name, self.then = name, then
+
     def find_spec(self, name, path, target=None):
-        if name != _INTERPRETER:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)  # once, and not for its own lookup below
         spec = importlib.util.find_spec(name)
@@ -32,10 +55,12 @@ class _InstallAfterTheInterpreterLoads(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             load(module)
-            _install()
+            self.then(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-sys.meta_path.insert(0, _InstallAfterTheInterpreterLoads())
+sys.meta_path.insert(0, _AfterLoading("triton.runtime.interpreter", _install_speedups))
+if os.environ.get("PRHS_TEST_CPU_POLICY") != "1":
+    sys.meta_path.insert(0, _AfterLoading("prhs_hf.runtime", _auto_runs_sparse_on_a_cpu))
