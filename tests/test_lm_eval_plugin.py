@@ -211,7 +211,7 @@ def offline(monkeypatch) -> None:
 
 def _check_telemetry(prhs: dict, tasks: list[str]) -> None:
     assert prhs["config"]["telemetry"]["enabled"] is True
-    assert prhs["config"]["budget"] == {"sink": 4, "local": 8, "topk": 16}
+    assert prhs["config"]["budget"] == {"sink": 4, "local": 8, "topk": 16, "topk_fraction": None, "topk_max": None}
     for task in tasks:
         report = prhs["telemetry"][task]["generate_until"]
         assert report["decode_steps"] > 0 and report["sparse_sequence_steps"] > 0
