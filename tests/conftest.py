@@ -24,30 +24,44 @@ CPU_POLICY_MARKER = "cpu_policy"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{CPU_POLICY_MARKER}: sees the CPU's own `policy: auto` decision (the "
-                                       "rest of the suite runs `auto` sparse on a CPU, see _auto_runs_sparse_on_a_cpu)")
+                                       "rest of the suite runs `auto` sparse on a CPU, see _make_auto_sparse_on_a_cpu)")
 
 
-@pytest.fixture(autouse=True)
-def _auto_runs_sparse_on_a_cpu(request, monkeypatch):
-    """Sparse steps wherever a config says ``policy: auto``, on a CPU.
+def _sparse_on_a_cpu(device, path=None):
+    """``prhs_hf.policy.cost_model_for``, but no cost model on a CPU: ``auto`` runs sparse there."""
+    from prhs_hf import policy
+
+    if path is None and torch.device(device).type == "cpu":
+        return None  # no cost model: `auto` runs sparse (prhs_hf.runtime)
+    return policy.cost_model_for(device, path)
+
+
+def _make_auto_sparse_on_a_cpu() -> None:
+    """Sparse steps wherever a config says ``policy: auto``, on a CPU, for the whole test process.
 
     The suite checks PrHS's sparse decode on tiny models on a CPU, many tests through the shipped
     configs, whose ``policy: auto`` decodes dense there (:data:`prhs_hf.policy.CPU`: its sparse steps
-    are slower than dense). So every test in this process runs ``auto`` sparse on a CPU, as before that
-    cost model, and says so here; a test marked ``cpu_policy`` sees the CPU's own decision. A script a
-    test runs in a subprocess does the same (``subprocess_site/sitecustomize.py``), unless its
-    environment sets ``PRHS_TEST_CPU_POLICY=1``.
+    are slower than dense). So the test process runs ``auto`` sparse on a CPU, as before that cost
+    model, from its start: module-scoped fixtures that generate are covered too. A test marked
+    ``cpu_policy`` sees the CPU's own decision (:func:`_cpu_policy_where_marked`). A script a test runs
+    in a subprocess does the same (``subprocess_site/sitecustomize.py``), unless its environment sets
+    ``PRHS_TEST_CPU_POLICY=1``.
     """
+    from prhs_hf import runtime
+
+    runtime.cost_model_for = _sparse_on_a_cpu
+
+
+_make_auto_sparse_on_a_cpu()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_policy_where_marked(request, monkeypatch):
+    """A test marked ``cpu_policy`` sees the CPU's own ``policy: auto`` decision."""
     if CPU_POLICY_MARKER in request.keywords:
-        return
-    from prhs_hf import policy, runtime
+        from prhs_hf import policy, runtime
 
-    def sparse_on_a_cpu(device, path=None):
-        if path is None and torch.device(device).type == "cpu":
-            return None  # no cost model: `auto` runs sparse (prhs_hf.runtime)
-        return policy.cost_model_for(device, path)
-
-    monkeypatch.setattr(runtime, "cost_model_for", sparse_on_a_cpu)
+        monkeypatch.setattr(runtime, "cost_model_for", policy.cost_model_for)
 
 
 def triton_available() -> bool:

@@ -4,7 +4,7 @@ begins with this folder): what the test process does to the library, done in the
 - The test suite's Triton interpreter speed-ups, installed when the script first imports the
   interpreter (``import triton`` does), not here: a subprocess that never runs Triton neither imports
   it nor pays its ~0.5 s import.
-- ``policy: auto`` runs sparse on a CPU, as ``tests/conftest.py``'s ``_auto_runs_sparse_on_a_cpu``
+- ``policy: auto`` runs sparse on a CPU, as ``tests/conftest.py``'s ``_make_auto_sparse_on_a_cpu``
   makes it in the test process (the scripts' CPU tests check sparse steps through the shipped configs,
   whose ``auto`` decodes dense on a CPU, :data:`prhs_hf.policy.CPU`), set when ``prhs_hf.runtime``
   loads. A test that checks the CPU's own decision in a subprocess sets ``PRHS_TEST_CPU_POLICY=1``.
