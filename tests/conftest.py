@@ -27,15 +27,6 @@ def pytest_configure(config):
                                        "rest of the suite runs `auto` sparse on a CPU, see _make_auto_sparse_on_a_cpu)")
 
 
-def _sparse_on_a_cpu(device, path=None):
-    """``prhs_hf.policy.cost_model_for``, but no cost model on a CPU: ``auto`` runs sparse there."""
-    from prhs_hf import policy
-
-    if path is None and torch.device(device).type == "cpu":
-        return None  # no cost model: `auto` runs sparse (prhs_hf.runtime)
-    return policy.cost_model_for(device, path)
-
-
 def _make_auto_sparse_on_a_cpu() -> None:
     """Sparse steps wherever a config says ``policy: auto``, on a CPU, for the whole test process.
 
@@ -47,9 +38,10 @@ def _make_auto_sparse_on_a_cpu() -> None:
     in a subprocess does the same (``subprocess_site/sitecustomize.py``), unless its environment sets
     ``PRHS_TEST_CPU_POLICY=1``.
     """
+    from auto_sparse_on_cpu import install
     from prhs_hf import runtime
 
-    runtime.cost_model_for = _sparse_on_a_cpu
+    install(runtime)
 
 
 _make_auto_sparse_on_a_cpu()

@@ -28,16 +28,12 @@ def _install_speedups(module) -> None:
 
 
 def _auto_runs_sparse_on_a_cpu(runtime) -> None:
-    import torch
-
-    from prhs_hf import policy
-
-    def sparse_on_a_cpu(device, path=None):
-        if path is None and torch.device(device).type == "cpu":
-            return None  # no cost model: `auto` runs sparse (prhs_hf.runtime)
-        return policy.cost_model_for(device, path)
-
-    runtime.cost_model_for = sparse_on_a_cpu
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        from auto_sparse_on_cpu import install
+    finally:
+        del sys.path[0]
+    install(runtime)
 
 
 class _AfterLoading(importlib.abc.MetaPathFinder):
