@@ -67,7 +67,9 @@ _COMMON = {
                          "plain` / `buffered`): below ~340 (llama2-7b B8/16k eager `cpe-s16-share` ran sparse 1.06x "
                          "on the H200) and above ~40 (the eager cells that lost, issue 37: Qwen B1/16k 0.36x, B8/30k "
                          "0.61x; llama3-8b shape B1/128k 0.32x). The default `eager_step: auto` replays CUDA graphs "
-                         "and is priced as a compiled step",
+                         "and is priced as a compiled step. The host time itself is larger (~150 more launches per layer, "
+                         "0.8-1.3 ms per layer in issue 37's B1 rows) but overlaps the GPU's work where that is long, "
+                         "so the additive term is the bound the cells allow, not the host time",
     "per_key_ns": "0: the operator fit's per-key term is about zero once the gathered sets' bytes are priced",
     "retrieval_rate": "`kv_group_rho_hat` 0.485 / 0.478 on real text at τ 0.8 (issue 12)",
     "margin": "sparse only where it saves at least 10 % of the layer's dense attention time",
@@ -80,13 +82,20 @@ SOURCES = {key: {**_COMMON,
                  "bandwidth_gbs": f"median effective read rate of the fastest dense decode attention, operator rows "
                                   f"below ({_PEAK[key]} peak)",
                  "compiled_overhead_us": "the fit's fixed term below: the CIS step's kernels beyond their reads, "
-                                         "per layer",
+                                         "per layer. A compiled step replays one CUDA graph: no host term per "
+                                         "layer (the dense step's host gap, 1.2-2.5 ms per step in "
+                                         "[decode_bound_fused_record.md](decode_bound_fused_record.md), is the "
+                                         "same for both paths)",
                  "topk_latency_ns": "the fit's top-k term below: per entry of a retrieval's top-k, once per layer "
                                     "(the select and the dilated set's sort work through a row's k entries in turn)"}
            for key in _PEAK}
 SOURCES["H100"]["eager_overhead_us"] = "the H200's: no H100 cell ran eager steps without CUDA graphs sparse"
 NOTES = {
-    "H200": "Cells cited before this table have no result file here (they stay asserted in tests/test_policy.py::"
+    "H200": "The one clear disagreement cannot be removed by any constant set of this model: for the llama3-8b shape's "
+            "B1/128k `cis` cell to go dense, the fixed step cost must exceed ~85 µs per layer, and then the "
+            "B32/16k `cis` cells of Qwen's shape (1.07x-1.58x, six rows) go dense too. Random weights retrieve on most steps "
+            "(above the 0.5 rate of real text), and the same cell measured 1.08x in another run (b0e7c6a).\n\n"
+            "Cells cited before this table have no result file here (they stay asserted in tests/test_policy.py::"
             "test_the_measured_h200_decisions): issue 37's Qwen2.5-Coder-1.5B rows (static B1/30k `cis` 0.83x, "
             "B32/30k `cis_longbench` 0.57x, eager B1/16k `cis` 0.36x, B8/30k 0.61x), issue 12's B32/16k 1.12x and "
             "B32/32.5k 1.58x (here as bench_e2e_decode_real_fused_record.json), and the llama3-8b shape runs of "
@@ -193,6 +202,9 @@ _CONFIGS: dict[str, Any] = {}
 
 
 def _shape_of(name: str, e2e_configs: Optional[dict], model: str, batch: int, context: int) -> tuple[Any, bool]:
+    if model not in GEOMETRY:
+        raise ValueError(f"model {model!r}: its attention geometry is not in scripts/policy_table.py's GEOMETRY "
+                         f"(add its query heads, KV heads, head size and layers)")
     config = _config(name, e2e_configs)
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     _CONFIGS[key] = config

@@ -165,11 +165,17 @@ def test_the_gpus_constants_are_their_measured_rates():
 KNOWN_WRONG = {("H200", "speed_map.json", "cis", 1, 131072, "static")}
 
 
-def test_every_measured_cell_gets_the_measured_decision():
-    """scripts/policy_table.py's cells (every result JSON where a PrHS config's steps ran sparse against the
-    fastest dense): the shipped constants of each GPU decide as measured wherever the ratio is clear."""
+@pytest.fixture(scope="module")
+def measured():
+    """scripts/policy_table.py and its cells: every result JSON's rows where a PrHS config's steps ran sparse."""
     table = load_script("policy_table")
-    cells = table.measured_cells()
+    return table, table.measured_cells()
+
+
+def test_every_measured_cell_gets_the_measured_decision(measured):
+    """The shipped constants of each GPU decide as measured wherever the ratio is clear (against the fastest
+    dense of the same run and cell)."""
+    table, cells = measured
     assert {gpu_key(c.gpu) for c in cells} == set(GPU_COST_MODELS)
     wrong = set()
     for key, model in GPU_COST_MODELS.items():
@@ -341,3 +347,31 @@ def test_the_runtime_prices_group_union_reads():
     handle = prhs_hf.patch(model, SPARSE)
     assert handle.runtime._union_group(grouped=False) == 0
     prhs_hf.unpatch(model)
+
+
+def test_each_gpu_prices_the_k_of_a_context_relative_budget():
+    """budget.topk_fraction: the runtime's DecodeShape carries the generation's k (topk_for its prompt), and each
+    GPU's constants price that k's select: the same shape costs topk_latency_ns more per extra entry of k."""
+    model = tiny_model("llama")
+    config = {**SPARSE, "budget": {"sink": 4, "local": 8, "topk": 16, "topk_fraction": 0.01, "topk_max": 2000}}
+    with prhs_hf.patch(model, config) as handle:
+        runtime = handle.runtime
+        for context in (16384, 131072):
+            runtime.use_budget(context)
+            shape = runtime.decode_shape(8, context, torch.bfloat16)
+            k = handle.config.budget.topk_for(context)
+            assert k > 16 and shape.topk == k and shape.index_set == runtime.step_config.index_capacity
+            at_floor = DecodeShape(**{**shape.__dict__, "topk": 16})
+            for gpu in GPU_COST_MODELS.values():
+                extra = gpu.decode_times_us(shape, True)[1] - gpu.decode_times_us(at_floor, True)[1]
+                assert extra == pytest.approx(gpu.topk_latency_ns * 1e-3 * (k - 16))
+
+
+def test_the_policy_tables_are_the_scripts_output(measured):
+    """docs/results/policy_<gpu>.md are what scripts/policy_table.py writes from the result JSONs and the shipped
+    constants (after a new result or a new constant, run it again)."""
+    table, cells = measured
+    for key in GPU_COST_MODELS:
+        path = table.RESULTS / f"policy_{key.lower()}.md"
+        assert path.read_text(encoding="utf-8") == table.markdown(key, cells), (
+            f"{path.name} is stale: run python scripts/policy_table.py")
