@@ -149,20 +149,21 @@ class CostModel:
 #: result JSONs). ``bandwidth_gbs``: the median effective read rate of the fastest dense decode attention in
 #: the operator benchmarks (bench_decode_attention*.json), about 0.82 of the HBM peak on both GPUs.
 #: ``compiled_overhead_us`` and ``topk_latency_ns``: a least-squares fit of the operator rows' CIS step
-#: time beyond its modelled reads, ``fixed + topk_latency_ns · k`` (the per-key term fitted to about zero
-#: once the gather's bytes are priced, so ``per_key_ns`` is 0). ``eager_overhead_us``: the host time of
-#: an eager step without CUDA graphs (``backend.eager_step: plain | buffered``), bounded by the measured
-#: cells (below ~340 µs: the llama2-7b B8/16k eager cell ran sparse 1.06× on the H200; above ~40 µs:
-#: the eager cells that lost); the default ``eager_step: auto`` replays CUDA graphs, priced as compiled.
+#: time (per-head and group sets) beyond its modelled reads, ``fixed + topk_latency_ns · k`` (a fit
+#: with a per-key term gives it about zero once the gather's bytes are priced, so ``per_key_ns`` is 0).
+#: ``eager_overhead_us``: the host time of an eager step without CUDA graphs (``backend.eager_step:
+#: plain | buffered``), bounded by the measured cells (below ~340 µs: the llama2-7b B8/16k eager cell
+#: ran sparse 1.06× on the H200; above ~40 µs: the eager cells that lost); the default ``eager_step:
+#: auto`` replays CUDA graphs, priced as compiled.
 #: ``union_fraction``: Qwen2.5-Coder-1.5B's ``cis_longbench`` sets at 16k (G = 6: 0.325, p10–p90
 #: 0.284–0.365, docs/results/probe_group_set_mass_qwen1.5b_16k.md), measured on the CPU.
 H200 = CostModel(
     bandwidth_gbs=3960.0,
     eager_overhead_us=300.0,
-    compiled_overhead_us=52.0,
+    compiled_overhead_us=53.0,
     per_key_ns=0.0,
     retrieval_rate=0.5,
-    topk_latency_ns=26.0,
+    topk_latency_ns=30.0,
     union_fraction=0.33,
     margin=0.9,
     min_sparse_prefill=4096,
@@ -172,7 +173,7 @@ H200 = CostModel(
 #: (bench_decode_attention_lb.json, bench_union_lb.json; their retrievals score at a measured share of
 #: 0.5, slower per byte than the gather, which the fixed term takes up). The eager host term is the
 #: H200's: no H100 cell ran eager steps without CUDA graphs sparse against dense.
-H100 = dataclasses.replace(H200, bandwidth_gbs=2710.0, compiled_overhead_us=106.0, topk_latency_ns=49.0)
+H100 = dataclasses.replace(H200, bandwidth_gbs=2710.0, compiled_overhead_us=90.0, topk_latency_ns=24.0)
 
 #: The constants per GPU, by a name that the device's name contains (``torch.cuda.get_device_name``:
 #: "NVIDIA H100 80GB HBM3", "NVIDIA H200"); another GPU gets :data:`DEFAULT_GPU`'s with a warning.

@@ -70,7 +70,7 @@ _COMMON = {
                          "and is priced as a compiled step. The host time itself is larger (~150 more launches per layer, "
                          "0.8-1.3 ms per layer in issue 37's B1 rows) but overlaps the GPU's work where that is long, "
                          "so the additive term is the bound the cells allow, not the host time",
-    "per_key_ns": "0: the operator fit's per-key term is about zero once the gathered sets' bytes are priced",
+    "per_key_ns": "0: a fit with a per-key term gives about zero (below) once the gathered sets' bytes are priced",
     "retrieval_rate": "`kv_group_rho_hat` 0.485 / 0.478 on real text at τ 0.8 (issue 12)",
     "margin": "sparse only where it saves at least 10 % of the layer's dense attention time",
     "min_sparse_prefill": "not measured: a PSAW/ETF prefill below it, or over a cache, runs dense",
@@ -81,12 +81,12 @@ _COMMON = {
 SOURCES = {key: {**_COMMON,
                  "bandwidth_gbs": f"median effective read rate of the fastest dense decode attention, operator rows "
                                   f"below ({_PEAK[key]} peak)",
-                 "compiled_overhead_us": "the fit's fixed term below: the CIS step's kernels beyond their reads, "
+                 "compiled_overhead_us": "the fit's fixed term below (rounded): the CIS step's kernels beyond their reads, "
                                          "per layer. A compiled step replays one CUDA graph: no host term per "
                                          "layer (the dense step's host gap, 1.2-2.5 ms per step in "
                                          "[decode_bound_fused_record.md](decode_bound_fused_record.md), is the "
                                          "same for both paths)",
-                 "topk_latency_ns": "the fit's top-k term below: per entry of a retrieval's top-k, once per layer "
+                 "topk_latency_ns": "the fit's top-k term below (rounded): per entry of a retrieval's top-k, once per layer "
                                     "(the select and the dilated set's sort work through a row's k entries in turn)"}
            for key in _PEAK}
 SOURCES["H100"]["eager_overhead_us"] = "the H200's: no H100 cell ran eager steps without CUDA graphs sparse"
@@ -326,11 +326,14 @@ def effective_rates(results: Path = RESULTS) -> dict[str, list[tuple[str, float]
     return rates
 
 
-def step_fit(key: str, results: Path = RESULTS) -> Optional[tuple[float, float, float, int]]:
-    """``(fixed µs, per_key_ns, topk_latency_ns, rows)``: a least-squares fit, over the operator rows of
-    GPU ``key``, of the CIS step's time (``cis16_ms``) beyond its modelled reads at the shipped
-    ``bandwidth_gbs`` (the gathered sets, and the retrieving rows' share of the keys scored), as
-    ``fixed + per_key_ns · B · rows · n + topk_latency_ns · k``; None without rows."""
+def step_fit(key: str, per_key: bool = False, results: Path = RESULTS) -> Optional[tuple[float, ...]]:
+    """A least-squares fit, over the operator rows of GPU ``key``, of the CIS step's time beyond its
+    modelled reads at the shipped ``bandwidth_gbs`` (the gathered sets, and the retrieving rows' share of
+    their KV groups' keys scored): ``fixed + topk_latency_ns · k`` (with ``per_key``, ``+ per_key_ns ·
+    B · rows · n`` too). Each row gives two points, its per-head step (``cis16_ms``, rows = query heads)
+    and its group step (``cis16_group_ms``, rows = KV heads; ``cis.selection: group``). Returns
+    ``(fixed µs, topk_latency_ns, points)``, with ``per_key`` ``(fixed µs, topk_latency_ns, per_key_ns,
+    points)``; None under three points."""
     import numpy as np
 
     from prhs_hf import policy
@@ -338,17 +341,18 @@ def step_fit(key: str, results: Path = RESULTS) -> Optional[tuple[float, float, 
     per_us = policy.GPU_COST_MODELS[key].bandwidth_gbs * 1e3
     design, rest = [], []
     for gpu, r in _operator_rows(results):
-        if policy.gpu_key(gpu) != key or not r.get("cis16_ms"):
+        if policy.gpu_key(gpu) != key:
             continue
         token = r["D"] * 2
         share = r["retrieving_rows_s16"] / (r["B"] * r["Hq"])
-        reads = (r["B"] * r["Hq"] * min(r["cap"], r["ctx"]) * 2 * token + share * r["B"] * r["Hkv"] * r["ctx"] * token)
-        design.append([1.0, r["B"] * r["Hq"] * r["cap"] * 1e-3, r["k"] * 1e-3])
-        rest.append(r["cis16_ms"] * 1e3 - reads / per_us)
+        for rows, ms in ((r["Hq"], r.get("cis16_ms")), (r["Hkv"], r.get("cis16_group_ms"))):
+            if ms:
+                reads = r["B"] * rows * min(r["cap"], r["ctx"]) * 2 * token + share * r["B"] * r["Hkv"] * r["ctx"] * token
+                design.append([1.0, r["k"] * 1e-3] + ([r["B"] * rows * r["cap"] * 1e-3] if per_key else []))
+                rest.append(ms * 1e3 - reads / per_us)
     if len(rest) < 3:
         return None
-    fixed, per_key, topk = np.linalg.lstsq(np.array(design), np.array(rest), rcond=None)[0]
-    return float(fixed), float(per_key), float(topk), len(rest)
+    return (*(float(x) for x in np.linalg.lstsq(np.array(design), np.array(rest), rcond=None)[0]), len(rest))
 
 
 def select_costs(results: Path = RESULTS) -> dict[str, list[tuple[str, int, float]]]:
@@ -393,11 +397,12 @@ def markdown(key: str, cells: list[Cell], results: Path = RESULTS) -> str:
             lines.append(f"- fastest dense attention {label}: {gbs:,.0f} GB/s")
         for label, k, us in select_costs(results).get(gpu, []):
             lines.append(f"- select + dilated set {label}, k {k:,}: {us:.0f} µs")
-    fit = step_fit(key, results)
+    fit, with_key = step_fit(key, results=results), step_fit(key, per_key=True, results=results)
     if fit:
-        lines.append(f"- least-squares fit of the CIS step beyond its reads at {model.bandwidth_gbs:g} GB/s over "
-                     f"{fit[3]} operator rows: fixed {fit[0]:.0f} µs, per_key_ns {fit[1]:.3f}, topk_latency_ns "
-                     f"{fit[2]:.0f}")
+        lines.append(f"- least-squares fit of the CIS step (per-head and group) beyond its reads at "
+                     f"{model.bandwidth_gbs:g} GB/s, {fit[2]} points: fixed {fit[0]:.0f} µs, topk_latency_ns "
+                     f"{fit[1]:.1f}; with a per-key term: fixed {with_key[0]:.0f} µs, topk_latency_ns "
+                     f"{with_key[1]:.1f}, per_key_ns {with_key[2]:.3f}")
     if not gpus:
         lines.append("- none in this folder")
     rows = judged([c for c in cells if policy.gpu_key(c.gpu) == key], model)
