@@ -408,7 +408,8 @@ def markdown(key: str, cells: list[Cell], results: Path = RESULTS) -> str:
     rows = judged([c for c in cells if policy.gpu_key(c.gpu) == key], model)
     wrong = [r for r in rows if r[4] is False]
     lines += ["", f"What the model says against every measured cell on the {key} where a PrHS config's decode steps "
-              "ran sparse (measured: the fastest dense of the same run and cell over the sparse row's ms/step; "
+              "ran sparse (measured: the fastest dense of the same run and cell over the sparse row's ms/step, a "
+              "PrHS row whose steps the policy ran dense counting as a dense row; "
               f"a ratio inside {CLEAR_BAND[0]}–{CLEAR_BAND[1]}× is a tie, either decision right). "
               "`steps`: forced (`NAME/sparse`), decode_steps (the policy ran them sparse), before the policy "
               "(every PrHS row decoded sparse), replayed (the run's own tree's policy said sparse).", "",
