@@ -216,7 +216,8 @@ class PolicyConfig:
     for each forward (on CUDA and on a CPU, where it decodes dense: its sparse steps are slower
     there; on other devices ``auto`` is sparse),
     ``sparse`` always, ``dense`` never (the fair dense path). ``cost_model``: a JSON file of
-    :class:`prhs_hf.policy.CostModel` fields measured on your GPU (null: the shipped H200 constants)."""
+    :class:`prhs_hf.policy.CostModel` fields measured on your GPU (null: the shipped constants of the
+    device's GPU, :data:`prhs_hf.policy.GPU_COST_MODELS`)."""
 
     decode: str = "sparse"
     prefill: str = "sparse"

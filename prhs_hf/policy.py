@@ -26,11 +26,16 @@ The model, per layer and decode step, with ``itemsize`` bytes per element:
   candidate pages): the select's candidate collection and the dilated set's sort, whose programs work
   through a row's k entries one after another, so that their time grows with k and not with the
   rows (on the H100 at B1 × 128k, 32/8 heads: select + dilated set 40 µs at k = 88 against 199 µs
-  at k = 4,096, docs/results/bench_decode_attention_lb.md);
+  at k = 4,096, docs/results/bench_decode_attention_lb.md). ``k`` is the k the generation runs:
+  with ``budget.topk_fraction``, the budget's k for its prompt (``BudgetConfig.topk_for``);
 - sparse runs where its time is below ``margin`` times dense's, both at ``bandwidth_gbs``.
 
-The shipped constants: :data:`H200` on CUDA, from measured decode steps on an H200
-(docs/results/policy_h200.md), and :data:`CPU` on a CPU, from decode steps of SmolLM2-135M on two
+The shipped constants, per GPU by the device's name (:func:`cost_model_for`, :data:`GPU_COST_MODELS`):
+:data:`H100` on an H100 and :data:`H200` on an H200, each with its own read rate (about 0.82 of its
+HBM peak, 3.35 and 4.8 TB/s), select cost and fixed step cost, fitted to that GPU's operator
+benchmarks and checked against every measured end-to-end cell of that GPU (docs/results/policy_h100.md,
+policy_h200.md, written by ``scripts/policy_table.py`` from the result JSONs); another GPU gets the
+H200's constants and a warning, once. :data:`CPU` on a CPU, from decode steps of SmolLM2-135M on two
 cores (docs/results/policy_cpu.md). On a CPU a sparse step runs the PyTorch reference ops, whose
 work per selected key (the gather and the set's composition) dwarfs what dense attention reads, so
 ``auto`` decodes dense there at every context a CPU runs (``cis``'s 128-key sets would win past
@@ -39,20 +44,23 @@ a slower decode by default; the accuracy studies and the tests that check sparse
 ``policy.decode: sparse``. On other devices (no model) ``auto`` runs sparse. On another GPU, measure
 the speed map with the policy forced each way (``prhs-hf bench --configs cis/sparse,cis/dense``) and
 write the constants that reproduce its crossover to a JSON file of :class:`CostModel` fields, named
-by ``policy.cost_model``.
+by ``policy.cost_model`` (docs/results/policy_h200.md, "Re-measuring").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["CPU", "CostModel", "DecodeBytes", "DecodeShape", "H200", "cost_model_for", "load_cost_model"]
+__all__ = ["CPU", "DEFAULT_GPU", "GPU_COST_MODELS", "CostModel", "DecodeBytes", "DecodeShape", "H100", "H200",
+           "cost_model_for", "gpu_key", "load_cost_model"]
 
 
 @dataclass(frozen=True)
@@ -137,22 +145,40 @@ class CostModel:
         return cached_tokens == 0 and prompt_tokens >= self.min_sparse_prefill
 
 
-#: Fitted to H200 decode steps (docs/results/policy_h200.md): the eager overhead is the host time
-#: of an eager sparse step's launches over a dense one's, per layer; ``topk_latency_ns`` from the
-#: H100's stage breakdown at two top-k sizes (the module docstring), not yet measured on the H200;
-#: ``union_fraction`` from Qwen2.5-Coder-1.5B's ``cis_longbench`` sets at 16k (G = 6: 0.325, p10–p90
+#: Fitted per GPU (docs/results/policy_h200.md, policy_h100.md, written by scripts/policy_table.py from the
+#: result JSONs). ``bandwidth_gbs``: the median effective read rate of the fastest dense decode attention in
+#: the operator benchmarks (bench_decode_attention*.json), about 0.82 of the HBM peak on both GPUs.
+#: ``compiled_overhead_us`` and ``topk_latency_ns``: a least-squares fit of the operator rows' CIS step
+#: time (per-head and group sets) beyond its modelled reads, ``fixed + topk_latency_ns · k`` (a fit
+#: with a per-key term gives it about zero once the gather's bytes are priced, so ``per_key_ns`` is 0).
+#: ``eager_overhead_us``: the host time of an eager step without CUDA graphs (``backend.eager_step:
+#: plain | buffered``), bounded by the measured cells (below ~340 µs: the llama2-7b B8/16k eager cell
+#: ran sparse 1.06× on the H200; above ~40 µs: the eager cells that lost); the default ``eager_step:
+#: auto`` replays CUDA graphs, priced as compiled.
+#: ``union_fraction``: Qwen2.5-Coder-1.5B's ``cis_longbench`` sets at 16k (G = 6: 0.325, p10–p90
 #: 0.284–0.365, docs/results/probe_group_set_mass_qwen1.5b_16k.md), measured on the CPU.
 H200 = CostModel(
-    bandwidth_gbs=3000.0,
-    eager_overhead_us=1000.0,
-    compiled_overhead_us=34.0,
-    per_key_ns=0.9,
+    bandwidth_gbs=3960.0,
+    eager_overhead_us=300.0,
+    compiled_overhead_us=53.0,
+    per_key_ns=0.0,
     retrieval_rate=0.5,
-    topk_latency_ns=35.0,
+    topk_latency_ns=30.0,
     union_fraction=0.33,
     margin=0.9,
     min_sparse_prefill=4096,
 )
+
+#: The H100 (80 GB HBM3, 3.35 TB/s peak): as :data:`H200`, from the H100's operator rows
+#: (bench_decode_attention_lb.json, bench_union_lb.json; their retrievals score at a measured share of
+#: 0.5, slower per byte than the gather, which the fixed term takes up). The eager host term is the
+#: H200's: no H100 cell ran eager steps without CUDA graphs sparse against dense.
+H100 = dataclasses.replace(H200, bandwidth_gbs=2710.0, compiled_overhead_us=90.0, topk_latency_ns=24.0)
+
+#: The constants per GPU, by a name that the device's name contains (``torch.cuda.get_device_name``:
+#: "NVIDIA H100 80GB HBM3", "NVIDIA H200"); another GPU gets :data:`DEFAULT_GPU`'s with a warning.
+GPU_COST_MODELS: dict[str, "CostModel"] = {"H100": H100, "H200": H200}
+DEFAULT_GPU = "H200"
 
 
 #: Fitted to decode steps of SmolLM2-135M (fp32, 9 query / 3 KV heads, head size 64) on two CPU cores,
@@ -192,9 +218,29 @@ def load_cost_model(path: str | Path) -> CostModel:
     return dataclasses.replace(H200, **data)
 
 
+def gpu_key(name: str) -> str | None:
+    """The key of :data:`GPU_COST_MODELS` that a GPU's name contains ("NVIDIA H100 80GB HBM3": "H100"), or None."""
+    return next((key for key in GPU_COST_MODELS if key in name.upper()), None)
+
+
 def cost_model_for(device: torch.device, path: str | None = None) -> CostModel | None:
-    """The cost model of ``device``: ``path``'s where given, :data:`H200`'s constants on CUDA,
-    :data:`CPU`'s on a CPU, else ``None`` (``auto`` then runs sparse)."""
+    """The cost model of ``device``: ``path``'s where given; on CUDA the constants of the GPU its name
+    names (:data:`GPU_COST_MODELS`; another GPU gets :data:`DEFAULT_GPU`'s, and a warning says so once per
+    name); :data:`CPU`'s on a CPU; else ``None`` (``auto`` then runs sparse)."""
     if path is not None:
         return load_cost_model(path)
-    return {"cuda": H200, "cpu": CPU}.get(torch.device(device).type)
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _gpu_cost_model(torch.cuda.get_device_name(device))
+    return CPU if device.type == "cpu" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_cost_model(name: str) -> CostModel:
+    key = gpu_key(name)
+    if key is None:
+        warnings.warn(f"policy: auto has no cost model measured on {name!r}; it uses the {DEFAULT_GPU}'s constants "
+                      f"({', '.join(GPU_COST_MODELS)} are measured). Measure yours and name it in policy.cost_model "
+                      f"(docs/results/policy_h200.md says how)", stacklevel=3)
+        key = DEFAULT_GPU
+    return GPU_COST_MODELS[key]

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import statistics
+import warnings
 
 import pytest
 import torch
 
 import prhs_hf
 import prhs_hf.runtime
+from prhs_hf import policy
 from prhs_hf.config import ConfigError, load_config
-from prhs_hf.policy import CPU, H200, CostModel, DecodeShape, cost_model_for, load_cost_model
+from prhs_hf.policy import (CPU, DEFAULT_GPU, GPU_COST_MODELS, H100, H200, CostModel, DecodeShape, cost_model_for,
+                            gpu_key, load_cost_model)
+from script_loader import load_script
 from tiny_models import padded_batch, tiny_model
 
 SPARSE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4, "tau": 0.5},
@@ -32,7 +37,7 @@ def test_the_cost_model_goes_dense_where_the_set_is_every_token_and_on_short_con
 def test_a_key_index_lowers_the_retrieval_cost_so_sparse_wins_no_later():
     fp8 = dict(scored_key_bytes=132.0, reranked=216)  # D = 128: the fp8 entry, top-k + margin re-read
     for batch in (1, 8):
-        lengths = [int(1024 * 1.25 ** n) for n in range(40)]
+        lengths = [int(1024 * 1.05 ** n) for n in range(200)]
         exact = next(L for L in lengths if H200.sparse_decode_wins(_shape(batch, L), compiled=True))
         indexed = next(L for L in lengths if H200.sparse_decode_wins(_shape(batch, L, **fp8), compiled=True))
         assert indexed < exact
@@ -88,7 +93,9 @@ def test_the_eager_overhead_needs_a_longer_context_than_the_compiled_step():
 
 
 def test_the_measured_h200_decisions():
-    """The cells of docs/results/policy_h200.md: where sparse measured faster the model says sparse."""
+    """The cells cited in issues 12 and 37 and at b0e7c6a that have no result JSON (docs/results/policy_h200.md's
+    note; the cells with one are test_every_measured_cell_gets_the_measured_decision's): where sparse measured
+    faster the model says sparse."""
     qwen = dict(kv_heads=2, rows=12, head_dim=128, itemsize=2)
     cis, lb = dict(index_set=186, topk=88), dict(index_set=7146, topk=4096)
     assert H200.sparse_decode_wins(_shape(32, 16384, **cis, **qwen), compiled=True)  # 1.12x measured
@@ -96,7 +103,7 @@ def test_the_measured_h200_decisions():
     assert not H200.sparse_decode_wins(_shape(32, 30000, **lb, **qwen), compiled=True)  # 0.57x
     assert not H200.sparse_decode_wins(_shape(1, 30000, **cis, **qwen), compiled=True)  # 0.83x
     assert H200.sparse_decode_wins(_shape(1, 131072, **cis), compiled=True)  # llama3-8b 1.08x
-    assert H200.sparse_decode_wins(_shape(1, 65536, **cis), compiled=True)  # 1.03x
+    # B1/64k (1.03x, 1.02x): a tie, either decision right
     assert not H200.sparse_decode_wins(_shape(1, 131072, **lb), compiled=True)  # 0.58x
     assert not H200.sparse_decode_wins(_shape(1, 131072, **cis), compiled=False)  # eager 0.32x
     # one set per KV head at cis_longbench's budget (cis-group-lb), H100 static: 0.85x
@@ -126,10 +133,65 @@ def test_a_prefill_over_a_cache_or_a_short_prompt_runs_dense():
     assert not H200.sparse_prefill_wins(8192, 10)  # verification / a second turn
 
 
-def test_each_device_has_its_cost_model():
+def test_each_device_has_its_cost_model(monkeypatch):
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200", 2: "NVIDIA H100 NVL"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[torch.device(device).index])
     assert cost_model_for(torch.device("cpu")) is CPU
-    assert cost_model_for(torch.device("cuda", 0)) is H200
+    assert cost_model_for(torch.device("cuda", 0)) is H100
+    assert cost_model_for(torch.device("cuda", 1)) is H200
+    assert cost_model_for(torch.device("cuda", 2)) is H100
     assert cost_model_for(torch.device("meta")) is None  # no model: auto runs sparse
+
+
+def test_an_unmeasured_gpu_gets_the_default_constants_and_a_warning_once(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    policy._gpu_cost_model.cache_clear()  # the warning is once per name and process
+    with pytest.warns(UserWarning, match="no cost model measured on 'NVIDIA A100-SXM4-80GB'; it uses the H200's"):
+        assert cost_model_for(torch.device("cuda", 0)) is GPU_COST_MODELS[DEFAULT_GPU]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cost_model_for(torch.device("cuda", 0)) is H200  # said once per name
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """scripts/policy_table.py and its cells: every result JSON's rows where a PrHS config's steps ran sparse."""
+    table = load_script("policy_table")
+    return table, table.measured_cells()
+
+
+def test_the_gpus_constants_are_their_measured_rates(measured):
+    """Per GPU, the constants scripts/policy_table.py fits to the operator benchmarks (rounded): the median read
+    rate of the fastest dense attention, the same fraction (0.8-0.85) of each HBM peak (3.35 TB/s H100,
+    4.8 TB/s H200), and the CIS step's fixed cost and top-k latency."""
+    table, _ = measured
+    rates = table.effective_rates()
+    for key, model, peak in (("H100", H100, 3350.0), ("H200", H200, 4800.0)):
+        median = statistics.median(gbs for gpu, rows in rates.items() if gpu_key(gpu) == key for _, gbs in rows)
+        assert abs(model.bandwidth_gbs - median) <= 5 and 0.8 < model.bandwidth_gbs / peak < 0.85
+        fixed, topk, points = table.step_fit(key)
+        assert points >= 12 and abs(model.compiled_overhead_us - fixed) < 1 and abs(model.topk_latency_ns - topk) < 0.5
+        assert model.per_key_ns == 0 and abs(table.step_fit(key, per_key=True)[2]) < 0.1
+    assert gpu_key("NVIDIA H200") == "H200" and gpu_key("NVIDIA H100 80GB HBM3") == "H100" and gpu_key("Tesla T4") is None
+
+
+#: clear cells (ratio outside 0.95-1.05x) whose decision no constant set of the model gets right alongside the
+#: others: the llama3-8b shape with random weights at B1/128k static on the H200 ran cis sparse at 0.949x in one
+#: run (e1d54b6) and 1.08x in another (b0e7c6a, no result file); random weights retrieve on most steps.
+KNOWN_WRONG = {("H200", "speed_map.json", "cis", 1, 131072, "static")}
+
+
+def test_every_measured_cell_gets_the_measured_decision(measured):
+    """The shipped constants of each GPU decide as measured wherever the ratio is clear (against the fastest
+    dense of the same run and cell)."""
+    table, cells = measured
+    assert {gpu_key(c.gpu) for c in cells} == set(GPU_COST_MODELS)
+    wrong = set()
+    for key, model in GPU_COST_MODELS.items():
+        judged = table.judged([c for c in cells if gpu_key(c.gpu) == key], model)
+        assert sum(right is not None for *_, right in judged) >= 6
+        wrong |= {(key, c.source, c.config, c.batch, c.context, c.mode) for c, *_, right in judged if right is False}
+    assert wrong == KNOWN_WRONG
 
 
 def test_on_a_cpu_auto_decodes_dense_at_every_context_a_cpu_runs():
@@ -294,3 +356,31 @@ def test_the_runtime_prices_group_union_reads():
     handle = prhs_hf.patch(model, SPARSE)
     assert handle.runtime._union_group(grouped=False) == 0
     prhs_hf.unpatch(model)
+
+
+def test_each_gpu_prices_the_k_of_a_context_relative_budget():
+    """budget.topk_fraction: the runtime's DecodeShape carries the generation's k (topk_for its prompt), and each
+    GPU's constants price that k's select: the same shape costs topk_latency_ns more per extra entry of k."""
+    model = tiny_model("llama")
+    config = {**SPARSE, "budget": {"sink": 4, "local": 8, "topk": 16, "topk_fraction": 0.01, "topk_max": 2000}}
+    with prhs_hf.patch(model, config) as handle:
+        runtime = handle.runtime
+        for context in (16384, 131072):
+            runtime.use_budget(context)
+            shape = runtime.decode_shape(8, context, torch.bfloat16)
+            k = handle.config.budget.topk_for(context)
+            assert k > 16 and shape.topk == k and shape.index_set == runtime.step_config.index_capacity
+            at_floor = DecodeShape(**{**shape.__dict__, "topk": 16})
+            for gpu in GPU_COST_MODELS.values():
+                extra = gpu.decode_times_us(shape, True)[1] - gpu.decode_times_us(at_floor, True)[1]
+                assert extra == pytest.approx(gpu.topk_latency_ns * 1e-3 * (k - 16))
+
+
+def test_the_policy_tables_are_the_scripts_output(measured):
+    """docs/results/policy_<gpu>.md are what scripts/policy_table.py writes from the result JSONs and the shipped
+    constants (after a new result or a new constant, run it again)."""
+    table, cells = measured
+    for key in GPU_COST_MODELS:
+        path = table.RESULTS / f"policy_{key.lower()}.md"
+        assert path.read_text(encoding="utf-8") == table.markdown(key, cells), (
+            f"{path.name} is stale: run python scripts/policy_table.py")
