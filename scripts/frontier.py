@@ -134,16 +134,19 @@ def _shape(row: dict) -> str:
     return f"B{row['B']}/{row['ctx'] // 1024}k {row['Hq']}/{row['Hkv']}"
 
 
-def policy_decision(row: dict, cand: Candidate) -> Optional[str]:
-    """What ``policy: auto`` (the shipped cost model, compiled step) runs at an operator row's shape."""
+def policy_decision(row: dict, cand: Candidate, gpu: Optional[str] = None) -> Optional[str]:
+    """What ``policy: auto`` (the shipped cost model of ``gpu``, the operator run's GPU by name; compiled
+    step) runs at an operator row's shape."""
     if not cand.budget:
         return None
-    from prhs_hf.policy import H200, DecodeShape
+    from prhs_hf.policy import DEFAULT_GPU, GPU_COST_MODELS, DecodeShape, gpu_key
+
+    model = GPU_COST_MODELS[gpu_key(gpu or "") or DEFAULT_GPU]
 
     rows = row["Hkv"] if cand.selection == "group" else row["Hq"]
     shape = DecodeShape(batch=row["B"], context=row["ctx"], kv_heads=row["Hkv"], rows=rows, head_dim=row["D"],
                         itemsize=2, index_set=row["cap"], topk=row["k"])
-    return "sparse" if H200.sparse_decode_wins(shape, compiled=True) else "dense"
+    return "sparse" if model.sparse_decode_wins(shape, compiled=True) else "dense"
 
 
 def end_to_end(speed_maps: list[tuple[str, dict]], cand: Candidate) -> list[dict]:
@@ -162,7 +165,7 @@ def build(ruler: dict, operator: dict, speed_maps: list[tuple[str, dict]],
         ops = operator_speeds(operator, cand)
         by_shape = {_shape(r): r for r in operator["rows"] if _measures(r, cand)}
         for op in ops:
-            op["policy_auto"] = policy_decision(by_shape[op["shape"]], cand) if cand.budget else None
+            op["policy_auto"] = policy_decision(by_shape[op["shape"]], cand, operator.get("gpu")) if cand.budget else None
         out.append(dict(asdict(cand), operator=ops, end_to_end=end_to_end(speed_maps, cand),
                         ruler=ruler_accuracy(ruler, cand.ruler_name), dropped_mass=dropped_masses(list(probes), cand)))
     return out
