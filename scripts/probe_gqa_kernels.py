@@ -38,16 +38,16 @@ from typing import Callable, Optional
 
 import torch
 
-try:  # an installed prhs_hf (prhs_hf.kernels mapped from kernels/) wins over the checkout's folder,
-    import prhs_hf.kernels  # noqa: F401  which has no kernels/ inside (it shadowed /tmp/pkg on the H200)
+try:  # an installed prhs_hf, else this checkout's
+    import prhs_hf  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prhs_hf.kernels.sparse_decode_attention import (  # noqa: E402
+from prhs_hf.ops.sparse_attention.sparse_decode_attention import (  # noqa: E402
     sparse_decode_attention,
     sparse_decode_attention_grouped,
 )
-from prhs_hf.kernels.topk_retrieval import (  # noqa: E402
+from prhs_hf.ops.topk.topk_retrieval import (  # noqa: E402
     SELECT_MODES,
     topk_retrieval,
     topk_retrieval_grouped,

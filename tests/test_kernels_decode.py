@@ -25,22 +25,22 @@ from hypothesis import strategies as st
 
 from script_loader import load_script
 from conftest import triton_available
-import prhs_hf.kernels.compose_indices as compose_module
-import prhs_hf.kernels.dilated_set as dilated_module
-from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
-from prhs_hf.kernels.compose_indices import (
+import prhs_hf.ops.compose.compose_indices as compose_module
+import prhs_hf.ops.compose.dilated_set as dilated_module
+from prhs_hf.ops.cis_match.cis_match import cis_match, cis_match_reference
+from prhs_hf.ops.compose.compose_indices import (
     compose_from_sets, compose_from_sets_reference, compose_indices, compose_indices_reference,
     dilate_and_compose, dilate_and_compose_reference, dilate_compose_and_record, dilate_compose_and_record_reference,
 )
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_select, get_decode_ops, group_query
-from prhs_hf.kernels.dilated_set import SET_NONE, dilated_set, dilated_set_reference, dilated_set_size
-from prhs_hf.kernels.sparse_decode_attention import (
+from prhs_hf.ops.compose.dilated_set import SET_NONE, dilated_set, dilated_set_reference, dilated_set_size
+from prhs_hf.ops.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_select, get_decode_ops, group_query
+from prhs_hf.ops.sparse_attention.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,
     sparse_decode_attention_grouped_reference,
     sparse_decode_attention_reference,
 )
-from prhs_hf.kernels.topk_retrieval import (
+from prhs_hf.ops.topk.topk_retrieval import (
     SELECT_MODES,
     compact_rows,
     topk_retrieval,
@@ -575,7 +575,7 @@ def test_attention_kernel(dtype, Hkv, D, splits):
 def test_attention_schedule_splits_only_below_two_programs_per_sm():
     """The split rule the H200 sweep picked (docs/results/bench_decode_attention.json): one split (no
     combine launch) from about 2 programs per SM or for lists under 8 tiles, else chunks of >= 8 tiles."""
-    from prhs_hf.kernels.sparse_decode_attention import attention_schedule
+    from prhs_hf.ops.sparse_attention.sparse_decode_attention import attention_schedule
 
     cpu = torch.device("cpu")  # num_sms: 132, the H200's, off CUDA
     assert attention_schedule(32 * 12, 186, 128, cpu)[2] == 1  # Qwen 12/2 B32/16k (was 2)
@@ -912,7 +912,7 @@ def _record_case(seed, k, m, r, s=4, L=3, D=16, dtype=torch.float32):
 @pytest.mark.parametrize("step", [5, 8])
 def test_reference_dilate_compose_and_record_is_compose_then_record(step):
     """The reference reads the layer's sets as dilate_and_compose and records as record_anchors."""
-    from prhs_hf.kernels.record_anchors import record_anchors_reference
+    from prhs_hf.ops.compose.record_anchors import record_anchors_reference
 
     frame, state, q, (sink, cap, m, r) = _record_case(180, 8, 3, 1)
     step = torch.tensor(step)
@@ -1207,7 +1207,7 @@ def test_attention_grouped_rejects_per_head_lists():
 @needs_triton
 def test_grouped_ops_compile_fullgraph():
     """The new launchers as torch.ops.prhs custom ops: one graph, same results as eager."""
-    from prhs_hf.kernels import library_ops
+    from prhs_hf.ops import library_ops
 
     B, Hq, Hkv, D, S, cap = 2, 4, 2, 16, 40, 9
     q, kc, vc, pad, idx, count = _grouped_attention_case(B, Hq, Hkv, D, S, cap, torch.float32, 140, [0, 3])

@@ -1,5 +1,5 @@
 """The two selects of top-k retrieval (``_select="tilemax"``, the default up to k = 256, and
-``"radix8"``, the default above; kernels/topk_select.py) and the group score kernel that feeds them,
+``"radix8"``, the default above; prhs_hf/ops/topk/topk_select.py) and the group score kernel that feeds them,
 against the PyTorch reference: every tie path (ties inside and across select chunks, at full radix
 depth), rows not retrieving, regions shorter than k and empty, left padding, several merge blocks,
 the persistent grids with fewer programs than work items, the benchmark's stop points, scratch that
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import triton_available
-from prhs_hf.kernels import topk_retrieval as tk
-from prhs_hf.kernels import topk_select as ts
-from prhs_hf.kernels.topk_retrieval import (
+from prhs_hf.ops.topk import topk_retrieval as tk
+from prhs_hf.ops.topk import topk_select as ts
+from prhs_hf.ops.topk.topk_retrieval import (
     SELECT_MODES,
     topk_retrieval,
     topk_retrieval_grouped,
@@ -344,7 +344,7 @@ _SM90_CHECK = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from prhs_hf.kernels import topk_select as ts
+from prhs_hf.ops.topk import topk_select as ts
 
 SCALARS = ("S", "K", "CHUNK", "NCH", "NBLK")
 
@@ -522,7 +522,7 @@ _SM90_SCORE_CHECK = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from prhs_hf.kernels import topk_retrieval as tk
+from prhs_hf.ops.topk import topk_retrieval as tk
 
 TYPES = {"Q": "*bf16", "K": "*bf16", "FLAG": "*i1", "scale": "fp32", "S": "i32", "CHUNK": "i32", "R": "i32",
          "MIN_CHUNK": "i32", "MAX_SPLITS": "i32"}

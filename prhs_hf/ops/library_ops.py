@@ -18,17 +18,17 @@ from typing import Callable, Optional
 
 import torch
 
-from .cis_match import CISMatch, cis_match
-from .key_index import KeyIndex, topk_retrieval_indexed, update_key_index, write_key_index
-from .record_anchors import record_anchors
-from .compose_indices import compose_indices, dilate_and_compose, dilate_compose_and_record
-from .dilated_set import dilate_mask, dilated_set_size
-from .sparse_decode_attention import (
+from .cis_match.cis_match import CISMatch, cis_match
+from .compose.compose_indices import compose_indices, dilate_and_compose, dilate_compose_and_record
+from .compose.dilated_set import dilate_mask, dilated_set_size
+from .compose.record_anchors import record_anchors
+from .key_index.key_index import KeyIndex, topk_retrieval_indexed, update_key_index, write_key_index
+from .sparse_attention.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,
     sparse_decode_attention_union,
 )
-from .topk_retrieval import topk_retrieval, topk_retrieval_grouped
+from .topk.topk_retrieval import topk_retrieval, topk_retrieval_grouped
 
 __all__ = ["compiled_or_eager"]
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..triton_support import gqa_group, interpreting, next_pow2, num_sms, require_triton, tl, triton
 from .topk_select import (
     HIST_ROW,
     MERGE_RANKS,
@@ -33,7 +34,6 @@ from .topk_select import (
     tilemax_scratch,
     tilemax_select,
 )
-from .triton_support import gqa_group, interpreting, next_pow2, num_sms, require_triton, tl, triton
 
 __all__ = [
     "topk_retrieval",

@@ -54,9 +54,9 @@ from typing import NamedTuple
 
 import torch
 
-from .topk_retrieval import _dot, _group_scores, _retrieve, _topk_of_scores
-from .topk_select import _orderable_key
-from .triton_support import gqa_group, interpreting, next_pow2, require_triton, tl, triton
+from ..topk.topk_retrieval import _dot, _group_scores, _retrieve, _topk_of_scores
+from ..topk.topk_select import _orderable_key
+from ..triton_support import gqa_group, interpreting, next_pow2, require_triton, tl, triton
 
 __all__ = [
     "INDEX_KINDS",

@@ -20,8 +20,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from . import library_ops
-from .cis_match import cis_match, cis_match_reference
-from .compose_indices import (
+from .cis_match.cis_match import cis_match, cis_match_reference
+from .compose.compose_indices import (
     compose_indices,
     compose_indices_reference,
     dilate_and_compose,
@@ -29,8 +29,9 @@ from .compose_indices import (
     dilate_compose_and_record,
     dilate_compose_and_record_reference,
 )
-from .dilated_set import dilated_set_size
-from .key_index import (
+from .compose.dilated_set import dilated_set_size
+from .compose.record_anchors import record_anchors, record_anchors_reference
+from .key_index.key_index import (
     KeyIndex,
     topk_retrieval_indexed,
     topk_retrieval_indexed_reference,
@@ -39,9 +40,7 @@ from .key_index import (
     write_key_index,
     write_key_index_reference,
 )
-from .triton_support import HAS_TRITON, unit_vectors
-from .record_anchors import record_anchors, record_anchors_reference
-from .sparse_decode_attention import (
+from .sparse_attention.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,
     sparse_decode_attention_grouped_reference,
@@ -49,12 +48,13 @@ from .sparse_decode_attention import (
     sparse_decode_attention_union,
     sparse_decode_attention_union_reference,
 )
-from .topk_retrieval import (
+from .topk.topk_retrieval import (
     topk_retrieval,
     topk_retrieval_grouped,
     topk_retrieval_grouped_reference,
     topk_retrieval_reference,
 )
+from .triton_support import HAS_TRITON, unit_vectors
 
 __all__ = [
     "DecodeOps",
