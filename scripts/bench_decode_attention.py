@@ -56,7 +56,7 @@ retrieval (compact / score / select), dilated set, compose, attention, glue; gap
 (``dilated_set.MAP_COLLECTS``: ``serial``, one program per row; ``parallel``, programs per
 (row, chunk)), at every shape, whichever method ``"auto"`` takes there (``MAP_COLLECT`` picks the
 model's); ``stage16_map_collects_equal_to_step``: both give the step's sets.
-The radix8 select (``_select="radix8"`` at every shape: the step's own select above k = 256,
+The radix8 select (``tuned(topk_retrieval, select="radix8")`` at every shape: the step's own select above k = 256,
 ``stage16_select_kernel`` names it) by stage, each replayed alone through its stop points:
 ``stage16_select_ms_by_part`` (``passes``, ``collect``, ``block_sort``, ``merge``, with the merge
 finish ``topk_select.MERGE_RANK``, ``stage16_merge_rank``) and ``stage16_merge_ms_by_rank`` (the
@@ -124,7 +124,7 @@ from prhs_hf.ops.sparse_attention.sparse_decode_attention import (  # noqa: E402
     sparse_decode_attention,
     sparse_decode_attention_union,
 )
-from prhs_hf.ops.topk.topk_retrieval import default_select, topk_retrieval, topk_retrieval_grouped  # noqa: E402
+from prhs_hf.ops.topk.topk_retrieval import default_select, topk_retrieval, topk_retrieval_grouped, tuned  # noqa: E402
 from prhs_hf.ops.topk.topk_select import MERGE_RANK, MERGE_RANKS  # noqa: E402
 from prhs_hf.selectors.double_sparsity import label_keys, top_channels  # noqa: E402
 
@@ -495,7 +495,7 @@ def ds_columns(x: dict, sh: Shape, bud: Budget, r: int, time_it: Callable, row: 
     q_label = ds_query_labels(q, q_channels)
 
     def retrieval(stop="select"):
-        return topk_retrieval(q_label, label, pad, lo, hi, everyone, ds_k, scale, _stop_after=stop)
+        return tuned(topk_retrieval, stop_after=stop)(q_label, label, pad, lo, hi, everyone, ds_k, scale)
 
     row["ds_stage_gather_ms"] = time_it(lambda: ds_query_labels(q, q_channels))[0]
     row["ds_stage_label_score_ms"] = time_it(lambda: retrieval("score"))[0]  # compaction + label scores
@@ -663,8 +663,8 @@ def stage_breakdown(x: dict, bud: Budget, st16: tuple, attention_ms: float, time
              torch.zeros(1, B, H, dtype=torch.int32, device=q.device), torch.ones((), dtype=torch.int64, device=q.device))
     new_idx, new_set = res.new_idx, res.new_set
 
-    def retrieval(stop="select", **switches):
-        return topk_retrieval(q, kc, pad, lo, hi, retrieve, bud.k, scale, _stop_after=stop, **switches)
+    def retrieval(stop="select", **switches):  # switches: topk_retrieval.RetrievalTuning's fields
+        return tuned(topk_retrieval, stop_after=stop, **switches)(q, kc, pad, lo, hi, retrieve, bud.k, scale)
 
     def topk_glue():  # the gather / where of the top-k anchor path (decode_ops)
         shared = best >= 0
@@ -713,7 +713,7 @@ def radix8_breakdown(retrieval: Callable, time_it: Callable) -> dict:
     finish is its whole select minus its stop after the block sort (which zeroes the "count"
     finish's ranks)."""
     def radix8(stop, merge_rank=None):
-        return retrieval(stop, _select="radix8", _merge_rank=merge_rank)
+        return retrieval(stop, select="radix8", merge_rank=merge_rank)
 
     to_stop = {stop: time_it(lambda stop=stop: radix8(stop))[0] for stop in ("score", "passes", "collect")}
     sorted_ms = {rank: time_it(lambda rank=rank: radix8("block_sort", rank))[0] for rank in MERGE_RANKS}

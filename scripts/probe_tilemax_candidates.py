@@ -1,6 +1,6 @@
 """How many candidates the tilemax select collects on a real model's keys and queries.
 
-``_select="tilemax"`` (prhs_hf/ops/topk/topk_select.py) collects every key at or above a threshold theta:
+``select="tilemax"`` (prhs_hf/ops/topk/topk_select.py) collects every key at or above a threshold theta:
 the k-th largest of the row's sub-tile maxima, narrowed by radix passes over them. Its cost depends
 on how many keys that is, which random scores do not show. This script captures a real model's
 post-RoPE keys (every layer) and the last ``--queries`` prompt queries of one ``--length``-token

@@ -38,6 +38,7 @@ from prhs_hf.ops.topk.topk_retrieval import (
     topk_retrieval_grouped,
     topk_retrieval_grouped_reference,
     topk_retrieval_reference,
+    tuned,
 )
 from prhs_hf.ops.topk.topk_select import MERGE_RANKS
 
@@ -364,7 +365,7 @@ def test_gpu_topk_every_path_exact_on_quantised_data(B, Hq, Hkv, D, S, k, frac):
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, scale)
     for select in SELECT_MODES:
         for merge_rank in MERGE_RANKS if select == "radix8" else (None,):
-            out = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select, _merge_rank=merge_rank)
+            out = tuned(topk_retrieval, select=select, merge_rank=merge_rank)(q, kc, pad, lo, hi, retrieve, k, scale)
             assert torch.equal(out, ref), (select, merge_rank)
 
 
@@ -378,7 +379,7 @@ def test_gpu_topk_grouped_exact_on_quantised_data(B, Hq, Hkv, D, S, k, frac):
     scale = 1 / math.sqrt(D)
     ref = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, retrieve, k, scale)
     for select in SELECT_MODES:
-        assert torch.equal(topk_retrieval_grouped(q, kc, pad, lo, hi, retrieve, k, scale, _select=select), ref)
+        assert torch.equal(tuned(topk_retrieval_grouped, select=select)(q, kc, pad, lo, hi, retrieve, k, scale), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -651,8 +651,8 @@ def test_int4_stage1_kernel_equals_the_reference_over_several_groups(dtype, D, g
     approx = _approx_scores(q, index, 0.3)  # [B, Hkv, G, S]
     rows = approx.amax(dim=2) if grouped else approx.reshape(B, Hq, S)
     for n in (1, 17, 150):
-        out = _retrieve(*_on(q, index.a, pad, lo, hi, retrieve), n, 0.3, grouped=grouped, _key_format=2,
-                        _key_b=index.b.to(DEV))
+        out = _retrieve(*_on(q, index.a, pad, lo, hi, retrieve), n, 0.3, grouped=grouped, key_format=2,
+                        key_b=index.b.to(DEV))
         assert torch.equal(out.cpu(), _topk_of_scores(rows, pad, lo, hi, retrieve, n)), n
     assert (out[0, 0] >= 0).sum() == hi[0] - lo[0]  # n = 150 orders every key of the region
 
@@ -875,15 +875,16 @@ def test_gpu_int4_score_costs_at_most_a_few_times_fp8s():
     per group of channels took about 1.6x)."""
     from triton.testing import do_bench
 
-    from prhs_hf.ops.topk.topk_retrieval import _retrieve
+    from prhs_hf.ops.topk.topk_retrieval import _retrieve, tuned
 
     q, kc, pad, lo, hi, r_head, _, scale = _gpu_case(B=16, gaussian=True, seed=83)
     ms = {}
     for kind, key_format in (("fp8", 1), ("int4", 2)):
         index = allocate_key_index(kind, *kc.shape[:3], kc.shape[3], kc.dtype, kc.device)
         write_key_index_reference(index, kc, 0, kc.shape[2])
-        ms[kind] = do_bench(lambda: _retrieve(q, index.a, pad, lo, hi, r_head, 1164, scale, grouped=False,
-                                              _key_format=key_format, _key_b=index.b, _stop_after="score"),
+        ms[kind] = do_bench(lambda: tuned(_retrieve, stop_after="score")(q, index.a, pad, lo, hi, r_head, 1164, scale,
+                                                                         grouped=False, key_format=key_format,
+                                                                         key_b=index.b),
                             warmup=50, rep=300)
     assert ms["int4"] < 3 * ms["fp8"], ms
 

@@ -601,8 +601,8 @@ def topk_retrieval_indexed(q: torch.Tensor, k_cache: torch.Tensor, index: KeyInd
         spad, slo, shi = page_region(pad, lo, hi, S, index.page)
     else:
         spad, slo, shi = pad, lo, hi
-    cand = _retrieve(q, index.a, spad, slo, shi, retrieve, n_cand, scale, grouped=grouped, _key_format=kfmt,
-                     _key_b=index.b)
+    cand = _retrieve(q, index.a, spad, slo, shi, retrieve, n_cand, scale, grouped=grouped, key_format=kfmt,
+                     key_b=index.b)
     c_pad = next_pow2(tokens, 16)
     out = torch.empty((B, H, k), dtype=torch.int32, device=q.device)
     scratch = torch.empty((B * H, c_pad), dtype=torch.int64, device=q.device)
