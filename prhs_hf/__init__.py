@@ -2,7 +2,7 @@
 
 ``prhs_hf.patch(model, "cpe")`` makes a LLaMA, Qwen or GLM model decode with Clustered Index
 Sharing (CIS) and prune deep layers with PSAW and ETF; ``prhs_hf.unpatch(model)`` restores it.
-The Triton kernels live in ``prhs_hf.kernels`` (the repository folder ``kernels/``).
+The Triton kernels live in ``prhs_hf.ops`` (one folder per op).
 
 The public names below are imported on first use, so that ``import prhs_hf`` (and the
 ``prhs-hf`` command line, which imports :mod:`prhs_hf.hub.fetch` through it) does not load torch or

@@ -6,9 +6,9 @@ from typing import Callable
 
 import torch
 
-from .kernels import decode_ops as ops
-from .kernels import prefill_attention as pa
-from .kernels.triton_support import HAS_TRITON, interpreting
+from .ops import decode_ops as ops
+from .ops.prefill import prefill_attention as pa
+from .ops.triton_support import HAS_TRITON, interpreting
 
 __all__ = ["dense_prefill_function", "flash_usable", "pick_decode_ops", "prefill_choice", "prefill_function", "triton_usable"]
 
@@ -41,7 +41,7 @@ def flash_usable(device: torch.device) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return False
-    from .kernels.flash_prefill import require_flash_attn
+    from .ops.prefill.flash_prefill import require_flash_attn
 
     try:
         require_flash_attn(device)
@@ -52,7 +52,7 @@ def flash_usable(device: torch.device) -> bool:
 
 def _fa4_takes(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether FA4's forward takes attention in ``dtype`` with head size ``head_dim`` (fp16/bf16, 8..256 in steps of 8)."""
-    from .kernels.flash_prefill import check_flash_inputs
+    from .ops.prefill.flash_prefill import check_flash_inputs
 
     try:
         check_flash_inputs(torch.empty(0, head_dim, dtype=dtype, device="meta"))
@@ -75,18 +75,18 @@ def prefill_choice(name: str, device: torch.device, dtype: torch.dtype, head_dim
 def prefill_function(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> Callable:
     """The sparse (PSAW/ETF) prefill attention for ``backend.prefill`` and attention in ``dtype`` with
     head size ``head_dim`` on ``device`` (:func:`prefill_choice`). Every backend has the signature
-    ``(q, k, v, plan, scale)`` with a :class:`~prhs_hf.kernels.prefill_plan.PrefillPlan`.
+    ``(q, k, v, plan, scale)`` with a :class:`~prhs_hf.ops.prefill.prefill_plan.PrefillPlan`.
 
     ``flash`` (FlashAttention-4) raises here, naming the key and the install, unless
     ``flash_attn.cute`` imports and ``device`` is an sm90/sm100 GPU (the input checks follow at the call).
     """
     choice = prefill_choice(name, device, dtype, head_dim)
     if choice == "flex":
-        from .kernels.flex_prefill import flex_prefill_attention
+        from .ops.prefill.flex_prefill import flex_prefill_attention
 
         return flex_prefill_attention
     if choice == "flash":
-        from .kernels.flash_prefill import flash_prefill_attention, require_flash_attn
+        from .ops.prefill.flash_prefill import flash_prefill_attention, require_flash_attn
 
         require_flash_attn(device)
         return flash_prefill_attention
@@ -100,13 +100,13 @@ def dense_prefill_function(name: str, device: torch.device, dtype: torch.dtype, 
 
     Only FA4 is faster than SDPA on the dense causal pattern; our Triton tile kernel is slower than
     SDPA there (docs/notes/prefill_tuning.md). So ``flash``, and ``auto`` where it resolves to FA4
-    (:func:`prefill_choice`), give :func:`~prhs_hf.kernels.flash_prefill.flash_dense_prefill_attention`
+    (:func:`prefill_choice`), give :func:`~prhs_hf.ops.prefill.flash_prefill.flash_dense_prefill_attention`
     (``flash`` raises like :func:`prefill_function` where FA4 cannot run); every other choice None.
     A config that changes nothing (``configs/dense.yaml``) never gets here: it keeps the unpatched path.
     """
     if prefill_choice(name, device, dtype, head_dim) != "flash":
         return None
-    from .kernels.flash_prefill import flash_dense_prefill_attention, require_flash_attn
+    from .ops.prefill.flash_prefill import flash_dense_prefill_attention, require_flash_attn
 
     require_flash_attn(device)
     return flash_dense_prefill_attention

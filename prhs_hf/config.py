@@ -451,11 +451,11 @@ _SECTIONS: dict[str, type] = {
 # key -> (kind, lower, upper, lower_open, nullable[, upper_open]); kind in {"int", "float", "bool", "choice", "phases", "path"}
 CIS_SELECTIONS = ("head", "group", "group_mean")
 CIS_INDEXES = ("none", "fp8", "int4", "pages")
-"""``cis.index``: ``none``, or a key index kind that ``prhs_hf.kernels.key_index`` implements
+"""``cis.index``: ``none``, or a key index kind that ``prhs_hf.ops.key_index.key_index`` implements
 (``INDEX_KINDS``; tests/test_config.py checks that the two agree)."""
 MIN_INDEX_PAGE, MAX_INDEX_PAGE = 4, 128
 MAX_RERANK_TOKENS = 8192
-"""Most candidate tokens a key index's re-rank takes per row (``prhs_hf.kernels.key_index.RERANK_MAX``,
+"""Most candidate tokens a key index's re-rank takes per row (``prhs_hf.ops.key_index.key_index.RERANK_MAX``,
 which tests/test_config.py checks this against): ``k + cis.rerank_margin``; ``pages``: the tokens of
 ``ceil((k + margin + 2 * (index_page - 1)) / index_page)`` pages."""
 

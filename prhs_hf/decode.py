@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .geometry import SequenceGeometry
-from .kernels.triton_support import layer_rows
+from .ops.triton_support import layer_rows
 from .schedules import psaw_window_start_tensor
 
 __all__ = ["DecodeParams", "DecodeSelection", "StepFrame", "layer_rows", "middle_start", "step_frame", "window_decode_step"]

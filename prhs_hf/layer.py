@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .attention import gqa_sdpa_attention_forward
 from .decode import DecodeParams, window_decode_step
 from .geometry import SequenceGeometry
-from .kernels.prefill_plan import PrefillPlan
+from .ops.prefill.prefill_plan import PrefillPlan
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
 from .selectors.set_steps import attend_with_tail, visible_probabilities
 

@@ -18,10 +18,10 @@ from transformers.cache_utils import DynamicLayer
 from .backends import dense_prefill_function, pick_decode_ops, prefill_function
 from .config import ConfigError, ResolvedConfig
 from .geometry import SequenceGeometry, check_layout, geometry_from_mask
-from .kernels.decode_ops import DecodeOps
-from .kernels.group_union import MAX_GROUP
-from .kernels.key_index import candidate_count, index_bytes_per_slot
 from .layer import PrHSLayer, StepGraph
+from .ops.decode_ops import DecodeOps
+from .ops.key_index.key_index import candidate_count, index_bytes_per_slot
+from .ops.sparse_attention.group_union import MAX_GROUP
 from .policy import DecodeShape, cost_model_for
 from .selectors import CISSelector, cis_set_size, make_selector
 from .selectors.base import StepMark, export_call_state, import_call_state, undo_period, undoes_steps

@@ -42,7 +42,7 @@ from prhs_hf.attention import GQA_SDPA_NAME, gqa_sdpa_attention_forward
 from prhs_hf.attention import register as register_attention
 
 if TYPE_CHECKING:
-    from prhs_hf.kernels.decode_ops import DecodeOps
+    from prhs_hf.ops.decode_ops import DecodeOps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -283,7 +283,7 @@ def fa4_dense_attention(module, query, key, value, attention_mask, dropout=0.0, 
     """FlashAttention-4's dense causal forward as a transformers attention function: the fastest dense
     prefill a user could pick on an H200 (docs/results/probe_flash_attn4.md). For the benchmarks'
     unpadded prefills only: it refuses a mask (padding) and queries that are not the whole cache."""
-    from prhs_hf.kernels.flash_prefill import flash_causal_attention
+    from prhs_hf.ops.prefill.flash_prefill import flash_causal_attention
 
     if attention_mask is not None or query.shape[2] != key.shape[2]:
         raise ValueError(f"{FA4_DENSE_ATTENTION}: unpadded prefill only (no mask, queries = keys); got a mask: "
@@ -368,7 +368,7 @@ def cis_decode_step(ops: DecodeOps, q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
     Sharing rows take their anchor's indices with dilation, retrieving rows their fresh top-k
     without. ``budget``: ``tau, sink, k, dil_m, dil_r, cap, scale`` as in
-    ``prhs_hf.kernels.decode_ops.cis_select``; the model integration chains the same ops around its
+    ``prhs_hf.ops.decode_ops.cis_select``; the model integration chains the same ops around its
     CIS state.
 
     ``anchor_sets=False``: ``anchor_idx [B, Hq, s, k]`` holds each anchor's top-k (best first)
@@ -384,7 +384,7 @@ def cis_decode_step(ops: DecodeOps, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     each selected K/V row once for its group (``ops.sparse_decode_attention_grouped``); ``best``,
     ``idx`` and ``count`` are per KV head.
     """
-    from prhs_hf.kernels.decode_ops import cis_select  # the benchmarks that do not run the step do not load it
+    from prhs_hf.ops.decode_ops import cis_select  # the benchmarks that do not run the step do not load it
 
     if grouped and not anchor_sets:
         raise ValueError("cis_decode_step: grouped=True needs anchor_sets=True (group-shared CIS stores dilated sets)")

@@ -35,10 +35,10 @@ measured on a real model, e.g. 0.19 for Qwen2.5-Coder-1.5B on 16k CoQA stories) 
 ceil(B*Hkv/16) (or ceil(B*Hkv*P)) KV heads retrieving, one K/V read per group in the attention;
 ``cis16_group_max_abs_diff`` vs the same step on the PyTorch ops); ``ref16`` (PyTorch reference ops). The group-aware
 launchers ``topk_retrieval_grouped`` and ``sparse_decode_attention_grouped`` are timed on the
-same inputs when ``prhs_hf.kernels`` has them (``grouped_*_status`` otherwise; an error calling
+same inputs when ``prhs_hf.ops`` has them (``grouped_*_status`` otherwise; an error calling
 them is recorded as ``grouped_*_error``).
 
-``ds`` (Double Sparsity, the paper's Table IV/V baseline, ``kernels/ds_decode.py``): every row
+``ds`` (Double Sparsity, the paper's Table IV/V baseline, ``scripts/_ds_decode.py``): every row
 scores every step, nothing shared: the query's r label channels (``--ds-rank``, default 16, the
 paper's label rank; one set per KV head, from the step's |q| x |k| channel statistic, which the
 timing does not depend on) against a label cache ``[B, Hkv, S, r]`` kept beside the KV cache
@@ -56,7 +56,7 @@ retrieval (compact / score / select), dilated set, compose, attention, glue; gap
 (``dilated_set.MAP_COLLECTS``: ``serial``, one program per row; ``parallel``, programs per
 (row, chunk)), at every shape, whichever method ``"auto"`` takes there (``MAP_COLLECT`` picks the
 model's); ``stage16_map_collects_equal_to_step``: both give the step's sets.
-The radix8 select (``_select="radix8"`` at every shape: the step's own select above k = 256,
+The radix8 select (``tuned(topk_retrieval, select="radix8")`` at every shape: the step's own select above k = 256,
 ``stage16_select_kernel`` names it) by stage, each replayed alone through its stop points:
 ``stage16_select_ms_by_part`` (``passes``, ``collect``, ``block_sort``, ``merge``, with the merge
 finish ``topk_select.MERGE_RANK``, ``stage16_merge_rank``) and ``stage16_merge_ms_by_rank`` (the
@@ -70,7 +70,7 @@ and, when it is missed, the largest stage.
 Keys are Gaussian with "hot spans" (runs of 64 tokens aligned with a per-head direction that
 the queries share), so that top-k sets are clustered as in real attention.
 
-Key index (``--index``, kernels/key_index.py; writes ``bench_key_index.json`` only): the GQA
+Key index (``--index``, prhs_hf/ops/key_index/key_index.py; writes ``bench_key_index.json`` only): the GQA
 shape B16/16k 32/8 alone (without CUDA the tiny shape), tau and s of ``configs/cis.yaml``, a
 ``--retrieve-share`` of the rows retrieving (default 0.5) through the real match. Times (CUDA graph
 replay, like every column here) the retrieval alone, exact (``topk_retrieval``) against the
@@ -106,12 +106,12 @@ import triton  # noqa: E402
 import yaml  # noqa: E402
 
 import _bench_common as common  # noqa: E402
-from prhs_hf.kernels.cis_match import cis_match  # noqa: E402
-from prhs_hf.kernels.compose_indices import compose_from_sets, compose_indices, dilate_and_compose  # noqa: E402
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, group_query  # noqa: E402
-from prhs_hf.kernels.dilated_set import MAP_COLLECTS, dilated_set  # noqa: E402
-from prhs_hf.kernels.ds_decode import ds_decode_step, ds_decode_step_reference, ds_query_labels  # noqa: E402
-from prhs_hf.kernels.key_index import (  # noqa: E402
+from _ds_decode import ds_decode_step, ds_decode_step_reference, ds_query_labels  # noqa: E402
+from prhs_hf.ops.cis_match.cis_match import cis_match  # noqa: E402
+from prhs_hf.ops.compose.compose_indices import compose_from_sets, compose_indices, dilate_and_compose  # noqa: E402
+from prhs_hf.ops.compose.dilated_set import MAP_COLLECTS, dilated_set  # noqa: E402
+from prhs_hf.ops.decode_ops import REFERENCE_OPS, TRITON_OPS, group_query  # noqa: E402
+from prhs_hf.ops.key_index.key_index import (  # noqa: E402
     INDEX_KINDS,
     allocate_key_index,
     index_bytes_per_slot,
@@ -119,10 +119,13 @@ from prhs_hf.kernels.key_index import (  # noqa: E402
     update_key_index,
     write_key_index,
 )
-from prhs_hf.kernels.group_union import group_union  # noqa: E402
-from prhs_hf.kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_union  # noqa: E402
-from prhs_hf.kernels.topk_retrieval import default_select, topk_retrieval, topk_retrieval_grouped  # noqa: E402
-from prhs_hf.kernels.topk_select import MERGE_RANK, MERGE_RANKS  # noqa: E402
+from prhs_hf.ops.sparse_attention.group_union import group_union  # noqa: E402
+from prhs_hf.ops.sparse_attention.sparse_decode_attention import (  # noqa: E402
+    sparse_decode_attention,
+    sparse_decode_attention_union,
+)
+from prhs_hf.ops.topk.topk_retrieval import default_select, topk_retrieval, topk_retrieval_grouped, tuned  # noqa: E402
+from prhs_hf.ops.topk.topk_select import MERGE_RANK, MERGE_RANKS  # noqa: E402
 from prhs_hf.selectors.double_sparsity import label_keys, top_channels  # noqa: E402
 
 TAU = 0.8
@@ -136,7 +139,7 @@ DS_RANK = 16  # Double Sparsity's label channels per head (the paper's r)
 DS_STAGES = ("gather", "label_score", "select", "compose", "attention")
 CIS_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cis.yaml"
 
-#: the group-aware launchers: (module, name) in prhs_hf.kernels
+#: the group-aware launchers: (module, name) in prhs_hf.ops
 GROUPED = {
     "grouped_retrieval": ("topk_retrieval", "topk_retrieval_grouped"),
     "grouped_sparse": ("sparse_decode_attention", "sparse_decode_attention_grouped"),
@@ -251,12 +254,12 @@ def grouped_launchers() -> dict[str, tuple[Optional[Callable], str]]:
     found = {}
     for key, (module, name) in GROUPED.items():
         try:
-            mod = importlib.import_module(f"prhs_hf.kernels.{module}")
+            mod = importlib.import_module(f"prhs_hf.ops.{module}")
         except Exception as exc:  # noqa: BLE001
-            found[key] = (None, f"not importable: prhs_hf.kernels.{module}: {type(exc).__name__}: {exc}")
+            found[key] = (None, f"not importable: prhs_hf.ops.{module}: {type(exc).__name__}: {exc}")
             continue
         fn = getattr(mod, name, None)
-        found[key] = (fn, "available" if fn is not None else f"not importable: prhs_hf.kernels.{module} has no {name} yet")
+        found[key] = (fn, "available" if fn is not None else f"not importable: prhs_hf.ops.{module} has no {name} yet")
     return found
 
 
@@ -417,7 +420,7 @@ def grouped_columns(x: dict, sh: Shape, res, bud: Budget, s: int, time_it: Calla
     lo, hi = x["lo"], x["hi"]
 
     def check_retrieval(fn):
-        from prhs_hf.kernels.topk_retrieval import topk_retrieval_grouped_reference
+        from prhs_hf.ops.topk.topk_retrieval import topk_retrieval_grouped_reference
 
         got = fn(q, kc, pad, lo, hi, retrieve_kv, bud.k, scale)
         want = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, retrieve_kv, bud.k, scale)
@@ -492,7 +495,7 @@ def ds_columns(x: dict, sh: Shape, bud: Budget, r: int, time_it: Callable, row: 
     q_label = ds_query_labels(q, q_channels)
 
     def retrieval(stop="select"):
-        return topk_retrieval(q_label, label, pad, lo, hi, everyone, ds_k, scale, _stop_after=stop)
+        return tuned(topk_retrieval, stop_after=stop)(q_label, label, pad, lo, hi, everyone, ds_k, scale)
 
     row["ds_stage_gather_ms"] = time_it(lambda: ds_query_labels(q, q_channels))[0]
     row["ds_stage_label_score_ms"] = time_it(lambda: retrieval("score"))[0]  # compaction + label scores
@@ -660,8 +663,8 @@ def stage_breakdown(x: dict, bud: Budget, st16: tuple, attention_ms: float, time
              torch.zeros(1, B, H, dtype=torch.int32, device=q.device), torch.ones((), dtype=torch.int64, device=q.device))
     new_idx, new_set = res.new_idx, res.new_set
 
-    def retrieval(stop="select", **switches):
-        return topk_retrieval(q, kc, pad, lo, hi, retrieve, bud.k, scale, _stop_after=stop, **switches)
+    def retrieval(stop="select", **switches):  # switches: topk_retrieval.RetrievalTuning's fields
+        return tuned(topk_retrieval, stop_after=stop, **switches)(q, kc, pad, lo, hi, retrieve, bud.k, scale)
 
     def topk_glue():  # the gather / where of the top-k anchor path (decode_ops)
         shared = best >= 0
@@ -710,7 +713,7 @@ def radix8_breakdown(retrieval: Callable, time_it: Callable) -> dict:
     finish is its whole select minus its stop after the block sort (which zeroes the "count"
     finish's ranks)."""
     def radix8(stop, merge_rank=None):
-        return retrieval(stop, _select="radix8", _merge_rank=merge_rank)
+        return retrieval(stop, select="radix8", merge_rank=merge_rank)
 
     to_stop = {stop: time_it(lambda stop=stop: radix8(stop))[0] for stop in ("score", "passes", "collect")}
     sorted_ms = {rank: time_it(lambda rank=rank: radix8("block_sort", rank))[0] for rank in MERGE_RANKS}

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -44,29 +42,13 @@ import _bench_common as common
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _import_kernels():
-    """``prhs_hf.kernels`` when installed; else the repository's ``kernels/`` folder under that name."""
-    try:
-        return importlib.import_module("prhs_hf.kernels")
-    except ImportError:
-        pass
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    import prhs_hf  # noqa: F401  (the parent package must exist first)
-
-    spec = importlib.util.spec_from_file_location(
-        "prhs_hf.kernels", REPO / "kernels" / "__init__.py", submodule_search_locations=[str(REPO / "kernels")]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["prhs_hf.kernels"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_import_kernels()
+try:  # an installed prhs_hf, else this checkout's
+    import prhs_hf  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(REPO))
 from prhs_hf import schedules as sched  # noqa: E402
-from prhs_hf.kernels.prefill_attention import prefill_attention  # noqa: E402
-from prhs_hf.kernels.prefill_plan import PrefillPlan  # noqa: E402
+from prhs_hf.ops.prefill.prefill_attention import prefill_attention  # noqa: E402
+from prhs_hf.ops.prefill.prefill_plan import PrefillPlan  # noqa: E402
 
 SINK, PHI, ALPHA, PSI, GAMMA = 8, 0.7, 1.0, 0.5, 1.0  # paper defaults (configs/cpe.yaml)
 
@@ -220,7 +202,7 @@ def _fa4_dense(q, k, v, device: torch.device) -> Callable[[], Any] | None:
 
     if not flash_usable(device):
         return None
-    from prhs_hf.kernels.flash_prefill import flash_causal_attention
+    from prhs_hf.ops.prefill.flash_prefill import flash_causal_attention
 
     return lambda: flash_causal_attention(q, k, v, q.shape[-1] ** -0.5)
 
@@ -285,7 +267,7 @@ def bench_operator(report: Report, contexts: list[int], depths: list[float], sha
 
 
 def _time_flex(q, k, v, plan: PrefillPlan, scale: float, device) -> float:
-    from prhs_hf.kernels.flex_prefill import build_prefill_block_mask, flex_attention_with_mask
+    from prhs_hf.ops.prefill.flex_prefill import build_prefill_block_mask, flex_attention_with_mask
 
     block_mask = build_prefill_block_mask(plan, k.shape[2])  # not timed
     return time_ms(lambda: flex_attention_with_mask(q, k, v, block_mask, scale), device)

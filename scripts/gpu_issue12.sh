@@ -8,8 +8,8 @@
 # rest; the summary at the end gives each one's exit status):
 #   install  the carried wheels (.whl/*.whl: flashinfer-python, slimmed by
 #            scripts/slim_flashinfer_wheel.py, and apache-tvm-ffi) into /tmp/site, and prhs_hf
-#            from this checkout with kernels/ as prhs_hf.kernels (/tmp/pkg), as the editable
-#            install does; FlashInfer's JIT then compiles its dense decode kernels in the
+#            from this checkout (PYTHONPATH: the checkout's root, then /tmp/site);
+#            FlashInfer's JIT then compiles its dense decode kernels in the
 #            background while the tests run (its cache stays in ~/.cache/flashinfer);
 #   tests    pytest -m gpu: the decode and prefill kernels, the model path, the top-k select;
 #   op       scripts/bench_decode_attention.py, all shapes (issue 12's first, JSON after each), then
@@ -67,13 +67,10 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 stamp() { echo; echo "=== [$((SECONDS - T0)) s] $*"; }
 
 # prhs_hf importable from this checkout in every step (also when the install step is left out)
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg/prhs_hf
-for entry in "$PWD"/prhs_hf/*; do ln -s "$entry" /tmp/pkg/prhs_hf/; done
-ln -sfn "$PWD/kernels" /tmp/pkg/prhs_hf/kernels
-export PYTHONPATH=/tmp/pkg:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-# `python3 -P` for -m / -c / stdin: the working directory's prhs_hf/ (no kernels/ inside) must not
-# shadow /tmp/pkg. A script run as python3 SCRIPT has its own folder first on sys.path, not the
-# working directory, and needs that folder for `import _bench_common`: plain python3.
+export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# `python3 -P` for -m / -c / stdin: sys.path is PYTHONPATH's folders and the interpreter's, not the
+# working directory. A script run as python3 SCRIPT has its own folder first on sys.path, and needs
+# that folder for `import _bench_common`: plain python3.
 PY="python3 -P"
 
 FI_PID=""
@@ -86,7 +83,7 @@ if want install; then
   else
     echo "no .whl/*.whl carried: FlashInfer's column will read 'not available'"; RC[install]=missing
   fi
-  $PY -c "import torch, triton, transformers, prhs_hf, prhs_hf.kernels; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
+  $PY -c "import torch, triton, transformers, prhs_hf, prhs_hf.ops; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
   # FlashInfer's JIT build of its decode kernels (head dim 128, bf16; MHA, G = 4 and G = 6) in the
   # background, so that the operator bench finds them compiled
   ( timeout -k 5 240 $PY - > /tmp/flashinfer_warm.log 2>&1 <<'EOF'

@@ -3,7 +3,7 @@
 The question (docs/results/bench_e2e_decode_real_profile.md): the compiled decode step of a
 ``configs/cis.yaml`` model launches ~1090 kernels per step on Qwen2.5-Coder-1.5B (28 layers) on
 the H200 against 554 for the dense model, ~19 more per layer. Which glue ops between the custom
-Triton ops (``torch.ops.prhs.*``, kernels/library_ops.py) become kernels of their own, and what
+Triton ops (``torch.ops.prhs.*``, each op folder's custom_ops.py) become kernels of their own, and what
 would fuse them away?
 
 This probe answers it on the CPU. It builds a tiny random Qwen2 model (tests/tiny_models.py;
@@ -83,7 +83,7 @@ COMPILE_CONFIG._compile_all_devices = True  # transformers compiles on CUDA only
 VIEW_OPS = {"view", "reshape", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand",
             "select", "slice", "alias", "as_strided", "clone", "getitem", "_to_copy", "convert_element_type"}
 #: files of this checkout that name a source line (before falling back to transformers)
-OUR_FILES = ("prhs_hf/", "kernels/", "scripts/")
+OUR_FILES = ("prhs_hf/", "scripts/")
 CAVEAT = ("CPU probe, not CUDA: the 'triton' backend is inductor's Triton code generator on a CPU device "
           "(cpu_backend='triton': the GPU build's kernel boundaries, code generated but not compiled or run); "
           "the 'cpp' backend is inductor's default CPU backend, compiled and run, which fuses across loops "
@@ -256,7 +256,7 @@ class KernelRecorder(_Patched):
 
 class LaunchCounter(_Patched):
     """Counts the Triton launches (interpreter) of each custom op per decode step: the prhs ops
-    run their launchers through ``prhs_hf.kernels.library_ops``'s module globals, wrapped here."""
+    run their launchers through the module globals of each op folder's ``custom_ops``, wrapped here."""
 
     OPS = ("cis_match", "topk_retrieval", "topk_retrieval_grouped", "dilate_and_compose", "dilate_compose_and_record",
            "compose_indices", "sparse_decode_attention", "sparse_decode_attention_grouped", "record_anchors")
@@ -270,7 +270,7 @@ class LaunchCounter(_Patched):
     def __enter__(self):
         from triton.runtime.interpreter import InterpretedFunction
 
-        from prhs_hf.kernels import library_ops
+        import prhs_hf.ops.decode_ops  # noqa: F401  (loads every op folder's custom_ops)
 
         counter = self
         original_run = InterpretedFunction.run
@@ -290,8 +290,9 @@ class LaunchCounter(_Patched):
             return call
 
         self._patches = [mock.patch.object(InterpretedFunction, "run", run)]
-        self._patches += [mock.patch.object(library_ops, name, tag(name, getattr(library_ops, name)))
-                          for name in self.OPS if hasattr(library_ops, name)]
+        modules = [m for n, m in sys.modules.items() if n.startswith("prhs_hf.ops.") and n.endswith(".custom_ops")]
+        self._patches += [mock.patch.object(module, name, tag(name, getattr(module, name)))
+                          for module in modules for name in self.OPS if hasattr(module, name)]
         return self._start()
 
 

@@ -55,7 +55,7 @@ PARTS = (
     ("hooks", lambda f, n: f.endswith("prhs_hf/patching.py") or n in ("begin_forward", "_cached_tokens", "_check_room")),
     ("telemetry", lambda f, n: f.endswith("telemetry_counters.py") or n == "record_dense_decode"),
     ("selector", lambda f, n: "/prhs_hf/selectors/" in f or f.endswith("prhs_hf/decode.py")),
-    ("kernels", lambda f, n: "/kernels/" in f),
+    ("kernels", lambda f, n: "/prhs_hf/ops/" in f),
     ("prhs_layer", lambda f, n: "/prhs_hf/" in f),
     ("pytorch_ops", lambda f, n: f == "~" and ("torch" in n or "Tensor" in n or "built-in" in n)),
     ("transformers", lambda f, n: "/transformers/" in f),

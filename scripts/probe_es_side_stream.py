@@ -45,8 +45,8 @@ import torch.nn.functional as F
 
 import _bench_common as common
 import bench_decode_attention as bda
-from prhs_hf.kernels.dilated_set import dilated_set
-from prhs_hf.kernels.decode_ops import TRITON_OPS, cis_select
+from prhs_hf.ops.compose.dilated_set import dilated_set
+from prhs_hf.ops.decode_ops import TRITON_OPS, cis_select
 
 ROOT = Path(__file__).resolve().parents[1]
 S = 16  # CIS block size

@@ -13,7 +13,7 @@ error text, with the full traceback, in the JSON):
    and median time (``_bench_common.median_ms``: ``triton.testing.do_bench``).
 3. ``sparse``: the PSAW+ETF pattern of the config at depth ``--depth`` (1.0: the deepest layer's
    window and frozen rows, as the ``u = 1`` rows of ``bench_prefill``), run through FA4's
-   block-sparse forward exactly as ``backend.prefill: flash`` runs it (``prhs_hf.kernels.flash_prefill``:
+   block-sparse forward exactly as ``backend.prefill: flash`` runs it (``prhs_hf.ops.prefill.flash_prefill``:
    ``fa4_block_sparse`` turns the schedule into FA4's block-sparse tensors, 128 x 128 tiles on
    sm90: skipped, full, and partial tiles for which the CuTe ``prefill_mask_mod`` applies the
    exact SPEC §3 predicate; ``flash_block_sparse_attention`` calls FA4), checked against
@@ -50,8 +50,8 @@ import torch
 import _bench_common as common
 import bench_prefill as bp  # the pattern of a depth, its prefill plan, the config reader, tables
 
-from prhs_hf import schedules as sched  # noqa: E402  (bench_prefill put the kernels in place)
-from prhs_hf.kernels.flash_prefill import (  # noqa: E402  (the route's conversion, mask_mod and FA4 call)
+from prhs_hf import schedules as sched  # noqa: E402  (bench_prefill put the checkout on sys.path if needed)
+from prhs_hf.ops.prefill.flash_prefill import (  # noqa: E402  (the route's conversion, mask_mod and FA4 call)
     add_cutlass_dsl_path,
     fa4_block_size,
     fa4_block_sparse,
@@ -61,7 +61,7 @@ from prhs_hf.kernels.flash_prefill import (  # noqa: E402  (the route's conversi
     mask_aux_tensors,
     prefill_mask_mod,
 )
-from prhs_hf.kernels.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
+from prhs_hf.ops.prefill.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
 
 REPO = common.REPO
 #: distributions whose versions the import stage records (``importlib.metadata`` names)
@@ -247,7 +247,7 @@ def _inputs(L: int, hq: int, hkv: int, d: int, device: torch.device, seed: int =
 
 
 def _flex(q, k, v, plan, scale):
-    from prhs_hf.kernels.flex_prefill import build_prefill_block_mask, flex_attention_with_mask
+    from prhs_hf.ops.prefill.flex_prefill import build_prefill_block_mask, flex_attention_with_mask
 
     block_mask = build_prefill_block_mask(plan, k.shape[2])  # not timed
     return lambda: flex_attention_with_mask(q, k, v, block_mask, scale)

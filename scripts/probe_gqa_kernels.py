@@ -38,19 +38,20 @@ from typing import Callable, Optional
 
 import torch
 
-try:  # an installed prhs_hf (prhs_hf.kernels mapped from kernels/) wins over the checkout's folder,
-    import prhs_hf.kernels  # noqa: F401  which has no kernels/ inside (it shadowed /tmp/pkg on the H200)
+try:  # an installed prhs_hf, else this checkout's
+    import prhs_hf  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prhs_hf.kernels.sparse_decode_attention import (  # noqa: E402
+from prhs_hf.ops.sparse_attention.sparse_decode_attention import (  # noqa: E402
     sparse_decode_attention,
     sparse_decode_attention_grouped,
 )
-from prhs_hf.kernels.topk_retrieval import (  # noqa: E402
+from prhs_hf.ops.topk.topk_retrieval import (  # noqa: E402
     SELECT_MODES,
     topk_retrieval,
     topk_retrieval_grouped,
+    tuned,
 )
 
 
@@ -98,8 +99,9 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
     """Score and select time of every select, after group scoring (see the module docstring).
     ``topk`` replaces the budget-1/8 k (``cis.yaml``'s 88, say); each ``(block, warps)`` of
     ``variants`` adds a ``radix8`` row with that many keys per select item and warps
-    (``_select_block``; ``(mode, block, warps)`` for another select), each ``(tile, warps, stages,
-    keys per program)`` one with that group score kernel (``_score_cfg``)."""
+    (``select_block``; ``(mode, block, warps)`` for another select), each ``(tile, warps, stages,
+    keys per program)`` one with that group score kernel (``score_cfg``; the switches are
+    ``topk_retrieval.RetrievalTuning``'s)."""
     dev = torch.device("cuda" if cuda else "cpu")
     print(f"\nselect stages, us (group scoring, {'CUDA graph replay' if cuda else 'CPU interpreter: not timings'}), "
           f"retrieving fraction {frac:.4f}")
@@ -112,16 +114,16 @@ def select_table(shapes: list[tuple[int, int, int, int, int]], frac: float, cuda
         tag = f"B{B} {S // 1024}k {Hq}/{Hkv} r{int(retrieve.sum())} k{k}"
         base = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale)
         modes = [(select, select, {}) for select in SELECT_MODES]
-        modes += [(f"{v[0]} b{v[1]}w{v[2]}", v[0], {"_select_block": v[1], "_select_warps": v[2]})
+        modes += [(f"{v[0]} b{v[1]}w{v[2]}", v[0], {"select_block": v[1], "select_warps": v[2]})
                   if isinstance(v[0], str) else
-                  (f"radix8 b{v[0]}w{v[1]}", "radix8", {"_select_block": v[0], "_select_warps": v[1]})
+                  (f"radix8 b{v[0]}w{v[1]}", "radix8", {"select_block": v[0], "select_warps": v[1]})
                   if len(v) == 2 else
-                  (f"radix8 score {_score_label(v)}", "radix8", {"_score_cfg": v}) for v in variants]
+                  (f"radix8 score {_score_label(v)}", "radix8", {"score_cfg": v}) for v in variants]
         for label, select, extra in modes:
-            t = {stop: _time_ms(lambda stop=stop, select=select, extra=extra: topk_retrieval(
-                q, kc, pad, lo, hi, retrieve, k, scale, _select=select, _stop_after=stop, **extra), cuda, graph=True)
-                for stop in ("score", "select")}
-            exact = torch.equal(topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select, **extra),
+            t = {stop: _time_ms(lambda stop=stop, select=select, extra=extra: tuned(
+                topk_retrieval, select=select, stop_after=stop, **extra)(q, kc, pad, lo, hi, retrieve, k, scale),
+                cuda, graph=True) for stop in ("score", "select")}
+            exact = torch.equal(tuned(topk_retrieval, select=select, **extra)(q, kc, pad, lo, hi, retrieve, k, scale),
                                 base)
             us = {"sel": (t["select"] - t["score"]) * 1e3, "score": t["score"] * 1e3, "total": t["select"] * 1e3}
             print(f"| {tag:24s} | {label:12s} | {us['sel']:7.1f} | {us['score']:7.1f} | {us['total']:7.1f} | "
@@ -150,10 +152,10 @@ def score_table(shapes: list[tuple[int, int, int, int, int, float]], cuda: bool,
         mb = groups * int(hi[0] - lo[0]) * D * q.element_size() / 1e6
         tag = f"B{B} {S // 1024}k {Hq}/{Hkv} r{int(retrieve.sum())} g{groups}"
         base = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale)
-        for label, extra in [("default (device split)", {})] + [(_score_label(v), {"_score_cfg": v}) for v in variants]:
-            ms = _time_ms(lambda extra=extra: topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale,
-                                                             _stop_after="score", **extra), cuda, graph=True)
-            exact = torch.equal(topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, **extra), base)
+        for label, extra in [("default (device split)", {})] + [(_score_label(v), {"score_cfg": v}) for v in variants]:
+            ms = _time_ms(lambda extra=extra: tuned(topk_retrieval, stop_after="score", **extra)(
+                q, kc, pad, lo, hi, retrieve, k, scale), cuda, graph=True)
+            exact = torch.equal(tuned(topk_retrieval, **extra)(q, kc, pad, lo, hi, retrieve, k, scale), base)
             print(f"| {tag:26s} | {label:22s} | {ms * 1e3:8.1f} | {mb:8.1f} | {mb / ms:6.0f} | {str(exact):5s} |")
             rows.append({"name": f"score {tag} {label}", "ms": ms, "mb": mb, "exact": exact})
     return rows
@@ -244,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     kbytes = mid * D * esz
     cases = [(DEFAULT_RETRIEVAL, lambda: topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale), groups * kbytes)]
     cases += [(f"retrieval {select}",
-               lambda select=select: topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select),
+               lambda select=select: tuned(topk_retrieval, select=select)(q, kc, pad, lo, hi, retrieve, k, scale),
                groups * kbytes) for select in SELECT_MODES]
     cases.append(("retrieval grouped", lambda: topk_retrieval_grouped(q, kc, pad, lo, hi, retrieve_g, k, scale),
                   groups * kbytes))

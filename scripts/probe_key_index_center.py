@@ -32,7 +32,7 @@ import torch
 import _bench_common as common  # beside this script (its folder is first on sys.path)
 from prhs_hf.calibration.texts import calibration_texts, pack_prompts
 from prhs_hf.hub import fetch
-from prhs_hf.kernels.key_index import allocate_key_index, dequantize_key_index, write_key_index_reference
+from prhs_hf.ops.key_index.key_index import allocate_key_index, dequantize_key_index, write_key_index_reference
 
 
 def _captured_attention(model, queries: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

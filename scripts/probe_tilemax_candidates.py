@@ -1,6 +1,6 @@
 """How many candidates the tilemax select collects on a real model's keys and queries.
 
-``_select="tilemax"`` (kernels/topk_select.py) collects every key at or above a threshold theta:
+``select="tilemax"`` (prhs_hf/ops/topk/topk_select.py) collects every key at or above a threshold theta:
 the k-th largest of the row's sub-tile maxima, narrowed by radix passes over them. Its cost depends
 on how many keys that is, which random scores do not show. This script captures a real model's
 post-RoPE keys (every layer) and the last ``--queries`` prompt queries of one ``--length``-token
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 import _bench_common as common
-from prhs_hf.kernels.triton_support import next_pow2
+from prhs_hf.ops.triton_support import next_pow2
 
 #: theta as the kernel computes it after 2 or 3 radix passes (the low end of the bucket), or exact
 THETA_PASSES = (2, 3, "exact")

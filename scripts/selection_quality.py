@@ -93,9 +93,9 @@ import transformers
 import prhs_hf
 from prhs_hf.hub import fetch
 from prhs_hf.evaluation.lm_eval.data import load_rows
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, DecodeOps
-from prhs_hf.kernels.key_index import INDEX_KINDS, INT4_GROUP, candidate_count, index_bytes_per_slot
-from prhs_hf.kernels.topk_retrieval import topk_retrieval_grouped_reference, topk_retrieval_reference
+from prhs_hf.ops.decode_ops import REFERENCE_OPS, DecodeOps
+from prhs_hf.ops.key_index.key_index import INDEX_KINDS, INT4_GROUP, candidate_count, index_bytes_per_slot
+from prhs_hf.ops.topk.topk_retrieval import topk_retrieval_grouped_reference, topk_retrieval_reference
 from prhs_hf.telemetry_counters import Telemetry, routing_certificate
 
 ROOT = Path(__file__).resolve().parent.parent

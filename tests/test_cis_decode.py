@@ -8,8 +8,8 @@ import torch
 import prhs_hf
 from prhs_hf.decode import DecodeParams
 from prhs_hf.geometry import SequenceGeometry
-from prhs_hf.kernels.dilated_set import dilated_set_reference, dilated_set_size
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS
+from prhs_hf.ops.compose.dilated_set import dilated_set_reference, dilated_set_size
+from prhs_hf.ops.decode_ops import REFERENCE_OPS
 from prhs_hf.selectors import CISSelector
 from prhs_hf.telemetry_counters import Telemetry
 from conftest import triton_available

@@ -7,8 +7,8 @@ import prhs_hf
 from conftest import triton_available
 from prhs_hf.decode import DecodeParams
 from prhs_hf.geometry import SequenceGeometry
-from prhs_hf.kernels.dilated_set import dilated_set_size
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS
+from prhs_hf.ops.compose.dilated_set import dilated_set_size
+from prhs_hf.ops.decode_ops import REFERENCE_OPS
 from prhs_hf.selectors import CISSelector
 from tiny_models import padded_batch, tiny_model
 

@@ -9,7 +9,7 @@ import prhs_hf
 from prhs_hf.config import ConfigError
 from prhs_hf.decode import DecodeParams
 from prhs_hf.geometry import SequenceGeometry
-from prhs_hf.kernels.dilated_set import dilated_set_size
+from prhs_hf.ops.compose.dilated_set import dilated_set_size
 from prhs_hf.selectors import CISSelector, make_selector
 from prhs_hf.selectors.set_steps import attend_with_tail, tail_summary
 from conftest import triton_available

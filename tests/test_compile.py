@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from transformers.generation.configuration_utils import CompileConfig
 
 import prhs_hf
-from prhs_hf.kernels.triton_support import HAS_TRITON, interpreting
+from prhs_hf.ops.triton_support import HAS_TRITON, interpreting
 from tiny_models import padded_batch, tiny_model
 
 SMALL = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}, "telemetry": {"enabled": True}}

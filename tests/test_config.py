@@ -420,7 +420,7 @@ def test_sparse_attention_defaults_to_per_head_and_names_the_allowed_values():
 
 def test_config_index_kinds_are_the_kernels_kinds():
     from prhs_hf.config import CIS_INDEXES
-    from prhs_hf.kernels.key_index import INDEX_KINDS
+    from prhs_hf.ops.key_index.key_index import INDEX_KINDS
 
     assert CIS_INDEXES == ("none", *INDEX_KINDS)
 

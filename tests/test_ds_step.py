@@ -1,4 +1,4 @@
-"""The Double Sparsity decode step of the operator benchmark (kernels/ds_decode.py) on the CPU.
+"""The Double Sparsity decode step of the operator benchmark (scripts/_ds_decode.py) on the CPU.
 
 The Triton step (label scoring + exact top-k through ``topk_retrieval``, ``compose_indices``
 without dilation, ``sparse_decode_attention``) against a plain PyTorch DS step: dense label
@@ -12,9 +12,13 @@ import math
 import pytest
 import torch
 
-from prhs_hf.kernels.decode_ops import HAS_TRITON, REFERENCE_OPS
-from prhs_hf.kernels.ds_decode import ds_decode_step, ds_decode_step_reference, ds_query_labels
+from prhs_hf.ops.decode_ops import HAS_TRITON, REFERENCE_OPS
 from prhs_hf.selectors.double_sparsity import label_keys
+from script_loader import load_script
+
+ds = load_script("_ds_decode")
+ds_decode_step, ds_decode_step_reference, ds_query_labels = (ds.ds_decode_step, ds.ds_decode_step_reference,
+                                                              ds.ds_query_labels)
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (TRITON_INTERPRET=1 on the CPU)")
 

@@ -11,7 +11,7 @@ import prhs_hf
 from prhs_hf.config import ConfigError, load_config
 from prhs_hf.selectors import CISSelector, EarlySelectSelector, QuestSelector, make_selector
 from prhs_hf.selectors.early_select import QueryProjection
-from prhs_hf.kernels.dilated_set import dilated_set_size
+from prhs_hf.ops.compose.dilated_set import dilated_set_size
 from test_selectors import B, HQ, SCALE, _compose, _data, _frame, _geom, _got, _params, _row_keys, _topk_middle
 from tiny_models import tiny_model
 

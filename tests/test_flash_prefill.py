@@ -16,10 +16,10 @@ import prhs_hf
 from prhs_hf import schedules as sched
 from prhs_hf.backends import dense_prefill_function, prefill_function
 from prhs_hf.config import ConfigError, load_config
-from prhs_hf.kernels import flash_prefill as fp
-from prhs_hf.kernels import prefill_attention as pa
-from prhs_hf.kernels.prefill_attention import prefill_attention_reference
-from prhs_hf.kernels.prefill_plan import PrefillPlan, prefill_visibility
+from prhs_hf.ops.prefill import flash_prefill as fp
+from prhs_hf.ops.prefill import prefill_attention as pa
+from prhs_hf.ops.prefill.prefill_attention import prefill_attention_reference
+from prhs_hf.ops.prefill.prefill_plan import PrefillPlan, prefill_visibility
 from conftest import triton_available
 from test_kernels_prefill import Case
 from tiny_models import padded_batch, tiny_model

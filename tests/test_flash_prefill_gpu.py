@@ -18,9 +18,9 @@ import torch
 import prhs_hf
 from prhs_hf import schedules as sched
 from prhs_hf.backends import dense_prefill_function, prefill_function
-from prhs_hf.kernels import flash_prefill as fp
-from prhs_hf.kernels import prefill_attention as pa
-from prhs_hf.kernels.prefill_plan import PrefillPlan
+from prhs_hf.ops.prefill import flash_prefill as fp
+from prhs_hf.ops.prefill import prefill_attention as pa
+from prhs_hf.ops.prefill.prefill_plan import PrefillPlan
 from test_kernels_prefill import Case, dead_rows, on_device
 from tiny_models import padded_batch, tiny_model
 

@@ -5,7 +5,7 @@ import torch
 
 import prhs_hf
 from prhs_hf.selectors.cis_state import CISState
-from prhs_hf.kernels.triton_support import HAS_TRITON, interpreting
+from prhs_hf.ops.triton_support import HAS_TRITON, interpreting
 from tiny_models import FAMILIES, decode_by_backend, padded_batch, tiny_model
 
 SMALL_CPE = {"budget": {"sink": 4, "local": 8, "topk": 16}, "cis": {"block_size": 4}, "psaw": {"enabled": True},

@@ -172,7 +172,7 @@ def test_gpu_plan_stages_real_pieces_across_calls_that_lose_their_carry(tmp_path
 
 
 def test_gpu_join_script_runs_its_python_without_the_cwd_on_sys_path() -> None:
-    """From the repository root, the checkout's prhs_hf/ (no kernels/) must not shadow the assembled package."""
+    """The inline Python sees PYTHONPATH (the checkout's root, the installed wheels), not the working directory."""
     text = (TOOLS / "gpu_join_and_eval.sh").read_text()
     assert 'PY="python3 -P"' in text
     code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]

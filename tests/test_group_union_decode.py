@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import prhs_hf
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS
-from prhs_hf.kernels.group_union import MAX_GROUP
-from prhs_hf.kernels.sparse_decode_attention import sparse_decode_attention_union_reference
-from prhs_hf.kernels.triton_support import HAS_TRITON, interpreting
+from prhs_hf.ops.decode_ops import REFERENCE_OPS, TRITON_OPS
+from prhs_hf.ops.sparse_attention.group_union import MAX_GROUP
+from prhs_hf.ops.sparse_attention.sparse_decode_attention import sparse_decode_attention_union_reference
+from prhs_hf.ops.triton_support import HAS_TRITON, interpreting
 from tiny_models import SMALL_CIS, padded_batch, tiny_model
 
 needs_interpreter = pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs Triton with TRITON_INTERPRET=1")

@@ -25,28 +25,29 @@ from hypothesis import strategies as st
 
 from script_loader import load_script
 from conftest import triton_available
-import prhs_hf.kernels.compose_indices as compose_module
-import prhs_hf.kernels.dilated_set as dilated_module
-from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
-from prhs_hf.kernels.compose_indices import (
+import prhs_hf.ops.compose.compose_indices as compose_module
+import prhs_hf.ops.compose.dilated_set as dilated_module
+from prhs_hf.ops.cis_match.cis_match import cis_match, cis_match_reference
+from prhs_hf.ops.compose.compose_indices import (
     compose_from_sets, compose_from_sets_reference, compose_indices, compose_indices_reference,
     dilate_and_compose, dilate_and_compose_reference, dilate_compose_and_record, dilate_compose_and_record_reference,
 )
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_select, get_decode_ops, group_query
-from prhs_hf.kernels.dilated_set import SET_NONE, dilated_set, dilated_set_reference, dilated_set_size
-from prhs_hf.kernels.sparse_decode_attention import (
+from prhs_hf.ops.compose.dilated_set import SET_NONE, dilated_set, dilated_set_reference, dilated_set_size
+from prhs_hf.ops.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_select, get_decode_ops, group_query
+from prhs_hf.ops.sparse_attention.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,
     sparse_decode_attention_grouped_reference,
     sparse_decode_attention_reference,
 )
-from prhs_hf.kernels.topk_retrieval import (
+from prhs_hf.ops.topk.topk_retrieval import (
     SELECT_MODES,
     compact_rows,
     topk_retrieval,
     topk_retrieval_grouped,
     topk_retrieval_grouped_reference,
     topk_retrieval_reference,
+    tuned,
 )
 
 cis_decode_step = load_script("_bench_common").cis_decode_step  # the whole stateless step (tests, benchmark)
@@ -575,7 +576,7 @@ def test_attention_kernel(dtype, Hkv, D, splits):
 def test_attention_schedule_splits_only_below_two_programs_per_sm():
     """The split rule the H200 sweep picked (docs/results/bench_decode_attention.json): one split (no
     combine launch) from about 2 programs per SM or for lists under 8 tiles, else chunks of >= 8 tiles."""
-    from prhs_hf.kernels.sparse_decode_attention import attention_schedule
+    from prhs_hf.ops.sparse_attention.sparse_decode_attention import attention_schedule
 
     cpu = torch.device("cpu")  # num_sms: 132, the H200's, off CUDA
     assert attention_schedule(32 * 12, 186, 128, cpu)[2] == 1  # Qwen 12/2 B32/16k (was 2)
@@ -912,7 +913,7 @@ def _record_case(seed, k, m, r, s=4, L=3, D=16, dtype=torch.float32):
 @pytest.mark.parametrize("step", [5, 8])
 def test_reference_dilate_compose_and_record_is_compose_then_record(step):
     """The reference reads the layer's sets as dilate_and_compose and records as record_anchors."""
-    from prhs_hf.kernels.record_anchors import record_anchors_reference
+    from prhs_hf.ops.compose.record_anchors import record_anchors_reference
 
     frame, state, q, (sink, cap, m, r) = _record_case(180, 8, 3, 1)
     step = torch.tensor(step)
@@ -1103,7 +1104,7 @@ def test_topk_kernel_partial_groups(Hq, Hkv):
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 9, 0.5)
     dev = [x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)]
     for select in SELECT_MODES:
-        out = topk_retrieval(*dev, 9, 0.5, _select=select).cpu()
+        out = tuned(topk_retrieval, select=select)(*dev, 9, 0.5).cpu()
         assert torch.equal(out, ref), select
     assert (out[~retrieve] == -1).all() and (out[retrieve] >= 0).all()
 
@@ -1112,20 +1113,20 @@ def test_topk_kernel_partial_groups(Hq, Hkv):
 @pytest.mark.parametrize("k", [1, 7, 40, 300])
 def test_topk_selects_ties_and_short_regions(k):
     """Both selects on exact ties spread over several select chunks, k above and below the middle."""
-    B, Hq, Hkv, D, S = 2, 4, 2, 4, 1500  # 2 select chunks of 1024 (_select_block; the default 2048: one)
+    B, Hq, Hkv, D, S = 2, 4, 2, 4, 1500  # 2 select chunks of 1024 (select_block; the default 2048: one)
     q, kc, pad, lo, hi = _gqa_topk_case(B, Hq, Hkv, D, S, [0, 900], torch.float32, 110 + k)
     retrieve = torch.ones(B, Hq, dtype=torch.bool)
     retrieve[1, 2] = False
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 1.0)
     for select in SELECT_MODES:
-        out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), k, 1.0, _select=select,
-                             _select_block=1024).cpu()
+        retrieval = tuned(topk_retrieval, select=select, select_block=1024)
+        out = retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), k, 1.0).cpu()
         assert torch.equal(out, ref), select
 
 
 @needs_triton
 def test_topk_selects_all_equal_across_chunks():
-    """2200 equal scores over 3 chunks of 1024 (``_select_block``), k = 700: full radix depth, the
+    """2200 equal scores over 3 chunks of 1024 (``select_block``), k = 700: full radix depth, the
     700 lowest indices taken across chunk boundaries (the cross-chunk rank of the tied keys)."""
     B, H, D, S = 1, 2, 4, 2300
     q = torch.ones(B, H, D)
@@ -1135,8 +1136,8 @@ def test_topk_selects_all_equal_across_chunks():
     retrieve = torch.ones(B, H, dtype=torch.bool)
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 700, 1.0)
     for select in SELECT_MODES:
-        out = topk_retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), 700, 1.0, _select=select,
-                             _select_block=1024).cpu()
+        retrieval = tuned(topk_retrieval, select=select, select_block=1024)
+        out = retrieval(*(x.to(DEV) for x in (q, kc, pad, lo, hi, retrieve)), 700, 1.0).cpu()
         assert out[0, 0].tolist() == list(range(1500, 1510)) + list(range(10, 700)), select
         assert torch.equal(out, ref), select
 
@@ -1152,7 +1153,7 @@ def test_topk_grouped_kernel(dtype, Hq, Hkv):
     for k in (5, 60):  # 60 > every middle region: -1 tail
         ref = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, retrieve, k, 0.5)
         for select in SELECT_MODES:
-            out = topk_retrieval_grouped(*dev, k, 0.5, _select=select).cpu()
+            out = tuned(topk_retrieval_grouped, select=select)(*dev, k, 0.5).cpu()
             assert out.shape == (B, Hkv, k) and out.dtype == I32
             assert torch.equal(out, ref), select
     assert (out[~retrieve] == -1).all()
@@ -1164,10 +1165,10 @@ def test_topk_modes_are_checked():
     score, the probe-only stop points) are refused, not ignored."""
     q, kc, pad, lo, hi = (x.to(DEV) for x in _gqa_topk_case(1, 2, 1, 16, 20, [0], torch.float32, 1))
     retrieve = torch.ones(1, 2, dtype=torch.bool, device=DEV)
-    with pytest.raises(ValueError, match="_select='row'.*tilemax"):
-        topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _select="row")
-    with pytest.raises(ValueError, match="_stop_after='blocksort'.*score"):
-        topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _stop_after="blocksort")
+    with pytest.raises(ValueError, match="select='row'.*tilemax"):
+        tuned(topk_retrieval, select="row")(q, kc, pad, lo, hi, retrieve, 3, 1.0)
+    with pytest.raises(ValueError, match="stop_after='blocksort'.*score"):
+        tuned(topk_retrieval, stop_after="blocksort")(q, kc, pad, lo, hi, retrieve, 3, 1.0)
     with pytest.raises(TypeError, match="_score"):
         topk_retrieval(q, kc, pad, lo, hi, retrieve, 3, 1.0, _score="row")
 
@@ -1207,14 +1208,14 @@ def test_attention_grouped_rejects_per_head_lists():
 @needs_triton
 def test_grouped_ops_compile_fullgraph():
     """The new launchers as torch.ops.prhs custom ops: one graph, same results as eager."""
-    from prhs_hf.kernels import library_ops
+    from prhs_hf.ops import registry
 
     B, Hq, Hkv, D, S, cap = 2, 4, 2, 16, 40, 9
     q, kc, vc, pad, idx, count = _grouped_attention_case(B, Hq, Hkv, D, S, cap, torch.float32, 140, [0, 3])
     _, _, lo, hi = geometry(S, [0, 3], [0, 0], 2, 4)
     retrieve = torch.tensor([[True, False], [True, True]])
-    topk = library_ops.compiled_or_eager(topk_retrieval_grouped)
-    attend = library_ops.compiled_or_eager(sparse_decode_attention_grouped)
+    topk = registry.compiled_or_eager(topk_retrieval_grouped)
+    attend = registry.compiled_or_eager(sparse_decode_attention_grouped)
 
     def step(q, kc, vc, pad, lo, hi, retrieve, idx, count):
         return topk(q, kc, pad, lo, hi, retrieve, 6, 0.25), attend(q, kc, vc, pad, idx, count, 0.25)

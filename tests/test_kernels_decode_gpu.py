@@ -15,31 +15,32 @@ import pytest
 import torch
 
 from script_loader import load_script
-from prhs_hf.kernels.cis_match import cis_match, cis_match_reference
-from prhs_hf.kernels.compose_indices import (
+from prhs_hf.ops.cis_match.cis_match import cis_match, cis_match_reference
+from prhs_hf.ops.compose.compose_indices import (
     compose_from_sets_reference,
     compose_indices,
     compose_indices_reference,
     dilate_and_compose,
     dilate_and_compose_reference,
 )
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS
-from prhs_hf.kernels.dilated_set import dilated_set_reference
-from prhs_hf.kernels.sparse_decode_attention import (
+from prhs_hf.ops.compose.dilated_set import dilated_set_reference
+from prhs_hf.ops.decode_ops import REFERENCE_OPS, TRITON_OPS
+from prhs_hf.ops.sparse_attention.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_grouped,
     sparse_decode_attention_grouped_reference,
     sparse_decode_attention_reference,
     sparse_decode_attention_union,
 )
-from prhs_hf.kernels.topk_retrieval import (
+from prhs_hf.ops.topk.topk_retrieval import (
     SELECT_MODES,
     topk_retrieval,
     topk_retrieval_grouped,
     topk_retrieval_grouped_reference,
     topk_retrieval_reference,
+    tuned,
 )
-from prhs_hf.kernels.topk_select import MERGE_RANKS
+from prhs_hf.ops.topk.topk_select import MERGE_RANKS
 
 pytestmark = pytest.mark.gpu
 
@@ -184,7 +185,7 @@ def test_gpu_dilate_and_compose(k, m, r):
 @pytest.mark.parametrize("step", [5, 16])
 def test_gpu_record_anchors(step):
     """The anchor record at the real model's state shape (28 layers, B32, 12 heads, s 16, set 146)."""
-    from prhs_hf.kernels.record_anchors import record_anchors, record_anchors_reference
+    from prhs_hf.ops.compose.record_anchors import record_anchors, record_anchors_reference
 
     g = torch.Generator(device=DEV).manual_seed(8)
     L, B, H, s, D, n = 28, 32, 12, 16, 128, 146
@@ -206,7 +207,7 @@ def test_gpu_record_anchors(step):
 def test_gpu_dilate_compose_and_record(step):
     """The composition with the anchor record in its launch at the real model's shape (28 layers,
     B32, 12 heads, s 16, k 88, m 29, r 1: sets of 146) equals dilate_and_compose then the record."""
-    from prhs_hf.kernels.compose_indices import dilate_compose_and_record, dilate_compose_and_record_reference
+    from prhs_hf.ops.compose.compose_indices import dilate_compose_and_record, dilate_compose_and_record_reference
 
     g = torch.Generator(device=DEV).manual_seed(9)
     L, B, H, s, D, S, k, m, r, sink, local = 28, 32, 12, 16, 128, 16384, 88, 29, 1, 8, 32
@@ -364,7 +365,7 @@ def test_gpu_topk_every_path_exact_on_quantised_data(B, Hq, Hkv, D, S, k, frac):
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, scale)
     for select in SELECT_MODES:
         for merge_rank in MERGE_RANKS if select == "radix8" else (None,):
-            out = topk_retrieval(q, kc, pad, lo, hi, retrieve, k, scale, _select=select, _merge_rank=merge_rank)
+            out = tuned(topk_retrieval, select=select, merge_rank=merge_rank)(q, kc, pad, lo, hi, retrieve, k, scale)
             assert torch.equal(out, ref), (select, merge_rank)
 
 
@@ -378,7 +379,7 @@ def test_gpu_topk_grouped_exact_on_quantised_data(B, Hq, Hkv, D, S, k, frac):
     scale = 1 / math.sqrt(D)
     ref = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, retrieve, k, scale)
     for select in SELECT_MODES:
-        assert torch.equal(topk_retrieval_grouped(q, kc, pad, lo, hi, retrieve, k, scale, _select=select), ref)
+        assert torch.equal(tuned(topk_retrieval_grouped, select=select)(q, kc, pad, lo, hi, retrieve, k, scale), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -15,9 +15,15 @@ import pytest
 import torch
 
 from conftest import triton_available
-import prhs_hf.kernels.group_union as union_module
-from prhs_hf.kernels.group_union import MAX_GROUP, group_union, group_union_reference, group_union_torch, union_width
-from prhs_hf.kernels.sparse_decode_attention import (
+import prhs_hf.ops.sparse_attention.group_union as union_module
+from prhs_hf.ops.sparse_attention.group_union import (
+    MAX_GROUP,
+    group_union,
+    group_union_reference,
+    group_union_torch,
+    union_width,
+)
+from prhs_hf.ops.sparse_attention.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_reference,
     sparse_decode_attention_union,

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from conftest import triton_available
 from prhs_hf import schedules as sched
-from prhs_hf.kernels.prefill_attention import prefill_attention, prefill_attention_reference
-from prhs_hf.kernels.prefill_plan import PrefillPlan
+from prhs_hf.ops.prefill.prefill_attention import prefill_attention, prefill_attention_reference
+from prhs_hf.ops.prefill.prefill_plan import PrefillPlan
 
 needs_triton = pytest.mark.skipif(
     not triton_available(),
@@ -189,7 +189,7 @@ def test_reference_matches_naive_dense(case):
 
 
 def test_reference_chunks_rows(monkeypatch):
-    import prhs_hf.kernels.prefill_attention as pa
+    import prhs_hf.ops.prefill.prefill_attention as pa
 
     case = CASES[5]
     args = case.tensors()
@@ -429,7 +429,7 @@ def test_kernel_matches_reference_random(p, blocks):
     "case", [CASES[1], CASES[4], CASES[5], CASES[6], CASES[7], CASES[11], CASES[13]], ids=lambda c: c.name
 )
 def test_flex_matches_reference(case):
-    from prhs_hf.kernels.flex_prefill import flex_prefill_attention
+    from prhs_hf.ops.prefill.flex_prefill import flex_prefill_attention
 
     args = case.tensors()
     out = flex_prefill_attention(*args)
@@ -438,7 +438,7 @@ def test_flex_matches_reference(case):
 
 
 def test_flex_block_mask_skips_blocks():
-    from prhs_hf.kernels.flex_prefill import build_prefill_block_mask
+    from prhs_hf.ops.prefill.flex_prefill import build_prefill_block_mask
 
     case = Case("blocks", Lq=256, sink=4, w=0.25, frozen=((4, 96),))
     _, k, _, plan, _ = case.tensors()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from prhs_hf import schedules as sched
-from prhs_hf.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from prhs_hf.ops.prefill.prefill_attention import prefill_attention, prefill_attention_reference
 from test_kernels_prefill import Case, dead_rows, on_device
 
 pytestmark = pytest.mark.gpu
@@ -88,7 +88,7 @@ def test_gpu_other_dtypes(dtype):
 
 
 def test_gpu_flex_matches_kernel():
-    from prhs_hf.kernels.flex_prefill import flex_prefill_attention
+    from prhs_hf.ops.prefill.flex_prefill import flex_prefill_attention
 
     case = _case("both", 4096, 128, 8, 2, "both", (0, 128))
     args = on_device(case.tensors(), "cuda", torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The key index (kernels/key_index.py): quantisation, page bounds, the two-stage retrieval.
+"""The key index (prhs_hf/ops/key_index/key_index.py): quantisation, page bounds, the two-stage retrieval.
 
 * the PyTorch references against naive per-element loops written here (the naive oracle):
   fp8 / int4 codes and scales, page min/max over the written slots only, write vs update,
@@ -24,8 +24,8 @@ import torch
 
 from conftest import triton_available
 from test_topk_select import _has_cuda_backend
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_select
-from prhs_hf.kernels.key_index import (
+from prhs_hf.ops.decode_ops import REFERENCE_OPS, TRITON_OPS, cis_select
+from prhs_hf.ops.key_index.key_index import (
     FP8_MAX,
     INDEX_KINDS,
     INT4_GROUP,
@@ -38,7 +38,7 @@ from prhs_hf.kernels.key_index import (
     update_key_index_reference,
     write_key_index_reference,
 )
-from prhs_hf.kernels.topk_retrieval import topk_retrieval_grouped_reference, topk_retrieval_reference
+from prhs_hf.ops.topk.topk_retrieval import topk_retrieval_grouped_reference, topk_retrieval_reference
 
 needs_triton = pytest.mark.skipif(
     not triton_available(),
@@ -526,7 +526,7 @@ def _index_on(index):
 def test_write_and_update_kernels_equal_the_reference(kind, centered, dtype, D):
     """A chunked prefill (two writes, the second starting inside a page) and decode steps at ragged slots,
     bit for bit; one update launch per step. Centred: keys with a shared offset, codes of key - centre."""
-    from prhs_hf.kernels.key_index import update_key_index, write_key_index
+    from prhs_hf.ops.key_index.key_index import update_key_index, write_key_index
 
     g = torch.Generator().manual_seed(40)
     B, H, S = 3, 2, 45
@@ -553,7 +553,7 @@ def test_write_and_update_kernels_equal_the_reference(kind, centered, dtype, D):
 def test_fp8_rounding_ties_and_subnormals_in_the_kernel():
     """The kernel's integer fp8 conversion rounds as torch's float8_e4m3fn cast: every midpoint of two
     fp8 values (ties to even), the subnormal range, the largest value."""
-    from prhs_hf.kernels.key_index import write_key_index
+    from prhs_hf.ops.key_index.key_index import write_key_index
 
     codes = torch.arange(0, 126, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
     mid = (codes[:-1] + codes[1:]) / 2
@@ -570,7 +570,7 @@ def test_fp8_rounding_ties_and_subnormals_in_the_kernel():
 
 
 def _check_indexed(q, kc, index, pad, lo, hi, retrieve, k, margin, scale, grouped):
-    from prhs_hf.kernels.key_index import topk_retrieval_indexed
+    from prhs_hf.ops.key_index.key_index import topk_retrieval_indexed
 
     out = topk_retrieval_indexed(*_on(q, kc), _index_on(index), *_on(pad, lo, hi, retrieve), k, margin, scale, grouped)
     ref = topk_retrieval_indexed_reference(q, kc, index, pad, lo, hi, retrieve, k, margin, scale, grouped)
@@ -600,7 +600,7 @@ def test_indexed_kernel_equals_the_reference(kind, dtype, Hq, Hkv, grouped):
 def test_indexed_kernel_on_a_centred_index_equals_the_reference(kind):
     """Per-head rows of a centred index (GQA 6, ragged padding, keys with a shared offset); grouped rows
     are refused by the kernel's launcher as by the reference."""
-    from prhs_hf.kernels.key_index import topk_retrieval_indexed
+    from prhs_hf.ops.key_index.key_index import topk_retrieval_indexed
 
     q, kc, pad, lo, hi, g = retrieval_case(3, 12, 2, 32, 70, [0, 5, 11], 61, torch.bfloat16)
     kc = (kc.float() + torch.randn(1, 2, 1, 32, generator=g) * 6).to(torch.bfloat16)
@@ -637,8 +637,8 @@ def test_int4_stage1_kernel_equals_the_reference_over_several_groups(dtype, D, g
     group, or an even channel's code to an odd one, moves the scores), 150 slots (a full key tile and a
     tail), ragged pads, an empty region, rows not retrieving: its candidates, in order, equal those of
     the reference's stage-1 scores, for every row up to the whole region."""
-    from prhs_hf.kernels.key_index import _approx_scores
-    from prhs_hf.kernels.topk_retrieval import _retrieve, _topk_of_scores
+    from prhs_hf.ops.key_index.key_index import _approx_scores
+    from prhs_hf.ops.topk.topk_retrieval import _retrieve, _topk_of_scores
 
     B, Hq, Hkv, S = 3, 8, 2, 150
     q, kc, pad, lo, hi, g = retrieval_case(B, Hq, Hkv, D, S, [0, 5, 11], 70 + D + grouped, dtype)
@@ -651,8 +651,8 @@ def test_int4_stage1_kernel_equals_the_reference_over_several_groups(dtype, D, g
     approx = _approx_scores(q, index, 0.3)  # [B, Hkv, G, S]
     rows = approx.amax(dim=2) if grouped else approx.reshape(B, Hq, S)
     for n in (1, 17, 150):
-        out = _retrieve(*_on(q, index.a, pad, lo, hi, retrieve), n, 0.3, grouped=grouped, _key_format=2,
-                        _key_b=index.b.to(DEV))
+        out = _retrieve(*_on(q, index.a, pad, lo, hi, retrieve), n, 0.3, grouped=grouped, key_format=2,
+                        key_b=index.b.to(DEV))
         assert torch.equal(out.cpu(), _topk_of_scores(rows, pad, lo, hi, retrieve, n)), n
     assert (out[0, 0] >= 0).sum() == hi[0] - lo[0]  # n = 150 orders every key of the region
 
@@ -672,7 +672,7 @@ def test_indexed_kernel_pages_cut_by_the_region_still_give_k(grouped):
 
 @needs_triton
 def test_indexed_kernel_errors():
-    from prhs_hf.kernels.key_index import RERANK_MAX, topk_retrieval_indexed
+    from prhs_hf.ops.key_index.key_index import RERANK_MAX, topk_retrieval_indexed
 
     q, kc, pad, lo, hi, g = retrieval_case(1, 2, 2, 32, 40, [0], 70)
     index = _index_on(build("pages", kc, page=8))
@@ -723,7 +723,8 @@ _SM90_CHECK = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from prhs_hf.kernels import key_index as ki, topk_retrieval as tk
+from prhs_hf.ops.key_index import key_index as ki
+from prhs_hf.ops.topk import topk_retrieval as tk
 
 SCALARS = {"S": "i32", "R": "i32", "CHUNK": "i32", "MIN_CHUNK": "i32", "MAX_SPLITS": "i32", "KOUT": "i32", "NC": "i32"}
 
@@ -807,7 +808,7 @@ def _gpu_case(B=4, Hq=32, Hkv=8, D=128, S=16384, frac=0.5, seed=80, gaussian=Fal
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", INDEX_KINDS)
 def test_gpu_write_update_equal_the_reference(kind):
-    from prhs_hf.kernels.key_index import update_key_index, write_key_index
+    from prhs_hf.ops.key_index.key_index import update_key_index, write_key_index
 
     q, kc, pad, *_ = _gpu_case(gaussian=True)
     B, H, S, D = kc.shape
@@ -828,7 +829,7 @@ def test_gpu_write_update_equal_the_reference(kind):
 @pytest.mark.parametrize("k,margin", [(512, 512), (2048, 512), (100, 60)])
 def test_gpu_indexed_exact_on_quantised_data(kind, grouped, k, margin):
     """B4, 32/8 heads, 16k slots, half the rows retrieving: equal to the reference (exact data)."""
-    from prhs_hf.kernels.key_index import topk_retrieval_indexed
+    from prhs_hf.ops.key_index.key_index import topk_retrieval_indexed
 
     q, kc, pad, lo, hi, r_head, r_group, scale = _gpu_case()
     retrieve = r_group if grouped else r_head
@@ -845,7 +846,7 @@ def test_gpu_indexed_exact_on_quantised_data(kind, grouped, k, margin):
 def test_gpu_indexed_gaussian_scores_match(kind):
     """Gaussian data: summation order may swap near-equal scores (in either stage), so compare the exact
     scores of the selections."""
-    from prhs_hf.kernels.key_index import topk_retrieval_indexed
+    from prhs_hf.ops.key_index.key_index import topk_retrieval_indexed
 
     q, kc, pad, lo, hi, r_head, _, scale = _gpu_case(gaussian=True, seed=81)
     index = allocate_key_index(kind, *kc.shape[:3], kc.shape[3], kc.dtype, kc.device)
@@ -874,15 +875,16 @@ def test_gpu_int4_score_costs_at_most_a_few_times_fp8s():
     per group of channels took about 1.6x)."""
     from triton.testing import do_bench
 
-    from prhs_hf.kernels.topk_retrieval import _retrieve
+    from prhs_hf.ops.topk.topk_retrieval import _retrieve, tuned
 
     q, kc, pad, lo, hi, r_head, _, scale = _gpu_case(B=16, gaussian=True, seed=83)
     ms = {}
     for kind, key_format in (("fp8", 1), ("int4", 2)):
         index = allocate_key_index(kind, *kc.shape[:3], kc.shape[3], kc.dtype, kc.device)
         write_key_index_reference(index, kc, 0, kc.shape[2])
-        ms[kind] = do_bench(lambda: _retrieve(q, index.a, pad, lo, hi, r_head, 1164, scale, grouped=False,
-                                              _key_format=key_format, _key_b=index.b, _stop_after="score"),
+        ms[kind] = do_bench(lambda: tuned(_retrieve, stop_after="score")(q, index.a, pad, lo, hi, r_head, 1164, scale,
+                                                                         grouped=False, key_format=key_format,
+                                                                         key_b=index.b),
                             warmup=50, rep=300)
     assert ms["int4"] < 3 * ms["fp8"], ms
 
@@ -891,7 +893,7 @@ def test_gpu_int4_score_costs_at_most_a_few_times_fp8s():
 @pytest.mark.parametrize("kind", INDEX_KINDS)
 def test_gpu_update_and_retrieval_sync_free_and_graph_capturable(kind):
     from script_loader import load_script
-    from prhs_hf.kernels.key_index import topk_retrieval_indexed, update_key_index, write_key_index
+    from prhs_hf.ops.key_index.key_index import topk_retrieval_indexed, update_key_index, write_key_index
 
     common = load_script("_bench_common")
     q, kc, pad, lo, hi, r_head, r_group, scale = _gpu_case(B=8, S=8192, gaussian=True, seed=82)

@@ -1,7 +1,7 @@
 """CIS with a key index (``cis.index``): the index the state keeps, and generate() through it.
 
 With a margin that covers the whole middle region the two-stage retrieval equals the exact one
-bit for bit (kernels/key_index.py's contract), so every such run must give the tokens of
+bit for bit (prhs_hf/ops/key_index/key_index.py's contract), so every such run must give the tokens of
 ``index: none``; the index the state holds must always equal one written afresh from the cache
 (the prompt's write, each step's update, growth, beams, chunked prefill and skipped steps all keep
 it current). A small margin makes the index decide, which the deepcopy test relies on.
@@ -22,8 +22,8 @@ from transformers.generation.configuration_utils import CompileConfig
 
 import prhs_hf
 from conftest import triton_available
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS
-from prhs_hf.kernels.key_index import (
+from prhs_hf.ops.decode_ops import REFERENCE_OPS
+from prhs_hf.ops.key_index.key_index import (
     INDEX_KINDS,
     allocate_key_index,
     index_bytes_per_slot,

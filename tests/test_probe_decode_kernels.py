@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from prhs_hf.kernels.triton_support import HAS_TRITON, interpreting
+from prhs_hf.ops.triton_support import HAS_TRITON, interpreting
 from script_loader import load_script
 
 probe = load_script("probe_decode_kernels")
@@ -55,7 +55,7 @@ def test_compiled_cis_step_writes_the_anchors_in_place(quick_run):
     """CISState.record writes each layer's new anchors into the [L, ...] buffers in place. Through
     views of a layer's slice it became select_scatters: two copies of the slice per layer and a
     copy of the whole state per step (88 + 100 MB per step on Qwen2.5-Coder-1.5B at B32)."""
-    from prhs_hf.kernels.dilated_set import dilated_set_size
+    from prhs_hf.ops.compose.dilated_set import dilated_set_size
 
     data, _ = quick_run
     (cis,) = [r for r in data["runs"] if (r["config"], r["backend"]) == ("cis", "triton")]

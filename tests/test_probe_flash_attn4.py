@@ -1,5 +1,5 @@
 """scripts/probe_flash_attn4.py on the CPU: the clean exit without CUDA / flash_attn, and that the
-probe runs the route's own conversion, mask_mod and FA4 calls (``prhs_hf.kernels.flash_prefill``,
+probe runs the route's own conversion, mask_mod and FA4 calls (``prhs_hf.ops.prefill.flash_prefill``,
 whose conversion is tested against a dense mask in tests/test_flash_prefill.py)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import probe_flash_attn4 as probe  # noqa: E402
 
-from prhs_hf.kernels import flash_prefill  # noqa: E402
+from prhs_hf.ops.prefill import flash_prefill  # noqa: E402
 
 
 def test_no_cuda_exits_cleanly_and_records_the_import(tmp_path):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import triton_available
-from prhs_hf.kernels.dilated_set import SET_NONE
-from prhs_hf.kernels.record_anchors import record_anchors, record_anchors_reference
+from prhs_hf.ops.compose.dilated_set import SET_NONE
+from prhs_hf.ops.compose.record_anchors import record_anchors, record_anchors_reference
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 
@@ -111,7 +111,7 @@ def test_shape_errors_name_the_tensors(fn):
 @needs_triton
 def test_compiled_op_writes_the_state_in_place():
     """Under torch.compile the op mutates the whole buffers (no copy): the eager tensors see it."""
-    from prhs_hf.kernels.decode_ops import TRITON_OPS
+    from prhs_hf.ops.decode_ops import TRITON_OPS
 
     aq, ai, ac = _state()
     q, new_set, best = _inputs()

@@ -11,7 +11,7 @@ import prhs_hf
 from prhs_hf.decode import DecodeParams
 from prhs_hf.evaluation.accuracy import configs as accuracy_configs
 from prhs_hf.geometry import SequenceGeometry
-from prhs_hf.kernels.decode_ops import REFERENCE_OPS
+from prhs_hf.ops.decode_ops import REFERENCE_OPS
 from prhs_hf.selectors import (
     SELECTORS,
     DirectReuseSelector,

@@ -1,6 +1,6 @@
 """ES-CIS's next-layer selection on a side CUDA stream (``early_select.side_stream``).
 
-The fork/join pair (``kernels/side_stream.py``) against its reference, ``decode_ops.cis_select``;
+The fork/join pair (``prhs_hf/ops/side_stream.py``) against its reference, ``decode_ops.cis_select``;
 ``generate()`` with the side stream against without it (eager and compiled, one graph); the
 config's errors. On the CPU the fork runs in order; the GPU tests run both streams.
 """
@@ -16,10 +16,10 @@ from transformers.generation.configuration_utils import CompileConfig
 
 import prhs_hf
 from prhs_hf.config import ConfigError, load_config
-from prhs_hf.kernels import side_stream
-from prhs_hf.kernels.triton_support import HAS_TRITON, interpreting
-from prhs_hf.kernels.dilated_set import dilated_set_size
-from prhs_hf.kernels.decode_ops import cis_select, get_decode_ops
+from prhs_hf.ops import side_stream
+from prhs_hf.ops.compose.dilated_set import dilated_set_size
+from prhs_hf.ops.decode_ops import cis_select, get_decode_ops
+from prhs_hf.ops.triton_support import HAS_TRITON, interpreting
 from tiny_models import padded_batch, tiny_model
 
 # tau 0.3 on the tiny model: some rows share their anchor's set, others retrieve

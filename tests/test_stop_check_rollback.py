@@ -12,7 +12,7 @@ import torch
 
 import prhs_hf
 from prhs_hf import patching
-from prhs_hf.kernels.dilated_set import SET_NONE
+from prhs_hf.ops.compose.dilated_set import SET_NONE
 from prhs_hf.runtime import CALL_STATE_ATTRIBUTE, PrHSRuntime, SelectorRollback
 from prhs_hf.selectors import SELECTORS, StreamingSelector
 from prhs_hf.selectors.base import StepMark

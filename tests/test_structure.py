@@ -2,8 +2,8 @@
 
 ``prhs_hf/`` holds the runtime core (patching, runtime, layers, attention, geometry, config ...)
 and one folder per other concern: ``hub/`` (offline fetching), ``calibration/``, ``evaluation/``
-(RULER, lm-eval, the accuracy runner, the speed map) and ``selectors/``. The Triton kernels live in
-the repository folder ``kernels/``, installed as ``prhs_hf.kernels``. These tests pin that shape,
+(RULER, lm-eval, the accuracy runner, the speed map), ``selectors/`` and ``ops/`` (the Triton
+kernels, one folder per op, installed from where they live). These tests pin that shape,
 and where the evaluation pieces live: the direct accuracy runner outside the lm-eval integration,
 and no import from ``prhs_hf.evaluation.lm_eval`` to the command line.
 """
@@ -19,14 +19,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "prhs_hf"
-KERNELS = ROOT / "kernels"
+OPS = PACKAGE / "ops"
 
 #: The top of ``prhs_hf/``: the runtime core, the command line, and the concern folders.
 TOP_LEVEL = {
     "__init__.py", "__main__.py", "attention.py", "backends.py", "cli.py", "compat.py", "config.py", "decode.py",
     "families.py", "fetch.py", "geometry.py", "layer.py", "patching.py", "policy.py", "runtime.py",
     "schedules.py", "telemetry_counters.py",
-    "calibration", "evaluation", "hub", "selectors",
+    "calibration", "evaluation", "hub", "ops", "selectors",
 }
 #: Folders that are not the runtime core: the core must not import them.
 OUTER = ("prhs_hf.hub", "prhs_hf.calibration", "prhs_hf.evaluation")
@@ -37,14 +37,13 @@ MAX_KERNEL_FILE_LINES = 800
 
 
 def _module_files() -> dict[str, Path]:
-    """Every module of the installed package, by its dotted name (``kernels/`` is ``prhs_hf.kernels``)."""
+    """Every module of the installed package, by its dotted name."""
     files: dict[str, Path] = {}
-    for folder, prefix in ((PACKAGE, ("prhs_hf",)), (KERNELS, ("prhs_hf", "kernels"))):
-        for path in folder.rglob("*.py"):
-            parts = path.relative_to(folder).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            files[".".join(prefix + parts)] = path
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        files[".".join(("prhs_hf",) + parts)] = path
     return files
 
 
@@ -175,12 +174,26 @@ def test_is_patched_has_one_home_with_the_patch() -> None:
 def test_the_top_of_the_package_is_the_runtime_core_and_the_concern_folders() -> None:
     entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__" and not p.name.endswith(".pyc")}
     assert entries == TOP_LEVEL
-    assert len(entries) <= 21  # (compat.py: what differs between the transformers versions supported)
+    # compat.py: what differs between the transformers versions supported; ops/: the kernels
+    assert len(entries) <= 22
 
 
-@pytest.mark.parametrize("folder", ["hub", "calibration", "evaluation", "selectors"])
+@pytest.mark.parametrize("folder", ["hub", "calibration", "evaluation", "selectors", "ops"])
 def test_every_concern_folder_is_a_package(folder: str) -> None:
     assert (PACKAGE / folder / "__init__.py").is_file()
+
+
+#: The op folders of ``prhs_hf/ops/``: the steps of a CIS decode step and the prefill.
+OP_FOLDERS = {"cis_match", "topk", "key_index", "compose", "sparse_attention", "prefill"}
+
+
+def test_every_op_has_a_folder_that_is_a_package_and_nothing_else_holds_kernels() -> None:
+    """``prhs_hf/ops/`` holds one package per op and the shared plumbing; no top-level ``kernels/``
+    folder is left to be installed under another name."""
+    folders = {p.name for p in OPS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == OP_FOLDERS
+    assert all((OPS / f / "__init__.py").is_file() for f in folders)
+    assert not list(ROOT.glob("kernels/*.py"))  # (a checkout may keep an old kernels/__pycache__)
 
 
 def test_the_import_graph_has_no_cycles() -> None:
@@ -193,20 +206,20 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_the_runtime_core_imports_nothing_from_hub_calibration_or_evaluation() -> None:
     core = [m for m in GRAPH if not m.startswith(OUTER) and m not in FRONT_DOORS]
-    assert "prhs_hf.runtime" in core and "prhs_hf.selectors.cis" in core and "prhs_hf.kernels.decode_ops" in core
+    assert "prhs_hf.runtime" in core and "prhs_hf.selectors.cis" in core and "prhs_hf.ops.decode_ops" in core
     offenders = {m: sorted(e for e in GRAPH[m] if e.startswith(OUTER)) for m in core}
     assert {m: e for m, e in offenders.items() if e} == {}
 
 
 def test_the_kernels_import_nothing_of_the_runtime() -> None:
-    """``kernels/`` is a library of ops with their references: it imports only its own modules."""
-    offenders = {m: sorted(e for e in GRAPH[m] if not e.startswith("prhs_hf.kernels"))
-                 for m in GRAPH if m.startswith("prhs_hf.kernels")}
+    """``ops/`` is a library of ops with their references: it imports only its own modules."""
+    offenders = {m: sorted(e for e in GRAPH[m] if not e.startswith("prhs_hf.ops"))
+                 for m in GRAPH if m.startswith("prhs_hf.ops")}
     assert {m: e for m, e in offenders.items() if e} == {}
 
 
 def test_no_kernel_file_is_over_800_lines() -> None:
-    lengths = {p.name: len(p.read_text().splitlines()) for p in KERNELS.glob("*.py")}
+    lengths = {str(p.relative_to(OPS)): len(p.read_text().splitlines()) for p in OPS.rglob("*.py")}
     assert lengths and {n: k for n, k in lengths.items() if k > MAX_KERNEL_FILE_LINES} == {}
 
 

@@ -60,7 +60,7 @@ def test_a_key_index_needs_room_to_re_rank_the_largest_k(budget, cis, text):
 
 def test_the_configs_re_rank_bound_is_the_kernels():
     from prhs_hf.config import MAX_RERANK_TOKENS
-    from prhs_hf.kernels.key_index import RERANK_MAX
+    from prhs_hf.ops.key_index.key_index import RERANK_MAX
 
     assert MAX_RERANK_TOKENS == RERANK_MAX
 

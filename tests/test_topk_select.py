@@ -1,5 +1,5 @@
-"""The two selects of top-k retrieval (``_select="tilemax"``, the default up to k = 256, and
-``"radix8"``, the default above; kernels/topk_select.py) and the group score kernel that feeds them,
+"""The two selects of top-k retrieval (``select="tilemax"``, the default up to k = 256, and
+``"radix8"``, the default above; prhs_hf/ops/topk/topk_select.py) and the group score kernel that feeds them,
 against the PyTorch reference: every tie path (ties inside and across select chunks, at full radix
 depth), rows not retrieving, regions shorter than k and empty, left padding, several merge blocks,
 the persistent grids with fewer programs than work items, the benchmark's stop points, scratch that
@@ -17,14 +17,15 @@ import pytest
 import torch
 
 from conftest import triton_available
-from prhs_hf.kernels import topk_retrieval as tk
-from prhs_hf.kernels import topk_select as ts
-from prhs_hf.kernels.topk_retrieval import (
+from prhs_hf.ops.topk import topk_retrieval as tk
+from prhs_hf.ops.topk import topk_select as ts
+from prhs_hf.ops.topk.topk_retrieval import (
     SELECT_MODES,
     topk_retrieval,
     topk_retrieval_grouped,
     topk_retrieval_grouped_reference,
     topk_retrieval_reference,
+    tuned,
 )
 
 needs_triton = pytest.mark.skipif(
@@ -76,7 +77,7 @@ def test_the_selects_are_the_defaults():
                                       # test_tilemax_threshold_paths, and this one cost 147 s of interpreter
                                       if not (select == "tilemax" and k > 1000)])
 def test_selects_match_reference(select, k):
-    """One select chunk of the default 2048 keys and two of 1024 (``_select_block=1024``), ragged
+    """One select chunk of the default 2048 keys and two of 1024 (``select_block=1024``), ragged
     padding, a region shorter than k (sequence 1), an empty one (sequence 2), rows not retrieving;
     radix8 at 300 and 1100 spreads the candidates over 2 and 8 merge blocks (1 and 40: one)."""
     B, Hq, Hkv, D, S = 3, 4, 2, 4, 1500
@@ -85,7 +86,8 @@ def test_selects_match_reference(select, k):
     retrieve[0, 1] = retrieve[1, 3] = False
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 1.0)
     for block in (None, 1024):
-        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 1.0, _select=select, _select_block=block).cpu()
+        retrieval = tuned(topk_retrieval, select=select, select_block=block)
+        out = retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 1.0).cpu()
         assert torch.equal(out, ref), (select, block)
     assert (out[~retrieve] == -1).all() and (out[2] == -1).all()
     if k > 600:
@@ -105,7 +107,8 @@ def test_radix8_exact_ties_at_full_depth_across_chunks(select):
     lo, hi = torch.tensor([10], dtype=I32), torch.tensor([2250], dtype=I32)
     retrieve = torch.tensor([[True, False]])
     for block in (None, 1024):
-        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 700, 1.0, _select=select, _select_block=block).cpu()
+        retrieval = tuned(topk_retrieval, select=select, select_block=block)
+        out = retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 700, 1.0).cpu()
         assert out[0, 0].tolist() == list(range(1500, 1510)) + list(range(10, 700)), block
         assert (out[0, 1] == -1).all()
         assert torch.equal(out, topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 700, 1.0)), block
@@ -122,7 +125,7 @@ def test_radix8_persistent_grid_strides_over_items(select, monkeypatch):
     retrieve = torch.tensor([[True, True, False, True], [False, True, True, False]])
     for k in (5, 400):
         ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 0.5)
-        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select=select).cpu()
+        out = tuned(topk_retrieval, select=select)(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5).cpu()
         assert torch.equal(out, ref), k
 
 
@@ -147,7 +150,7 @@ def test_group_score_splits_follow_the_live_count(select, grouped, monkeypatch):
         monkeypatch.setattr(tk, "num_sms", lambda device, n=sms: n)
         for retrieve in (torch.ones(B, rows, dtype=torch.bool), one):
             ref = ref_fn(q, kc, pad, lo, hi, retrieve, 30, 0.5)
-            out = fn(*_dev(q, kc, pad, lo, hi, retrieve), 30, 0.5, _select=select, _score_cfg=cfg).cpu()
+            out = tuned(fn, select=select, score_cfg=cfg)(*_dev(q, kc, pad, lo, hi, retrieve), 30, 0.5).cpu()
             assert torch.equal(out, ref), (sms, cfg, int(retrieve.sum()))
 
 
@@ -173,7 +176,7 @@ def test_radix8_finishes_with_a_block_sort_and_a_merge_rank(monkeypatch):
     retrieve = torch.tensor([[True, False, True, True], [False, True, True, False]])
     for k in (88, 300):
         before = {name: fake.count for name, fake in launches.items()}
-        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select="radix8").cpu()
+        out = tuned(topk_retrieval, select="radix8")(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5).cpu()
         assert torch.equal(out, topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 0.5)), k
         assert {name: fake.count - before[name] for name, fake in launches.items()} == {
             "_block_sort_kernel": 1, "_merge_rank_kernel": 1}, k
@@ -182,7 +185,7 @@ def test_radix8_finishes_with_a_block_sort_and_a_merge_rank(monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("merge_rank", ["search", "count"])
 def test_radix8_merge_finishes_match_reference(merge_rank, monkeypatch):
-    """Both merge finishes (``_merge_rank``) over merge blocks of 16 candidates (``_MERGE_BLOCK``
+    """Both merge finishes (``merge_rank``) over merge blocks of 16 candidates (``_MERGE_BLOCK``
     shrunk, so that several blocks stay cheap in the interpreter): k 37 (not a power of two; 64
     candidate slots, 4 blocks) and 100 (8 blocks), three score levels (runs of exact ties inside and
     across blocks), a region shorter than k (sequence 1: 60 keys) and an empty one (sequence 2),
@@ -199,15 +202,15 @@ def test_radix8_merge_finishes_match_reference(merge_rank, monkeypatch):
             monkeypatch.setattr(ts, "_persistent_programs", lambda device, n=programs: n)
         for k in (37, 100):
             ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, k, 1.0)
-            out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 1.0, _select="radix8",
-                                 _merge_rank=merge_rank).cpu()
+            retrieval = tuned(topk_retrieval, select="radix8", merge_rank=merge_rank)
+            out = retrieval(*_dev(q, kc, pad, lo, hi, retrieve), k, 1.0).cpu()
             assert torch.equal(out, ref), (programs, k)
             assert (out[~retrieve] == -1).all() and (out[2] == -1).all() and (out[1][retrieve[1]][:, 60:] == -1).all()
 
 
 @needs_triton
 def test_merge_rank_constant_picks_the_finish_and_is_checked(monkeypatch):
-    """``MERGE_RANK`` ("search", the default) picks radix8's finish where ``_merge_rank`` is not given,
+    """``MERGE_RANK`` ("search", the default) picks radix8's finish where ``merge_rank`` is not set,
     read at each call: "search" is the merge rank launch, "count" the pair count and the rank scatter
     launches instead (the block sort before either); ``_merge_rank`` wins over it. A value outside
     MERGE_RANKS, as the constant or the switch, is refused naming the allowed ones, whatever the select."""
@@ -224,7 +227,7 @@ def test_merge_rank_constant_picks_the_finish_and_is_checked(monkeypatch):
                                      ("count", "search", "search"), ("search", "count", "count")):
         monkeypatch.setattr(ts, "MERGE_RANK", constant)
         before = {name: fake.count for name, fake in launches.items()}
-        assert torch.equal(topk_retrieval(*args, 300, 1.0, _merge_rank=switch).cpu(), ref), (constant, switch)
+        assert torch.equal(tuned(topk_retrieval, merge_rank=switch)(*args, 300, 1.0).cpu(), ref), (constant, switch)
         ran = {name: fake.count - before[name] for name, fake in launches.items()}
         assert ran == {"_block_sort_kernel": 1, "_merge_rank_kernel": int(finish == "search"),
                        "_merge_count_kernel": int(finish == "count"), "_rank_scatter_kernel": int(finish == "count")}
@@ -233,14 +236,14 @@ def test_merge_rank_constant_picks_the_finish_and_is_checked(monkeypatch):
         topk_retrieval(*args, 300, 1.0)
     monkeypatch.setattr(ts, "MERGE_RANK", "search")
     for select in ("radix8", "tilemax"):
-        with pytest.raises(ValueError, match="_merge_rank='scan'.*'search', 'count'"):
-            topk_retrieval(*args, 300, 1.0, _select=select, _merge_rank="scan")
+        with pytest.raises(ValueError, match="merge_rank='scan'.*'search', 'count'"):
+            tuned(topk_retrieval, select=select, merge_rank="scan")(*args, 300, 1.0)
 
 
 @needs_triton
 @pytest.mark.parametrize("grouped", [False, True])
 def test_radix8_stop_points_launch_their_stages_only(grouped, monkeypatch):
-    """``_stop_after`` at each stage of radix8 (the benchmark's select breakdown) launches the stages
+    """``stop_after`` at each stage of radix8 (the benchmark's select breakdown) launches the stages
     up to it and none after, and returns the output unwritten: "passes" (four pass launches),
     "collect", "block_sort", then "select" (the merge, the whole output); with either finish. The
     tilemax select has no such stages: those stop points name the ones it has."""
@@ -263,7 +266,7 @@ def test_radix8_stop_points_launch_their_stages_only(grouped, monkeypatch):
         stages["select"] = dict(stages["block_sort"], **finish)
         for stop, want in stages.items():
             before = {name: fake.count for name, fake in launches.items()}
-            out = fn(*args, 300, 1.0, _select="radix8", _stop_after=stop, _merge_rank=merge_rank).cpu()
+            out = tuned(fn, select="radix8", stop_after=stop, merge_rank=merge_rank)(*args, 300, 1.0).cpu()
             ran = {name: fake.count - before[name] for name, fake in launches.items()}
             assert ran == {name: want.get(name, 0) for name in names}, (merge_rank, stop)
             if stop == "select":
@@ -271,8 +274,8 @@ def test_radix8_stop_points_launch_their_stages_only(grouped, monkeypatch):
             else:
                 assert (out == 7).all(), (merge_rank, stop)  # torch.empty's garbage, not written
     for stop in ("passes", "collect", "block_sort"):
-        with pytest.raises(ValueError, match=f"_stop_after='{stop}'.*radix8.*'compact', 'score', 'select'"):
-            fn(*args, 20, 1.0, _select="tilemax", _stop_after=stop)
+        with pytest.raises(ValueError, match=f"stop_after='{stop}'.*radix8.*'compact', 'score', 'select'"):
+            tuned(fn, select="tilemax", stop_after=stop)(*args, 20, 1.0)
 
 
 @needs_triton
@@ -284,7 +287,7 @@ def test_radix8_grouped(select):
     retrieve = torch.tensor([[True, False], [True, True]])
     for k in (9, 260):
         ref = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, retrieve, k, 0.5)
-        out = topk_retrieval_grouped(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select=select).cpu()
+        out = tuned(topk_retrieval_grouped, select=select)(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5).cpu()
         assert torch.equal(out, ref), k
 
 
@@ -308,11 +311,11 @@ def test_group_score_compacts_the_flags_without_a_launch(select, grouped, monkey
     monkeypatch.setattr(tk, "_compact_kernel", spy)
     for retrieve in (torch.zeros(B, rows, dtype=torch.bool), some, torch.ones(B, rows, dtype=torch.bool)):
         ref = ref_fn(q, kc, pad, lo, hi, retrieve, 12, 0.5)
-        out = fn(*_dev(q, kc, pad, lo, hi, retrieve), 12, 0.5, _select=select).cpu()
+        out = tuned(fn, select=select)(*_dev(q, kc, pad, lo, hi, retrieve), 12, 0.5).cpu()
         assert torch.equal(out, ref), int(retrieve.sum())
     assert spy.count == 0
     monkeypatch.setattr(tk, "_SCORE_COMPACT_MAX", 8)
-    out = fn(*_dev(q, kc, pad, lo, hi, some), 12, 0.5, _select=select).cpu()
+    out = tuned(fn, select=select)(*_dev(q, kc, pad, lo, hi, some), 12, 0.5).cpu()
     assert torch.equal(out, ref_fn(q, kc, pad, lo, hi, some, 12, 0.5)) and spy.count == 1
 
 
@@ -321,7 +324,7 @@ def test_radix8_no_row_retrieves():
     q, kc, pad, lo, hi = _case(2, 2, 1, 4, 300, [0, 5], [290, 290], 250)
     retrieve = torch.zeros(2, 2, dtype=torch.bool)
     for select in SELECT_MODES:
-        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 17, 1.0, _select=select).cpu()
+        out = tuned(topk_retrieval, select=select)(*_dev(q, kc, pad, lo, hi, retrieve), 17, 1.0).cpu()
         assert (out == -1).all(), select
 
 
@@ -334,17 +337,17 @@ def test_stop_points_run_and_are_checked():
     args = _dev(q, kc, pad, lo, hi, retrieve)
     for select in SELECT_MODES:
         for stop in ("compact", "score"):
-            assert topk_retrieval(*args, 20, 1.0, _select=select, _stop_after=stop).shape == (1, 2, 20)
+            assert tuned(topk_retrieval, select=select, stop_after=stop)(*args, 20, 1.0).shape == (1, 2, 20)
     for stop in ("blocksort", "sort", "merge"):
-        with pytest.raises(ValueError, match=f"_stop_after='{stop}'.*'passes', 'collect', 'block_sort'"):
-            topk_retrieval(*args, 20, 1.0, _stop_after=stop)
+        with pytest.raises(ValueError, match=f"stop_after='{stop}'.*'passes', 'collect', 'block_sort'"):
+            tuned(topk_retrieval, stop_after=stop)(*args, 20, 1.0)
 
 
 _SM90_CHECK = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from prhs_hf.kernels import topk_select as ts
+from prhs_hf.ops.topk import topk_select as ts
 
 SCALARS = ("S", "K", "CHUNK", "NCH", "NBLK")
 
@@ -414,21 +417,19 @@ def test_default_select_is_radix8_above_tilemax_k_and_exact_beyond_the_one_progr
     """The default select ("auto") at cpe_longbench's top-k (4096) is radix8: a 2900-key run of
     exact ties straddles k, so the candidates overflow any 2048 buffer. With the default merge
     finish and with "count" at the real merge block (16 blocks of 256 candidates at k 4096)."""
-    import inspect
-
-    assert inspect.signature(tk._retrieve).parameters["_select"].default == "auto"
+    assert tk.RetrievalTuning().select == "auto"
     assert tk.default_select(k) == "radix8" and tk.default_select(tk.TILEMAX_MAX_K) == "tilemax"
     q, kc, pad, lo, hi = _case(1, 2, 1, 16, 6000, [3], [5987], seed=5, levels=3)
     kc[0, 0, 100:3000] = kc[0, 0, 100]
     ret = torch.tensor([[True, False]])
     want = topk_retrieval_reference(q, kc, pad, lo, hi, ret, k, 0.25)
-    got = topk_retrieval(*_dev(q, kc, pad, lo, hi, ret), k, 0.25, _merge_rank=merge_rank)
+    got = tuned(topk_retrieval, merge_rank=merge_rank)(*_dev(q, kc, pad, lo, hi, ret), k, 0.25)
     assert torch.equal(got.cpu(), want)
 
 
 @needs_triton
 def test_auto_select_runs_tilemax_up_to_its_k_and_radix8_above(monkeypatch):
-    """``_select="auto"``: one tilemax launch (and no radix pass) for k <= TILEMAX_MAX_K (cis.yaml's
+    """``select="auto"``: one tilemax launch (and no radix pass) for k <= TILEMAX_MAX_K (cis.yaml's
     88), the radix8 passes above it; both exact."""
     launches = {name: _Launches(getattr(ts, name)) for name in ("_tilemax_select_kernel", "_radix_pass_kernel")}
     for name, fake in launches.items():
@@ -446,7 +447,7 @@ def test_auto_select_runs_tilemax_up_to_its_k_and_radix8_above(monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("grouped", [False, True])
 def test_tilemax_threshold_paths(grouped, monkeypatch):
-    """``_select="tilemax"`` on each of its paths, against the reference: candidates that fit the
+    """``select="tilemax"`` on each of its paths, against the reference: candidates that fit the
     first sort tier (distinct scores), more than that (runs of 600 and 3000 ties over the
     threshold: the radix select of the candidates), more than the candidate buffer (the same
     cases with a 512-slot buffer: the radix select of the whole row), and fewer sub-tiles than k
@@ -467,7 +468,7 @@ def test_tilemax_threshold_paths(grouped, monkeypatch):
         monkeypatch.setattr(ts, "_TILE_CAP", cap)
         for kc, k in ((base, 40), (ties600, 40), (ties600, 100), (ties3000, 88), (base, 200)):
             want = ref_fn(q, kc, pad, lo, hi, retrieve, k, 0.5)
-            got = run(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5, _select="tilemax")
+            got = tuned(run, select="tilemax")(*_dev(q, kc, pad, lo, hi, retrieve), k, 0.5)
             assert torch.equal(got.cpu(), want), (cap, k)
 
 
@@ -485,13 +486,13 @@ def test_radix8_scratch_starts_as_garbage_over_many_rows(grouped, monkeypatch):
         retrieve[2, 1] = False
         assert int(retrieve.sum()) == 23
         ref = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, retrieve, 5, 1.0)
-        out = topk_retrieval_grouped(*_dev(q, kc, pad, lo, hi, retrieve), 5, 1.0, _select=select)
+        out = tuned(topk_retrieval_grouped, select=select)(*_dev(q, kc, pad, lo, hi, retrieve), 5, 1.0)
     else:
         retrieve = torch.ones(B, Hq, dtype=torch.bool)
         retrieve.view(-1)[::7] = False
         assert int(retrieve.sum()) == 41
         ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 5, 1.0)
-        out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 5, 1.0, _select=select)
+        out = tuned(topk_retrieval, select=select)(*_dev(q, kc, pad, lo, hi, retrieve), 5, 1.0)
     assert torch.equal(out.cpu(), ref)
 
 
@@ -510,11 +511,11 @@ def test_selects_all_scores_negative_with_partial_tiles(select):
     hi = torch.tensor([1390, 1377], dtype=I32)
     retrieve = torch.tensor([[True, False, True, True], [False, True, False, False]])
     ref = topk_retrieval_reference(q, kc, pad, lo, hi, retrieve, 100, 1.0)
-    out = topk_retrieval(*_dev(q, kc, pad, lo, hi, retrieve), 100, 1.0, _select=select)
+    out = tuned(topk_retrieval, select=select)(*_dev(q, kc, pad, lo, hi, retrieve), 100, 1.0)
     assert torch.equal(out.cpu(), ref)
     rg = torch.tensor([[True, False], [False, True]])
     ref_g = topk_retrieval_grouped_reference(q, kc, pad, lo, hi, rg, 100, 1.0)
-    out_g = topk_retrieval_grouped(*_dev(q, kc, pad, lo, hi, rg), 100, 1.0, _select=select)
+    out_g = tuned(topk_retrieval_grouped, select=select)(*_dev(q, kc, pad, lo, hi, rg), 100, 1.0)
     assert torch.equal(out_g.cpu(), ref_g)
 
 
@@ -522,7 +523,7 @@ _SM90_SCORE_CHECK = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from prhs_hf.kernels import topk_retrieval as tk
+from prhs_hf.ops.topk import topk_retrieval as tk
 
 TYPES = {"Q": "*bf16", "K": "*bf16", "FLAG": "*i1", "scale": "fp32", "S": "i32", "CHUNK": "i32", "R": "i32",
          "MIN_CHUNK": "i32", "MAX_SPLITS": "i32"}
@@ -539,7 +540,7 @@ def compile_sm90(fn, constexprs, num_warps):
 
 
 kernels = [(tk._compact_kernel, dict(GROUP=4, GP=4, BLOCK=512, BLOCK_G=128, WITH_GROUPS=True), 4)]
-radix = dict(D=128, BLOCK_D=128, BLOCK_N=128, ZERO_SCRATCH=True, HIST_ROW=1024)  # _select="radix8", bf16 tiles
+radix = dict(D=128, BLOCK_D=128, BLOCK_N=128, ZERO_SCRATCH=True, HIST_ROW=1024)  # select="radix8", bf16 tiles
 for group, agg in ((4, False), (4, True), (1, False), (6, False)):  # 32/8, grouped, 32/32, Qwen 12/2
     kernels.append((tk._group_score_kernel, dict(radix, HKV=8, GROUP=group, BLOCK_M=16, AGG_MAX=agg, IEEE=False,
                                                  ZROWS=1 if agg else group), 4))

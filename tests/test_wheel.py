@@ -35,7 +35,7 @@ print(json.dumps({"file": prhs_hf.__file__, "tasks_dir": str(TASKS_DIR), "shippe
 
 
 #: What the build reads (pyproject.toml's package-dir and readme).
-SOURCES = ("pyproject.toml", "README.md", "prhs_hf", "kernels", "configs", "tasks")
+SOURCES = ("pyproject.toml", "README.md", "prhs_hf", "configs", "tasks")
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,9 @@ def test_wheel_holds_the_configs_and_the_task_yamls(built) -> None:
         assert f"prhs_hf/configs/{path.name}" in names
     for path in sorted(ROOT.glob("tasks/*.yaml")):
         assert f"prhs_hf/tasks/{path.name}" in names
-    assert "prhs_hf/kernels/__init__.py" in names
-    for init in sorted((ROOT / "prhs_hf").glob("*/__init__.py")):  # every subpackage ships
-        assert f"prhs_hf/{init.parent.name}/__init__.py" in names, init.parent.name
+    assert "prhs_hf/ops/topk/topk_retrieval.py" in names
+    for init in sorted((ROOT / "prhs_hf").rglob("__init__.py")):  # every subpackage ships, at any depth
+        assert init.relative_to(ROOT).as_posix() in names, init.parent.name
     assert not any(n.startswith(("configs/", "tasks/", "kernels/")) for n in names)  # nothing top-level but prhs_hf
 
 

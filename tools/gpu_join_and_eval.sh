@@ -12,7 +12,7 @@
 # same command, carrying nothing, resumes the evaluation.
 #
 # 1. installs the wheels (whl/*.whl: gguf) into $WORK/site, and makes prhs_hf importable from this
-#    checkout (kernels/ as prhs_hf.kernels, as the editable install does);
+#    checkout (PYTHONPATH: the checkout's root, then $WORK/site);
 # 2. joins the pieces into one GGUF, checking every sha256 (tools/gpu_transfer.py join);
 # 3. exports it once as a plain HF checkpoint in bfloat16 (GGUF dequantisation takes minutes, the
 #    checkpoint loads in seconds); with PRHS_CALIBRATE set, then calibrates PSAW/ETF once (3b below);
@@ -26,9 +26,9 @@
 # Steps 1-3 are skipped when their results are already in $WORK (default /tmp/prhs_gpu, kept
 # while the machine stays warm), so the same command can be repeated until no row is left.
 #
-# The inline Python and tools/gpu_transfer.py run as `python3 -P` (Python >= 3.11): without -P the
-# working directory (or the script's folder) comes first on sys.path and the checkout's prhs_hf/
-# (which has no kernels/ subpackage) shadows the package assembled in $WORK/pkg.
+# The inline Python and tools/gpu_transfer.py run as `python3 -P` (Python >= 3.11): sys.path is then
+# PYTHONPATH's folders (the checkout's root, $WORK/site) and the interpreter's, not the working
+# directory or the script's folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: $0 MODEL_NAME [run_accuracy.py args...]" >&2; exit 2; }
@@ -68,11 +68,8 @@ if [ ! -f "$WORK/site/.done" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" "$WHL"/*.whl
   touch "$WORK/site/.done"
 fi
-rm -rf "$WORK/pkg" && mkdir -p "$WORK/pkg/prhs_hf"
-for entry in "$REPO"/prhs_hf/*; do ln -s "$entry" "$WORK/pkg/prhs_hf/"; done
-ln -sfn "$REPO/kernels" "$WORK/pkg/prhs_hf/kernels"
-export PYTHONPATH=$WORK/pkg:$WORK/site${PYTHONPATH:+:$PYTHONPATH}
-$PY -c "import torch, transformers, gguf, prhs_hf, prhs_hf.kernels; print('torch', torch.__version__, '| transformers', transformers.__version__, '| gguf', gguf.__version__ if hasattr(gguf, '__version__') else '?', '| cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+export PYTHONPATH=$REPO:$WORK/site${PYTHONPATH:+:$PYTHONPATH}
+$PY -c "import torch, transformers, gguf, prhs_hf, prhs_hf.ops; print('torch', torch.__version__, '| transformers', transformers.__version__, '| gguf', gguf.__version__ if hasattr(gguf, '__version__') else '?', '| cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
 
 CKPT=$WORK/ckpt-$NAME
 if [ ! -f "$CKPT/config.json" ]; then

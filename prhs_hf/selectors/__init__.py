@@ -7,8 +7,8 @@ from typing import Callable
 import torch
 
 from ..config import ResolvedConfig
-from ..kernels.decode_ops import DecodeOps
-from ..kernels.dilated_set import dilated_set_size
+from ..ops.compose.dilated_set import dilated_set_size
+from ..ops.decode_ops import DecodeOps
 from .base import Selector
 from .certkv import CertKVSelector
 from .cis import CISSelector

@@ -12,7 +12,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
+from ..ops.decode_ops import REFERENCE_OPS, DecodeOps
 
 __all__ = ["Selector", "StepMark", "UndoesSteps", "export_call_state", "import_call_state", "undo_period",
            "undoes_steps"]

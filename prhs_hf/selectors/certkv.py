@@ -45,7 +45,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
+from ..ops.decode_ops import REFERENCE_OPS, DecodeOps
 from .set_steps import LayerStates, compose, step_frame, tail_log_mass, tail_moments, to_real, window_scores
 
 __all__ = ["CertKVSelector", "window_scores", "allocate_budget", "FLOOR_FRACTION"]

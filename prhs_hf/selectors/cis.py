@@ -6,7 +6,7 @@ reuses that anchor's set (its top-k plus ±r around the best m, clipped to the c
 otherwise it retrieves a fresh exact top-k and becomes an anchor. The set is
 ``sink ∪ middle ∪ local``; sequences with ``t <= sink + local + k`` attend to every token (those
 PSAW leaves visible). A step runs on the ops table it is given (PyTorch reference or Triton
-kernels, ``prhs_hf.kernels.decode_ops``; the runtime passes the one picked for the device); the
+kernels, ``prhs_hf.ops.decode_ops``; the runtime passes the one picked for the device); the
 state of every layer lives in one :class:`~prhs_hf.selectors.cis_state.CISState`. No host
 synchronisation: the step can be graph-captured.
 
@@ -64,11 +64,11 @@ from .base import StepMark
 from .cis_state import CISState, KeyIndexSpec
 from ..decode import DecodeParams, DecodeSelection, StepFrame, step_frame
 from ..geometry import SequenceGeometry
-from ..kernels.decode_ops import REFERENCE_OPS, CISSelection, DecodeOps, cis_select, group_query
-from ..kernels.dilated_set import SET_NONE
+from ..ops.compose.dilated_set import SET_NONE
+from ..ops.decode_ops import REFERENCE_OPS, CISSelection, DecodeOps, cis_select, group_query
 from ..config import ConfigError
-from ..kernels.key_index import INDEX_KINDS, INT4_GROUP, KeyIndex, key_index_center
-from ..kernels.side_stream import fork_cis_select, join_cis_select
+from ..ops.key_index.key_index import INDEX_KINDS, INT4_GROUP, KeyIndex, key_index_center
+from ..ops.side_stream import fork_cis_select, join_cis_select
 from .set_steps import tail_summaries
 
 __all__ = ["CISSelector", "CISStart"]
@@ -207,7 +207,7 @@ class CISSelector:
             raise ConfigError(f"cis.index: int4 needs a head size that is a multiple of {INT4_GROUP} (its scale "
                               f"groups); this model's is {key.shape[-1]}: use fp8 or pages")
         # codes centred on the prompt's mean key, but for grouped rows ranked by their heads' maximum
-        # (kernels/key_index.py: stage 1 omits q . center, which differs between a group's heads)
+        # (prhs_hf/ops/key_index/key_index.py: stage 1 omits q . center, which differs between a group's heads)
         centered = self.index != "pages" and not (self.grouped and self.group_score == "max")
         return KeyIndexSpec(self.index, key.shape[1], key.shape[-1], key.dtype, self.index_page, centered)
 
@@ -298,7 +298,7 @@ class CISSelector:
     ) -> CISStart:
         """Match, retrieval and composition of ``layer``'s step (:func:`cis_select` on ``ops``), the
         part that reads only the anchors, the middle of the cache and ``q``. ``fork=True`` launches it
-        on a side CUDA stream (:func:`~prhs_hf.kernels.side_stream.fork_cis_select`; EarlySelectKV's
+        on a side CUDA stream (:func:`~prhs_hf.ops.side_stream.fork_cis_select`; EarlySelectKV's
         ``side_stream``), unless ``layer`` opens its device's step; :meth:`finish` joins it."""
         state, local = self.step_state(layer)
         if local == 0:

@@ -25,10 +25,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.decode_ops import AnchorRecord, DecodeOps
-from ..kernels.dilated_set import SET_NONE
-from ..kernels.key_index import KeyIndex, allocate_key_index
-from ..kernels.record_anchors import anchor_slots
+from ..ops.compose.dilated_set import SET_NONE
+from ..ops.compose.record_anchors import anchor_slots
+from ..ops.decode_ops import AnchorRecord, DecodeOps
+from ..ops.key_index.key_index import KeyIndex, allocate_key_index
 
 __all__ = ["CISState", "KeyIndexSpec", "INDEX_GROWTH"]
 
@@ -68,7 +68,7 @@ class CISState:
             its log-mass (``-inf``: none), written with the anchor by :meth:`record`.
         key_index_a, key_index_b: with ``cis.index`` (``index`` given, else None): the key index of
             every layer, ``[L, B, Hkv, S_cap, ...]`` (pages: ``ceil(S_cap / page)`` pages), the
-            ``a``/``b`` of :class:`~prhs_hf.kernels.key_index.KeyIndex`; ``S_cap`` (``index_slots``)
+            ``a``/``b`` of :class:`~prhs_hf.ops.key_index.key_index.KeyIndex`; ``S_cap`` (``index_slots``)
             is at least the cache's slot count (:meth:`grow_key_index`).
         index_end: host int, the cache slots ``[0, index_end)`` whose index entries are current
             (kept by the selector's eager forwards; a compiled step leaves it behind, which only
@@ -129,7 +129,7 @@ class CISState:
 
     def _make_key_index(self, slots: int) -> None:
         """Zeroed index buffers for ``slots`` cache slots (the layers side by side on the batch axis
-        of one :func:`~prhs_hf.kernels.key_index.allocate_key_index`)."""
+        of one :func:`~prhs_hf.ops.key_index.key_index.allocate_key_index`)."""
         spec = self.index_spec
         layers, batch = self.shape[:2]
         made = allocate_key_index(spec.kind, layers * batch, spec.kv_heads, slots, spec.head_dim, spec.dtype,

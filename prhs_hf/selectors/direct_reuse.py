@@ -18,7 +18,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
+from ..ops.decode_ops import REFERENCE_OPS, DecodeOps
 from .set_steps import LayerStates, StepFrame, compose, retrieve_topk, step_frame
 
 __all__ = ["DirectReuseSelector"]

@@ -39,7 +39,7 @@ import torch
 from ..config import ConfigError, ResolvedConfig
 from ..decode import DecodeParams, DecodeSelection, layer_rows
 from ..geometry import SequenceGeometry
-from ..kernels.triton_support import gqa_group
+from ..ops.triton_support import gqa_group
 from .base import StepMark
 from .set_steps import compose, retrieve_topk, step_frame
 

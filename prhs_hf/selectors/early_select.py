@@ -26,7 +26,7 @@ selection reads is ready at the end of the tap: the proxy, layer ℓ+1's anchors
 of the middle region (the current token is always in the local window, so it is never scored).
 With ``side_stream`` the hook therefore starts layer ℓ+1's CIS selection
 (:meth:`CISSelector.start <prhs_hf.selectors.cis.CISSelector.start>` with ``fork=True``) on a side
-CUDA stream (:mod:`prhs_hf.kernels.side_stream`), and layer ℓ+1's ``select`` joins it and finishes
+CUDA stream (:mod:`prhs_hf.ops.side_stream`), and layer ℓ+1's ``select`` joins it and finishes
 the step (anchors recorded, on the main stream). Without it the selection runs at layer ℓ+1. The
 same indices either way; under ``torch.compile`` the fork and the join are two custom ops, and the
 CUDA graph holds both streams. Not forked: layer 1 with the early tap (its fork would come before
@@ -54,8 +54,8 @@ from torch import nn
 from ..config import ConfigError
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
-from ..kernels.side_stream import drop_pending
+from ..ops.decode_ops import REFERENCE_OPS, DecodeOps
+from ..ops.side_stream import drop_pending
 from .set_steps import compose, retrieve_topk, step_frame, to_real, visible_probabilities
 from .base import Selector, StepMark, undo_period
 from .cis import CISSelector, CISStart

@@ -24,7 +24,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
+from ..ops.decode_ops import REFERENCE_OPS, DecodeOps
 from .set_steps import LayerStates, compose, grow_last, set_probabilities, step_frame, to_real, topk_of_scores
 
 __all__ = ["H2OSelector", "prefill_column_sums"]

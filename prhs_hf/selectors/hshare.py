@@ -39,7 +39,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
+from ..ops.decode_ops import REFERENCE_OPS, DecodeOps
 from .set_steps import LayerStates, compose, retrieve_topk, step_frame
 
 __all__ = ["HShareSelector", "group_representatives", "refresh_period"]

@@ -2,7 +2,7 @@
 
 Every active (sequence, head) row scores every key of the middle region with its own query (the
 attention scale, GQA: the key head the query head reads) and keeps the ``topk`` best, as a CIS
-retrieval does (:func:`prhs_hf.kernels.topk_retrieval.topk_retrieval_reference`). The set is
+retrieval does (:func:`prhs_hf.ops.topk.topk_retrieval.topk_retrieval_reference`). The set is
 ``sink ∪ top-k(middle) ∪ local``: CIS with ``block_size: 1``. Every active row retrieves at every
 step, so its retrieval ratio ρ̂ is 1.
 """

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..geometry import SequenceGeometry
-from ..kernels.triton_support import gqa_group
+from ..ops.triton_support import gqa_group
 from .set_steps import StepFrame, TopKSelector, to_real, topk_of_scores
 
 __all__ = ["QuestSelector", "page_bounds"]

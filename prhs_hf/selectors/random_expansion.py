@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..decode import DecodeParams
-from ..kernels.compose_indices import compose_indices_reference
+from ..ops.compose.compose_indices import compose_indices_reference
 from .set_steps import StepFrame
 from .direct_reuse import DirectReuseSelector
 

@@ -13,10 +13,10 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection, StepFrame, step_frame
 from ..geometry import SequenceGeometry
-from ..kernels.triton_support import gqa_group
-from ..kernels.compose_indices import compose_indices_reference
-from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
-from ..kernels.topk_retrieval import topk_retrieval_reference
+from ..ops.compose.compose_indices import compose_indices_reference
+from ..ops.decode_ops import REFERENCE_OPS, DecodeOps
+from ..ops.topk.topk_retrieval import topk_retrieval_reference
+from ..ops.triton_support import gqa_group
 from .base import StepMark
 
 __all__ = [

@@ -16,7 +16,7 @@ import torch
 
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
-from ..kernels.decode_ops import REFERENCE_OPS, DecodeOps
+from ..ops.decode_ops import REFERENCE_OPS, DecodeOps
 from .set_steps import StatelessSelector, compose, step_frame
 
 __all__ = ["StreamingSelector"]

@@ -33,8 +33,8 @@ from typing import Union
 
 import torch
 
-from .map_collect import MAP_CHUNK, _chunk_count, _chunks_before, _marked_slots, _pad_from, chunk_grid
-from .triton_support import next_pow2, program_bh, require_triton, tl, triton
+from ..map_collect import MAP_CHUNK, _chunk_count, _chunks_before, _marked_slots, _pad_from, chunk_grid
+from ..triton_support import next_pow2, program_bh, require_triton, tl, triton
 
 __all__ = [
     "dilated_set",
@@ -237,7 +237,7 @@ MAP_COLLECTS = {"serial": "map", "parallel": "map_parallel"}
 #: faster at every shape timed (H100, cis_longbench's sets: docs/results/bench_union_lb.md)
 MAP_COLLECT = "parallel"
 
-# MAP_CHUNK, the parallel collect's map positions per program, is kernels/map_collect.py's (the
+# MAP_CHUNK, the parallel collect's map positions per program, is prhs_hf/ops/map_collect.py's (the
 # collect's helpers live there, shared with group_union.py's union builder).
 
 

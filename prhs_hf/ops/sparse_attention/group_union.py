@@ -16,7 +16,7 @@ which loads each group's union once and keeps every head to its own set.
 
 Three builders, the same result: :func:`group_union`, the Triton one that the attention uses (each
 group's heads mark their indices in a zeroed int32 map of the cache's slots, OR-ing their bits, and
-the marked slots are collected in order: no sort; kernels/map_collect.py); :func:`group_union_torch`,
+the marked slots are collected in order: no sort; prhs_hf/ops/map_collect.py); :func:`group_union_torch`,
 torch ops (a sort of each group's ``G*cap`` entries and about fifteen elementwise launches); and the
 set-based reference :func:`group_union_reference`.
 """
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .map_collect import MAP_CHUNK, _chunk_count, _chunks_before, _marked_slots, _pad_from, chunk_grid
-from .triton_support import next_pow2, program_bh, require_triton, tl, triton
+from ..map_collect import MAP_CHUNK, _chunk_count, _chunks_before, _marked_slots, _pad_from, chunk_grid
+from ..triton_support import next_pow2, program_bh, require_triton, tl, triton
 
 __all__ = ["group_union", "group_union_torch", "group_union_reference", "union_width", "MAX_GROUP"]
 

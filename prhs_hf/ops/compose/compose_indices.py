@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..triton_support import NORM_EPS, next_pow2, program_bh, require_triton, tl, triton
 from .dilated_set import (
     SET_NONE,
     DilateArg,
@@ -36,7 +37,6 @@ from .dilated_set import (
     dilated_set_reference,
     dilated_set_size,
 )
-from .triton_support import NORM_EPS, next_pow2, program_bh, require_triton, tl, triton
 from .record_anchors import _record_row, check_record, record_anchors, record_anchors_reference, record_launch_args
 
 __all__ = [
@@ -459,7 +459,7 @@ def dilate_compose_and_record_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`dilate_compose_and_record`: :func:`dilate_and_compose_reference`
     on ``anchor_idx[layer]`` (the layer's anchor sets), then
-    :func:`~prhs_hf.kernels.record_anchors.record_anchors_reference` of its new sets (in place).
+    :func:`~prhs_hf.ops.compose.record_anchors.record_anchors_reference` of its new sets (in place).
 
     Args:
         t, lo, hi, win_start, best, new_idx, sink, cap, dil_m, dil_r, span: as

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_support import NORM_EPS, next_pow2, program_bh, require_triton, tl, triton, unit_vectors
+from ..triton_support import NORM_EPS, next_pow2, program_bh, require_triton, tl, triton, unit_vectors
 
 __all__ = ["CISMatch", "cis_match", "cis_match_reference"]
 

@@ -1,60 +1,34 @@
-"""The four decode steps by backend name: ``REFERENCE_OPS`` (PyTorch) and ``TRITON_OPS``.
+"""The decode steps by backend name: ``REFERENCE_OPS`` (PyTorch) and ``TRITON_OPS``.
 
-Each is a :class:`DecodeOps` with ``cis_match``, ``topk_retrieval``, ``compose_indices`` and
-``sparse_decode_attention`` of the signatures in docs/DECODE_PIPELINE.md (plus
-``sparse_decode_attention_union``, the per-head sets read once per KV group, sparse_decode_attention.py;
-``dilate_and_compose``, the anchor-set fast path, see compose_indices.py and dilated_set.py;
-``record_anchors``; and the key index's ``write_key_index``, ``update_key_index`` and
-``topk_retrieval_indexed``, key_index.py);
-:func:`get_decode_ops` picks one by name (``"torch"``/``"reference"`` or ``"triton"``);
-:func:`cis_select` chains match, retrieval and composition from the anchors' sets (the CIS
-selector, ``prhs_hf.selectors.cis``, calls it around its state; the stateless whole step with the
-sparse attention, for tests and benchmarks, is ``scripts/_bench_common.py``'s ``cis_decode_step``).
+Each is a :class:`DecodeOps` with one field per op of the registry (``registry.DECODE_OPS``: the
+four steps ``cis_match``, ``topk_retrieval``, ``compose_indices`` and ``sparse_decode_attention``
+of the signatures in docs/DECODE_PIPELINE.md, and their variants: the group-shared and union
+attentions, the anchor-set composition ``dilate_and_compose``, ``record_anchors``, the key index's
+ops), made from the registry: each op folder's ``custom_ops.py`` registers its ops, and the
+imports below load them all. :func:`get_decode_ops` picks a table by name (``"torch"``/``"reference"``
+or ``"triton"``); :func:`cis_select` chains match, retrieval and composition from the anchors' sets
+(the CIS selector, ``prhs_hf.selectors.cis``, calls it around its state; the stateless whole step
+with the sparse attention, for tests and benchmarks, is ``scripts/_bench_common.py``'s
+``cis_decode_step``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import make_dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from . import library_ops
-from .cis_match import cis_match, cis_match_reference
-from .compose_indices import (
-    compose_indices,
-    compose_indices_reference,
-    dilate_and_compose,
-    dilate_and_compose_reference,
-    dilate_compose_and_record,
-    dilate_compose_and_record_reference,
-)
-from .dilated_set import dilated_set_size
-from .key_index import (
-    KeyIndex,
-    topk_retrieval_indexed,
-    topk_retrieval_indexed_reference,
-    update_key_index,
-    update_key_index_reference,
-    write_key_index,
-    write_key_index_reference,
-)
+# each op folder's custom_ops registers its decode ops (registry.DECODE_OPS) on import
+from .cis_match import custom_ops as _cis_match_ops  # noqa: F401
+from .compose import custom_ops as _compose_ops  # noqa: F401
+from .compose.dilated_set import dilated_set_size
+from .key_index import custom_ops as _key_index_ops  # noqa: F401
+from .key_index.key_index import KeyIndex
+from .registry import DECODE_OPS, compiled_or_eager
+from .sparse_attention import custom_ops as _sparse_attention_ops  # noqa: F401
+from .topk import custom_ops as _topk_ops  # noqa: F401
 from .triton_support import HAS_TRITON, unit_vectors
-from .record_anchors import record_anchors, record_anchors_reference
-from .sparse_decode_attention import (
-    sparse_decode_attention,
-    sparse_decode_attention_grouped,
-    sparse_decode_attention_grouped_reference,
-    sparse_decode_attention_reference,
-    sparse_decode_attention_union,
-    sparse_decode_attention_union_reference,
-)
-from .topk_retrieval import (
-    topk_retrieval,
-    topk_retrieval_grouped,
-    topk_retrieval_grouped_reference,
-    topk_retrieval_reference,
-)
 
 __all__ = [
     "DecodeOps",
@@ -69,69 +43,19 @@ __all__ = [
     "dilated_set_size",
 ]
 
-
-@dataclass(frozen=True)
-class DecodeOps:
-    """One backend's implementation of the four decode steps."""
-
-    name: str
-    cis_match: Callable
-    topk_retrieval: Callable
-    compose_indices: Callable
-    sparse_decode_attention: Callable
-    # the per-head sets read once per KV group (backend.sparse_attention: group_union): the same output
-    sparse_decode_attention_union: Callable
-    dilate_and_compose: Callable
-    # group-shared selection (cis.selection: group): one set per KV head for its query heads
-    topk_retrieval_grouped: Callable
-    sparse_decode_attention_grouped: Callable
-    # the retrieving rows' anchors written into the state of every layer, in place
-    record_anchors: Callable
-    # dilate_and_compose and record_anchors in one launch (the layer's anchor sets read from the state)
-    dilate_compose_and_record: Callable
-    # the key index (key_index.py): its prefill write, its per-step update, the two-stage retrieval on it
-    write_key_index: Callable
-    update_key_index: Callable
-    topk_retrieval_indexed: Callable
-
-
-REFERENCE_OPS = DecodeOps(
-    name="torch",
-    cis_match=cis_match_reference,
-    topk_retrieval=topk_retrieval_reference,
-    compose_indices=compose_indices_reference,
-    sparse_decode_attention=sparse_decode_attention_reference,
-    sparse_decode_attention_union=sparse_decode_attention_union_reference,
-    dilate_and_compose=dilate_and_compose_reference,
-    topk_retrieval_grouped=topk_retrieval_grouped_reference,
-    sparse_decode_attention_grouped=sparse_decode_attention_grouped_reference,
-    record_anchors=record_anchors_reference,
-    dilate_compose_and_record=dilate_compose_and_record_reference,
-    write_key_index=write_key_index_reference,
-    update_key_index=update_key_index_reference,
-    topk_retrieval_indexed=topk_retrieval_indexed_reference,
+#: One backend's implementation of the decode ops: ``name`` and one field per registered op.
+DecodeOps = make_dataclass(
+    "DecodeOps", [("name", str)] + [(name, Callable) for name in DECODE_OPS], frozen=True,
+    namespace={"__module__": __name__, "__doc__": "One backend's implementation of the decode ops:\n\n"
+               + "\n".join(f"* ``{op.name}``: {op.doc}" for op in DECODE_OPS.values())},
 )
+
+REFERENCE_OPS = DecodeOps(name="torch", **{name: op.reference for name, op in DECODE_OPS.items()})
 
 #: The Triton launchers (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), called
 #: directly in eager mode and as ``torch.ops.prhs.*`` custom ops under ``torch.compile``
-#: (library_ops.py). Importable without Triton; calling them then raises (check ``HAS_TRITON``).
-_via = library_ops.compiled_or_eager
-TRITON_OPS = DecodeOps(
-    name="triton",
-    cis_match=_via(cis_match),
-    topk_retrieval=_via(topk_retrieval),
-    compose_indices=_via(compose_indices),
-    sparse_decode_attention=_via(sparse_decode_attention),
-    sparse_decode_attention_union=_via(sparse_decode_attention_union),
-    dilate_and_compose=_via(dilate_and_compose),
-    topk_retrieval_grouped=_via(topk_retrieval_grouped),
-    sparse_decode_attention_grouped=_via(sparse_decode_attention_grouped),
-    record_anchors=_via(record_anchors),
-    dilate_compose_and_record=_via(dilate_compose_and_record),
-    write_key_index=_via(write_key_index),
-    update_key_index=_via(update_key_index),
-    topk_retrieval_indexed=_via(topk_retrieval_indexed),
-)
+#: (registry.py). Importable without Triton; calling them then raises (check ``HAS_TRITON``).
+TRITON_OPS = DecodeOps(name="triton", **{name: compiled_or_eager(op.launcher) for name, op in DECODE_OPS.items()})
 
 
 def get_decode_ops(name: str) -> DecodeOps:

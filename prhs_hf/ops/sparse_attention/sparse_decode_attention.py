@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
+from ..triton_support import gqa_group, interpreting, next_pow2, num_sms, program_bh, require_triton, tl, triton
 from .group_union import group_union
-from .triton_support import gqa_group, interpreting, next_pow2, num_sms, program_bh, require_triton, tl, triton
 
 __all__ = [
     "sparse_decode_attention",
@@ -45,7 +45,7 @@ __all__ = [
 # and the two dots do G rows of useful work instead of 1 of 16.
 #
 # Per-head sets read once per group (:func:`sparse_decode_attention_union`): the group's union of
-# its heads' sets (kernels/group_union.py) is the PACK list, and a head bitmask per entry
+# its heads' sets (prhs_hf/ops/sparse_attention/group_union.py) is the PACK list, and a head bitmask per entry
 # (HEAD_MASK) sets a head's score to -inf on the keys outside its own set. Each K/V row of the
 # union is loaded once for the group instead of once per head holding it; the output is the
 # per-head attention's.

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from ..triton_support import interpreting, next_pow2, require_triton, tl, triton
 from .prefill_plan import PrefillPlan, prefill_visibility
-from .triton_support import interpreting, next_pow2, require_triton, tl, triton
 
 __all__ = [
     "prefill_attention",

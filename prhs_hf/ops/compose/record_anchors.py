@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import NORM_EPS, layer_rows, next_pow2, program_bh, require_triton, tl, triton, unit_vectors
+from ..triton_support import NORM_EPS, layer_rows, next_pow2, program_bh, require_triton, tl, triton, unit_vectors
 
 __all__ = ["anchor_slots", "check_record", "record_anchors", "record_anchors_reference", "record_launch_args"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .decode_ops import DecodeOps, cis_select, get_decode_ops
-from .dilated_set import dilated_set_size
+from .compose.dilated_set import dilated_set_size
 
 __all__ = ["fork_cis_select", "join_cis_select", "pending_selections", "drop_pending"]
 

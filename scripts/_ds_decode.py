@@ -1,5 +1,8 @@
 """Double Sparsity's decode step (the paper's "DS" baseline) from the CIS kernels: no new kernel.
 
+The operator benchmark's (scripts/bench_decode_attention.py) and its test's (tests/test_ds_step.py):
+the library's Double Sparsity baseline is ``prhs_hf.selectors.double_sparsity``.
+
 Double Sparsity (Yang et al., 2024, arXiv:2408.07092) scores every row at every step (nothing is
 shared between steps or heads) with the ``r`` *label channels* of each head, from a *label cache*
 ``[B, Hc, S, r]`` kept beside the KV cache (the label channels of every cached key), and attends
@@ -10,7 +13,7 @@ to the exact top-k of those approximate scores. One step, in real indices::
     idx[b, h]     = [0, min(sink, t)) ∪ sel[b, h] ∪ [win_start, t)          (sorted, unique)
     out[b, h]     = softmax attention of q[b, h] over K/V[b, kvh(h), pad + idx[b, h]]
 
-:func:`ds_decode_step` chains the existing launchers of a :class:`~.decode_ops.DecodeOps`:
+:func:`ds_decode_step` chains the existing launchers of a :class:`~prhs_hf.ops.decode_ops.DecodeOps`:
 ``topk_retrieval`` on ``q_label`` and the label cache with every active row flagged (label
 scoring + exact select), ``compose_indices`` without dilation, ``sparse_decode_attention``: the
 same attention kernel and index layout as a CIS step. :func:`ds_decode_step_reference` is the
@@ -30,8 +33,8 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_support import gqa_group
-from .decode_ops import TRITON_OPS, DecodeOps
+from prhs_hf.ops.decode_ops import TRITON_OPS, DecodeOps
+from prhs_hf.ops.triton_support import gqa_group
 
 __all__ = ["DSStepResult", "ds_query_labels", "ds_decode_step", "ds_decode_step_reference"]
 

@@ -17,10 +17,14 @@ Layout follows the Triton tutorial 06-fused-attention: the ``@triton.jit`` scori
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import dataclasses
+import functools
+from typing import Callable, Iterator, Optional
 
 import torch
 
+from ..triton_support import gqa_group, interpreting, next_pow2, num_sms, require_triton, tl, triton
 from .topk_select import (
     HIST_ROW,
     MERGE_RANKS,
@@ -33,7 +37,6 @@ from .topk_select import (
     tilemax_scratch,
     tilemax_select,
 )
-from .triton_support import gqa_group, interpreting, next_pow2, num_sms, require_triton, tl, triton
 
 __all__ = [
     "topk_retrieval",
@@ -44,6 +47,9 @@ __all__ = [
     "SELECT_MODES",
     "TILEMAX_MAX_K",
     "default_select",
+    "RetrievalTuning",
+    "retrieval_tuning",
+    "tuned",
 ]
 
 # Design (the cost is reading the K rows of the middle region: bandwidth bound; no host sync,
@@ -64,12 +70,12 @@ __all__ = [
 #      threshold of the sub-tile maxima the score kernel also writes; "radix8" above, 8-bit radix
 #      passes, a collect and a merge finish on persistent grids.
 
-#: The select kernels (``_select=``; the default ``"auto"`` picks one by k, :func:`default_select`).
+#: The select kernels (``RetrievalTuning.select``; the default ``"auto"`` picks one by k, :func:`default_select`).
 SELECT_MODES = ("tilemax", "radix8")
-#: Where ``_stop_after=`` may stop (the benchmark's stage breakdown): after the compaction (no
-#: launch when the score kernel compacts), after the scoring, after a stage of the radix8 select
-#: (:data:`~.topk_select.RADIX8_STOP_POINTS`; not with tilemax), or at the end.
-_STOP_POINTS = ("compact", "score", *RADIX8_STOP_POINTS, "select")
+#: Where ``RetrievalTuning.stop_after`` may stop (the benchmark's stage breakdown): after the
+#: compaction (no launch when the score kernel compacts), after the scoring, after a stage of the
+#: radix8 select (:data:`~.topk_select.RADIX8_STOP_POINTS`; not with tilemax), or at the end.
+STOP_POINTS = ("compact", "score", *RADIX8_STOP_POINTS, "select")
 #: Largest flag tile (groups x flags per group, padded) the group score kernel compacts in
 #: registers; above it a `_compact_kernel` launch does it first.
 _SCORE_COMPACT_MAX = 16384
@@ -80,8 +86,80 @@ _SCORE_MIN_CHUNK = 256
 
 
 def default_select(k: int) -> str:
-    """The select kernel ``_select="auto"`` (the default) runs for top-``k``."""
+    """The select kernel ``select="auto"`` (the default) runs for top-``k``."""
     return "tilemax" if int(k) <= TILEMAX_MAX_K else "radix8"
+
+
+# ----------------------------------------------------------------------------- tuning hook
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalTuning:
+    """Switches of the top-k retrieval that benchmarks and tests set (:func:`retrieval_tuning`);
+    the defaults are what the library runs.
+
+    ``select``: one of :data:`SELECT_MODES`, or ``"auto"`` (:func:`default_select`);
+    ``stop_after``: one of :data:`STOP_POINTS`; before ``"select"`` the launcher returns its
+    unfinished output after that stage (the benchmark's stage breakdown); ``merge_rank``: radix8's
+    merge finish, one of :data:`~.topk_select.MERGE_RANKS` (None: :data:`~.topk_select.MERGE_RANK`);
+    ``select_block`` / ``select_warps``: keys per (row, chunk) item and warps of the radix8 passes
+    and collect (default :func:`~.topk_select.select_chunk`, 4 warps), or keys per collect block
+    and warps of the tilemax select (default: the same keys, 8 warps); ``score_cfg``: (keys per
+    tile, warps, stages, keys per program or 0 for the device-side split[, programs per SM of its
+    persistent grid]) of the score kernel.
+
+    Raises:
+        ValueError: ``select``, ``stop_after`` or ``merge_rank`` not one of its values.
+    """
+
+    select: str = "auto"
+    stop_after: str = "select"
+    merge_rank: Optional[str] = None
+    select_block: Optional[int] = None
+    select_warps: Optional[int] = None
+    score_cfg: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("select", SELECT_MODES + ("auto",)), ("stop_after", STOP_POINTS),
+                              ("merge_rank", MERGE_RANKS + (None,))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"RetrievalTuning: {name}={getattr(self, name)!r}: expected one of {allowed}")
+
+
+#: The switches the retrievals run with now: the defaults, except inside :func:`retrieval_tuning`.
+_tuning = RetrievalTuning()
+
+
+@contextlib.contextmanager
+def retrieval_tuning(**switches) -> Iterator[RetrievalTuning]:
+    """Inside the ``with`` block, every top-k retrieval (:func:`topk_retrieval`,
+    :func:`topk_retrieval_grouped`, the key index's first stage) runs with ``switches`` (the
+    fields of :class:`RetrievalTuning`) over the switches in force; restored on exit.
+
+    Raises:
+        TypeError: a switch that is not a field of :class:`RetrievalTuning`.
+        ValueError: a switch's value is not one of its values.
+    """
+    global _tuning
+    saved = _tuning
+    _tuning = dataclasses.replace(saved, **switches)
+    try:
+        yield _tuning
+    finally:
+        _tuning = saved
+
+
+def tuned(launcher: Callable, **switches) -> Callable:
+    """``launcher`` called under :func:`retrieval_tuning` ``(**switches)``: the switches checked
+    now, for a benchmark's timed callable."""
+    dataclasses.replace(_tuning, **switches)
+
+    @functools.wraps(launcher)
+    def call(*args, **kwargs):
+        with retrieval_tuning(**switches):
+            return launcher(*args, **kwargs)
+
+    return call
 
 
 # ----------------------------------------------------------------------------- compaction
@@ -386,49 +464,32 @@ def _group_score_item(
 
 def _retrieve(
     q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-    flags: torch.Tensor, k: int, scale: float, *, grouped: bool, _select: str = "auto",
-    _stop_after: str = "select", _select_block: int | None = None, _select_warps: int | None = None,
-    _score_cfg: tuple[int, ...] | None = None, _key_format: int = 0, _key_b: torch.Tensor | None = None,
-    _merge_rank: str | None = None,
+    flags: torch.Tensor, k: int, scale: float, *, grouped: bool, key_format: int = 0,
+    key_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The launcher of both: per-head rows (``grouped`` off, flags [B, Hq]) or one row per KV
     group (flags [B, Hkv], scores = max over the group's heads). Returns [B, rows per sequence, k].
 
-    ``_key_format`` / ``_key_b`` (key_index.py's stage 1): ``k_cache`` is a key index's first
-    tensor, ``_key_b`` its second, scored as the score kernel's KFMT (its slots: cache slots, or
-    pages with ``pad`` 0 and the region in pages).
-
-    Private switches (benchmarks and tests): ``_select`` in :data:`SELECT_MODES` or ``"auto"``;
-    ``_stop_after`` in :data:`_STOP_POINTS` returns the unfinished output after ``"compact"``,
-    ``"score"`` or (radix8 only) a stage of the radix8 select, ``"passes"``, ``"collect"`` or
-    ``"block_sort"`` (the stage breakdown); ``_merge_rank``: radix8's merge finish, one of
-    :data:`~.topk_select.MERGE_RANKS` (default None: :data:`~.topk_select.MERGE_RANK`);
-    ``_select_block`` / ``_select_warps``: keys per (row, chunk) item and warps of the
-    radix8 passes and collect (default :func:`~.topk_select.select_chunk`, 4 warps), or keys per
-    collect block and warps of the tilemax select (default: the same keys, 8 warps);
-    ``_score_cfg``: (keys per tile, warps, stages, keys per program or 0 for the device-side
-    split[, programs per SM of its persistent grid]) of the score kernel (the probe's tuning).
+    ``key_format`` / ``key_b`` (key_index.py's stage 1): ``k_cache`` is a key index's first
+    tensor, ``key_b`` its second, scored as the score kernel's KFMT (its slots: cache slots, or
+    pages with ``pad`` 0 and the region in pages). The select and the benchmark's switches are
+    those in force (:func:`retrieval_tuning`).
 
     Raises:
-        ValueError: ``_select``, ``_stop_after`` or ``_merge_rank`` not one of its values, or a
-            radix8 stop point with the tilemax select.
+        ValueError: a radix8 stop point (``stop_after``) with the tilemax select.
     """
     require_triton(q, k_cache)
-    for name, value, allowed in (("_select", _select, SELECT_MODES + ("auto",)),
-                                 ("_stop_after", _stop_after, _STOP_POINTS),
-                                 ("_merge_rank", _merge_rank, MERGE_RANKS + (None,))):
-        if value not in allowed:
-            raise ValueError(f"{name}={value!r}: expected one of {allowed}")
+    tuning = _tuning
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = gqa_group(Hq, Hkv)
     H = Hkv if grouped else Hq  # rows per sequence
     k = int(k)
-    select = default_select(k) if _select == "auto" else _select
-    if select != "radix8" and _stop_after in RADIX8_STOP_POINTS:
-        stops = tuple(p for p in _STOP_POINTS if p not in RADIX8_STOP_POINTS)
-        raise ValueError(f"_stop_after={_stop_after!r} is a stage of the radix8 select; "
-                         f"_select={select!r} stops after one of {stops}")
+    select = default_select(k) if tuning.select == "auto" else tuning.select
+    if select != "radix8" and tuning.stop_after in RADIX8_STOP_POINTS:
+        stops = tuple(p for p in STOP_POINTS if p not in RADIX8_STOP_POINTS)
+        raise ValueError(f"stop_after={tuning.stop_after!r} is a stage of the radix8 select; "
+                         f"select={select!r} stops after one of {stops}")
     R = B * H
     if R == 0 or k == 0 or S == 0:
         return torch.full((B, H, k), -1, dtype=torch.int32, device=q.device)
@@ -452,23 +513,24 @@ def _retrieve(
         order, count, gorder, gcount = _compact(flags, group, with_groups=not grouped)
         if grouped:
             gorder, gcount = order, count
-    if _stop_after == "compact":
+    if tuning.stop_after == "compact":
         return out
     keys = torch.empty((R, S), dtype=torch.int32, device=q.device)
-    block = select_chunk(S) if _select_block is None else next_pow2(int(_select_block), 16)
+    block = select_chunk(S) if tuning.select_block is None else next_pow2(int(tuning.select_block), 16)
     block_d = next_pow2(D, 16)
     # 128 keys per tile for 2-byte keys; fp32 keeps 32 KB tiles so that three stages fit in shared memory
     block_n = max(16, min(128, 16384 // block_d) if k_cache.element_size() <= 2 else min(64, 8192 // block_d))
     warps, stages, fixed_chunk, per_sm = 4, 3, 0, _SCORE_PROGRAMS_PER_SM
-    if _score_cfg is not None:  # (block_n, warps, stages, chunk or 0[, programs per SM]): the probe's tuning
-        block_n, warps, stages = _score_cfg[0], _score_cfg[1], _score_cfg[2]
-        fixed_chunk = triton.cdiv(_score_cfg[3], block_n) * block_n if _score_cfg[3] else 0
-        per_sm = _score_cfg[4] if len(_score_cfg) > 4 else per_sm
+    cfg = tuning.score_cfg
+    if cfg is not None:  # (block_n, warps, stages, chunk or 0[, programs per SM]): the probe's tuning
+        block_n, warps, stages = cfg[0], cfg[1], cfg[2]
+        fixed_chunk = triton.cdiv(cfg[3], block_n) * block_n if cfg[3] else 0
+        per_sm = cfg[4] if len(cfg) > 4 else per_sm
     min_chunk = triton.cdiv(_SCORE_MIN_CHUNK, block_n) * block_n
     max_splits = triton.cdiv(S, fixed_chunk or min_chunk)
     programs = max(1, min(per_sm * num_sms(q.device), B * Hkv * max_splits))
     sub, tmax = tilemax_scratch(R, S, block_n, block, q.device) if not radix else (32, keys)  # keys: unused
-    kb = k_cache if _key_b is None else _key_b
+    kb = k_cache if key_b is None else key_b
     _group_score_kernel[(programs,)](
         q, k_cache, kb, pad, lo, hi, flags, gorder, gcount, keys, hist, taken, tmax, order, count,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -478,20 +540,21 @@ def _retrieve(
         AGG_MAX=grouped, IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
         ZERO_SCRATCH=radix, ZROWS=1 if grouped else group, HIST_ROW=HIST_ROW, TILE_MAX=not radix, SUB=sub,
         COMPACT=compact_in_score, BLOCK_R=min(next_pow2(R, 16), 1024), FG=flags_per_group, FGP=fgp, NGP=ngp,
-        KFMT=_key_format, num_warps=warps, num_stages=stages,
+        KFMT=key_format, num_warps=warps, num_stages=stages,
     )
-    if _stop_after == "score":
+    if tuning.stop_after == "score":
         return out
     if radix:
-        radix8_select(keys, hist, taken, out, pad, lo, hi, order, count, k, block, _select_warps,
-                      merge_rank=_merge_rank, stop_after=None if _stop_after == "select" else _stop_after)
+        radix8_select(keys, hist, taken, out, pad, lo, hi, order, count, k, block, tuning.select_warps,
+                      merge_rank=tuning.merge_rank,
+                      stop_after=None if tuning.stop_after == "select" else tuning.stop_after)
     else:
-        tilemax_select(keys, tmax, sub, out, pad, lo, hi, order, count, k, block, _select_warps)
+        tilemax_select(keys, tmax, sub, out, pad, lo, hi, order, count, k, block, tuning.select_warps)
     return out
 
 
 def topk_retrieval(q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                   retrieve: torch.Tensor, k: int, scale: float, **tuning: Any) -> torch.Tensor:
+                   retrieve: torch.Tensor, k: int, scale: float) -> torch.Tensor:
     """Triton top-k retrieval: work only for retrieving rows, exact order, no host sync.
 
     Launches: the group-aware scoring (a persistent grid over the live KV groups x sequence
@@ -505,24 +568,22 @@ def topk_retrieval(q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, lo
     radix8: ``[B*Hq, ~1.125 k]`` int64 candidates and ``[B*Hq, 1024]`` int32 histograms (the
     ``"count"`` finish: also ``[B*Hq, ~1.125 k]`` int32 ranks).
 
-    Args and result as :func:`topk_retrieval_reference`; ``tuning``: the private switches of
-    the benchmarks and tests (``_select``, ``_stop_after``, ``_merge_rank``, ``_select_block``,
-    ``_select_warps``, ``_score_cfg``; see :func:`_retrieve`).
+    Args and result as :func:`topk_retrieval_reference`. Benchmarks and tests pick the select and
+    its tuning with :func:`retrieval_tuning`.
     """
-    return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=False, **tuning)
+    return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=False)
 
 
 def topk_retrieval_grouped(q: torch.Tensor, k_cache: torch.Tensor, pad: torch.Tensor, lo: torch.Tensor,
-                           hi: torch.Tensor, retrieve: torch.Tensor, k: int, scale: float,
-                           **tuning: Any) -> torch.Tensor:
+                           hi: torch.Tensor, retrieve: torch.Tensor, k: int, scale: float) -> torch.Tensor:
     """Triton group-shared top-k retrieval: one index list per KV head (no host sync).
 
     Same launches as :func:`topk_retrieval` with one scratch row per (b, kvh): each live
     group's keys are read once, scored for its G heads by one tensor-core dot per tile, and
     the maximum over the heads is ranked. Args and result as
-    :func:`topk_retrieval_grouped_reference`; ``tuning`` as in :func:`topk_retrieval`.
+    :func:`topk_retrieval_grouped_reference`; the tuning as in :func:`topk_retrieval`.
     """
-    return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=True, **tuning)
+    return _retrieve(q, k_cache, pad, lo, hi, retrieve, k, scale, grouped=True)
 
 
 # ----------------------------------------------------------------------------- references

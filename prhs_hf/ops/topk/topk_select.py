@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import next_pow2, num_sms, tl, triton
+from ..triton_support import next_pow2, num_sms, tl, triton
 
 __all__ = ["HIST_ROW", "MERGE_RANK", "MERGE_RANKS", "RADIX8_STOP_POINTS", "TILEMAX_MAX_K", "candidate_capacity",
            "radix8_select", "select_chunk", "tilemax_scratch", "tilemax_select"]

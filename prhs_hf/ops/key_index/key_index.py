@@ -54,9 +54,9 @@ from typing import NamedTuple
 
 import torch
 
-from .topk_retrieval import _dot, _group_scores, _retrieve, _topk_of_scores
-from .topk_select import _orderable_key
-from .triton_support import gqa_group, interpreting, next_pow2, require_triton, tl, triton
+from ..topk.topk_retrieval import _dot, _group_scores, _retrieve, _topk_of_scores
+from ..topk.topk_select import _orderable_key
+from ..triton_support import gqa_group, interpreting, next_pow2, require_triton, tl, triton
 
 __all__ = [
     "INDEX_KINDS",
@@ -601,8 +601,8 @@ def topk_retrieval_indexed(q: torch.Tensor, k_cache: torch.Tensor, index: KeyInd
         spad, slo, shi = page_region(pad, lo, hi, S, index.page)
     else:
         spad, slo, shi = pad, lo, hi
-    cand = _retrieve(q, index.a, spad, slo, shi, retrieve, n_cand, scale, grouped=grouped, _key_format=kfmt,
-                     _key_b=index.b)
+    cand = _retrieve(q, index.a, spad, slo, shi, retrieve, n_cand, scale, grouped=grouped, key_format=kfmt,
+                     key_b=index.b)
     c_pad = next_pow2(tokens, 16)
     out = torch.empty((B, H, k), dtype=torch.int32, device=q.device)
     scratch = torch.empty((B * H, c_pad), dtype=torch.int64, device=q.device)
