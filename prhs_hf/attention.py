@@ -75,15 +75,18 @@ def prhs_attention_forward(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """PrHS attention: routes to the module's :class:`~prhs_hf.layer.PrHSLayer`, or SDPA if unpatched."""
+    """PrHS attention: routes to the module's :class:`~prhs_hf.layer.PrHSLayer` with the forward's
+    :class:`~prhs_hf.geometry.ForwardContext` (the one object that holds what the forward
+    decided: ``runtime.context``, made by the first layer's pre-hook), or SDPA if unpatched."""
     layer = getattr(module, "_prhs_layer", None)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if layer.runtime.dense_step and kwargs.get("sliding_window") is None:
+    context = layer.runtime.context
+    if context.dense_step and kwargs.get("sliding_window") is None:
         # a decode step the policy sends to dense with nothing else to do: the fair dense attention,
         # at the host cost of the unpatched "sdpa_gqa" (runtime.PrHSRuntime.begin_forward)
         return gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    return layer.attend(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    return layer.attend(context, module, query, key, value, attention_mask, dropout, scaling, kwargs)
 
 
 class _DecodePadding:

@@ -7,6 +7,17 @@ or a StaticCache, ``Lk`` is not the sequence length: the mask row of the last qu
 slots are real. Real tokens of a sequence are contiguous: real index ``j`` sits in slot
 ``pad + j``. Everything here is tensor arithmetic without host synchronisation, except the
 contiguity check (:func:`check_layout`), which a patched ``generate()`` defers to its stop check.
+
+The forward's geometry travels to the layers in its :class:`ForwardContext`, the one object that holds
+what a forward decided and set up. The first decoder layer's pre-hook
+(:meth:`prhs_hf.runtime.PrHSRuntime.begin_forward`) makes one per eager forward, after the policy's
+decision (``PrHSRuntime._decide``, its one place), and every reader of the forward's mode takes it from
+there: the registered attention function (:func:`prhs_hf.attention.prhs_attention_forward`) and the
+layers it hands the call to (:class:`prhs_hf.layer.PrHSLayer`, which receive it as an argument), the
+prefill plans, EarlySelectKV's taps and the selector's host callbacks. Nothing changes it after it is
+made. A forward under ``torch.compile`` makes none (it would be an attribute write that Dynamo replays
+after every compiled step): it runs on the last eager forward's context, as a decode step of that
+shape (:meth:`ForwardContext.is_decoding`).
 """
 
 from __future__ import annotations
@@ -14,12 +25,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-__all__ = ["DeferredLayoutCheck", "SequenceGeometry", "check_layout", "deferred_layout_checks", "geometry_from_mask",
-           "raise_if_broken"]
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from .config import ResolvedConfig
+
+__all__ = ["DeferredLayoutCheck", "ForwardContext", "SequenceGeometry", "check_layout", "deferred_layout_checks",
+           "geometry_from_mask", "raise_if_broken"]
 
 
 @dataclass
@@ -44,6 +58,54 @@ class SequenceGeometry:
         """``[B, Lq]`` int32 real index of each of the ``q_len`` query rows."""
         rows = torch.arange(q_len, device=self.pad.device, dtype=torch.int32)
         return self.q_start[:, None] + rows[None, :]
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """One forward's decision, geometry and step state (see the module docstring).
+
+    Attributes:
+        decoding: the forward is a decode step (one query row over a cache that holds tokens); a
+            prompt, also a 1-token one, or a multi-token forward over a cache is a prefill.
+        sparse_prefill: the policy's decision for this forward's prefill (``policy.prefill``).
+        sparse_decode: the policy's decision for this decode step, or at a prefill for the decode
+            steps after it (compiled ones keep it; eager ones decide again).
+        dense_step: a decode step that the policy sends to dense with nothing else to do (no
+            telemetry, no PSAW window, no taps): every layer calls the fair dense attention at once,
+            with no geometry made for it.
+        geometry: the forward's :class:`SequenceGeometry` in the runtime's fixed buffers (updated in
+            place by later forwards of the same batch shape; a dense step makes none and keeps the
+            last one), or None before any.
+        step_config: the resolved config at the top-k of the generation this forward belongs to
+            (``budget.topk_fraction``: one k per generation, set at its prefill).
+        last_query_slot: the cache slot of the forward's last query row, a host int (no device read):
+            cached tokens plus query rows minus one; None where only the device knows.
+        kv_buffers: the forward's cache layers (``backend.eager_step``: the sparse step reads the whole
+            buffers of its :class:`~prhs_hf.runtime.BufferedLayer`), None once its ``generate()``
+            returned, for a cache that is not a ``DynamicCache``, or with ``eager_step: plain``.
+    """
+
+    decoding: bool
+    sparse_prefill: bool
+    sparse_decode: bool
+    dense_step: bool
+    geometry: SequenceGeometry | None
+    step_config: "ResolvedConfig"
+    last_query_slot: int | None
+    kv_buffers: list[Any] | None = None
+
+    def is_decoding(self, q_len: int) -> bool:
+        """Whether the forward running now, of ``q_len`` query rows, is a decode step: this context's
+        :attr:`decoding` for the eager forward that made it, ``q_len == 1`` under ``torch.compile``."""
+        return q_len == 1 if torch.compiler.is_compiling() else self.decoding
+
+    def geometry_on(self, device: torch.device) -> SequenceGeometry | None:
+        """The forward's geometry on ``device``: the buffers themselves on the first layer's device, a
+        copy for a layer that a ``device_map`` puts on another one."""
+        geom = self.geometry
+        if geom is None or geom.pad.device == device:
+            return geom
+        return SequenceGeometry(*(x.to(device, non_blocking=True) for x in geom.tensors()))
 
 
 def _valid_keys(mask: torch.Tensor) -> torch.Tensor:

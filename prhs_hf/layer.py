@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import gqa_sdpa_attention_forward
 from .decode import DecodeParams, window_decode_step
-from .geometry import SequenceGeometry
+from .geometry import ForwardContext, SequenceGeometry
 from .ops.prefill.prefill_plan import PrefillPlan
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
 from .selectors.set_steps import attend_with_tail, visible_probabilities
@@ -132,20 +132,21 @@ class PrHSLayer:
 
     # ------------------------------------------------------------------ prefill
 
-    def plan_prefill(self, hidden_states: torch.Tensor, device: torch.device | None = None) -> None:
+    def plan_prefill(self, context: ForwardContext, hidden_states: torch.Tensor,
+                     device: torch.device | None = None) -> None:
         """Decoder-layer pre-hook of a layer that :attr:`plans_prefill` (after
-        :meth:`PrHSRuntime.begin_forward`): decide this layer's PSAW window and ETF frozen rows for
-        this forward, on ``device``, where the layer runs (default: that of ``hidden_states``; a
-        ``device_map`` hook moves them after this hook).
+        :meth:`PrHSRuntime.begin_forward` made the forward's ``context``): decide this layer's PSAW
+        window and ETF frozen rows for this forward, on ``device``, where the layer runs (default: that
+        of ``hidden_states``; a ``device_map`` hook moves them after this hook).
 
         Other layers never have a plan and the hook does not call this: under ``torch.compile``
         every attribute write is replayed in Python after each compiled step (one per layer,
         reached through the layer's hook: host time in every decode step)."""
         self.plan = None
         q_len = hidden_states.shape[1]
-        if q_len == 1 or not self.runtime.sparse_prefill:  # a decode step, a 1-token prompt, or the policy's dense
+        if q_len == 1 or not context.sparse_prefill:  # a decode step, a 1-token prompt, or the policy's dense
             return
-        geom = self.runtime.geometry_on(hidden_states.device if device is None else device)
+        geom = context.geometry_on(hidden_states.device if device is None else device)
         sink = self.runtime.resolved.config.budget.sink
         real = geom.query_real_index(q_len)
         if self.psaw_prefill:
@@ -186,17 +187,17 @@ class PrHSLayer:
         dense = sdpa_attention_forward if self.runtime.passthrough else gqa_sdpa_attention_forward
         return dense(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
-    def _decode(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    def _decode(self, context: ForwardContext, module, query, key, value, attention_mask, dropout, scaling, kwargs):
         """One decode step: ``select → sparse attention → telemetry``, or the PSAW window, or dense."""
-        geom = self.runtime.geometry_on(query.device)
+        geom = context.geometry_on(query.device)
         telemetry = self.runtime.telemetry
         q = query[:, :, 0, :]
-        sparse = self.runtime.sparse_decode  # the policy's decision for this forward
+        sparse = context.sparse_decode  # the policy's decision for this forward
         if self.runtime.selector is not None and sparse:
             ops = self.runtime.ops_for(query.device)  # one table for the selection and the attention
-            k_all, v_all = self._whole_buffers(key, value)
+            k_all, v_all = self._whole_buffers(context, key, value)
             if self.runtime.graphed and k_all is not key and query.device.type == "cuda":
-                graph_key = self._graph_key(q, k_all, v_all, geom, ops, scaling)
+                graph_key = self._graph_key(context, q, k_all, v_all, geom, ops, scaling)
                 if graph_key is not None:
                     out = self.graphs.run(graph_key, lambda x: self._sparse_step(x, k_all, v_all, geom, scaling, ops)[0],
                                           q, self.runtime.graph_pool(query.device), self.runtime.retired_graphs)
@@ -234,13 +235,14 @@ class PrHSLayer:
             attend = ops.sparse_decode_attention
         return attend(q, key, value, geom.pad, sel.idx, sel.count, scaling), sel
 
-    def _whole_buffers(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole buffers of this layer's :class:`~prhs_hf.runtime.BufferedLayer` whose valid views
-        ``key``/``value`` are, for a step that CUDA graphs capture (``runtime.graphed``: CIS, which reads
-        slots by the geometry only), else ``key``/``value``: a sparse step on them has fixed addresses
+    def _whole_buffers(self, context: ForwardContext, key: torch.Tensor,
+                       value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole buffers of this layer's :class:`~prhs_hf.runtime.BufferedLayer` (in the forward's
+        ``context.kv_buffers``) whose valid views ``key``/``value`` are, for a step that CUDA graphs
+        capture (``runtime.graphed``: CIS, which reads slots by the geometry only), else ``key``/``value``: a sparse step on them has fixed addresses
         while the capacity lasts (what a CUDA graph needs). Every other step gets the valid views: the
         baselines, CIS's tail slot and the oracle telemetry read ``key.shape[-2]`` as the cache's length."""
-        layers = self.runtime.kv_buffers
+        layers = context.kv_buffers
         if layers is None or not self.runtime.graphed or self.index >= len(layers):
             return key, value
         whole = getattr(layers[self.index], "whole_buffers", None)
@@ -248,12 +250,13 @@ class PrHSLayer:
             return key, value
         return whole
 
-    def _graph_key(self, q, key, value, geom: SequenceGeometry, ops, scaling: float) -> tuple | None:
+    def _graph_key(self, context: ForwardContext, q, key, value, geom: SequenceGeometry, ops,
+                   scaling: float) -> tuple | None:
         """What a CUDA graph of this layer's sparse CIS step (``runtime.graphed``) bakes in (addresses
         and shapes of every tensor it reads or writes), or None where the layer's geometry is a copy
         made for it (``device_map``): it is not captured."""
         selector = self.runtime.selector
-        if geom is not self.runtime.geometry:
+        if geom is not context.geometry:
             return None
         state, local = selector.step_state(self.index)  # the anchors made before the capture
         return (key.data_ptr(), value.data_ptr(), tuple(key.shape), tuple(q.shape), q.dtype, q.device,
@@ -287,31 +290,32 @@ class PrHSLayer:
 
     # ------------------------------------------------------------------ entry point
 
-    def attend(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
-        """The attention call of this layer: ``query [B, Hq, Lq, D]`` → ``([B, Lq, Hq, D], None)``."""
+    def attend(self, context: ForwardContext, module, query, key, value, attention_mask, dropout, scaling, kwargs):
+        """The attention call of this layer in the forward of ``context``: ``query [B, Hq, Lq, D]`` →
+        ``([B, Lq, Hq, D], None)``."""
         if kwargs.get("sliding_window") is not None:
             raise ValueError("PrHS does not support sliding-window attention layers")
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        if self.runtime.geometry is None:
+        if context.geometry is None:
             raise RuntimeError("PrHS attention was called outside a forward of the patched model's decoder layers")
-        decoding = self.runtime.is_decoding(query.shape[2])
-        if dropout and (self.plan is not None or (decoding and self.runtime.sparse_decode and not self._decodes_dense())):
+        decoding = context.is_decoding(query.shape[2])
+        if dropout and (self.plan is not None or (decoding and context.sparse_decode and not self._decodes_dense())):
             raise ValueError(
                 f"PrHS's sparse attention does not apply attention dropout (layer {self.index} has dropout {dropout} "
                 "in train mode): call model.eval(), or train with a config that leaves attention dense "
                 "(no psaw/etf in prefill, e.g. 'cis' or 'dense')"
             )
         if decoding:
-            return self._decode(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+            return self._decode(context, module, query, key, value, attention_mask, dropout, scaling, kwargs)
         if self.runtime.selector is not None:
-            self.runtime.selector.observe_prefill(self.index, query, key, self.runtime.geometry_on(query.device), scaling)
+            self.runtime.selector.observe_prefill(self.index, query, key, context.geometry_on(query.device), scaling)
         if self.plan is not None:
             return self._prefill(query, key, value, scaling)
         if query.shape[2] > 1 and not self.runtime.passthrough:  # a dense prefill layer of a sparse config
             dense_prefill = self.runtime.dense_prefill_function(query.device, query.dtype)
             if dense_prefill is not None and not dropout:  # FA4's route has no dropout: SDPA applies it
-                geom = self.runtime.geometry_on(query.device)
+                geom = context.geometry_on(query.device)
                 out = dense_prefill(query, key, value, geom.pad, geom.q_start, scaling, no_mask=attention_mask is None)
                 return out, None
         return self._dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import threading
@@ -104,9 +105,11 @@ def _make_pre_hook(layer, first: bool):
             _check_cache(kwargs.get("past_key_values"))
             if not torch.compiler.is_compiling():
                 _check_attention(module, layer.runtime)
-            layer.runtime.begin_forward(hidden, kwargs)
+            context = layer.runtime.begin_forward(hidden, kwargs)  # this forward's, made here once
+        else:
+            context = layer.runtime.context
         if layer.plans_prefill:
-            layer.plan_prefill(hidden, _execution_device(module, hidden))
+            layer.plan_prefill(context, hidden, _execution_device(module, hidden))
 
     return hook
 
@@ -592,10 +595,9 @@ def patch(
     layers = decoder_layers(model)
     resolved = cfg.resolve(len(layers), max_positions=getattr(model.config, "max_position_embeddings", None))
     heads, kv_heads = local_heads(layers[0].self_attn, model.config)
-    runtime = PrHSRuntime(resolved, heads, layers[0].self_attn.head_dim, kv_heads)
-    runtime.reduce_group = _tensor_parallel_group(model)
+    runtime = PrHSRuntime(resolved, heads, layers[0].self_attn.head_dim, kv_heads,
+                          reduce_group=_tensor_parallel_group(model))
     previous = _uninstall(model)  # only now: a patch() that raises leaves the patch in force as it was
-    runtime.original_attn_implementation = model.config._attn_implementation
     _install(model, runtime)
     return PatchHandle(model, runtime, previous)
 
@@ -634,41 +636,58 @@ def _tensor_parallel_group(model: nn.Module):
     return (mesh["tp"] if mesh.ndim > 1 else mesh).get_group()
 
 
+@dataclasses.dataclass
+class Installation:
+    """What :func:`_install` put on a model for one runtime, which :func:`_uninstall` takes off again
+    (the runtime keeps it: :meth:`~prhs_hf.runtime.PrHSRuntime.attach`)."""
+
+    #: the model's attention implementation before the patch, put back on unpatch
+    original_attn_implementation: str
+    #: the module hooks' handles (the forward lock, the decoder layers' pre-hooks, a selector's own)
+    hooks: list = dataclasses.field(default_factory=list)
+    #: the modules whose ``forward`` ETF's row skipping replaced
+    wrapped: list = dataclasses.field(default_factory=list)
+    #: a ``generate`` / ``_prefill`` that was set on the model instance before the patch, put back on unpatch
+    own_generate: Callable | None = None
+    own_prefill: Callable | None = None
+
+
 def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
     """Attach ``runtime`` to ``model``: attention function, pre-hooks, ETF row skipping, the generate() loop.
     (Beam search reorders the state with the cache: the cache's own ``reorder_cache``,
     :class:`~prhs_hf.runtime.FollowBatchEdit`.)"""
     attention.register()
-    runtime.hooks = []
-    runtime.wrapped = []
+    installed = Installation(model.config._attn_implementation)
+    hooks = installed.hooks
     decoder = getattr(model, "model", model)
     acquire, release = _take_forward_lock(runtime)
-    runtime.hooks.append(decoder.register_forward_pre_hook(acquire))
-    runtime.hooks.append(decoder.register_forward_hook(release, always_call=True))
+    hooks.append(decoder.register_forward_pre_hook(acquire))
+    hooks.append(decoder.register_forward_hook(release, always_call=True))
     for index, (decoder_layer, prhs_layer) in enumerate(zip(decoder_layers(model), runtime.layers)):
         decoder_layer.self_attn._prhs_layer = prhs_layer
         if index == 0 or prhs_layer.plans_prefill:  # the others' hook would do nothing
-            runtime.hooks.append(
+            hooks.append(
                 decoder_layer.register_forward_pre_hook(_make_pre_hook(prhs_layer, index == 0), with_kwargs=True)
             )
         if prhs_layer.etf:
             for module in (decoder_layer.self_attn.q_proj, decoder_layer.self_attn.o_proj, decoder_layer.mlp):
                 install_row_skip(module, prhs_layer.active_rows)
-                runtime.wrapped.append(module)
+                installed.wrapped.append(module)
     attach = getattr(runtime.selector, "attach", None)  # a selector with hooks of its own (EarlySelectKV's taps)
     if attach is not None:
-        runtime.hooks.extend(attach(decoder_layers(model), runtime))
+        hooks.extend(attach(decoder_layers(model), runtime))
     if not runtime.passthrough:  # a config that changes nothing keeps the model's own attention (eager, flex…)
         model.set_attn_implementation(attention.ATTENTION_NAME)
 
     model.__deepcopy__ = _deepcopy_patched(model)  # copy.deepcopy looks it up on the instance
     model.__reduce_ex__ = _reduce_patched(model)  # and pickle
-    runtime.own_generate = model.__dict__.get("generate")  # a generate() set on the instance, put back on unpatch
+    installed.own_generate = model.__dict__.get("generate")  # a generate() set on the instance, put back on unpatch
     if hasattr(model, "generate"):
         model.generate = generate_without_step_reads(model, runtime, model.generate)
-    runtime.own_prefill = model.__dict__.get("_prefill")
+    installed.own_prefill = model.__dict__.get("_prefill")
     if hasattr(model, "_prefill"):
         model._prefill = prefill_for_patch(runtime, model._prefill)
+    runtime.attach(installed)
     setattr(model, RUNTIME_ATTRIBUTE, runtime)
 
 
@@ -677,22 +696,24 @@ def _uninstall(model: nn.Module) -> PrHSRuntime | None:
     runtime: PrHSRuntime | None = model.__dict__.pop(RUNTIME_ATTRIBUTE, None)
     if runtime is None:
         return None
-    for hook in runtime.hooks:
+    installed: Installation = runtime.detach()
+    for hook in installed.hooks:
         hook.remove()
-    for module in runtime.wrapped:
+    for module in installed.wrapped:
         remove_row_skip(module)
     for decoder_layer in decoder_layers(model):
         decoder_layer.self_attn.__dict__.pop("_prhs_layer", None)
     model.__dict__.pop("__deepcopy__", None)
     model.__dict__.pop("__reduce_ex__", None)
     model.__dict__.pop("generate", None)
-    if getattr(runtime, "own_generate", None) is not None:
-        model.generate = runtime.own_generate
+    if installed.own_generate is not None:
+        model.generate = installed.own_generate
     model.__dict__.pop("_prefill", None)
-    if getattr(runtime, "own_prefill", None) is not None:
-        model._prefill = runtime.own_prefill
-    if model.config._attn_implementation == attention.ATTENTION_NAME != runtime.original_attn_implementation:
-        model.set_attn_implementation(runtime.original_attn_implementation)  # (not one the user set since)
+    if installed.own_prefill is not None:
+        model._prefill = installed.own_prefill
+    original = installed.original_attn_implementation
+    if model.config._attn_implementation == attention.ATTENTION_NAME != original:
+        model.set_attn_implementation(original)  # (not one the user set since)
     return runtime
 
 

@@ -4,6 +4,7 @@ state of each generation, which lives on that generation's cache (:class:`CallSt
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 import threading
@@ -17,7 +18,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .backends import dense_prefill_function, pick_decode_ops, prefill_function
 from .config import ConfigError, ResolvedConfig
-from .geometry import SequenceGeometry, check_layout, geometry_from_mask
+from .geometry import ForwardContext, SequenceGeometry, check_layout, geometry_from_mask
 from .layer import PrHSLayer, StepGraph
 from .ops.decode_ops import DecodeOps
 from .ops.key_index.key_index import candidate_count, index_bytes_per_slot
@@ -145,8 +146,15 @@ def _follow_batch_edits(cache) -> None:
 class PrHSRuntime:
     """Everything :func:`prhs_hf.patch` attaches to a model (``model._prhs_runtime``)."""
 
-    def __init__(self, resolved: ResolvedConfig, num_heads: int, head_dim: int, num_kv_heads: int | None = None):
+    def __init__(self, resolved: ResolvedConfig, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
+                 reduce_group: Any = None):
+        """``reduce_group``: the tensor parallel ranks' process group that ``telemetry(reduce=True)``
+        reduces over (None without tensor parallelism)."""
         self.resolved = resolved
+        self.reduce_group = reduce_group
+        # what the patch installed on the model for this runtime (prhs_hf.patching.Installation), while
+        # it is installed: attach / detach
+        self._installed: Any = None
         self.num_heads = num_heads
         self.head_dim = head_dim
         c = resolved.config
@@ -163,26 +171,19 @@ class PrHSRuntime:
         # prefill routes per (device, attention dtype): FA4 takes fp16/bf16 only
         self._prefill: dict[tuple[torch.device, torch.dtype], Callable] = {}
         self._dense_prefill: dict[tuple[torch.device, torch.dtype], Callable | None] = {}
-        # the current forward, set by begin_forward (the first decoder layer's pre-hook)
-        self.geometry: SequenceGeometry | None = None
-        self._decoding = False
-        self._last_query_slot: int | None = None  # last_query_slot()
-        # the tensor parallel ranks' process group that telemetry(reduce=True) reduces over (patch sets it)
-        self.reduce_group = None
+        # the geometry's fixed buffers (_store_geometry), which the forwards' contexts hold
+        self._geometry: SequenceGeometry | None = None
         # the generation whose state the selector holds now, and the empty state a new one starts from
         self.bound: CallState | None = None
         self._fresh_state = copy.deepcopy(export_call_state(self.selector)) if self.selector is not None else None
         # one eager forward at a time (patch() takes it around the model's forward): the forward's
         # geometry, plans and bound state are the runtime's, so two threads' forwards take turns
         self.forward_lock = threading.RLock()
-        # the policy's decisions for the current forward (policy.decode / policy.prefill; prhs_hf.policy)
         self.num_kv_heads = num_kv_heads or num_heads
         _check_sparse_attention(c.backend.sparse_attention, num_heads, self.num_kv_heads)
-        self.sparse_decode = True
-        self.sparse_prefill = True
         self._cost_models: dict[str, object] = {}  # device type -> its cost model (None: auto is sparse)
         # backend.eager_step: a DynamicCache's layers become BufferedLayers (all but "plain"),
-        # whose whole buffers the sparse step reads (kv_buffers: this forward's cache layers)
+        # whose whole buffers the sparse step reads (ForwardContext.kv_buffers: this forward's cache layers)
         backend = resolved.config.backend
         self.kv_growth = backend.kv_growth if backend.eager_step != "plain" else None
         # the sparse steps PrHSLayer captures as CUDA graphs: plain CIS (its tail slot allocates in the
@@ -192,32 +193,44 @@ class PrHSRuntime:
         self.graphed = (backend.eager_step in ("graphs", "auto") and self.telemetry is None
                         and type(self.selector) is CISSelector and not self.selector.tail_slot
                         and (backend.eager_step == "graphs" or resolved.config.cis.index == "none"))
-        self.kv_buffers: list | None = None
         self._generating = 0  # patched generate() calls running (generate_starts / generate_ends)
         self._graph_pools: dict[torch.device, Any] = {}
         self.retired_graphs: list = []  # StepGraph.run: replaced graphs, kept until the next prefill
-        # an eager decode step that the policy sends to dense with nothing else to do (no telemetry,
-        # no PSAW window): every layer calls the fair dense attention at once (prhs_attention_forward)
-        self.dense_step = False
         self._never_sparse = self.selector is None and not any(layer.window_decode for layer in self.layers)
         self._taps = getattr(self.selector, "attach", None) is not None  # hooks that read the geometry
-        # the resolved config at the top-k of the generation bound now (budget.topk_fraction: one k
-        # per generation, set at its prefill, use_budget); the layers' decode params and the policy's
-        # pricing follow it
-        self.step_config = resolved
         # the CIS selector whose anchor sets follow the generation's k (ES-CIS: the one EarlySelectKV wraps)
         base = getattr(self.selector, "base", self.selector)
         self._cis = base if isinstance(base, CISSelector) else None
+        self._budget = resolved  # the resolved config at the top-k the layers and CIS run now (use_budget)
+        # the last eager forward's decision and state (begin_forward makes one per eager forward; a
+        # compiled step runs on the last one): before any forward, the policy's defaults at budget.topk
+        self.context = ForwardContext(decoding=False, sparse_prefill=True, sparse_decode=True, dense_step=False,
+                                      geometry=None, step_config=resolved, last_query_slot=None)
 
-    def begin_forward(self, hidden_states: torch.Tensor, kwargs: dict) -> None:
-        """The first decoder layer's pre-hook: this forward's geometry, computed once for all layers.
+    def attach(self, installed: Any) -> None:
+        """The patch installed this runtime on a model (``installed``: what it put there, a
+        :class:`prhs_hf.patching.Installation`, which :meth:`detach` hands back)."""
+        if self._installed is not None:
+            raise RuntimeError("PrHS: this runtime is installed on a model already (unpatch it first)")
+        self._installed = installed
+
+    def detach(self) -> Any:
+        """The patch takes this runtime off its model: what :meth:`attach` was given."""
+        installed, self._installed = self._installed, None
+        return installed
+
+    def begin_forward(self, hidden_states: torch.Tensor, kwargs: dict) -> ForwardContext:
+        """The first decoder layer's pre-hook: this forward's :class:`ForwardContext` (its decision,
+        geometry and step state), made once for all layers, kept as :attr:`context` and returned.
 
         A forward is a *decode step* when it has one query row and the cache already holds tokens;
         anything else (a prompt, also a 1-token one, or a multi-token forward over a cache) is a
         prefill, after which CIS starts over. Eager forwards check the padding layout (it
-        synchronises) and decide; a forward under ``torch.compile`` is taken as a decode step of
-        the shape the last eager forward set up (``generate()`` runs its prefill eagerly; a hand-
-        compiled prefill must be followed by an eager one first).
+        synchronises), decide (:meth:`_decide`) and make the context; a forward under
+        ``torch.compile`` makes none (an attribute write that Dynamo would replay after every
+        compiled step): it is taken as a decode step of the shape the last eager forward set up, on
+        that forward's context, whose geometry buffers it updates in place (``generate()`` runs its
+        prefill eagerly; a hand-compiled prefill must be followed by an eager one first).
         """
         cache = kwargs.get("past_key_values")
         batch, q_len = hidden_states.shape[:2]
@@ -228,52 +241,56 @@ class PrHSRuntime:
                 "PrHS attention returns no attention weights: output_attentions=True needs a model that runs its "
                 "own attention, the unpatched model or one patched with 'dense' (on attn_implementation 'eager')")
         cached = _cached_tokens(cache)  # None only under torch.compile with a StaticCache
-        last_query_slot = None if cached is None else cached + q_len - 1
         compiling = torch.compiler.is_compiling()
         if not compiling:
             _check_room(cache, cached, q_len)
             _check_batch(cache, cached, batch)
-            self._last_query_slot = last_query_slot
         if self.passthrough and self.telemetry is None:
-            return  # the model's own attention runs every layer: nothing of this forward is needed
+            return self.context  # the model's own attention runs every layer: nothing of this forward is needed
         if mask is not None and not isinstance(mask, torch.Tensor):
             raise ValueError(
                 f"PrHS reads each sequence's geometry off an SDPA or eager attention mask; this forward's is a "
                 f"{type(mask).__name__} (flex_attention): patch a model with attn_implementation 'sdpa' or 'eager'"
             )
+        decoding, dense_step, last_query_slot = q_len == 1, False, None
         if not compiling:
-            self._decoding = q_len == 1 and cached > 0
-            self._bind(cache, cached, batch)
-            prefill_end = self.bound.prefill_end if self._decoding and self.bound is not None else None
-            self.use_budget(cached + q_len if prefill_end is None else prefill_end)
-            self._decide(cache, cached, q_len, hidden_states)
-            if self in DENSE_RUNTIMES.get():  # (assisted decoding: generate_without_step_reads)
-                self.sparse_decode = self.sparse_prefill = False
+            decoding, last_query_slot = q_len == 1 and cached > 0, cached + q_len - 1
+            self._bind(cache, cached, batch, decoding)
+            prefill_end = self.bound.prefill_end if decoding and self.bound is not None else None
+            step_config = self.use_budget(cached + q_len if prefill_end is None else prefill_end)
+            sparse_prefill, sparse_decode = self._decide(cache, cached, q_len, hidden_states, step_config)
             if self.bound is not None:  # the generation's record of this forward (SelectorRollback)
-                self._record(self.bound, cache, cached, q_len, batch)
-            self.kv_buffers = buffer_cache(cache, self.kv_growth) if self.kv_growth is not None else None
+                self._record(self.bound, cache, cached, q_len, batch, decoding, sparse_decode)
+            kv_buffers = buffer_cache(cache, self.kv_growth) if self.kv_growth is not None else None
             # a dense decode step needs no geometry: SDPA reads the mask, and the layout check guards
             # only the sparse steps' reading of slots (a prefill and every sparse step still check it)
-            self.dense_step = self._decoding and self.telemetry is None and not self._taps and (
-                not self.sparse_decode or self._never_sparse)
-            if self.dense_step:
-                return
-        kv_len = mask.shape[-1] if mask is not None else q_len + (cached or 0)
-        geom = geometry_from_mask(mask, batch, q_len, kv_len, device)
+            dense_step = decoding and self.telemetry is None and not self._taps and (
+                not sparse_decode or self._never_sparse)
+        geometry = self._geometry
+        if not dense_step:
+            kv_len = mask.shape[-1] if mask is not None else q_len + (cached or 0)
+            geom = geometry_from_mask(mask, batch, q_len, kv_len, device)
+            if not compiling:
+                check_layout(mask, geom, last_query_slot)
+            if not decoding:
+                self.prepare(device, batch, hidden_states.dtype)
+            geometry = self._store_geometry(geom)
         if not compiling:
-            check_layout(mask, geom, last_query_slot)
-        if not self.is_decoding(q_len):
-            self.prepare(device, batch, hidden_states.dtype)
-        self._store_geometry(geom)
-        if self.passthrough and self.telemetry is not None and self.is_decoding(q_len):
+            self.context = ForwardContext(
+                decoding=decoding, sparse_prefill=sparse_prefill, sparse_decode=sparse_decode, dense_step=dense_step,
+                geometry=geometry, step_config=step_config, last_query_slot=last_query_slot, kv_buffers=kv_buffers)
+        elif geometry is not self.context.geometry:  # new buffers: another batch shape than the last eager forward's
+            self.context = dataclasses.replace(self.context, geometry=geometry)
+        if self.passthrough and self.telemetry is not None and decoding:
             for layer in self.layers:  # the model's own attention runs: count its steps here
-                layer.record_dense_decode(self.geometry, self.num_heads)
+                layer.record_dense_decode(geometry, self.num_heads)
+        return self.context
 
-    def _bind(self, cache, cached: int, batch: int) -> None:
+    def _bind(self, cache, cached: int, batch: int, decoding: bool) -> None:
         """Give the selector the state of ``cache``'s generation (a new one if the cache has none
         of this patch's), keeping the state it held on its own cache (eager forwards only: a
         compiled step continues the generation that the eager forward before it bound). A decode
-        step first follows a ``Cache.crop`` since the last forward (``cached``: the tokens the cache
+        step (``decoding``) first follows a ``Cache.crop`` since the last forward (``cached``: the tokens the cache
         holds now) and refuses a batch of ``batch`` sequences that the state does not hold."""
         if self.selector is None:
             return
@@ -285,7 +302,7 @@ class PrHSRuntime:
                 _follow_batch_edits(cache)
         self._hold(call)
         call.compiled_steps = bool(getattr(cache, "is_compileable", False))
-        if not self._decoding:
+        if not decoding:
             call.prefilled = True
             return
         if not call.prefilled:
@@ -302,16 +319,18 @@ class PrHSRuntime:
         if call.slots is not None and cached < call.slots:
             self._follow_crop(call, cached)
 
-    def _record(self, call: CallState, cache, cached: int, q_len: int, batch: int) -> None:
+    def _record(self, call: CallState, cache, cached: int, q_len: int, batch: int, decoding: bool,
+                sparse_decode: bool) -> None:
         """Keep on ``call`` what this eager forward (``q_len`` tokens after ``cached``, a batch of
-        ``batch``) leaves: the policy's decision, the slots, and before a sparse decode step the
-        selector's mark (the history a crop goes back to; not for a cache that cannot be cropped)."""
-        call.sparse_decode = self.sparse_decode
+        ``batch``; a decode step where ``decoding``) leaves: the policy's decision ``sparse_decode``,
+        the slots, and before a sparse decode step the selector's mark (the history a crop goes back
+        to; not for a cache that cannot be cropped)."""
+        call.sparse_decode = sparse_decode
         call.slots = cached + q_len
-        if not self._decoding:
+        if not decoding:
             call.prefill_end, call.batch = cached + q_len, batch
             call.history, call.history_complete = [], True
-        elif self.sparse_decode and not self._never_sparse and not isinstance(cache, StaticCache) and undoes_steps(
+        elif sparse_decode and not self._never_sparse and not isinstance(cache, StaticCache) and undoes_steps(
                 self.selector):
             call.history.append((cached, self.selector.mark_step()))
             if len(call.history) > self._history_length():
@@ -384,22 +403,23 @@ class PrHSRuntime:
             call.batch = rows.numel()
             call.history, call.history_complete = [], False
 
-    def use_budget(self, context: int) -> None:
+    def use_budget(self, context: int) -> ResolvedConfig:
         """Run the top-k of a generation whose prefill left ``context`` cache slots
         (:meth:`~prhs_hf.config.BudgetConfig.topk_for`: ``budget.topk`` unless ``budget.topk_fraction``
         is set) from this forward on: every layer's decode params, the CIS anchor sets that the next
-        prefill makes, the policy's pricing (:attr:`step_config`). An eager forward calls it with the
-        slots of the prefill that began the cache's generation (a decode step: the bound
+        prefill makes; returns the resolved config at that k (the forward's
+        :attr:`ForwardContext.step_config`, which the policy prices). An eager forward calls it with
+        the slots of the prefill that began the cache's generation (a decode step: the bound
         ``CallState.prefill_end``), so a generation keeps its k whatever other caches ran in
         between; a compiled step keeps the last eager forward's."""
         topk = self.resolved.config.budget.topk_for(context)
-        if topk == self.step_config.config.budget.topk:
-            return
-        self.step_config = self.resolved.at_topk(topk)
-        for layer in self.layers:
-            layer.use_budget(self.step_config)
-        if self._cis is not None:
-            self._cis.set_size = cis_set_size(self.step_config)
+        if topk != self._budget.config.budget.topk:
+            self._budget = self.resolved.at_topk(topk)
+            for layer in self.layers:
+                layer.use_budget(self._budget)
+            if self._cis is not None:
+                self._cis.set_size = cis_set_size(self._budget)
+        return self._budget
 
     def _hold(self, call: CallState) -> None:
         """Make ``call``'s state the selector's, keeping the state it held on its own :class:`CallState`."""
@@ -409,46 +429,48 @@ class PrHSRuntime:
             import_call_state(self.selector, call.fields)
             self.bound = call
 
-    def _decide(self, cache, cached: int, q_len: int, hidden_states: torch.Tensor) -> None:
-        """Set :attr:`sparse_decode` and :attr:`sparse_prefill` for this eager forward (``policy``;
-        a prefill into a ``StaticCache`` decides for the compiled decode steps that follow it)."""
+    def _decide(self, cache, cached: int, q_len: int, hidden_states: torch.Tensor,
+                step_config: ResolvedConfig) -> tuple[bool, bool]:
+        """``(sparse_prefill, sparse_decode)`` of this eager forward (``q_len`` query rows after ``cached``
+        tokens, at the generation's ``step_config``): the one place the policy decides. ``policy``,
+        its cost model where it is ``auto``; a prefill into a ``StaticCache`` decides for the compiled
+        decode steps that follow it; a runtime in :data:`DENSE_RUNTIMES` (assisted decoding) is dense."""
+        if self in DENSE_RUNTIMES.get():  # (assisted decoding: generate_without_step_reads)
+            return False, False
         policy = self.resolved.config.policy
-        self.sparse_prefill = policy.prefill == "sparse"
-        self.sparse_decode = policy.decode == "sparse"
+        sparse_prefill = policy.prefill == "sparse"
+        sparse_decode = policy.decode == "sparse"
         if "auto" not in (policy.decode, policy.prefill):
-            return
+            return sparse_prefill, sparse_decode
         device_type = hidden_states.device.type
         if device_type not in self._cost_models:  # once per device type: policy.cost_model is a file
             self._cost_models[device_type] = cost_model_for(hidden_states.device, policy.cost_model)
         model = self._cost_models[device_type]
         if policy.prefill == "auto":
-            self.sparse_prefill = model is None or model.sparse_prefill_wins(q_len, cached)
+            sparse_prefill = model is None or model.sparse_prefill_wins(q_len, cached)
         if policy.decode == "auto":
-            shape = self.decode_shape(hidden_states.shape[0], cached + q_len, hidden_states.dtype)
+            shape = self.decode_shape(hidden_states.shape[0], cached + q_len, hidden_states.dtype, step_config)
             # a compiled step, or an eager one whose sparse layers replay CUDA graphs: few host launches
-            compiled = (not self._decoding and isinstance(cache, StaticCache)) or (
+            decoding = q_len == 1 and cached > 0
+            compiled = (not decoding and isinstance(cache, StaticCache)) or (
                 self.graphed and hidden_states.device.type == "cuda" and isinstance(cache, DynamicCache))
-            self.sparse_decode = model is None or model.sparse_decode_wins(shape, compiled)
+            sparse_decode = model is None or model.sparse_decode_wins(shape, compiled)
+        return sparse_prefill, sparse_decode
 
-    def decode_shape(self, batch: int, context: int, dtype: torch.dtype) -> DecodeShape:
+    def decode_shape(self, batch: int, context: int, dtype: torch.dtype,
+                     step_config: ResolvedConfig | None = None) -> DecodeShape:
         """What the cost model prices of this patch's decode step of one layer: ``batch`` sequences
-        attending to ``context`` tokens, the cache in ``dtype`` (:class:`~prhs_hf.policy.DecodeShape`)."""
+        attending to ``context`` tokens, the cache in ``dtype``, at ``step_config``'s top-k (default: the
+        last eager forward's, :attr:`ForwardContext.step_config`) (:class:`~prhs_hf.policy.DecodeShape`)."""
+        step_config = self.context.step_config if step_config is None else step_config
         grouped = getattr(self.selector, "grouped", False)
         return DecodeShape(
             batch=batch, context=context, kv_heads=self.num_kv_heads,
             rows=self.num_kv_heads if grouped else self.num_heads, head_dim=self.head_dim,
-            itemsize=dtype.itemsize, index_set=self.step_config.index_capacity,
+            itemsize=dtype.itemsize, index_set=step_config.index_capacity,
             union_group=self._union_group(grouped),
-            **{"topk": self.step_config.config.budget.topk, **self._key_index_cost(dtype)},
+            **{"topk": step_config.config.budget.topk, **self._key_index_cost(dtype, step_config)},
         )
-
-    def geometry_on(self, device: torch.device) -> SequenceGeometry:
-        """The current forward's geometry on ``device``: the buffers themselves on the first
-        layer's device, a copy for a layer that a ``device_map`` puts on another one."""
-        geom = self.geometry
-        if geom is None or geom.pad.device == device:
-            return geom
-        return SequenceGeometry(*(x.to(device, non_blocking=True) for x in geom.tensors()))
 
     def _union_group(self, grouped: bool) -> int:
         """The query heads per KV head whose per-head sets ``backend.sparse_attention: group_union``
@@ -456,7 +478,7 @@ class PrHSRuntime:
         union = self.resolved.config.backend.sparse_attention == "group_union"
         return self.num_heads // self.num_kv_heads if union and not grouped else 0
 
-    def _key_index_cost(self, dtype: torch.dtype) -> dict:
+    def _key_index_cost(self, dtype: torch.dtype, step_config: ResolvedConfig | None = None) -> dict:
         """The retrieval's work with a key index (``cis.index``), as :class:`DecodeShape` fields: the
         index's bytes per key, the candidate tokens a retrieving row re-reads exactly (``top-k +
         margin``; pages: the tokens of the candidate pages) and the size of its select, the stage-1
@@ -470,7 +492,8 @@ class PrHSRuntime:
             per_slot = index_bytes_per_slot(c.cis.index, self.head_dim, dtype, page)
         except ValueError:  # an index the head size cannot take: the selector's prefill says so (cis.index)
             return {}
-        candidates = candidate_count(self.step_config.config.budget.topk, c.cis.rerank_margin, page)
+        topk = (self.context.step_config if step_config is None else step_config).config.budget.topk
+        candidates = candidate_count(topk, c.cis.rerank_margin, page)
         return {"scored_key_bytes": per_slot, "reranked": candidates * page, "topk": candidates}
 
     def last_query_slot(self) -> int | None:
@@ -478,25 +501,21 @@ class PrHSRuntime:
         read: the tokens the cache held before the forward plus its query rows, minus one (a decode
         step's new key; :func:`~prhs_hf.geometry.check_layout` checks every sequence's last token
         against it). None before the first eager forward; a forward under ``torch.compile`` leaves
-        the last eager forward's (a compiled step reads no host value)."""
-        return self._last_query_slot
+        the last eager forward's (a compiled step reads no host value): :attr:`ForwardContext.last_query_slot`."""
+        return self.context.last_query_slot
 
     def decodes_sparse(self) -> bool:
-        """The policy's decision of the last eager forward (:attr:`sparse_decode`) for a config with a
+        """The policy's decision of the last eager forward (:attr:`ForwardContext.sparse_decode`) for a config with a
         sparse decode: whether that decode step runs sparse or, at a prefill, whether the decode steps
         after it do (compiled ones keep it; eager ones decide again). CIS makes its anchor buffers at a
         prefill only where it is True, else at the first sparse step; the speed map records it per row."""
-        return self.sparse_decode and not self._never_sparse
+        return self.context.sparse_decode and not self._never_sparse
 
-    def is_decoding(self, q_len: int) -> bool:
-        """Whether the current forward (of ``q_len`` query rows) is a decode step (see :meth:`begin_forward`)."""
-        return q_len == 1 if torch.compiler.is_compiling() else self._decoding
-
-    def _store_geometry(self, geom: SequenceGeometry) -> None:
+    def _store_geometry(self, geom: SequenceGeometry) -> SequenceGeometry:
         """Keep ``geom`` in fixed buffers (allocated per batch size and device), which later
-        forwards update in place: a compiled step then rebinds no attribute (which would make
-        its tensors extra graph outputs) and CUDA graphs see fixed addresses."""
-        kept = self.geometry
+        forwards update in place, and return them: a compiled step then rebinds no attribute (which
+        would make its tensors extra graph outputs) and CUDA graphs see fixed addresses."""
+        kept = self._geometry
         if kept is not None and kept.pad.shape == geom.pad.shape and kept.pad.device == geom.pad.device:
             for buffer, value in zip(kept.tensors(), geom.tensors()):
                 buffer.copy_(value)
@@ -506,7 +525,8 @@ class PrHSRuntime:
             if not torch.compiler.is_compiling():
                 for buffer in kept.tensors():
                     torch._dynamo.mark_static_address(buffer)
-            self.geometry = kept
+            self._geometry = kept
+        return kept
 
     def generate_starts(self) -> None:
         """A patched ``generate()`` begins (:meth:`generate_ends` follows it, also on an error)."""
@@ -515,7 +535,7 @@ class PrHSRuntime:
 
     def generate_ends(self) -> None:
         """A patched ``generate()`` has returned: let go of the last forward's cache layers
-        (:attr:`kv_buffers`, which every eager forward sets for itself), so that a cache its caller
+        (:attr:`ForwardContext.kv_buffers`, which every eager forward's context holds), so that a cache its caller
         drops is freed with its keys and values instead of living until the model's next forward.
         When no other ``generate()`` is running (threads), the selector's state (CIS's anchors and key
         index) also goes back to the cache it belongs to (:meth:`_unbind`; not a ``StaticCache``'s)
@@ -524,7 +544,8 @@ class PrHSRuntime:
         made again after its prefill anyway (:meth:`prepare`)."""
         with self.forward_lock:
             self._generating -= 1
-            self.kv_buffers = None
+            if self.context.kv_buffers is not None:
+                self.context = dataclasses.replace(self.context, kv_buffers=None)
             if self._generating == 0:
                 self._unbind()
                 self._drop_graphs()

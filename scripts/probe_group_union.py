@@ -163,7 +163,7 @@ def measure(model: Any, prompts: torch.Tensor, config: str, new_tokens: int,
                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **cache)
         finally:
             handle.runtime.selector = recorder.inner
-        topk = handle.runtime.step_config.config.budget.topk  # the generation's k (budget.topk_fraction)
+        topk = handle.runtime.context.step_config.config.budget.topk  # the generation's k (budget.topk_fraction)
     rows = recorder.rows
     set_mass = (dict(set_dropped_mass=dict(mean=statistics.fmean(recorder.set_dropped),
                                            p90=_quantile(recorder.set_dropped, 0.9), samples=len(recorder.set_dropped)))

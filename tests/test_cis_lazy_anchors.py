@@ -95,7 +95,7 @@ def test_a_prefill_makes_the_anchors_where_the_steps_after_it_run_sparse(cache, 
     with torch.no_grad():  # one forward: the prefill alone
         out = model.generate(ids, attention_mask=mask, max_new_tokens=1, cache_implementation=cache,
                              disable_compile=True, **GREEDY)
-    assert model._prhs_runtime.sparse_decode is made
+    assert model._prhs_runtime.context.sparse_decode is made
     if made:
         (state,) = model._prhs_runtime.hold(out.past_key_values).states.values()
         assert state.anchor_q.shape == (2, 2, 4, 4, 16) and state.anchor_idx.shape[:4] == (2, 2, 4, 4)
@@ -110,7 +110,7 @@ def _track(model) -> tuple[list, object]:
 
     def record(*_):
         (state,) = runtime.selector.states.values()
-        seen.append((runtime.sparse_decode, _anchors_made(model), state.anchor_count.clone(), int(state.step)))
+        seen.append((runtime.context.sparse_decode, _anchors_made(model), state.anchor_count.clone(), int(state.step)))
 
     return seen, model.register_forward_hook(record)
 

@@ -196,9 +196,9 @@ def test_geometry_moves_only_to_a_different_device():
         ids, mask = padded_batch([20, 12])
         with torch.no_grad():
             model(ids, attention_mask=mask)
-        here = runtime.geometry_on(torch.device("cpu"))
-        assert here is runtime.geometry
-        there = runtime.geometry_on(torch.device("meta"))
+        here = runtime.context.geometry_on(torch.device("cpu"))
+        assert here is runtime.context.geometry
+        there = runtime.context.geometry_on(torch.device("meta"))
         assert isinstance(there, SequenceGeometry) and there.pad.device.type == "meta" and there.t_last.shape == (2,)
 
 

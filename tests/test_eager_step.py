@@ -230,7 +230,7 @@ def test_a_dense_decode_step_costs_the_ops_of_sdpa_gqa():
         forced_dense = {"policy": {"decode": "dense", "prefill": "dense"}}
         with prhs_hf.patch(model, "cis", {**forced_dense, "backend": {"eager_step": "plain"}}):
             assert _ops_per_step(model, inputs) == dense
-            assert model._prhs_runtime.dense_step
+            assert model._prhs_runtime.context.dense_step
         with prhs_hf.patch(model, "cis", forced_dense):  # the default step: buffered K/V on the CPU
             # the cache write in place (slices and copies of K and V, and the valid views) instead of one
             # cat each: four more host ops per layer, none per forward; the copy of the whole cache is gone
@@ -315,7 +315,7 @@ def test_a_stop_found_late_rolls_a_buffered_cache_back_as_a_plain_one():
 
 @pytest.mark.parametrize("stop_check_every", [1, 8])
 def test_a_finished_generate_keeps_no_reference_to_its_cache(stop_check_every):
-    """The patch holds a forward's cache layers (``runtime.kv_buffers``) for that forward only: once
+    """The patch holds a forward's cache layers (``runtime.context.kv_buffers``) for that forward only: once
     ``generate()`` returns, a cache the user drops is freed (it holds the whole K/V), not kept until
     the model's next forward."""
     import gc

@@ -184,10 +184,10 @@ def test_steps_the_policy_runs_dense_are_caught_up(monkeypatch, cache_implementa
         runtime = model._prhs_runtime
         decide, forwards = runtime._decide, []
 
-        def every_third_sparse(*args, runtime=runtime, decide=decide, forwards=forwards):
-            decide(*args)
+        def every_third_sparse(*args, decide=decide, forwards=forwards):
+            sparse_prefill, _ = decide(*args)
             forwards.append(None)
-            runtime.sparse_decode = len(forwards) % 3 == 1  # the prompt, then every third step
+            return sparse_prefill, len(forwards) % 3 == 1  # the prompt, then every third step
 
         monkeypatch.setattr(runtime, "_decide", every_third_sparse)
         with torch.no_grad():

@@ -185,9 +185,9 @@ def test_steps_the_policy_runs_dense_are_undone_with_the_others(monkeypatch):
     catches up at the next sparse step): the host counts only the selector's steps, and the undo is exact."""
     decide = PrHSRuntime._decide
 
-    def every_third_dense(self, cache, cached, q_len, hidden_states):
-        decide(self, cache, cached, q_len, hidden_states)
-        self.sparse_decode = cached % 3 != 1
+    def every_third_dense(self, cache, cached, q_len, hidden_states, step_config):
+        sparse_prefill, _ = decide(self, cache, cached, q_len, hidden_states, step_config)
+        return sparse_prefill, cached % 3 != 1
 
     monkeypatch.setattr(PrHSRuntime, "_decide", every_third_dense)
     for new_tokens in (1, 6):

@@ -190,11 +190,12 @@ class EarlySelectSelector:
         proxy = self.projections[layer](hidden, *self._rope)
         self.proxies[layer] = proxy
         layers = getattr(self._cache, "layers", None)
-        if not (self.side_stream and fork and self._runtime.is_decoding(hidden.shape[1])
+        context = self._runtime.context  # the forward's (its first layer's pre-hook made it)
+        if not (self.side_stream and fork and context.is_decoding(hidden.shape[1])
                 and layers is not None and len(layers) > layer):
             return  # selected at the layer itself (also a 1-token prompt: a prefill, nothing to select)
         k_cache = layers[layer].keys
-        geom = self._runtime.geometry_on(k_cache.device)
+        geom = context.geometry_on(k_cache.device)
         params = self._runtime.layers[layer].decode_params
         scale = self._layers[layer].self_attn.scaling
         ops = self._runtime.ops_for(k_cache.device)  # the table the layer's own step gets
