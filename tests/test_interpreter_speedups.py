@@ -44,6 +44,12 @@ if triton_available():
         tl.store(OUT_KEEP + offs_n[None, :], keep)
 
     @triton.jit
+    def _wrapping_kernel(X, OUT, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        x = tl.load(X + offs)
+        tl.store(OUT + offs, x * 65537 + 2_000_000_000 - x)  # int32: wraps
+
+    @triton.jit
     def _twice(x):
         return x * 2
 
@@ -60,6 +66,12 @@ def _xor_run(x):
             torch.empty(1, dtype=x.dtype, device=DEV), torch.empty(N, dtype=x.dtype, device=DEV)]
     _xor_kernel[(1,)](x.to(DEV), *outs, M=M, N=N)
     return [o.cpu() for o in outs]
+
+
+def _wrapping_run(x):
+    out = torch.empty_like(x, device=DEV)
+    _wrapping_kernel[(1,)](x.to(DEV), out, N=x.numel())
+    return out.cpu()
 
 
 def _sort_run(v, descending):
@@ -93,17 +105,47 @@ def test_sort_equals_torch_with_ties_and_negatives(dtype, descending):
 
 @interpreter_only
 def test_the_same_bits_as_the_interpreter_alone(monkeypatch):
-    """The xor kernel and a sort with nested helpers, with the speed-ups and with the
-    interpreter's own reduce and language patching."""
+    """The xor kernel, a sort with nested helpers and int32 arithmetic that wraps, with the speed-ups
+    and with the interpreter's own reduce, language patching, overflow check and numpy types."""
     from triton.runtime import interpreter
 
     x = torch.randint(-(2**31), 2**31 - 1, (4, 8), dtype=torch.int32)
     v = torch.randint(-9, 9, (64,), dtype=torch.int32)
-    fast = [*_xor_run(x), _sort_run(v, True)]
+    w = torch.randint(-(2**31), 2**31 - 1, (16,), dtype=torch.int32)
+    fast = [*_xor_run(x), _sort_run(v, True), _wrapping_run(w)]
     monkeypatch.setattr(interpreter.ReduceOps, "apply_impl", interpreter.ReduceOps._prhs_generic_apply_impl)
     monkeypatch.setattr(interpreter, "_patch_lang", interpreter._prhs_patch_lang)
-    slow = [*_xor_run(x), _sort_run(v, True)]
+    monkeypatch.setattr(interpreter.interpreter_semantic, "binary_op_sanitize_overflow_impl",
+                        interpreter.interpreter_semantic._prhs_sanitize_overflow)
+    monkeypatch.setattr(interpreter, "_get_np_dtype", interpreter._prhs_get_np_dtype)
+    slow = [*_xor_run(x), _sort_run(v, True), _wrapping_run(w)]
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
+@interpreter_only
+def test_the_overflow_check_still_runs_in_debug_mode(monkeypatch):
+    """The speed-up skips the integer overflow check only where its ``device_assert`` does nothing:
+    with the interpreter's ``debug`` option set, a wrapping int32 product is still reported."""
+    from triton.runtime import interpreter
+
+    w = torch.full((16,), 2**30, dtype=torch.int32)
+    _wrapping_run(w)  # no debug: wraps silently, as the interpreter alone does
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", interpreter.InterpreterOptions(debug=True))
+    with pytest.raises(Exception, match="int32 overflow detected for operation mul"):
+        _wrapping_run(w)
+    _wrapping_run(torch.arange(16, dtype=torch.int32))  # no overflow: no report
+
+
+@interpreter_only
+def test_the_numpy_type_of_every_triton_type_is_the_interpreters():
+    from triton.runtime import interpreter
+
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
+               tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]
+    types = [*scalars, *(tl.pointer_type(t) for t in scalars), *(tl.block_type(t, [2, 4]) for t in scalars),
+             *(tl.block_type(tl.pointer_type(t), [8]) for t in scalars)]
+    for t in types * 2:  # the second time from the speed-up's table
+        assert interpreter._get_np_dtype(t) == interpreter._prhs_get_np_dtype(t), t
 
 
 @interpreter_only
