@@ -219,7 +219,7 @@ def test_bench_decode_attention_quick_cpu_json(tmp_path):
     assert "radix8 merge by finish (search / count)" in md
 
 
-def test_bench_decode_attention_retrieve_share():
+def test_bench_decode_attention_retrieve_share(capsys):
     """--retrieve-share: the rows retrieving per step are that share of all rows (a real model's ρ̂),
     for the per-head and the group-shared anchors alike; outside (0, 1] it is refused, naming the option."""
     bench = load_script("bench_decode_attention")
@@ -231,12 +231,13 @@ def test_bench_decode_attention_retrieve_share():
             aq, ac, ai, n_retrieve = bench.make_anchors(x, sh, bud, 3, torch.Generator().manual_seed(1),
                                                         grouped=grouped, share=share)
             assert n_retrieve == want, (grouped, share)
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_decode_attention.py"), "--retrieve-share", "0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--retrieve-share" in proc.stderr and "(0, 1]" in proc.stderr
+    with pytest.raises(SystemExit) as exc:  # in this process: the refusal comes before any kernel runs
+        bench.main(["--retrieve-share", "0"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--retrieve-share" in err and "(0, 1]" in err
 
 
-def test_bench_decode_attention_shapes_take_a_config_budget():
+def test_bench_decode_attention_shapes_take_a_config_budget(capsys):
     """--shapes B:ctx:Hq:Hkv[:BUDGET]: the budget of a config file (cis_longbench's 64/256/4096, m = k/3) or
     ctx/8; a malformed entry or an unknown budget is refused before any GPU work, naming the option."""
     bench = load_script("bench_decode_attention")
@@ -248,9 +249,9 @@ def test_bench_decode_attention_shapes_take_a_config_budget():
     for bad in ("1:1024:32", "1:1024:32:6", "1:x:32:8", "1:1024:32:8:nope.yaml"):
         with pytest.raises(ValueError, match="--shapes|Shape.budget"):
             bench.parse_shapes(bad)
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_decode_attention.py"), "--shapes", "1:1024:32:6"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--shapes" in proc.stderr
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--shapes", "1:1024:32:6"])
+    assert exc.value.code == 2 and "--shapes" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -356,11 +357,9 @@ def test_bench_e2e_decode_repeats_must_be_positive(capsys):
     assert "--repeats must be at least 1" in capsys.readouterr().err
 
 
-def test_bench_e2e_decode_names_allowed_configs():
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_e2e_decode.py"), "--configs", "dense,nope"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert "nope" in proc.stderr and "dense-gqa" in proc.stderr
+def test_bench_e2e_decode_names_allowed_configs(capsys):
+    err = _e2e_error(capsys, "--configs", "dense,nope")  # exit status 2
+    assert "nope" in err and "dense-gqa" in err
 
 
 def test_bench_e2e_decode_profile_names_a_family_for_every_decode_kernel():
