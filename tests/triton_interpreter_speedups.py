@@ -2,12 +2,13 @@
 tooling only: the library never touches Triton; tests/conftest.py installs them in the test process,
 and the ``subprocess_site`` folder's ``sitecustomize`` in the scripts the tests run as subprocesses.
 
-Both leave every value a kernel computes unchanged (``tests/test_interpreter_speedups.py`` runs
+Each leaves every value a kernel computes unchanged (``tests/test_interpreter_speedups.py`` runs
 kernels with and without them):
 
 * ``xor_sum`` in numpy. The interpreter has numpy paths for sum, max and min and reduces anything
   else element by element in Python. ``tl.sort`` runs an ``xor_sum`` in every compare-and-swap of its
-  bitonic network: one 2048-key row sort took ~22 s. XOR of integers is exact in any order.
+  bitonic network (of floats; integers sort in numpy, below): one 2048-key row sort took ~22 s. XOR
+  of integers is exact in any order.
 * No re-patching of ``triton.language`` in nested calls. The interpreter patches the language
   (``_patch_lang``: ``inspect.getmembers`` over ``tl``, ``tl.core``, ``tl.math`` and the tensor
   class) at the start of a kernel run and again, without undoing it, at every call of a
