@@ -81,7 +81,8 @@ def save_tiny_checkpoint(folder: Path, *, layers: int = 2, max_positions: int = 
                                         bos_token="<|im_start|>")
     tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=max_positions,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                         max_position_embeddings=max_positions,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(0)
