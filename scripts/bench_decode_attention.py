@@ -311,7 +311,10 @@ def make_anchors(x: dict, sh: Shape, bud: Budget, s: int, g: torch.Generator, gr
     n_anchor = max(1, s - 1)
     qf = x["q"].float()
     everyone = torch.ones(B, H, dtype=torch.bool, device=dev)
-    retrieval = topk_retrieval_grouped if grouped else topk_retrieval
+    if dev.type == "cpu":  # set-up, not timed: the reference's top-k, not the kernels' through Triton's interpreter
+        retrieval = REFERENCE_OPS.topk_retrieval_grouped if grouped else REFERENCE_OPS.topk_retrieval
+    else:
+        retrieval = topk_retrieval_grouped if grouped else topk_retrieval
     near_q, near_idx = [], []
     for _ in range(s):
         noise = torch.randn(B, sh.Hq, D, generator=g, device=dev)

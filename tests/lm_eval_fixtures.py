@@ -59,9 +59,9 @@ def write_local_data(folder: Path) -> Path:
 
 
 def save_tiny_checkpoint(folder: Path, *, layers: int = 2, max_positions: int = 2048,
-                         train_text: str | None = None) -> Path:
-    """A random llama of ``layers`` layers (GQA 4/2) with a byte-level tokenizer and a chat template:
-    without merges, or with a 320-token BPE trained on ``train_text``."""
+                         train_text: str | None = None, head_dim: int = 16) -> Path:
+    """A random llama of ``layers`` layers (GQA 4/2, heads of ``head_dim``) with a byte-level tokenizer
+    and a chat template: without merges, or with a 320-token BPE trained on ``train_text``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -81,7 +81,8 @@ def save_tiny_checkpoint(folder: Path, *, layers: int = 2, max_positions: int = 
                                         bos_token="<|im_start|>")
     tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                         max_position_embeddings=max_positions,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(0)
