@@ -40,9 +40,7 @@ for step in "$@"; do
   chunk=()
   [ "$batch" -ge 8 ] && chunk=(--prefill-chunk 4096)
   echo "=== [$SECONDS s] $mode B$batch L$length"
-  # the installed package is the checkout with kernels/ as prhs_hf.kernels (/tmp/prhs_gpu/pkg, made by
-  # gpu_join_and_eval.sh); -P keeps the checkout's own prhs_hf/ off sys.path
-  PYTHONPATH=/tmp/prhs_gpu/pkg timeout -k 5 $((left - 10)) python3 -P -m prhs_hf bench --model "$CKPT" \
+  PYTHONPATH=$PWD:/tmp/prhs_gpu/site timeout -k 5 $((left - 10)) python3 -P -m prhs_hf bench --model "$CKPT" \
     --prompts /tmp/data/coqa_validation.jsonl.gz --modes "$mode" --batches "$batch" --lengths "$length" \
     --configs "${configs:-$BENCH_CONFIGS}" "${chunk[@]}" --deadline-s $((left - CELL_MIN_S)) \
     --out /tmp/bench/real.json --resume 2>&1 | grep -v "^speed map" | tail -40
