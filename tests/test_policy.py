@@ -366,10 +366,10 @@ def test_each_gpu_prices_the_k_of_a_context_relative_budget():
     with prhs_hf.patch(model, config) as handle:
         runtime = handle.runtime
         for context in (16384, 131072):
-            runtime.use_budget(context)
-            shape = runtime.decode_shape(8, context, torch.bfloat16)
+            step_config = runtime.use_budget(context)  # what the forward's context carries to the policy
+            shape = runtime.decode_shape(8, context, torch.bfloat16, step_config)
             k = handle.config.budget.topk_for(context)
-            assert k > 16 and shape.topk == k and shape.index_set == runtime.step_config.index_capacity
+            assert k > 16 and shape.topk == k and shape.index_set == step_config.index_capacity
             at_floor = DecodeShape(**{**shape.__dict__, "topk": 16})
             for gpu in GPU_COST_MODELS.values():
                 extra = gpu.decode_times_us(shape, True)[1] - gpu.decode_times_us(at_floor, True)[1]
