@@ -432,9 +432,10 @@ def host_profile(model, ids, steps: int, static_cache, top: int = 25) -> dict:
     """
     if static_cache is None:
         raise ValueError("host_profile needs the static mode (a StaticCache and the compiled step)")
-    if static_cache.max_cache_len < ids.shape[1] + 2 * steps + 2:
+    room = static_cache.get_max_length()  # (as the runtime reads it: 5.23's StaticCache has no max_cache_len)
+    if room < ids.shape[1] + 2 * steps + 2:
         raise ValueError(f"host_profile: {steps} profiled steps and as many back-to-back calls need "
-                         f"{2 * steps + 2} new tokens of room in the cache, it has {static_cache.max_cache_len - ids.shape[1]}")
+                         f"{2 * steps + 2} new tokens of room in the cache, it has {room - ids.shape[1]}")
     profiler = cProfile.Profile()
     window = ProfileWindow(profiler.enable, profiler.disable, steps, ids.device)
     # the decode call generate() makes: the compiled one its warm-up made (transformers' get_compiled_call),

@@ -110,9 +110,20 @@ def test_fair_attention_equals_transformers_sdpa_without_repeat_kv(monkeypatch):
     got, _ = common.fair_sdpa_attention(stub, q, k, v, mask, scaling=0.25)
     assert not calls, "the fair baseline must not copy K/V per query head"
     common.transformers_sdpa_attention(stub, q, k, v, mask, scaling=0.25)
-    assert calls, "transformers' shipped path with a mask does repeat_kv (what the fair one avoids)"
+    # one query token: transformers 5.23 packs the query heads of a KV head (pack_gqa) instead of copying K/V;
+    # 5.17 copies them (repeat_kv), which the fair baseline avoids
+    assert bool(calls) != hasattr(sdpa_mod, "pack_gqa"), "repeat_kv at one query token exactly where there is no pack_gqa"
     assert got.shape == want.shape == (2, 1, 4, 16)
     torch.testing.assert_close(got, want)
+    # several query tokens under a mask (a chunked prefill, a verification): every version copies K/V
+    q2 = torch.randn(2, 4, 3, 16, generator=torch.Generator().manual_seed(1))
+    calls.clear()
+    want2, _ = common.transformers_sdpa_attention(stub, q2, k, v, mask, scaling=0.25)
+    assert calls, "transformers' shipped path with a mask and several query tokens does repeat_kv"
+    calls.clear()
+    got2, _ = common.fair_sdpa_attention(stub, q2, k, v, mask, scaling=0.25)
+    assert not calls
+    torch.testing.assert_close(got2, want2)
 
 
 def _compile_config() -> CompileConfig:
