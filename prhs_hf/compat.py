@@ -1,18 +1,19 @@
 """What prhs-hf does differently by transformers version: each piece names the versions it serves.
 
-prhs-hf supports transformers 5.17 to 5.23 (``pyproject.toml``; the tests pass on both ends). The
+prhs-hf supports transformers 5.17 to 5.25 (``pyproject.toml``; the tests pass on each minor). The
 places where the patch reaches into transformers, and why, are listed in
-``docs/notes/runtime_design.md`` ("Where the patch reaches into transformers"); their signatures are
-the same from 5.17 to 5.23. What differs between those versions lives here.
+``docs/notes/runtime_design.md`` ("Where the patch reaches into transformers"). What differs between
+those versions lives here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["assistant_generate_kwargs"]
+__all__ = ["assistant_generate_kwargs", "cache_argument"]
 
 
 def assistant_generate_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -35,3 +36,16 @@ def assistant_generate_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             or not isinstance(ids, torch.Tensor) or ids.dim() != 2):
         return kwargs
     return {**kwargs, "attention_mask": torch.ones_like(ids)}
+
+
+def cache_argument(kwargs: Mapping[str, Any]) -> Any:
+    """The KV cache that a decoder layer's keyword arguments, or ``generate()``'s ``model_kwargs``,
+    carry (``None`` where there is none).
+
+    Its name is ``past_key_values`` in transformers 5.17 to 5.23 and ``cache`` from 5.24 on: 5.24
+    renamed it in every model's and layer's ``forward``, in ``generate()``'s ``model_kwargs`` and in
+    the output classes (``output.past_key_values`` stays as a deprecated property, and a caller's
+    ``past_key_values=`` argument is renamed to ``cache`` with a warning, until 5.40).
+    """
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")

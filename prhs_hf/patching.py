@@ -32,7 +32,7 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 from transformers.generation import utils as generation_utils
 
 from . import attention
-from .compat import assistant_generate_kwargs
+from .compat import assistant_generate_kwargs, cache_argument
 from .config import PrHSConfig, load_config
 from .families import check_model, decoder_layers
 from .geometry import DeferredLayoutCheck, deferred_layout_checks, raise_if_broken
@@ -102,7 +102,7 @@ def _make_pre_hook(layer, first: bool):
     def hook(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
         if first:
-            _check_cache(kwargs.get("past_key_values"))
+            _check_cache(cache_argument(kwargs))
             if not torch.compiler.is_compiling():
                 _check_attention(module, layer.runtime)
             context = layer.runtime.begin_forward(hidden, kwargs)  # this forward's, made here once
@@ -487,7 +487,7 @@ def prefill_for_patch(runtime: PrHSRuntime, prefill: Callable) -> Callable:
     def prefill_patched(input_ids, generation_config, model_kwargs, *args, **kwargs):
         growth, length = runtime.kv_growth, generation_config.max_length
         if growth is not None and length and length <= growth * input_ids.shape[-1]:
-            buffer_cache(model_kwargs.get("past_key_values"), growth, reserve=length)
+            buffer_cache(cache_argument(model_kwargs), growth, reserve=length)
         model = getattr(prefill, "__self__", None)  # the model (None: a _prefill replaced by a plain function)
         chunk = generation_config.prefill_chunk_size
         if chunk is None and isinstance(model, nn.Module):
@@ -538,7 +538,7 @@ def prefill_chunk_that_fits(model: nn.Module, input_ids: torch.Tensor, generatio
     memory left beside its KV cache (a power of two, at least :data:`MIN_PREFILL_CHUNK`); None where
     the whole prompt fits, off CUDA, and where transformers' chunked prefill does not apply (a prompt
     after cached tokens, ``inputs_embeds``)."""
-    cache = model_kwargs.get("past_key_values")
+    cache = cache_argument(model_kwargs)
     if cache is None or model_kwargs.get("inputs_embeds") is not None or cache.get_seq_length() > 0:
         return None
     free = free_device_bytes(input_ids.device)

@@ -17,6 +17,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
 from .backends import dense_prefill_function, pick_decode_ops, prefill_function
+from .compat import cache_argument
 from .config import ConfigError, ResolvedConfig
 from .geometry import ForwardContext, SequenceGeometry, check_layout, geometry_from_mask
 from .layer import PrHSLayer, StepGraph
@@ -232,7 +233,7 @@ class PrHSRuntime:
         that forward's context, whose geometry buffers it updates in place (``generate()`` runs its
         prefill eagerly; a hand-compiled prefill must be followed by an eager one first).
         """
-        cache = kwargs.get("past_key_values")
+        cache = cache_argument(kwargs)
         batch, q_len = hidden_states.shape[:2]
         device = hidden_states.device
         mask = kwargs.get("attention_mask")

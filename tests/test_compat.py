@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig
 
 import prhs_hf
-from prhs_hf.compat import assistant_generate_kwargs
+from prhs_hf.compat import assistant_generate_kwargs, cache_argument
 from tiny_models import padded_batch, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,3 +85,26 @@ def test_ci_tests_both_ends_of_the_transformers_pin():
     assert installed and (int(installed[1]), int(installed[2])) == low
     other = re.search(r"^HIGHEST=(\d+)\.(\d+)\.0$", (ROOT / ".ci" / "run").read_text(), re.M)
     assert other and (int(other[1]), int(other[2])) == high
+
+
+def test_the_cache_is_read_under_either_name():
+    """transformers 5.24 renamed the cache argument ``past_key_values`` to ``cache`` in every layer's
+    forward and in generate()'s model_kwargs; the patch reads it under the name the installed version
+    passes (under the old name only, a 5.24 model's decoder layers looked uncached to the patch, and
+    its layout check refused every decode step)."""
+    cache = object()
+    assert cache_argument({"cache": cache, "attention_mask": None}) is cache
+    assert cache_argument({"past_key_values": cache}) is cache
+    assert cache_argument({"cache": None, "past_key_values": cache}) is cache
+    assert cache_argument({"attention_mask": None}) is None
+
+
+def test_a_padded_batch_decodes_sparse_on_the_installed_transformers():
+    """The decoder layers' cache argument, whatever the installed version names it, reaches the patch:
+    a left-padded batch generates with sparse decode steps and no layout error."""
+    model = tiny_model("qwen2")
+    ids, mask = padded_batch([60, 48], seed=1)  # longer than the 4 + 8 + 16 keys a step reads
+    prhs_hf.patch(model, {**SPARSE, "cis": {"block_size": 4, "tau": 0.0}, "telemetry": {"enabled": True}})
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert out.shape == (2, ids.shape[1] + 4)
+    assert prhs_hf.telemetry(model).sparse_sequence_steps > 0

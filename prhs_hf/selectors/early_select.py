@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compat import cache_argument
 from ..config import ConfigError
 from ..decode import DecodeParams, DecodeSelection
 from ..geometry import SequenceGeometry
@@ -171,7 +172,7 @@ class EarlySelectSelector:
             if hidden.shape[1] != 1:  # a prompt: nothing to precompute
                 return
             self._rope = kwargs["position_embeddings"]
-            self._cache = kwargs.get("past_key_values")
+            self._cache = cache_argument(kwargs)
             if self.tap == "early":
                 self._tap(i + 1, hidden, fork=i > 0)  # layer 1's fork would come before layer 0 opens the step
 
