@@ -12,8 +12,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import transformers
 
-__all__ = ["assistant_generate_kwargs", "cache_argument"]
+#: the name under which the installed transformers takes a KV cache (``model(...)``, ``generate(...)``):
+#: ``past_key_values`` up to 5.23, ``cache`` from 5.24 on (the old name still works there, with a
+#: FutureWarning, until 5.40)
+CACHE_ARGUMENT_NAME = (
+    "cache" if tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values")
+
+__all__ = ["CACHE_ARGUMENT_NAME", "assistant_generate_kwargs", "cache_argument"]
 
 
 def assistant_generate_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -820,8 +820,9 @@ class BufferedLayer(DynamicLayer):
         """A buffered twin of ``layer`` holding its tokens."""
         twin = cls(growth)
         if layer.is_initialized:
-            twin.dtype, twin.device, twin.is_initialized = layer.dtype, layer.device, True
-            twin._empty = torch.empty(0, dtype=layer.dtype, device=layer.device)
+            # the dtype from the keys: transformers 5.24 on keeps no ``dtype`` on a DynamicLayer
+            twin.dtype, twin.device, twin.is_initialized = layer.keys.dtype, layer.device, True
+            twin._empty = torch.empty(0, dtype=layer.keys.dtype, device=layer.device)
             twin.keys, twin.values = layer.keys, layer.values
         return twin
 

@@ -39,6 +39,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 import prhs_hf
+from prhs_hf.compat import CACHE_ARGUMENT_NAME
 from prhs_hf.families import decoder_layers
 from prhs_hf.patching import RUNTIME_ATTRIBUTE
 from tiny_models import FAMILIES, padded_batch, tiny_model
@@ -89,6 +90,8 @@ def _patch(model, config: str):
 def _gen(model, ids=None, mask=None, new: int = NEW, **kw):
     """Greedy (unless ``do_sample`` is given) ``generate()`` with its per-step logits."""
     kw.setdefault("do_sample", False)
+    if "past_key_values" in kw:  # under the name the installed transformers takes (5.24 on warns at the old one)
+        kw[CACHE_ARGUMENT_NAME] = kw.pop("past_key_values")
     if ids is not None:
         kw["input_ids"] = ids
     with torch.no_grad():
