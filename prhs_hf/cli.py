@@ -43,8 +43,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from prhs_hf.config import BudgetConfig, PrHSConfig
     from prhs_hf.telemetry_counters import TelemetryReport
 
-__all__ = ["DEFAULT_PROMPT", "DEFAULT_CONFIG", "LM_EVAL_COMMAND", "build_parser", "main", "no_sparse_step_note",
-           "what_prhs_did"]
+__all__ = ["DEFAULT_PROMPT", "DEFAULT_CONFIG", "LM_EVAL_COMMAND", "build_parser", "demo_prompt", "main",
+           "no_sparse_step_note", "what_prhs_did"]
 
 DEFAULT_CONFIG = "cis_longbench"
 """The shipped config ``prhs-hf generate`` uses: CIS alone at the paper's long-context budget
@@ -75,11 +75,16 @@ def _weather_notes(days: int, fact_after: int, fact: str) -> str:
 # ``cis_longbench``, so the decode steps are sparse and the fact has to be selected from the middle of
 # the context. Dense and PrHS both answer it correctly with the default model on the CPU
 # (tests/test_cli.py, the slow demo test).
-DEFAULT_PROMPT = (
-    "Read Mara's weather notes, then answer the question at the end.\n\n"
-    + _weather_notes(175, 100, "Mara keeps the key to the lighthouse in a red tin box under the third step of the stairs.")
-    + "\n\nQuestion: Where does Mara keep the key to the lighthouse? Answer in one short sentence.\n"
-)
+def demo_prompt(days: int = 175, fact_after: int = 100) -> str:
+    """The demo's prompt: Mara's weather log of ``days`` entries, the fact after entry ``fact_after``,
+    then the question (:data:`DEFAULT_PROMPT` is the default one)."""
+    return ("Read Mara's weather notes, then answer the question at the end.\n\n"
+            + _weather_notes(days, fact_after,
+                             "Mara keeps the key to the lighthouse in a red tin box under the third step of the stairs.")
+            + "\n\nQuestion: Where does Mara keep the key to the lighthouse? Answer in one short sentence.\n")
+
+
+DEFAULT_PROMPT = demo_prompt()
 
 DEFAULT_PROMPT_HELP = ("a 175-day weather log with one fact in its middle and a question about it: 4,702 tokens "
                        f"with the default model's chat template, more than the {DEFAULT_CONFIG} budget of 4,416, so "
