@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import gqa_sdpa_attention_forward
@@ -24,7 +25,7 @@ from .ops.prefill.prefill_plan import PrefillPlan
 from .schedules import etf_frozen_count_tensor, psaw_window_fraction, psaw_window_start_tensor
 from .selectors.set_steps import attend_with_tail, visible_probabilities
 
-__all__ = ["PrHSLayer", "PrefillPlan", "StepGraph", "install_row_skip", "remove_row_skip"]
+__all__ = ["PrHSLayer", "PrefillPlan", "StepGraph", "install_row_skip"]
 
 
 class StepGraph:
@@ -321,49 +322,46 @@ class PrHSLayer:
         return self._dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
 
 
-# ETF: a module runs on the active rows only; frozen rows get zeros and cost nothing. The module's
-# ``forward`` is replaced on the instance (as accelerate's hooks do) and restored by
-# remove_row_skip; parameters and ``state_dict`` keys do not change.
-
-_SAVED = "_prhs_saved_forward"
+# ETF: a module runs on the active rows only; frozen rows get zeros and cost nothing. Two PyTorch
+# module hooks do it (a forward pre-hook gathers the rows, a forward hook scatters the output back);
+# removing their handles undoes it, and parameters, ``state_dict`` keys and ``forward`` do not change.
 
 
-def install_row_skip(module: nn.Module, active_rows: Callable[[], torch.Tensor | None], on_rows=None) -> None:
-    """Make ``module`` compute only the rows ``active_rows()`` names.
+def install_row_skip(module: nn.Module, active_rows: Callable[[], torch.Tensor | None],
+                     on_rows: Callable[[int], None] | None = None) -> list[RemovableHandle]:
+    """Make ``module`` compute only the rows ``active_rows()`` names; returns the two hooks' handles
+    (``handle.remove()`` on both undoes it).
 
     ``active_rows()`` returns ``None`` (run as usual) or a 1D long tensor of row indices into the
-    input flattened to ``[B * L, hidden]``; the other rows of the output are zero. ``on_rows(n)``,
-    if given, is told how many rows were computed (tests count them).
+    module's input flattened to ``[B * L, hidden]`` (its first positional argument); the other rows
+    of the output are zero. ``on_rows(n)``, if given, is told how many rows were computed (tests
+    count them).
     """
-    if _SAVED in module.__dict__:
-        return
-    inner = module.forward
-    module.__dict__[_SAVED] = module.__dict__.get("forward")
+    gathered: list[tuple[torch.Tensor, torch.Size]] = []  # (rows, the input's leading shape) of the call running
 
-    def forward(x: torch.Tensor, *args, **kwargs):
+    def gather_rows(mod: nn.Module, args: tuple):
+        if not args:
+            raise TypeError(f"PrHS ETF: {type(mod).__name__} was called without a positional input; its rows "
+                            "are skipped on the first positional argument")
+        x = args[0]
         rows = active_rows()
+        gathered.clear()  # (a call that raised left its entry)
         if rows is None:
             if on_rows is not None:
                 on_rows(x.shape[:-1].numel())
-            return inner(x, *args, **kwargs)
-        flat = x.reshape(-1, x.shape[-1])
+            return None
         if on_rows is not None:
             on_rows(rows.numel())
-        computed = inner(flat.index_select(0, rows).unsqueeze(0), *args, **kwargs)
+        gathered.append((rows, x.shape[:-1]))
+        return (x.reshape(-1, x.shape[-1]).index_select(0, rows).unsqueeze(0), *args[1:])
+
+    def scatter_rows(mod: nn.Module, args: tuple, computed: torch.Tensor):
+        if not gathered:
+            return None
+        rows, lead = gathered.pop()
         computed = computed.reshape(-1, computed.shape[-1])
-        out = computed.new_zeros(flat.shape[0], computed.shape[-1])
+        out = computed.new_zeros(lead.numel(), computed.shape[-1])
         out.index_copy_(0, rows, computed)
-        return out.reshape(*x.shape[:-1], computed.shape[-1])
+        return out.reshape(*lead, computed.shape[-1])
 
-    module.forward = forward
-
-
-def remove_row_skip(module: nn.Module) -> None:
-    """Undo :func:`install_row_skip` exactly (an earlier instance-level forward is put back)."""
-    if _SAVED not in module.__dict__:
-        return
-    saved = module.__dict__.pop(_SAVED)
-    if saved is None:
-        del module.forward
-    else:
-        module.forward = saved
+    return [module.register_forward_pre_hook(gather_rows), module.register_forward_hook(scatter_rows)]

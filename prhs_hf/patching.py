@@ -36,7 +36,7 @@ from .compat import assistant_generate_kwargs, cache_argument
 from .config import PrHSConfig, load_config
 from .families import check_model, decoder_layers
 from .geometry import DeferredLayoutCheck, deferred_layout_checks, raise_if_broken
-from .layer import install_row_skip, remove_row_skip
+from .layer import install_row_skip
 from .runtime import DENSE_RUNTIMES, BufferedLayer, PrHSRuntime, SelectorRollback, buffer_cache
 from .selectors.base import undoes_steps
 from .telemetry_counters import TelemetryReport
@@ -643,10 +643,9 @@ class Installation:
 
     #: the model's attention implementation before the patch, put back on unpatch
     original_attn_implementation: str
-    #: the module hooks' handles (the forward lock, the decoder layers' pre-hooks, a selector's own)
+    #: the module hooks' handles (the forward lock, the decoder layers' pre-hooks, ETF's row skipping,
+    #: a selector's own)
     hooks: list = dataclasses.field(default_factory=list)
-    #: the modules whose ``forward`` ETF's row skipping replaced
-    wrapped: list = dataclasses.field(default_factory=list)
     #: a ``generate`` / ``_prefill`` that was set on the model instance before the patch, put back on unpatch
     own_generate: Callable | None = None
     own_prefill: Callable | None = None
@@ -671,8 +670,7 @@ def _install(model: nn.Module, runtime: PrHSRuntime) -> None:
             )
         if prhs_layer.etf:
             for module in (decoder_layer.self_attn.q_proj, decoder_layer.self_attn.o_proj, decoder_layer.mlp):
-                install_row_skip(module, prhs_layer.active_rows)
-                installed.wrapped.append(module)
+                hooks.extend(install_row_skip(module, prhs_layer.active_rows))
     attach = getattr(runtime.selector, "attach", None)  # a selector with hooks of its own (EarlySelectKV's taps)
     if attach is not None:
         hooks.extend(attach(decoder_layers(model), runtime))
@@ -699,8 +697,6 @@ def _uninstall(model: nn.Module) -> PrHSRuntime | None:
     installed: Installation = runtime.detach()
     for hook in installed.hooks:
         hook.remove()
-    for module in installed.wrapped:
-        remove_row_skip(module)
     for decoder_layer in decoder_layers(model):
         decoder_layer.self_attn.__dict__.pop("_prhs_layer", None)
     model.__dict__.pop("__deepcopy__", None)

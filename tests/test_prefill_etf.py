@@ -110,6 +110,21 @@ def test_frozen_rows_pass_through_and_their_work_is_skipped(monkeypatch):
     assert report.prefill_rows_frozen == frozen_counts
 
 
+def test_rows_are_skipped_by_hooks_and_unpatch_leaves_a_forward_set_since():
+    """ETF skips rows through two module hooks, not a replaced ``forward``: a ``forward`` that the user
+    sets on the module while patched is still theirs after ``unpatch`` (a replaced one was deleted)."""
+    model = tiny_model("llama", layers=N_LAYERS)
+    prhs_hf.patch(model, _cfg(psaw=False, etf=True))
+    mlp = model.model.layers[-1].mlp
+    assert "forward" not in mlp.__dict__ and len(mlp._forward_pre_hooks) == len(mlp._forward_hooks) == 1
+    own = mlp.forward
+    mlp.forward = lambda x: own(x)  # e.g. a wrapper of the user's, set on the instance
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, 64)))
+    prhs_hf.unpatch(model)
+    assert "forward" in mlp.__dict__ and not mlp._forward_pre_hooks and not mlp._forward_hooks
+
+
 def test_etf_freezes_nothing_in_decode_and_generation_runs():
     model = tiny_model("glm4", layers=N_LAYERS)
     ids, mask = padded_batch([50, 44])

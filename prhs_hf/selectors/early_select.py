@@ -96,7 +96,7 @@ class QueryProjection:
         w = self.q_proj.weight
         x = self.norm(hidden.to(w.device))
         if self.factors is None:
-            q = F.linear(x, w, self.q_proj.bias)  # not the module: ETF's row skipping wraps it for prefill
+            q = F.linear(x, w, self.q_proj.bias)  # not the module: ETF's row skipping hooks it for prefill
         else:
             down, up = self.factors
             q = F.linear(F.linear(x, down), up, self.q_proj.bias)
