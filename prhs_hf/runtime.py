@@ -9,6 +9,7 @@ import functools
 import math
 import threading
 import warnings
+import weakref
 from contextvars import ContextVar
 from typing import Any, Callable
 
@@ -108,11 +109,21 @@ class FollowBatchEdit:
     """One of a cache's :data:`BATCH_EDITS`, set on the cache instance when a patch first keeps its
     state there: it runs the cache's own method, then makes the state of every sequence follow its
     row (:meth:`PrHSRuntime.follow_batch`). A copy of the cache (``copy.deepcopy``) gets its own; a
-    pickled cache, which leaves its state behind (``CallState.__reduce__``), gets the plain method."""
+    pickled cache, which leaves its state behind (``CallState.__reduce__``), gets the plain method.
+
+    It holds its cache by a weak reference: a strong one, in the cache's own ``__dict__``, would make a
+    reference cycle, and a finished ``generate()``'s cache (its whole KV memory) would then outlive the
+    call until Python's cyclic garbage collector ran, still held while the next ``generate()``
+    allocates its cache and prefills beside it (an out-of-memory at a size where one cache fits)."""
 
     def __init__(self, cache, name: str):
-        self.cache = cache
+        self._cache = weakref.ref(cache)
         self.name = name
+
+    @property
+    def cache(self):
+        """The cache this edit belongs to (alive while it is called: it is found on the cache)."""
+        return self._cache()
 
     def __call__(self, *args, **kwargs):
         cache = self.cache

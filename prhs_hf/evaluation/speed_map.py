@@ -104,13 +104,17 @@ def parse_lengths(text: str, option: str) -> list[int]:
 def estimate_bytes(cfg: Any, *, batch: int, length: int, new_tokens: int, itemsize: int,
                    prefill_chunk: Optional[int] = None) -> int:
     """What a cell of a model of text config ``cfg`` needs beyond the weights: its KV cache
-    (:func:`prhs_hf.patching.kv_cache_bytes`) and the MLP's largest prefill activation (the gate, up and
-    product rows of one chunk of ``prefill_chunk`` tokens with a chunked prefill)."""
-    from prhs_hf.patching import kv_cache_bytes
+    (:func:`prhs_hf.patching.kv_cache_bytes`) and the prefill's peak activation of one chunk of
+    ``prefill_chunk`` tokens (the whole prompt without), as the patch's own chunk choice counts it
+    (:func:`prhs_hf.patching.prefill_bytes_per_token`: the MLP's gate, up and product rows and a few
+    hidden-size rows, the residual and the normed input among them). The bench's prompts have no
+    padding, so an unchunked prefill runs without a mask (SDPA's causal flag); the chunks after the
+    first of a chunked one attend under a boolean mask over the keys so far, counted at the prompt's."""
+    from prhs_hf.patching import kv_cache_bytes, prefill_bytes_per_token
 
     rows = length if prefill_chunk is None else min(length, prefill_chunk)
-    intermediate = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
-    return kv_cache_bytes(cfg, batch, length + new_tokens, itemsize) + 3 * batch * rows * intermediate * itemsize
+    per_token = prefill_bytes_per_token(cfg, itemsize, length, masked=rows < length)
+    return kv_cache_bytes(cfg, batch, length + new_tokens, itemsize) + batch * rows * per_token
 
 
 def fits(estimate: int, free: Optional[int], fraction: float = MEMORY_FRACTION) -> bool:
