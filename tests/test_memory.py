@@ -25,10 +25,14 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
 """
 
 
-def _peak_mib(mode: str) -> float:
-    code = SCRIPT.format(tests=str(ROOT / "tests"), config=str(ROOT / "configs" / "cpe.yaml"))
+def _script_mib(code: str, mode: str) -> float:
+    """The MiB that the script ``code`` prints last, run in a fresh interpreter with argument ``mode``."""
     out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def _peak_mib(mode: str) -> float:
+    return _script_mib(SCRIPT.format(tests=str(ROOT / "tests"), config=str(ROOT / "configs" / "cpe.yaml")), mode)
 
 
 @pytest.mark.slow
@@ -68,8 +72,7 @@ def test_a_finished_generate_frees_its_cache_before_the_next_one_allocates():
     the cyclic garbage collector off (a cycle through the cache's batch edits held the whole cache:
     two caches at once in the second call, an out-of-memory at B4 x 32k on an 80 GB GPU)."""
     code = CACHE_SCRIPT.format(tests=str(ROOT / "tests"), slots=CACHE_SLOTS)
-    grown = {mode: float(subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
-                                         check=True).stdout.strip().splitlines()[-1]) for mode in ("dense", "cis")}
+    grown = {mode: _script_mib(code, mode) for mode in ("dense", "cis")}
     assert grown["cis"] <= grown["dense"] + CACHE_MIB / 2, (
         f"second generate()'s peak above the first: dense {grown['dense']:.0f} MiB, cis {grown['cis']:.0f} MiB "
         f"(one cache is {CACHE_MIB:.0f} MiB)")
